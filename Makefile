@@ -1,0 +1,31 @@
+# `make run`: create .venv, install, train the default experiment offline.
+# `make test`: create .venv if needed, install, run the whole suite.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+CONFIG ?= configs/default.yaml
+ARGS   ?=
+
+.PHONY: run test install bench clean
+
+$(VENV)/bin/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed-%: pyproject.toml | $(VENV)/bin/activate
+	$(PY) -m pip install --quiet -e '.[$*]'
+	touch $@
+
+install: $(VENV)/.installed-test
+
+run: $(VENV)/.installed-data
+	$(VENV)/bin/hetps run $(CONFIG) $(ARGS)
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q $(ARGS)
+
+bench: $(VENV)/.installed-test
+	$(PY) bench/bench_codec.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

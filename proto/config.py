@@ -1,0 +1,324 @@
+"""The experiment configuration: typed, strict, every default named here.
+
+`load_config(path, overrides)` reads YAML, applies `key=value` overrides
+(dotted paths, list indices allowed: `cluster.workers.0.slowdown=3`), and
+builds frozen dataclasses. Unknown keys, wrong types and unknown names raise
+`ConfigError` whose message names the key path and the allowed values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type."""
+
+
+BUILTIN_MODELS = ("mlp", "lenet5", "resnet20")
+DATASETS = ("mnist-5k", "mnist", "cifar10", "cifar100", "imagefolder", "synthetic")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "lenet5"       # mlp | lenet5 | resnet20 | a torchvision.models name | pkg.module:factory
+    kwargs: dict = field(default_factory=dict)  # passed to the model's constructor
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    shape: list[int] = field(default_factory=lambda: [1, 28, 28])
+    classes: int = 10
+    train_size: int = 4096
+    test_size: int = 1024
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = "mnist-5k"
+    batch_size: int = 32       # per worker
+    eval_batch_size: int = 500
+    root: str = "~/.cache/hetps/data"  # torchvision datasets and imagefolder
+    download: bool = False
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    name: str = "constant"     # constant | step | cosine
+    warmup_steps: int = 0      # linear warm-up, in shard updates
+    step_size: int = 1000      # step: multiply by gamma every step_size updates
+    gamma: float = 0.1
+    total_steps: int = 0       # cosine: updates over which lr decays to 0 (required)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str = "sgd"          # sgd | adam  (runs on the shards)
+    lr: float = 0.05
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+@dataclass(frozen=True)
+class SyncParams:
+    pass
+
+
+@dataclass(frozen=True)
+class AsyncParams:
+    pass
+
+
+@dataclass(frozen=True)
+class SspParams:
+    staleness: int = 2         # a worker may be at most this many clocks ahead of the slowest
+
+
+# Algorithm name -> its parameter dataclass. A new algorithm adds one line here.
+ALGORITHM_PARAMS: dict[str, type] = {"sync": SyncParams, "async": AsyncParams, "ssp": SspParams}
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: str = "sync"
+    params: Any = field(default_factory=SyncParams)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    slowdown: float = 1.0      # emulate a slower node: a step takes slowdown x its compute time
+    threads: int = 1           # torch intra-op threads
+    device: str = "auto"       # auto | cpu | cuda | cuda:N  (workers)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    scheduler: str = "tcp://127.0.0.1:0"   # scheduler address; port 0 = random (local runs)
+    host: str = "127.0.0.1"                # where local shards bind and advertise
+    shards: list[NodeConfig] = field(default_factory=lambda: [NodeConfig(), NodeConfig()])
+    workers: list[NodeConfig] = field(default_factory=lambda: [NodeConfig() for _ in range(4)])
+    heartbeat_s: float = 0.5
+    request_timeout_s: float = 120.0       # longest wait for any single reply
+    startup_timeout_s: float = 120.0       # longest wait for the cluster to form
+    max_message_bytes: int = 1 << 30       # enforced by the sockets
+
+
+@dataclass(frozen=True)
+class StopConfig:
+    target_accuracy: float | None = 0.95   # stop when the evaluator reaches it; null = never
+    max_seconds: float = 300.0             # wall-clock limit of training
+    max_steps: int = 0                     # limit on the sum of all workers' steps; 0 = none
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    enabled: bool = True
+    every_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "default"
+    seed: int = 0
+    out_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.dataset": DATASETS,
+    "optimizer.name": ("sgd", "adam"),
+    "optimizer.schedule.name": ("constant", "step", "cosine"),
+}
+
+
+# ------------------------------------------------------------ typed building
+
+def _fail(path: str, message: str) -> None:
+    raise ConfigError(f"{path or '<root>'}: {message}")
+
+
+def _build(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        return _build(next(a for a in args if a is not type(None)), value, path)
+    if dataclasses.is_dataclass(tp):
+        return _build_dataclass(tp, value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            _fail(path, f"expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_build(item, v, f"{path}.{i}") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool, dict, list) and (
+            not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        _fail(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build_dataclass(cls: type, value: Any, path: str) -> Any:
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        _fail(path, f"expected a mapping, got {type(value).__name__} {value!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in value:
+        if key not in names:
+            _fail(f"{path}.{key}".lstrip("."), f"unknown key; allowed: {', '.join(names) or '(none)'}")
+    kwargs = {k: _build(hints[k], v, f"{path}.{k}".lstrip(".")) for k, v in value.items()}
+    return cls(**kwargs)
+
+
+def _node_list(value: Any, path: str) -> Any:
+    """`workers: 4` is shorthand for four default nodes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            _fail(path, f"need at least 1, got {value}")
+        return [{} for _ in range(value)]
+    return value
+
+
+def _build_algorithm(value: Any) -> AlgorithmConfig:
+    value = dict(value or {})
+    name = value.pop("name", "sync")
+    if name not in ALGORITHM_PARAMS:
+        _fail("algorithm.name", f"unknown value {name!r}; allowed: {', '.join(ALGORITHM_PARAMS)}")
+    return AlgorithmConfig(name=name, params=_build_dataclass(ALGORITHM_PARAMS[name], value, "algorithm"))
+
+
+def _check_model_name(name: str) -> None:
+    if name in BUILTIN_MODELS or re.fullmatch(r"[\w.]+:\w+", name):
+        return
+    import torchvision  # deferred: only needed for non-builtin names
+
+    if name not in torchvision.models.list_models():
+        _fail("model.name", f"unknown value {name!r}; allowed: {', '.join(BUILTIN_MODELS)}, "
+                            "a torchvision.models name, or package.module:factory")
+
+
+def _check_values(cfg: RunConfig) -> None:
+    for path, allowed in CHOICES.items():
+        obj: Any = cfg
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        if obj not in allowed:
+            _fail(path, f"unknown value {obj!r}; allowed: {', '.join(allowed)}")
+    _check_model_name(cfg.model.name)
+    positive = {"data.batch_size": cfg.data.batch_size, "optimizer.lr": cfg.optimizer.lr,
+                "cluster.heartbeat_s": cfg.cluster.heartbeat_s, "eval.every_s": cfg.eval.every_s,
+                "stop.max_seconds": cfg.stop.max_seconds}
+    for path, v in positive.items():
+        if v <= 0:
+            _fail(path, f"must be > 0, got {v}")
+    for kind in ("shards", "workers"):
+        for i, node in enumerate(getattr(cfg.cluster, kind)):
+            if node.slowdown < 1.0:
+                _fail(f"cluster.{kind}.{i}.slowdown", f"must be >= 1.0, got {node.slowdown}")
+    if isinstance(cfg.algorithm.params, SspParams) and cfg.algorithm.params.staleness < 0:
+        _fail("algorithm.staleness", f"must be >= 0, got {cfg.algorithm.params.staleness}")
+    if cfg.optimizer.schedule.name == "cosine" and cfg.optimizer.schedule.total_steps <= 0:
+        _fail("optimizer.schedule.total_steps", "must be > 0 for the cosine schedule")
+
+
+def config_from_dict(raw: dict) -> RunConfig:
+    """Build and check a RunConfig from plain data. Raises ConfigError."""
+    if not isinstance(raw, dict):
+        _fail("", "the config file must hold a mapping")
+    raw = dict(raw)
+    algorithm = _build_algorithm(raw.pop("algorithm", None))
+    cluster = dict(raw.get("cluster") or {})
+    for kind in ("shards", "workers"):
+        if kind in cluster:
+            cluster[kind] = _node_list(cluster[kind], f"cluster.{kind}")
+    raw["cluster"] = cluster
+    cfg = dataclasses.replace(_build_dataclass(RunConfig, raw, ""), algorithm=algorithm)
+    _check_values(cfg)
+    return cfg
+
+
+# ------------------------------------------------------------ overrides and files
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Apply one `dotted.key=value` (value parsed as YAML) to the raw mapping, in place."""
+    if "=" not in assignment:
+        _fail(assignment, "override must look like key=value")
+    key, text = assignment.split("=", 1)
+    value = yaml.safe_load(text) if text != "" else ""
+    parts = key.strip().split(".")
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        here = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            node = node[_list_index(node, part, here)]
+        elif isinstance(node, dict):
+            child = node.get(part)
+            if here in ("cluster.workers", "cluster.shards"):
+                default = len(getattr(ClusterConfig(), part))
+                child = _node_list(default if child is None else child, here)
+            node[part] = child = {} if child is None else child
+            node = child
+        else:
+            _fail(here, f"cannot set a key inside {type(node).__name__}")
+    last = parts[-1]
+    if isinstance(node, list):
+        node[_list_index(node, last, key)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        _fail(key, f"cannot set a key inside {type(node).__name__}")
+
+
+def _list_index(node: list, part: str, path: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        _fail(path, f"index must be 0..{len(node) - 1}")
+    return int(part)
+
+
+def load_raw(path: str | Path) -> dict:
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    return raw or {}
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Load a YAML file (None: all defaults), apply overrides, validate."""
+    raw = load_raw(path) if path else {}
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return config_from_dict(raw)
+
+
+def config_to_dict(cfg: RunConfig) -> dict:
+    """Plain data for the resolved config; algorithm params are flattened next to the name."""
+    data = dataclasses.asdict(cfg)
+    data["algorithm"] = {"name": cfg.algorithm.name, **dataclasses.asdict(cfg.algorithm.params)}
+    return data
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

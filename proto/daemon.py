@@ -1,0 +1,46 @@
+"""What every daemon's command line shares: flags (each also settable from
+the environment), config loading with exit code 2 on a bad config, logging,
+and the scheduler address.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .config import ConfigError, RunConfig, load_config
+
+
+def common_args(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument("--config", default=env("HETPS_CONFIG"), help="YAML experiment ($HETPS_CONFIG)")
+    parser.add_argument("--rank", type=int, default=int(env("HETPS_RANK", "0")),
+                        help="this node's rank among its role ($HETPS_RANK)")
+    parser.add_argument("--scheduler", default=env("HETPS_SCHEDULER"),
+                        help="scheduler address tcp://HOST:PORT ($HETPS_SCHEDULER; else cluster.scheduler)")
+    parser.add_argument("--log-level", default=env("HETPS_LOG_LEVEL", "INFO"))
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+
+def load_or_exit(path: str | None, overrides: list[str]) -> RunConfig:
+    """Load the config; on error print one line and exit with status 2."""
+    try:
+        return load_config(path, overrides)
+    except ConfigError as exc:
+        print(f"hetps: config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def daemon_setup(args: argparse.Namespace, role: str) -> tuple[RunConfig, str]:
+    """Config, logging and the scheduler address for a daemon."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s {role}{args.rank} %(levelname)s %(name)s: %(message)s")
+    cfg = load_or_exit(args.config, args.overrides)
+    scheduler = args.scheduler or cfg.cluster.scheduler
+    if scheduler.endswith(":0"):
+        print(f"hetps {role}: no scheduler address: pass --scheduler tcp://HOST:PORT or set "
+              "HETPS_SCHEDULER (cluster.scheduler has port 0, which only `hetps run` can fill in)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return cfg, scheduler

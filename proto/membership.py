@@ -1,0 +1,129 @@
+"""A node's side of membership: register with the scheduler, wait for the
+plan, send heartbeats (with stats and step records) from a background
+thread, report results, say goodbye.
+
+Thread-safety: `join`, `wait_plan`, `report` and `bye` use the caller's
+socket and must be called from one thread; the heartbeat thread has its own
+socket. `stop_requested` (a threading.Event) is set when the scheduler asks
+this node to stop or stops answering for `dead_after_s`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from .config import ClusterConfig
+from .messages import Ack, Bye, GetPlan, Heartbeat, Plan, Register, Report, Welcome
+from .plan import ClusterPlan
+from .rpc import RequestTimeout, RpcClient
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(self, scheduler: str, role: str, rank: int, cluster: ClusterConfig):
+        self.scheduler = scheduler
+        self.role = role
+        self.rank = rank
+        self.cluster = cluster
+        self.node_id = 0
+        self.rpc = RpcClient(scheduler, timeout_s=cluster.request_timeout_s,
+                             max_message_bytes=cluster.max_message_bytes)
+        self.stop_requested = threading.Event()
+        self.stop_reason = ""
+        self.latest_plan_id = 0
+        self._records: list[dict] = []
+        self._records_lock = threading.Lock()
+        self._beat_thread: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    def join(self, address: str = "", tensor_specs: list | None = None, schema_hash: str = "") -> int:
+        """Register; returns this node's id. Raises RequestTimeout naming the
+        scheduler address if it does not answer within the startup timeout."""
+        welcome = self.rpc.call(Register(role=self.role, rank=self.rank, address=address,
+                                         tensor_specs=tensor_specs or [], schema_hash=schema_hash),
+                                timeout_s=self.cluster.startup_timeout_s)
+        assert isinstance(welcome, Welcome)
+        self.node_id = welcome.node_id
+        self.rpc.src = self.node_id
+        return self.node_id
+
+    def wait_plan(self, after: int = 0) -> ClusterPlan:
+        """Block until the scheduler has a plan newer than `after`."""
+        reply = self.rpc.call(GetPlan(after=after), timeout_s=self.cluster.startup_timeout_s)
+        assert isinstance(reply, Plan)
+        self.latest_plan_id = max(self.latest_plan_id, reply.plan_id)
+        return ClusterPlan.from_dict(reply.plan)
+
+    def add_record(self, record: dict) -> None:
+        """Queue a step record for the next heartbeat (thread-safe)."""
+        record["_t"] = time.monotonic()
+        with self._records_lock:
+            self._records.append(record)
+
+    def _take_records(self) -> list[dict]:
+        with self._records_lock:
+            records, self._records = self._records, []
+        now = time.monotonic()
+        for r in records:
+            r["ago"] = now - r.pop("_t")
+        return records
+
+    def start_heartbeats(self, stats: Callable[[], dict]) -> None:
+        """Start the heartbeat thread; `stats()` is called from that thread."""
+        self._beat_thread = threading.Thread(target=self._beat_loop, args=(stats,),
+                                             name=f"heartbeat-{self.role}{self.rank}", daemon=True)
+        self._beat_thread.start()
+
+    def _beat_loop(self, stats: Callable[[], dict]) -> None:
+        rpc = RpcClient(self.scheduler, src=self.node_id, timeout_s=self.cluster.heartbeat_s * 4,
+                        max_message_bytes=self.cluster.max_message_bytes)
+        last_answer = time.monotonic()
+        dead_after = max(10 * self.cluster.heartbeat_s, 10.0)
+        try:
+            while not self._closing.is_set():
+                try:
+                    ack = rpc.call(Heartbeat(node_id=self.node_id, stats=stats(),
+                                             records=self._take_records()))
+                    last_answer = time.monotonic()
+                    self._on_ack(ack)
+                except RequestTimeout:
+                    if time.monotonic() - last_answer > dead_after:
+                        self._request_stop(f"scheduler silent for {dead_after:.0f}s")
+                except Exception as exc:  # keep beating; the scheduler may come back
+                    log.warning("heartbeat failed: %s", exc)
+                self._closing.wait(self.cluster.heartbeat_s)
+        finally:
+            rpc.close()
+
+    def _on_ack(self, ack) -> None:
+        if isinstance(ack, Ack):
+            self.latest_plan_id = max(self.latest_plan_id, ack.plan_id)
+            if ack.stop:
+                self._request_stop(ack.info.get("reason", "scheduler"))
+
+    def _request_stop(self, reason: str) -> None:
+        if not self.stop_requested.is_set():
+            self.stop_reason = reason
+            self.stop_requested.set()
+
+    def report(self, kind: str, values: dict) -> None:
+        self.rpc.call(Report(node_id=self.node_id, kind=kind, values=values))
+
+    def bye(self, stats: dict, timeout_s: float = 5.0) -> None:
+        """Stop heartbeats, flush records in a last heartbeat, say goodbye (best effort)."""
+        self._closing.set()
+        if self._beat_thread is not None:
+            self._beat_thread.join(timeout=self.cluster.heartbeat_s * 5 + 1)
+        try:
+            self.rpc.call(Heartbeat(node_id=self.node_id, stats=stats, records=self._take_records()),
+                          timeout_s=timeout_s)
+            self.rpc.call(Bye(node_id=self.node_id, stats=stats), timeout_s=timeout_s)
+        except Exception as exc:
+            log.warning("goodbye to scheduler failed: %s", exc)
+
+    def close(self) -> None:
+        self._closing.set()
+        self.rpc.close()

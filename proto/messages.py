@@ -1,0 +1,196 @@
+"""Every message of the hetps wire protocol, defined once.
+
+A message is a frozen dataclass with a class-level ``OP``. Its fields are the
+header fields that travel as msgpack; a field named ``tensors`` (an ordered
+``dict[str, torch.Tensor]``) travels as one raw frame per tensor, described in
+the header by ``tensors: [[name, dtype, shape], ...]``.
+
+Compatibility rule: a new protocol revision only ever *adds* optional fields
+(fields with defaults). Decoders ignore header keys they do not know.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+PROTOCOL_VERSION = 1
+ZERO_COPY_BYTES = 64 * 1024  # frames at least this large are sent without a copy
+
+
+class Op(enum.IntEnum):
+    REGISTER = 1   # node -> scheduler: join the cluster
+    WELCOME = 2    # scheduler -> node: your node id
+    GET_PLAN = 3   # node -> scheduler: wait for a plan newer than `after`
+    PLAN = 4       # scheduler -> node: the versioned cluster plan
+    HEARTBEAT = 5  # node -> scheduler: alive, with stats and step records
+    INIT = 6       # worker -> shard: initial tensor values (first one wins)
+    PUSH = 7       # worker -> shard: gradients (and buffers) of one step
+    PULL = 8       # worker -> shard: ask for current values
+    PARAMS = 9     # shard -> worker: tensor values
+    ACK = 10       # generic success reply
+    BARRIER = 11   # node -> scheduler: wait until `count` nodes reach `name`
+    STOP = 12      # anyone -> scheduler: stop the run
+    ERROR = 13     # reply: a Status and a message
+    REPORT = 14    # evaluator -> scheduler: one evaluation result
+    BYE = 15       # node -> scheduler: leaving cleanly
+
+
+class Status(enum.IntEnum):
+    UNSET = 0             # no status given
+    BAD_VERSION = 1       # header `v` is not this protocol version
+    MALFORMED = 2         # undecodable, missing/ill-typed field, wrong frame count or byte length
+    UNKNOWN_OP = 3        # `op` is not an Op this peer handles
+    UNKNOWN_TENSOR = 4    # tensor name not owned by this shard
+    SHAPE_MISMATCH = 5    # tensor shape differs from the registered one
+    DTYPE_NOT_ALLOWED = 6  # dtype outside the allow-list, or not the registered one
+    NONFINITE = 7         # NaN or Inf in a pushed tensor
+    STALE_PLAN = 8        # request made under an older plan
+    UNAUTHORIZED = 9      # peer not allowed
+    TOO_LARGE = 10        # declared sizes exceed the configured limit
+    INTERNAL = 11         # handler failed; the daemon keeps serving
+    NOT_READY = 12        # e.g. push before any INIT reached the shard
+    BAD_STATE = 13        # request not valid now (e.g. unknown node id)
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base: subclasses set OP and declare header fields."""
+
+    OP: ClassVar[Op]
+
+
+@dataclass(frozen=True)
+class Register(Message):
+    OP: ClassVar[Op] = Op.REGISTER
+    role: str                     # "ps" | "worker" | "evaluator"
+    rank: int
+    address: str = ""             # advertised server address (shards)
+    tensor_specs: list = field(default_factory=list)  # [[name, dtype, shape, kind]] forward order
+    schema_hash: str = ""
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    OP: ClassVar[Op] = Op.WELCOME
+    node_id: int
+    role: str
+    rank: int
+
+
+@dataclass(frozen=True)
+class GetPlan(Message):
+    OP: ClassVar[Op] = Op.GET_PLAN
+    after: int = 0                # reply once plan_id > after (parked until then)
+
+
+@dataclass(frozen=True)
+class Plan(Message):
+    OP: ClassVar[Op] = Op.PLAN
+    plan_id: int
+    plan: dict
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    OP: ClassVar[Op] = Op.HEARTBEAT
+    node_id: int
+    stats: dict = field(default_factory=dict)
+    records: list = field(default_factory=list)  # step records, each with `ago` seconds
+
+
+@dataclass(frozen=True)
+class Init(Message):
+    OP: ClassVar[Op] = Op.INIT
+    plan_id: int
+    tensors: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Push(Message):
+    OP: ClassVar[Op] = Op.PUSH
+    plan_id: int
+    clock: int                    # pushes this worker made before this one
+    base_version: int             # shard version the gradient was computed on
+    n_samples: int = 0
+    tensors: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pull(Message):
+    OP: ClassVar[Op] = Op.PULL
+    plan_id: int
+    clock: int = -1               # -1: latest values, never parked (evaluator)
+
+
+@dataclass(frozen=True)
+class Params(Message):
+    OP: ClassVar[Op] = Op.PARAMS
+    version: int
+    tensors: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    OP: ClassVar[Op] = Op.ACK
+    version: int = 0
+    staleness: int = 0
+    plan_id: int = 0
+    stop: bool = False
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Barrier(Message):
+    OP: ClassVar[Op] = Op.BARRIER
+    name: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Stop(Message):
+    OP: ClassVar[Op] = Op.STOP
+    reason: str = "requested"
+
+
+@dataclass(frozen=True)
+class Error(Message):
+    OP: ClassVar[Op] = Op.ERROR
+    status: int
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Report(Message):
+    OP: ClassVar[Op] = Op.REPORT
+    node_id: int
+    kind: str                     # "eval"
+    values: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    OP: ClassVar[Op] = Op.BYE
+    node_id: int
+    stats: dict = field(default_factory=dict)
+
+
+MESSAGES: dict[Op, type[Message]] = {
+    cls.OP: cls
+    for cls in (Register, Welcome, GetPlan, Plan, Heartbeat, Init, Push, Pull,
+                Params, Ack, Barrier, Stop, Error, Report, Bye)
+}
+
+
+def header_fields(cls: type[Message]) -> list:
+    """The dataclass fields that travel in the msgpack header (not `tensors`)."""
+    return [f for f in fields(cls) if f.name != "tensors"]
+
+
+def has_tensors(cls: type[Message]) -> bool:
+    return any(f.name == "tensors" for f in fields(cls))
+
+
+def describe(msg: Any) -> str:
+    """Short human name for logs and errors, e.g. 'PUSH'."""
+    return msg.OP.name if isinstance(msg, Message) else type(msg).__name__

@@ -1,0 +1,85 @@
+"""The cluster PLAN: who the workers and shards are and which shard owns
+which tensor. Made by the scheduler, versioned by `plan_id`, shipped as plain
+data in PLAN messages, read by shards and workers.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+
+from .codec import DTYPES
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str = "param"  # "param" (optimizer-updated) or "buffer" (e.g. BatchNorm statistics)
+
+    @classmethod
+    def from_wire(cls, spec: list) -> "TensorSpec":
+        name, dtype, shape, kind = spec
+        return cls(str(name), str(dtype), tuple(int(d) for d in shape), str(kind))
+
+    def to_wire(self) -> list:
+        return [self.name, self.dtype, list(self.shape), self.kind]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype].itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def schema_hash(specs: list[TensorSpec]) -> str:
+    """Fingerprint of a model's tensor list; workers of one run must agree on it."""
+    text = ";".join(f"{s.name}:{s.dtype}:{list(s.shape)}:{s.kind}" for s in specs)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class NodeEntry:
+    node_id: int
+    rank: int
+    address: str = ""
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    plan_id: int
+    algorithm: str
+    workers: list[NodeEntry]
+    shards: list[NodeEntry]          # fastest first
+    tensors: list[TensorSpec]        # forward order
+    placement: dict[str, int]        # tensor name -> index into `shards`
+    schema_hash: str = ""
+    info: dict = field(default_factory=dict)
+
+    def shard_index(self, node_id: int) -> int:
+        for i, s in enumerate(self.shards):
+            if s.node_id == node_id:
+                return i
+        raise KeyError(f"node {node_id} is not a shard of plan {self.plan_id}")
+
+    def owned(self, index: int) -> list[TensorSpec]:
+        """Specs of the tensors shard `index` holds, in forward order."""
+        return [t for t in self.tensors if self.placement[t.name] == index]
+
+    def worker_ids(self) -> list[int]:
+        return [w.node_id for w in self.workers]
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["tensors"] = [t.to_wire() for t in self.tensors]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ClusterPlan":
+        return cls(plan_id=data["plan_id"], algorithm=data["algorithm"],
+                   workers=[NodeEntry(**w) for w in data["workers"]],
+                   shards=[NodeEntry(**s) for s in data["shards"]],
+                   tensors=[TensorSpec.from_wire(t) for t in data["tensors"]],
+                   placement=dict(data["placement"]), schema_hash=data.get("schema_hash", ""),
+                   info=dict(data.get("info", {})))

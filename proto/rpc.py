@@ -1,0 +1,157 @@
+"""Request tracking on top of a transport: a client that matches replies to
+requests by id, and a server loop that dispatches each op to one handler.
+
+A failing handler becomes an ERROR reply (INTERNAL) and the loop keeps
+serving; at the caller an ERROR reply becomes `RemoteError`, which names the
+peer and the op. Every wait has a deadline.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Callable
+
+from .codec import ProtocolError, TensorCatalog, decode, encode, error_frames
+from .messages import Error, Message, Op, Status
+from .transport import ServerTransport, make_client
+
+log = logging.getLogger(__name__)
+
+
+class RemoteError(Exception):
+    """The peer answered ERROR."""
+
+    def __init__(self, status: Status, message: str, peer: str, op: str):
+        super().__init__(f"{peer} refused {op}: {status.name}: {message}")
+        self.status, self.message, self.peer, self.op = status, message, peer, op
+
+
+class RequestTimeout(Exception):
+    """No reply within the deadline."""
+
+    def __init__(self, peer: str, op: str, timeout_s: float):
+        super().__init__(f"no reply from {peer} to {op} within {timeout_s:.1f}s")
+        self.peer, self.op, self.timeout_s = peer, op, timeout_s
+
+
+class Aborted(Exception):
+    """A wait was abandoned because the caller's abort condition became true."""
+
+
+class RpcClient:
+    """Requests to one server. Not thread-safe: one per thread.
+
+    `should_abort`, if given, is checked while waiting; when it returns True
+    the wait raises `Aborted` (used to leave a parked pull when the run stops).
+    """
+
+    _ids = itertools.count(1)
+
+    def __init__(self, address: str, src: int = 0, timeout_s: float = 60.0,
+                 max_message_bytes: int | None = None,
+                 should_abort: Callable[[], bool] | None = None):
+        self.address = address
+        self.src = src
+        self.timeout_s = timeout_s
+        self.should_abort = should_abort
+        self.transport = make_client(address, max_message_bytes)
+        self._early: dict[int, Message] = {}
+        self._ops: dict[int, str] = {}
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.transport.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.transport.bytes_received
+
+    def send(self, msg: Message) -> int:
+        """Send without waiting; returns the request id to `wait` on."""
+        req_id = next(self._ids)
+        self._ops[req_id] = msg.OP.name
+        self.transport.send(encode(msg, req_id, self.src))
+        return req_id
+
+    def wait(self, req_id: int, timeout_s: float | None = None) -> Message:
+        """Block until the reply to `req_id` arrives. Raises RemoteError, RequestTimeout, Aborted."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        op = self._ops.get(req_id, "?")
+        deadline = time.monotonic() + timeout_s
+        while req_id not in self._early:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestTimeout(self.address, op, timeout_s)
+            if self.should_abort is not None and self.should_abort():
+                raise Aborted(f"{op} to {self.address} abandoned")
+            frames = self.transport.recv(min(left, 0.1))
+            if frames is not None:
+                env = decode(frames)
+                if env.req_id in self._ops:
+                    self._early[env.req_id] = env.msg
+        self._ops.pop(req_id, None)
+        reply = self._early.pop(req_id)
+        if isinstance(reply, Error):
+            status = Status(reply.status) if reply.status in Status._value2member_map_ else Status.UNSET
+            raise RemoteError(status, reply.message, self.address, op)
+        return reply
+
+    def call(self, msg: Message, timeout_s: float | None = None) -> Message:
+        return self.wait(self.send(msg), timeout_s)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class Service:
+    """A server loop: decode, dispatch to `on_<op>` methods, reply.
+
+    A handler returns the reply Message, or None to park the request and
+    answer later with `reply()`. Subclasses may override `catalog()` to have
+    tensors checked against what this server holds.
+    """
+
+    def __init__(self, server: ServerTransport, node_id: int = 0):
+        self.server = server
+        self.node_id = node_id
+        self.handlers: dict[Op, Callable] = {
+            op: getattr(self, f"on_{op.name.lower()}") for op in Op if hasattr(self, f"on_{op.name.lower()}")}
+        self.malformed = 0  # requests refused at decode
+
+    def catalog(self) -> TensorCatalog | None:
+        return None
+
+    def max_tensor_bytes(self) -> int:
+        return 1 << 30
+
+    def reply(self, peer: bytes, req_id: int, msg: Message) -> None:
+        self.server.send(peer, encode(msg, req_id, self.node_id))
+
+    def serve_once(self, timeout_s: float) -> bool:
+        """Handle at most one request; False if none arrived within `timeout_s`."""
+        got = self.server.recv(timeout_s)
+        if got is None:
+            return False
+        peer, frames = got
+        try:
+            env = decode(frames, self.catalog(), self.max_tensor_bytes())
+            handler = self.handlers.get(env.msg.OP)
+            if handler is None:
+                raise ProtocolError(Status.UNKNOWN_OP,
+                                    f"{env.msg.OP.name} is not served by {type(self).__name__}", env.req_id)
+        except ProtocolError as err:
+            self.malformed += 1
+            log.warning("refused request from %r: %s", peer, err)
+            self.server.send(peer, error_frames(err, self.node_id))
+            return True
+        try:
+            answer = handler(peer, env)
+        except ProtocolError as err:  # a handler refusing with a status (e.g. NOT_READY)
+            answer = Error(status=int(err.status), message=err.message)
+        except Exception as exc:  # a bug in a handler must not kill the loop
+            log.exception("%s handler failed", env.msg.OP.name)
+            answer = Error(status=int(Status.INTERNAL), message=repr(exc)[:200])
+        if answer is not None:
+            self.reply(peer, env.req_id, answer)
+        return True

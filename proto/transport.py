@@ -1,0 +1,208 @@
+"""Transports: move lists of frames between a server and its clients.
+
+Two implementations behind one interface:
+- ZeroMQ (`tcp://`, `ipc://`, `inproc://`): a ROUTER per server, a DEALER per
+  client; frames of ZERO_COPY_BYTES and more are sent without a copy.
+- in-process (`mem://NAME`): thread-safe queues, for protocol and policy
+  tests in one process without sockets.
+
+`make_server(address)` / `make_client(address)` pick one by the address
+scheme. Servers bound to port 0 (`tcp://HOST:0`) get a random free port; read
+`server.address` for the one actually bound. Nothing here blocks longer than
+the `timeout_s` it is given. Sockets are not thread-safe: one per thread.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import zmq
+
+from .messages import ZERO_COPY_BYTES
+
+
+class TransportError(Exception):
+    """Bind/connect failed or the peer is unknown."""
+
+
+def frames_nbytes(frames: Sequence) -> int:
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+class ServerTransport(ABC):
+    address: str
+
+    @abstractmethod
+    def recv(self, timeout_s: float) -> tuple[bytes, list] | None:
+        """Next (peer id, frames), or None after `timeout_s` seconds."""
+
+    @abstractmethod
+    def send(self, peer: bytes, frames: Sequence) -> None:
+        """Queue frames to `peer`; never blocks. The frames must not be written afterwards."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class ClientTransport(ABC):
+    address: str
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @abstractmethod
+    def send(self, frames: Sequence) -> None: ...
+
+    @abstractmethod
+    def recv(self, timeout_s: float) -> list | None:
+        """Next reply frames, or None after `timeout_s` seconds."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------- ZeroMQ
+
+
+def _zmq_socket(kind: int, max_message_bytes: int | None) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.copy_threshold = ZERO_COPY_BYTES
+    if max_message_bytes:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    return sock
+
+
+def _recv_frames(sock: zmq.Socket, timeout_s: float) -> list | None:
+    if not sock.poll(max(0, int(timeout_s * 1000))):
+        return None
+    return [f.buffer for f in sock.recv_multipart(copy=False)]
+
+
+class ZmqServer(ServerTransport):
+    """A ROUTER socket; `max_message_bytes` bounds what a peer can make us allocate."""
+
+    def __init__(self, address: str, max_message_bytes: int | None = None):
+        self.sock = _zmq_socket(zmq.ROUTER, max_message_bytes)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        bind_to = address[:-2] + ":*" if address.startswith("tcp://") and address.endswith(":0") else address
+        try:
+            self.sock.bind(bind_to)
+        except zmq.ZMQError as exc:
+            self.sock.close(0)
+            raise TransportError(f"cannot bind {address}: {exc}") from None
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def recv(self, timeout_s: float):
+        frames = _recv_frames(self.sock, timeout_s)
+        if frames is None:
+            return None
+        return bytes(frames[0]), frames[1:]
+
+    def send(self, peer: bytes, frames: Sequence) -> None:
+        self.sock.send_multipart([peer, *frames], copy=False)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class ZmqClient(ClientTransport):
+    def __init__(self, address: str, max_message_bytes: int | None = None):
+        self.address = address
+        self.sock = _zmq_socket(zmq.DEALER, max_message_bytes)
+        self.sock.connect(address)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def send(self, frames: Sequence) -> None:
+        self.bytes_sent += frames_nbytes(frames)
+        self.sock.send_multipart(list(frames), copy=False)
+
+    def recv(self, timeout_s: float):
+        frames = _recv_frames(self.sock, timeout_s)
+        if frames is not None:
+            self.bytes_received += frames_nbytes(frames)
+        return frames
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+# ---------------------------------------------------------------- in-process
+
+_MEM_SERVERS: dict[str, "MemServer"] = {}
+_MEM_LOCK = threading.Lock()
+_MEM_IDS = itertools.count(1)
+
+
+class MemServer(ServerTransport):
+    def __init__(self, address: str):
+        self.address = address
+        self.inbox: queue.Queue = queue.Queue()
+        self.clients: dict[bytes, "MemClient"] = {}
+        with _MEM_LOCK:
+            if address in _MEM_SERVERS:
+                raise TransportError(f"cannot bind {address}: address in use")
+            _MEM_SERVERS[address] = self
+
+    def recv(self, timeout_s: float):
+        try:
+            return self.inbox.get(timeout=max(timeout_s, 1e-6))
+        except queue.Empty:
+            return None
+
+    def send(self, peer: bytes, frames: Sequence) -> None:
+        client = self.clients.get(peer)
+        if client is not None:  # like ROUTER: replies to unknown peers are dropped
+            client.inbox.put([bytes(f) for f in frames])
+
+    def close(self) -> None:
+        with _MEM_LOCK:
+            _MEM_SERVERS.pop(self.address, None)
+
+
+class MemClient(ClientTransport):
+    def __init__(self, address: str):
+        self.address = address
+        self.peer = b"mem-%d" % next(_MEM_IDS)
+        self.inbox: queue.Queue = queue.Queue()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _server(self) -> MemServer:
+        with _MEM_LOCK:
+            server = _MEM_SERVERS.get(self.address)
+        if server is None:
+            raise TransportError(f"no in-process server at {self.address}")
+        server.clients[self.peer] = self
+        return server
+
+    def send(self, frames: Sequence) -> None:
+        copied = [bytes(f) for f in frames]
+        self.bytes_sent += sum(len(f) for f in copied)
+        self._server().inbox.put((self.peer, copied))
+
+    def recv(self, timeout_s: float):
+        try:
+            frames = self.inbox.get(timeout=max(timeout_s, 1e-6))
+        except queue.Empty:
+            return None
+        self.bytes_received += sum(len(f) for f in frames)
+        return frames
+
+    def close(self) -> None:
+        pass
+
+
+def make_server(address: str, max_message_bytes: int | None = None) -> ServerTransport:
+    if address.startswith("mem://"):
+        return MemServer(address)
+    return ZmqServer(address, max_message_bytes)
+
+
+def make_client(address: str, max_message_bytes: int | None = None) -> ClientTransport:
+    if address.startswith("mem://"):
+        return MemClient(address)
+    return ZmqClient(address, max_message_bytes)

@@ -1,0 +1,59 @@
+"""The shard daemon.
+
+    hetps ps --config CONFIG --rank N [--scheduler tcp://HOST:PORT] [--bind tcp://0.0.0.0:0]
+             [--advertise tcp://HOST:PORT]
+    python -m hetps.ps ...   (the same)
+
+The scheduler address comes from --scheduler, else $HETPS_SCHEDULER, else
+cluster.scheduler in the config. The shard binds --bind (default: a random
+port on cluster.host) and tells the scheduler --advertise (default: the bound
+address). It registers, waits for the plan, serves until the scheduler says
+stop, then says goodbye.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+
+from hetps.proto.daemon import common_args, daemon_setup
+from hetps.proto.membership import Membership
+from hetps.proto.transport import make_server
+
+from .shard import Shard
+
+log = logging.getLogger("hetps.ps")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hetps ps", description="parameter-server shard daemon")
+    common_args(parser)
+    parser.add_argument("--bind", default=None, help="address to bind (default tcp://<cluster.host>:0)")
+    parser.add_argument("--advertise", default=None, help="address workers should connect to")
+    args = parser.parse_args(argv)
+    cfg, scheduler = daemon_setup(args, "ps")
+    node = cfg.cluster.shards[args.rank] if args.rank < len(cfg.cluster.shards) else None
+    torch.set_num_threads(node.threads if node else 1)
+    server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
+    member = Membership(scheduler, "ps", args.rank, cfg.cluster)
+    try:
+        member.join(address=args.advertise or server.address)
+        plan = member.wait_plan()
+        shard = Shard(server, member.node_id, plan, cfg, slowdown=node.slowdown if node else 1.0)
+        log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
+                 len(shard.store.specs), server.address)
+        member.start_heartbeats(shard.stats)
+        while not member.stop_requested.is_set():
+            shard.serve_once(0.05)
+        log.info("stopping: %s", member.stop_reason)
+        member.bye(shard.stats())
+    finally:
+        member.close()
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The shard-side optimizer: a real torch.optim optimizer over the shard's
+parameter tensors, with a learning-rate schedule from torch.optim.lr_scheduler.
+
+Because SGD/Adam act on each tensor independently, one optimizer per shard
+gives exactly the update a single optimizer over the whole model would.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+import torch
+
+from hetps.proto.config import OptimizerConfig, ScheduleConfig
+
+
+def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                               weight_decay=cfg.weight_decay)
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    raise ValueError(f"optimizer.name: unknown value {cfg.name!r}; allowed: sgd, adam")
+
+
+def lr_factor(cfg: ScheduleConfig) -> Callable[[int], float]:
+    """Multiplier of the base lr after `step` updates: linear warm-up, then the schedule."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        after = step - cfg.warmup_steps
+        if cfg.name == "step":
+            return cfg.gamma ** (after // cfg.step_size)
+        if cfg.name == "cosine":
+            span = max(1, cfg.total_steps - cfg.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(after, span) / span))
+        return 1.0
+
+    return factor
+
+
+class Updater:
+    """Applies gradients to the store's parameters with the optimizer, one
+    scheduler step per update. `lr_scale` lets a policy damp an update."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], names: list[str], cfg: OptimizerConfig):
+        self.params = {n: tensors[n] for n in names}
+        self.optimizer = build_optimizer(list(self.params.values()), cfg) if names else None
+        self.scheduler = (torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg.schedule))
+                          if self.optimizer else None)
+        self.updates = 0
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+
+    def apply(self, grads: Mapping[str, torch.Tensor], lr_scale: float = 1.0) -> None:
+        """One optimizer step. `grads` must hold every parameter; they are only read."""
+        if self.optimizer is None:
+            return
+        for name, p in self.params.items():
+            p.grad = grads[name]
+        if lr_scale != 1.0:
+            base = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] *= lr_scale
+        self.optimizer.step()
+        if lr_scale != 1.0:
+            for g, lr in zip(self.optimizer.param_groups, base):
+                g["lr"] = lr
+        for p in self.params.values():
+            p.grad = None  # never keep a reference to a peer's frame
+        self.scheduler.step()
+        self.updates += 1

@@ -1,0 +1,122 @@
+"""The parameter-server shard: a Service that holds the tensors the plan
+assigned to it and applies pushes through the algorithm's consistency policy.
+
+One loop, one thread; a pull that may not be answered yet is parked and
+answered after a later push makes it ready. The shard never imports model
+code: it knows tensor names, dtypes, shapes and kinds from the plan, and
+values from the first INIT.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hetps.proto.codec import Envelope, ProtocolError
+from hetps.proto.config import RunConfig
+from hetps.proto.messages import Ack, Params, Status
+from hetps.proto.plan import ClusterPlan
+from hetps.proto.rpc import Service
+from hetps.proto.transport import ServerTransport
+
+from .optim import Updater
+from .policies import POLICIES, ConsistencyPolicy
+from .store import TensorStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParkedPull:
+    peer: bytes
+    req_id: int
+    worker: int
+    clock: int
+
+
+class Shard(Service):
+    def __init__(self, server: ServerTransport, node_id: int, plan: ClusterPlan, cfg: RunConfig,
+                 slowdown: float = 1.0):
+        super().__init__(server, node_id)
+        self.cfg = cfg
+        self.plan = plan
+        self.slowdown = slowdown
+        self.store = TensorStore(plan.owned(plan.shard_index(node_id)))
+        self.policy: ConsistencyPolicy | None = None
+        self.parked: list[ParkedPull] = []
+        self.counts = {"pushes": 0, "pulls": 0, "nonfinite": 0, "busy_s": 0.0}
+
+    # ------------------------------------------------------------ Service hooks
+    def catalog(self):
+        return self.store.catalog
+
+    def max_tensor_bytes(self) -> int:
+        return self.cfg.cluster.max_message_bytes
+
+    def stats(self) -> dict:
+        return {"version": self.store.version, "parked": len(self.parked),
+                "malformed": self.malformed, "tensors": len(self.store.specs),
+                "lr": self.policy.updater.lr if self.policy else 0.0, **self.counts}
+
+    # ------------------------------------------------------------ handlers
+    def on_init(self, peer: bytes, env: Envelope):
+        first = self.store.initialize(env.msg.tensors)
+        if first:
+            updater = Updater(self.store.tensors, self.store.param_names(), self.cfg.optimizer)
+            self.policy = POLICIES[self.plan.algorithm](self.store, updater, self.plan.worker_ids(),
+                                                        self.cfg.algorithm.params)
+            log.info("initialized %d tensors from node %d", len(self.store.specs), env.src)
+            self._serve_parked()
+        return Ack(version=self.store.version, plan_id=self.plan.plan_id, info={"first": first})
+
+    def on_push(self, peer: bytes, env: Envelope):
+        push = env.msg
+        if self.policy is None:
+            raise ProtocolError(Status.NOT_READY, "no INIT has reached this shard yet")
+        if push.plan_id != self.plan.plan_id:
+            raise ProtocolError(Status.STALE_PLAN, f"plan {push.plan_id}, current {self.plan.plan_id}")
+        self._check_finite(push.tensors)
+        started = time.perf_counter()
+        staleness = self.policy.on_push(env.src, push)
+        self._stretch(time.perf_counter() - started)
+        self.counts["pushes"] += 1
+        self._serve_parked()
+        return Ack(version=self.store.version, staleness=max(0, staleness), plan_id=self.plan.plan_id)
+
+    def on_pull(self, peer: bytes, env: Envelope):
+        pull = ParkedPull(peer, env.req_id, env.src, env.msg.clock)
+        if self._ready(pull):
+            return self._params()
+        self.parked.append(pull)
+        return None
+
+    # ------------------------------------------------------------ internals
+    def _check_finite(self, tensors: dict) -> None:
+        for name, t in tensors.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                self.counts["nonfinite"] += 1
+                raise ProtocolError(Status.NONFINITE, f"tensor {name!r} holds NaN or Inf")
+
+    def _stretch(self, busy_s: float) -> None:
+        """Emulate a slower server: make this update take slowdown x its time."""
+        self.counts["busy_s"] += busy_s * self.slowdown
+        if self.slowdown > 1.0:
+            time.sleep(busy_s * (self.slowdown - 1.0))
+
+    def _ready(self, pull: ParkedPull) -> bool:
+        return self.policy is not None and self.policy.pull_ready(pull.worker, pull.clock)
+
+    def _params(self) -> Params:
+        self.counts["pulls"] += 1
+        return Params(version=self.store.version, tensors=self.store.snapshot())
+
+    def _serve_parked(self) -> None:
+        waiting = []
+        for pull in self.parked:
+            if self._ready(pull):
+                self.reply(pull.peer, pull.req_id, self._params())
+            else:
+                waiting.append(pull)
+        self.parked = waiting

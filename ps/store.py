@@ -1,0 +1,72 @@
+"""The named-tensor store of one shard.
+
+Holds the tensors the plan assigned to this shard (parameters and buffers),
+their per-tensor versions, and a shard-level version (updates applied). The
+store is model-agnostic: it knows names, dtypes, shapes and kinds only.
+Not thread-safe: owned by the shard's single loop.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from hetps.proto.codec import ProtocolError, TensorCatalog
+from hetps.proto.messages import Status
+from hetps.proto.plan import TensorSpec
+
+
+class TensorStore:
+    def __init__(self, specs: list[TensorSpec]):
+        self.specs = {s.name: s for s in specs}
+        self.catalog: TensorCatalog = {s.name: (s.dtype, s.shape) for s in specs}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.versions: dict[str, int] = {s.name: 0 for s in specs}
+        self.version = 0
+        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self.tensors) or not self.specs
+
+    def param_names(self) -> list[str]:
+        return [n for n, s in self.specs.items() if s.kind == "param"]
+
+    def buffer_names(self) -> list[str]:
+        return [n for n, s in self.specs.items() if s.kind == "buffer"]
+
+    def initialize(self, values: Mapping[str, torch.Tensor]) -> bool:
+        """Copy initial values in; False (and no change) if already initialized."""
+        if self.initialized:
+            return False
+        missing = sorted(set(self.specs) - set(values))
+        if missing:
+            raise ProtocolError(Status.MALFORMED, f"INIT lacks tensors {missing[:5]}")
+        self.tensors = {n: values[n].clone() for n in self.specs}
+        return True
+
+    def mark_updated(self, names) -> None:
+        """Bump per-tensor versions and the shard version after an update."""
+        for n in names:
+            self.versions[n] += 1
+        self.version += 1
+        self._snapshot = None
+
+    def mix_buffers(self, buffers: Mapping[str, torch.Tensor], weight: float) -> None:
+        """Buffer policy: float buffers move toward the pushed value by `weight`
+        (a running mean); integer buffers (e.g. num_batches_tracked) take the max."""
+        for name, value in buffers.items():
+            current = self.tensors[name]
+            if current.is_floating_point():
+                current.lerp_(value.to(current.dtype), weight)
+            else:
+                torch.maximum(current, value, out=current)
+        self._snapshot = None
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of all tensors at the current version, shared by every pull
+        of that version: replies are sent zero-copy, so they must never see a
+        later in-place update."""
+        if self._snapshot is None or self._snapshot[0] != self.version:
+            self._snapshot = (self.version, {n: t.clone() for n, t in self.tensors.items()})
+        return self._snapshot[1]

@@ -1,0 +1,70 @@
+"""The scheduler daemon.
+
+    hetps scheduler --config CONFIG [--bind tcp://0.0.0.0:7000] [--run-dir DIR]
+    python -m hetps.scheduler ...   (the same)
+
+Binds --bind (default: cluster.scheduler; port 0 picks a free port and the
+bound address is written to RUN_DIR/scheduler.addr), waits for the shards
+and workers the config lists, sends the plan, and stops the cluster on target
+accuracy, time or step limit, a STOP request, SIGINT or SIGTERM. Writes
+metrics.jsonl, plan.json and summary.json into --run-dir when given.
+Exit 0 after a clean stop, 1 when the cluster never formed.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from hetps.proto.daemon import load_or_exit
+from hetps.proto.transport import make_server
+
+from .coordinator import Coordinator
+
+log = logging.getLogger("hetps.scheduler")
+
+
+def main(argv: list[str] | None = None) -> int:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(prog="hetps scheduler", description="cluster scheduler daemon")
+    parser.add_argument("--config", default=env("HETPS_CONFIG"), help="YAML experiment ($HETPS_CONFIG)")
+    parser.add_argument("--bind", default=env("HETPS_BIND"), help="address to bind ($HETPS_BIND)")
+    parser.add_argument("--run-dir", default=env("HETPS_RUN_DIR"), help="where metrics and summary go")
+    parser.add_argument("--log-level", default=env("HETPS_LOG_LEVEL", "INFO"))
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s")
+    cfg = load_or_exit(args.config, args.overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    if run_dir:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    server = make_server(args.bind or cfg.cluster.scheduler, cfg.cluster.max_message_bytes)
+    coordinator = Coordinator(server, cfg, run_dir)
+    if run_dir:
+        tmp = run_dir / "scheduler.addr.tmp"
+        tmp.write_text(server.address)
+        os.replace(tmp, run_dir / "scheduler.addr")
+    log.info("scheduler at %s, expecting %s", server.address, coordinator.expected)
+
+    def on_signal(signum, frame):
+        coordinator.begin_stop(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while not coordinator.finished():
+            coordinator.serve_once(0.05)
+            coordinator.tick()
+    finally:
+        coordinator.close()
+        server.close()
+    log.info("stopped: %s", coordinator.stop_reason)
+    return 1 if any(f["kind"] == "startup" for f in coordinator.failures) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The scheduler's control plane: registration and node ids, the versioned
+PLAN, heartbeats, barriers, evaluation reports, and a clean stop of the
+whole cluster. No tensor passes through it.
+
+Stop happens in two phases so the final evaluation can still read the
+shards: first workers and the evaluator are told to stop; shards are told
+once every worker and the evaluator said BYE (or `STOP_GRACE_S` passed).
+One loop, one thread; `tick()` is called between requests.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hetps.proto.codec import Envelope, ProtocolError
+from hetps.proto.config import RunConfig
+from hetps.proto.messages import Ack, Plan, Status, Welcome
+from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec
+from hetps.proto.rpc import Service
+from hetps.proto.transport import ServerTransport
+
+from .placement import place
+from .runlog import RunLog
+
+log = logging.getLogger(__name__)
+STOP_GRACE_S = 20.0   # longest wait for workers/evaluator to leave before shards are stopped
+EXIT_GRACE_S = 40.0   # longest wait for everyone to leave after a stop began
+ROLES = ("ps", "worker", "evaluator")
+
+
+@dataclass
+class Node:
+    node_id: int
+    role: str
+    rank: int
+    address: str
+    last_seen: float
+    stats: dict = field(default_factory=dict)
+    left: bool = False
+
+
+@dataclass
+class EvalTrack:
+    target: float | None
+    best: float = 0.0
+    final: float | None = None
+    final_loss: float | None = None
+    time_to_target_s: float | None = None
+    count: int = 0
+
+
+class Coordinator(Service):
+    def __init__(self, server: ServerTransport, cfg: RunConfig, run_dir: Path | None = None):
+        super().__init__(server, node_id=0)
+        self.cfg = cfg
+        self.runlog = RunLog(run_dir)
+        self.nodes: dict[int, Node] = {}
+        self.expected = {"ps": len(cfg.cluster.shards), "worker": len(cfg.cluster.workers)}
+        self.specs: list[TensorSpec] | None = None
+        self.schema = ""
+        self.plan: ClusterPlan | None = None
+        self.plan_waiters: list[tuple[bytes, int, int]] = []
+        self.barriers: dict[str, list[tuple[bytes, int]]] = {}
+        self.created = time.monotonic()
+        self.started: float | None = None     # when the first plan went out
+        self.stop_reason: str | None = None
+        self.stop_since = 0.0
+        self.evals = EvalTrack(cfg.stop.target_accuracy)
+        self.failures: list[dict] = []
+        self.finished_steps = 0
+
+    # ------------------------------------------------------------ helpers
+    def elapsed(self) -> float:
+        return time.monotonic() - (self.started or self.created)
+
+    def node(self, node_id: int) -> Node:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise ProtocolError(Status.BAD_STATE, f"unknown node id {node_id}; register first")
+        node.last_seen = time.monotonic()
+        return node
+
+    def members(self, *roles: str) -> list[Node]:
+        return [n for n in self.nodes.values() if n.role in roles]
+
+    def global_steps(self) -> int:
+        return sum(int(n.stats.get("steps", 0)) for n in self.members("worker"))
+
+    def begin_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self.stop_since = time.monotonic()
+            log.info("stopping the cluster: %s", reason)
+            self.runlog.record("stop", t=self.elapsed(), reason=reason, global_steps=self.global_steps())
+
+    # ------------------------------------------------------------ handlers
+    def on_register(self, peer: bytes, env: Envelope):
+        msg = env.msg
+        if msg.role not in ROLES:
+            raise ProtocolError(Status.MALFORMED, f"role {msg.role!r} not in {ROLES}")
+        if msg.role == "worker":
+            self._check_schema(msg.tensor_specs, msg.schema_hash)
+        node_id = len(self.nodes) + 1
+        self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, time.monotonic())
+        log.info("registered %s %d as node %d %s", msg.role, msg.rank, node_id, msg.address)
+        self._maybe_plan()
+        return Welcome(node_id=node_id, role=msg.role, rank=msg.rank)
+
+    def _check_schema(self, wire_specs: list, schema_hash: str) -> None:
+        if self.specs is None:
+            try:
+                self.specs = [TensorSpec.from_wire(s) for s in wire_specs]
+            except (TypeError, ValueError) as exc:
+                raise ProtocolError(Status.MALFORMED, f"bad tensor_specs: {exc}") from None
+            self.schema = schema_hash
+        elif schema_hash != self.schema:
+            raise ProtocolError(Status.BAD_STATE,
+                                f"model schema {schema_hash} differs from the cluster's {self.schema}")
+
+    def on_get_plan(self, peer: bytes, env: Envelope):
+        if self.plan is not None and self.plan.plan_id > env.msg.after:
+            return Plan(plan_id=self.plan.plan_id, plan=self.plan.to_dict())
+        self.plan_waiters.append((peer, env.req_id, env.msg.after))
+        return None
+
+    def on_heartbeat(self, peer: bytes, env: Envelope):
+        node = self.node(env.msg.node_id)
+        node.stats = env.msg.stats
+        now = self.elapsed()
+        for rec in env.msg.records:
+            if isinstance(rec, dict):
+                ago = rec.pop("ago", 0.0)
+                self.runlog.record("step", t=round(now - float(ago), 4), **rec)
+        stop = self._tell_stop(node)
+        return Ack(plan_id=self.plan.plan_id if self.plan else 0, stop=stop,
+                   info={"reason": self.stop_reason} if stop else {})
+
+    def on_report(self, peer: bytes, env: Envelope):
+        self.node(env.msg.node_id)
+        values = env.msg.values
+        if env.msg.kind == "eval":
+            self._record_eval(values)
+        return Ack()
+
+    def on_barrier(self, peer: bytes, env: Envelope):
+        waiting = self.barriers.setdefault(env.msg.name, [])
+        waiting.append((peer, env.req_id))
+        if len(waiting) >= env.msg.count:
+            for p, req in self.barriers.pop(env.msg.name):
+                self.reply(p, req, Ack(info={"barrier": env.msg.name}))
+        return None
+
+    def on_stop(self, peer: bytes, env: Envelope):
+        self.begin_stop(env.msg.reason)
+        return Ack(stop=True)
+
+    def on_bye(self, peer: bytes, env: Envelope):
+        node = self.node(env.msg.node_id)
+        node.stats = env.msg.stats or node.stats
+        node.left = True
+        log.info("%s %d (node %d) left", node.role, node.rank, node.node_id)
+        return Ack(stop=True)
+
+    # ------------------------------------------------------------ planning
+    def _maybe_plan(self) -> None:
+        if self.plan is not None or self.specs is None:
+            return
+        shards = sorted(self.members("ps"), key=lambda n: n.rank)
+        workers = sorted(self.members("worker"), key=lambda n: n.rank)
+        if len(shards) < self.expected["ps"] or len(workers) < self.expected["worker"]:
+            return
+        placement = place(self.specs, [1.0] * len(shards))
+        self.plan = ClusterPlan(
+            plan_id=1, algorithm=self.cfg.algorithm.name,
+            workers=[NodeEntry(n.node_id, n.rank) for n in workers],
+            shards=[NodeEntry(n.node_id, n.rank, n.address) for n in shards],
+            tensors=self.specs, placement=placement, schema_hash=self.schema)
+        self.started = time.monotonic()
+        self.runlog.write_plan(self.plan.to_dict())
+        self.runlog.record("plan", t=0.0, plan_id=1)
+        log.info("plan 1: %d workers, %d shards, %d tensors", len(workers), len(shards), len(self.specs))
+        for peer, req, after in self.plan_waiters:
+            self.reply(peer, req, Plan(plan_id=1, plan=self.plan.to_dict()))
+        self.plan_waiters.clear()
+
+    # ------------------------------------------------------------ evaluation and stopping
+    def _record_eval(self, values: dict) -> None:
+        accuracy, loss = float(values.get("accuracy", 0.0)), float(values.get("loss", 0.0))
+        ev = self.evals
+        ev.count += 1
+        ev.best = max(ev.best, accuracy)
+        ev.final, ev.final_loss = accuracy, loss
+        t = self.elapsed()
+        self.runlog.record("eval", t=round(t, 4), accuracy=accuracy, loss=loss,
+                           global_steps=self.global_steps(), final=bool(values.get("final", False)))
+        if ev.target is not None and ev.time_to_target_s is None and accuracy >= ev.target:
+            ev.time_to_target_s = round(t, 3)
+            self.begin_stop(f"target accuracy {ev.target} reached ({accuracy:.4f})")
+
+    def _tell_stop(self, node: Node) -> bool:
+        if self.stop_reason is None:
+            return False
+        if node.role != "ps":
+            return True
+        others_gone = all(n.left for n in self.members("worker", "evaluator"))
+        return others_gone or time.monotonic() - self.stop_since > STOP_GRACE_S
+
+    def tick(self) -> None:
+        """Check the stop conditions; call between requests."""
+        stop = self.cfg.stop
+        if self.started is None:
+            if self.elapsed() > self.cfg.cluster.startup_timeout_s:
+                missing = {r: self.expected[r] - len(self.members(r)) for r in self.expected}
+                self.failures.append({"kind": "startup", "missing": missing})
+                self.begin_stop(f"cluster did not form within {self.cfg.cluster.startup_timeout_s}s: "
+                                f"still waiting for {missing}")
+            return
+        if self.elapsed() >= stop.max_seconds:
+            self.begin_stop(f"time limit {stop.max_seconds}s")
+        if stop.max_steps and self.global_steps() >= stop.max_steps:
+            self.begin_stop(f"step limit {stop.max_steps}")
+
+    def finished(self) -> bool:
+        """True once a stop began and every node left (or EXIT_GRACE_S passed)."""
+        if self.stop_reason is None:
+            return False
+        everyone_left = all(n.left for n in self.nodes.values())
+        return everyone_left or time.monotonic() - self.stop_since > EXIT_GRACE_S
+
+    def summary(self) -> dict:
+        workers = sorted(self.members("worker", "evaluator"), key=lambda n: (n.role, n.rank))
+        per_node = {f"{n.role}{n.rank}": {"sent": int(n.stats.get("bytes_sent", 0)),
+                                          "received": int(n.stats.get("bytes_received", 0)),
+                                          "steps": int(n.stats.get("steps", 0))} for n in workers}
+        stragglers = [f"{n.role}{n.rank}" for n in self.nodes.values() if not n.left]
+        return {
+            "name": self.cfg.name, "algorithm": self.cfg.algorithm.name,
+            "final_accuracy": self.evals.final, "final_loss": self.evals.final_loss,
+            "best_accuracy": self.evals.best if self.evals.count else None,
+            "target_accuracy": self.evals.target, "time_to_target_s": self.evals.time_to_target_s,
+            "wall_s": round(self.elapsed(), 3), "global_steps": self.global_steps(),
+            "bytes_sent": sum(v["sent"] for v in per_node.values()),
+            "bytes_received": sum(v["received"] for v in per_node.values()),
+            "per_node": per_node, "evals": self.evals.count,
+            "shard_versions": {f"ps{n.rank}": n.stats.get("version", 0) for n in self.members("ps")},
+            "plan_id": self.plan.plan_id if self.plan else 0,
+            "stop_reason": self.stop_reason, "failures": self.failures, "not_left": stragglers,
+        }
+
+    def close(self) -> None:
+        self.runlog.write_summary(self.summary())
+        self.runlog.close()

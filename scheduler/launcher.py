@@ -1,0 +1,192 @@
+"""`hetps run`: a whole local cluster as separate processes.
+
+Starts the scheduler (random port), the shards, the workers and the
+evaluator by command line (`python -m hetps.<role>`), shows one live progress
+line, and when the scheduler stops the run, writes the plot. Every child runs
+in its own session (so a terminal's Ctrl-C reaches only the launcher, which
+turns it into a clean stop) and is reaped, killed if need be, on every exit
+path. Child output goes to RUN_DIR/logs/<name>.log.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetps.proto.config import RunConfig, dump_config
+
+from .report import Progress, plot_run
+
+ADDR_WAIT_S = 60.0   # longest wait for the scheduler to publish its address
+REAP_WAIT_S = 15.0   # after the scheduler exits, how long the rest may take to leave
+
+
+class LaunchError(RuntimeError):
+    """A process failed; the message names it and quotes its last log lines."""
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(cfg.out_dir) / f"{cfg.name}-{cfg.algorithm.name}-{stamp}"
+
+
+class LocalCluster:
+    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.quiet = quiet
+        self.children: list[Child] = []
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.config_path = run_dir / "config.yaml"
+        dump_config(cfg, self.config_path)
+        self.interrupted = 0
+
+    # ------------------------------------------------------------ processes
+    def spawn(self, name: str, module: str, *args: str) -> Child:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with open(log_path, "w") as log_file:
+            popen = subprocess.Popen([sys.executable, "-m", module, "--config", str(self.config_path), *args],
+                                     stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True)
+        child = Child(name, popen, log_path)
+        self.children.append(child)
+        return child
+
+    def start(self) -> str:
+        """Start every process; returns the scheduler address."""
+        scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir))
+        addr = self._scheduler_address(scheduler)
+        for rank in range(len(self.cfg.cluster.shards)):
+            self.spawn(f"ps{rank}", "hetps.ps", "--rank", str(rank), "--scheduler", addr)
+        for rank in range(len(self.cfg.cluster.workers)):
+            self.spawn(f"worker{rank}", "hetps.worker", "--rank", str(rank), "--scheduler", addr)
+        if self.cfg.eval.enabled:
+            self.spawn("evaluator", "hetps.worker", "--evaluator", "--scheduler", addr)
+        return addr
+
+    def _scheduler_address(self, scheduler: Child) -> str:
+        path = self.run_dir / "scheduler.addr"
+        deadline = time.monotonic() + ADDR_WAIT_S
+        while not path.exists():
+            if scheduler.popen.poll() is not None:
+                raise LaunchError(f"scheduler exited with {scheduler.popen.returncode} before binding:\n"
+                                  f"{scheduler.tail()}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"scheduler did not publish its address within {ADDR_WAIT_S}s")
+            time.sleep(0.05)
+        return path.read_text().strip()
+
+    # ------------------------------------------------------------ watching
+    def watch(self) -> None:
+        """Show progress until the scheduler exits. Raises LaunchError when a
+        process fails (after asking the scheduler to stop the others)."""
+        scheduler = self.children[0]
+        progress = Progress(self.run_dir / "metrics.jsonl")
+        last_print = 0.0
+        while scheduler.popen.poll() is None:
+            time.sleep(0.25)
+            for child in self.children[1:]:
+                code = child.popen.poll()
+                if code not in (None, 0):
+                    self.stop_scheduler()
+                    raise LaunchError(f"{child.name} exited with {code}; last log lines:\n{child.tail()}")
+            progress.poll()
+            if not self.quiet and time.monotonic() - last_print > (0.5 if sys.stderr.isatty() else 5.0):
+                end = "\r" if sys.stderr.isatty() else "\n"
+                print(progress.line(), end=end, file=sys.stderr, flush=True)
+                last_print = time.monotonic()
+        if not self.quiet:
+            progress.poll()
+            print(progress.line(), file=sys.stderr)
+        if scheduler.popen.returncode != 0:
+            raise LaunchError(f"scheduler exited with {scheduler.popen.returncode}; last log lines:\n"
+                              f"{scheduler.tail()}")
+        self._wait_rest()
+
+    def _wait_rest(self) -> None:
+        deadline = time.monotonic() + REAP_WAIT_S
+        for child in self.children:
+            try:
+                child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        failed = [c for c in self.children if c.popen.returncode not in (0, None)]
+        if failed:
+            c = failed[0]
+            raise LaunchError(f"{c.name} exited with {c.popen.returncode}; last log lines:\n{c.tail()}")
+
+    def stop_scheduler(self) -> None:
+        if self.children and self.children[0].popen.poll() is None:
+            self.children[0].popen.send_signal(signal.SIGTERM)
+
+    def on_interrupt(self, signum, frame) -> None:
+        """First Ctrl-C: clean stop through the scheduler. Second: kill everything."""
+        self.interrupted += 1
+        if self.interrupted == 1:
+            print("\nhetps run: stopping (Ctrl-C again to kill)", file=sys.stderr)
+            self.stop_scheduler()
+        else:
+            self.kill_all()
+
+    def kill_all(self) -> None:
+        """Terminate, then kill, then reap every child that is still running."""
+        for child in self.children:
+            if child.popen.poll() is None:
+                child.popen.terminate()
+        deadline = time.monotonic() + 5.0
+        for child in self.children:
+            try:
+                child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.popen.kill()
+                child.popen.wait(timeout=5.0)
+
+
+def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> int:
+    """Run one experiment end to end; returns the process exit status."""
+    cluster = LocalCluster(cfg, run_dir, quiet)
+    previous = signal.signal(signal.SIGINT, cluster.on_interrupt)
+    previous_term = signal.signal(signal.SIGTERM, cluster.on_interrupt)
+    try:
+        cluster.start()
+        cluster.watch()
+    except LaunchError as exc:
+        print(f"hetps run: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.kill_all()
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
+    plot_run(run_dir, title=f"{cfg.name}: {cfg.algorithm.name}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if not quiet:
+        print(format_summary(summary, run_dir))
+    return 0
+
+
+def format_summary(summary: dict, run_dir: Path) -> str:
+    acc = summary.get("final_accuracy")
+    ttt = summary.get("time_to_target_s")
+    return (f"{summary['algorithm']}: final accuracy {acc if acc is None else round(acc, 4)}, "
+            f"best {summary.get('best_accuracy')}, time to target "
+            f"{'not reached' if ttt is None else f'{ttt:.1f}s'}, {summary['global_steps']} steps in "
+            f"{summary['wall_s']:.1f}s ({summary['stop_reason']})\nrun directory: {run_dir}")

@@ -1,0 +1,35 @@
+"""Tensor placement: the tensor list, in forward order, cut into contiguous
+ranges, range k to the k-th shard (shards listed fastest first), so that
+bytes_k / speed_k is as even as possible. The bottom layers therefore land on
+the fastest shard.
+"""
+from __future__ import annotations
+
+from hetps.proto.plan import TensorSpec
+
+
+def place(tensors: list[TensorSpec], speeds: list[float]) -> dict[str, int]:
+    """tensor name -> shard index. Every shard gets at least one tensor when
+    there are at least as many tensors as shards. `speeds` must be > 0."""
+    if not speeds:
+        raise ValueError("placement needs at least one shard")
+    if any(s <= 0 for s in speeds):
+        raise ValueError(f"shard speeds must be > 0, got {speeds}")
+    total = sum(t.nbytes for t in tensors) or 1
+    # cumulative byte budget up to and including shard k
+    bounds, acc = [], 0.0
+    for s in speeds:
+        acc += s
+        bounds.append(total * acc / sum(speeds))
+    placement: dict[str, int] = {}
+    shard, done, on_shard = 0, 0, 0
+    for i, t in enumerate(tensors):
+        later_shards = len(speeds) - shard - 1
+        over_budget = done + t.nbytes / 2 > bounds[shard]
+        must_move = len(tensors) - i <= later_shards  # leave one tensor for each later shard
+        if later_shards and on_shard and (over_budget or must_move):
+            shard, on_shard = shard + 1, 0
+        placement[t.name] = shard
+        done += t.nbytes
+        on_shard += 1
+    return placement

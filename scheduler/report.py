@@ -1,0 +1,92 @@
+"""Reading a run directory back: metrics, a live progress line, and the
+accuracy/loss-versus-wall-clock plot."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """All complete JSON lines of a metrics file (a torn last line is skipped)."""
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+@dataclass
+class Progress:
+    """Follows metrics.jsonl as it grows and renders one status line."""
+
+    path: Path
+    offset: int = 0
+    steps: dict = field(default_factory=dict)   # worker index -> latest step
+    accuracy: float | None = None
+    t: float = 0.0
+    rate: float = 0.0
+    _last: tuple[float, int] | None = None
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        for line in complete.splitlines():
+            rec = json.loads(line)
+            self.t = max(self.t, rec.get("t", 0.0))
+            if rec["kind"] == "step":
+                self.steps[rec["worker"]] = max(self.steps.get(rec["worker"], 0), rec["step"])
+            elif rec["kind"] == "eval":
+                self.accuracy = rec["accuracy"]
+        total = sum(self.steps.values())
+        if self._last and self.t > self._last[0]:
+            self.rate = (total - self._last[1]) / (self.t - self._last[0])
+        if self._last is None or self.t - self._last[0] >= 2.0:
+            self._last = (self.t, total)
+
+    def line(self) -> str:
+        acc = f"{self.accuracy:.4f}" if self.accuracy is not None else "  -   "
+        return (f"[{self.t:7.1f}s] steps {sum(self.steps.values()):7d}  test acc {acc}  "
+                f"{self.rate:7.1f} steps/s")
+
+
+def plot_run(run_dir: Path, title: str = "") -> Path:
+    """Write RUN_DIR/accuracy_vs_time.png from metrics.jsonl; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    evals = [r for r in records if r["kind"] == "eval"]
+    steps = sorted((r for r in records if r["kind"] == "step"), key=lambda r: r["t"])
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_acc.plot([r["t"] for r in evals], [r["accuracy"] for r in evals], marker=".")
+    ax_acc.set(xlabel="wall-clock time (s)", ylabel="test accuracy", title="test accuracy")
+    ax_acc.grid(alpha=0.3)
+    ax_loss.plot([r["t"] for r in evals], [r["loss"] for r in evals], marker=".", label="test loss")
+    if steps:
+        window = max(1, len(steps) // 50)
+        smoothed = [sum(r["loss"] for r in steps[i:i + window]) / len(steps[i:i + window])
+                    for i in range(0, len(steps), window)]
+        ax_loss.plot([steps[i]["t"] for i in range(0, len(steps), window)], smoothed,
+                     alpha=0.7, label="train loss (mean)")
+    ax_loss.set(xlabel="wall-clock time (s)", ylabel="cross-entropy", title="loss")
+    ax_loss.set_yscale("log")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    out = run_dir / "accuracy_vs_time.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

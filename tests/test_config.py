@@ -1,0 +1,292 @@
+"""The experiment configuration: defaults, YAML, overrides, strict errors, round trip."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import yaml
+
+from hetps.proto.config import (ALGORITHM_PARAMS, BUILTIN_MODELS, DATASETS, AsyncParams, ConfigError,
+                                NodeConfig, RunConfig, SspParams, SyncParams, config_from_dict,
+                                config_to_dict, dump_config, load_config)
+
+
+def write(tmp_path, data, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def error(path=None, overrides=(), raw=None) -> str:
+    with pytest.raises(ConfigError) as ei:
+        if raw is not None:
+            config_from_dict(raw)
+        else:
+            load_config(path, list(overrides))
+    return str(ei.value)
+
+
+# ------------------------------------------------------------ loading
+
+
+def test_defaults():
+    cfg = load_config(None)
+    assert cfg == RunConfig()
+    assert cfg.algorithm.name == "sync"
+    assert cfg.algorithm.params == SyncParams()
+    assert cfg.model.name == "lenet5"
+    assert cfg.data.dataset == "mnist-5k"
+    assert len(cfg.cluster.workers) == 4 and len(cfg.cluster.shards) == 2
+    assert all(n == NodeConfig() for n in cfg.cluster.workers)
+    assert cfg.stop.target_accuracy == 0.95
+    assert dataclasses.is_dataclass(cfg) and isinstance(cfg, RunConfig)
+
+
+def test_config_is_frozen():
+    cfg = load_config(None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 3  # type: ignore[misc]
+
+
+def test_empty_file_is_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == RunConfig()
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = write(tmp_path, {
+        "name": "exp1",
+        "seed": 5,
+        "model": {"name": "mlp", "kwargs": {"hidden": 64}},
+        "data": {"dataset": "synthetic", "batch_size": 16,
+                 "synthetic": {"shape": [3, 8, 8], "classes": 4}},
+        "optimizer": {"name": "adam", "lr": 1, "schedule": {"name": "cosine", "total_steps": 100}},
+        "cluster": {"workers": [{"slowdown": 2}, {}, {"threads": 2}]},
+        "stop": {"target_accuracy": None, "max_seconds": 10},
+    })
+    cfg = load_config(path, ["data.batch_size=64", "cluster.workers.1.slowdown=3",
+                             "algorithm.name=ssp", "algorithm.staleness=3", "eval.enabled=false",
+                             "cluster.shards=1"])
+    assert cfg.name == "exp1" and cfg.seed == 5
+    assert cfg.model.name == "mlp" and cfg.model.kwargs == {"hidden": 64}
+    assert cfg.data.dataset == "synthetic"
+    assert cfg.data.batch_size == 64                      # override beats the file
+    assert cfg.data.synthetic.shape == [3, 8, 8] and cfg.data.synthetic.classes == 4
+    assert cfg.data.synthetic.train_size == 4096          # untouched default
+    assert cfg.optimizer.name == "adam"
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)  # int accepted for float
+    assert cfg.optimizer.schedule.total_steps == 100
+    assert [w.slowdown for w in cfg.cluster.workers] == [2.0, 3.0, 1.0]
+    assert cfg.cluster.workers[2].threads == 2
+    assert len(cfg.cluster.shards) == 1
+    assert cfg.algorithm.name == "ssp" and cfg.algorithm.params == SspParams(staleness=3)
+    assert cfg.eval.enabled is False
+    assert cfg.stop.target_accuracy is None and cfg.stop.max_seconds == 10.0
+
+
+def test_workers_shorthand():
+    cfg = load_config(None, ["cluster.workers=2"])
+    assert cfg.cluster.workers == [NodeConfig(), NodeConfig()]
+    cfg = load_config(None, ["cluster.workers=2", "cluster.workers.1.slowdown=3"])
+    assert [w.slowdown for w in cfg.cluster.workers] == [1.0, 3.0]
+
+
+def test_workers_shorthand_in_file(tmp_path):
+    cfg = load_config(write(tmp_path, {"cluster": {"workers": 3, "shards": 1}}))
+    assert len(cfg.cluster.workers) == 3 and len(cfg.cluster.shards) == 1
+
+
+def test_list_index_override_on_default_workers():
+    cfg = load_config(None, ["cluster.workers.3.slowdown=4", "cluster.shards.0.threads=2"])
+    assert [w.slowdown for w in cfg.cluster.workers] == [1.0, 1.0, 1.0, 4.0]
+    assert cfg.cluster.shards[0].threads == 2
+
+
+def test_algorithm_overrides():
+    cfg = load_config(None, ["algorithm.name=ssp"])
+    assert cfg.algorithm.params == SspParams()
+    cfg = load_config(None, ["algorithm.name=ssp", "algorithm.staleness=3"])
+    assert cfg.algorithm.params.staleness == 3
+    assert load_config(None, ["algorithm.name=async"]).algorithm.params == AsyncParams()
+
+
+def test_override_values_are_yaml():
+    cfg = load_config(None, ["optimizer.betas=[0.8, 0.9]", "model.kwargs={depth: 3}", "name="])
+    assert cfg.optimizer.betas == [0.8, 0.9]
+    assert cfg.model.kwargs == {"depth": 3}
+    assert cfg.name == ""
+
+
+# ------------------------------------------------------------ errors
+
+
+def test_unknown_top_level_key():
+    msg = error(overrides=["bogus=1"])
+    assert "bogus" in msg
+    assert "allowed:" in msg
+    for name in ("name", "seed", "model", "data", "optimizer", "algorithm", "cluster", "stop", "eval"):
+        assert name in msg
+
+
+def test_unknown_top_level_key_in_file(tmp_path):
+    msg = error(write(tmp_path, {"modle": {"name": "mlp"}}))
+    assert "modle" in msg and "model" in msg
+
+
+def test_unknown_nested_key():
+    msg = error(overrides=["data.bogus=1"])
+    assert "data.bogus" in msg
+    for name in ("dataset", "batch_size", "eval_batch_size", "root", "download", "synthetic"):
+        assert name in msg
+
+
+def test_unknown_deeply_nested_key():
+    msg = error(overrides=["optimizer.schedule.lenght=3"])
+    assert "optimizer.schedule.lenght" in msg
+    assert "total_steps" in msg and "warmup_steps" in msg
+
+
+def test_unknown_node_key():
+    msg = error(overrides=["cluster.workers.1.speed=3"])
+    assert "cluster.workers.1.speed" in msg
+    assert "slowdown" in msg and "threads" in msg and "device" in msg
+
+
+@pytest.mark.parametrize("override, path, expected", [
+    ("data.batch_size=x", "data.batch_size", "int"),
+    ("data.batch_size=2.5", "data.batch_size", "int"),
+    ("data.batch_size=true", "data.batch_size", "int"),
+    ("stop.max_seconds=[1]", "stop.max_seconds", "float"),
+    ("eval.enabled=1", "eval.enabled", "bool"),
+    ("model.kwargs=[1]", "model.kwargs", "dict"),
+    ("data.synthetic.shape=3", "data.synthetic.shape", "list"),
+    ("data.synthetic.shape=[1, x]", "data.synthetic.shape.1", "int"),
+    ("data=3", "data", "mapping"),
+])
+def test_wrong_type(override, path, expected):
+    msg = error(overrides=[override])
+    assert msg.startswith(path + ":")
+    assert expected in msg
+
+
+def test_unknown_algorithm_name():
+    msg = error(overrides=["algorithm.name=hogwild"])
+    assert "algorithm.name" in msg and "hogwild" in msg
+    for name in ALGORITHM_PARAMS:
+        assert name in msg
+
+
+def test_unknown_algorithm_parameter():
+    msg = error(overrides=["algorithm.name=ssp", "algorithm.stalenes=3"])
+    assert "algorithm.stalenes" in msg
+    assert "staleness" in msg.split("allowed:", 1)[1]
+    msg = error(overrides=["algorithm.staleness=3"])  # sync takes no parameters
+    assert "algorithm.staleness" in msg and "allowed" in msg
+
+
+@pytest.fixture
+def fake_torchvision(monkeypatch):
+    """Importing the real torchvision takes seconds; the check only needs list_models()."""
+    models = types.SimpleNamespace(list_models=lambda: ["resnet18", "vit_b_16"])
+    monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(models=models))
+
+
+def test_unknown_model_name(fake_torchvision):
+    msg = error(overrides=["model.name=not_a_model_at_all"])
+    assert "model.name" in msg and "not_a_model_at_all" in msg
+    for name in BUILTIN_MODELS:
+        assert name in msg
+
+
+def test_torchvision_model_name_is_accepted(fake_torchvision):
+    assert load_config(None, ["model.name=resnet18"]).model.name == "resnet18"
+
+
+def test_custom_model_factory_name_is_accepted():
+    assert load_config(None, ["model.name=mypkg.models:build"]).model.name == "mypkg.models:build"
+
+
+def test_unknown_dataset():
+    msg = error(overrides=["data.dataset=imagenet-22k"])
+    assert "data.dataset" in msg and "imagenet-22k" in msg
+    for name in DATASETS:
+        assert name in msg
+
+
+def test_unknown_optimizer():
+    msg = error(overrides=["optimizer.name=lamb"])
+    assert "optimizer.name" in msg and "lamb" in msg
+    assert "sgd" in msg and "adam" in msg
+
+
+def test_unknown_schedule():
+    msg = error(overrides=["optimizer.schedule.name=linear"])
+    assert "optimizer.schedule.name" in msg
+    for name in ("constant", "step", "cosine"):
+        assert name in msg
+
+
+def test_cosine_needs_total_steps():
+    msg = error(overrides=["optimizer.schedule.name=cosine"])
+    assert "optimizer.schedule.total_steps" in msg
+    cfg = load_config(None, ["optimizer.schedule.name=cosine", "optimizer.schedule.total_steps=10"])
+    assert cfg.optimizer.schedule.total_steps == 10
+
+
+@pytest.mark.parametrize("override, path", [
+    ("cluster.workers.2.slowdown=0.5", "cluster.workers.2.slowdown"),
+    ("cluster.shards.0.slowdown=0", "cluster.shards.0.slowdown"),
+])
+def test_slowdown_below_one(override, path):
+    assert path in error(overrides=[override])
+
+
+@pytest.mark.parametrize("override, path", [
+    ("data.batch_size=0", "data.batch_size"),
+    ("optimizer.lr=-1", "optimizer.lr"),
+    ("stop.max_seconds=0", "stop.max_seconds"),
+    ("algorithm.name=ssp,algorithm.staleness=-1", "algorithm.staleness"),
+    ("cluster.workers=0", "cluster.workers"),
+])
+def test_out_of_range(override, path):
+    assert path in error(overrides=override.split(","))
+
+
+@pytest.mark.parametrize("override, path", [
+    ("cluster.workers.4.slowdown=2", "cluster.workers.4"),
+    ("cluster.workers.x.slowdown=2", "cluster.workers.x"),
+    ("seed.x=1", "seed"),
+])
+def test_bad_override_paths(override, path):
+    assert path in error(overrides=[override])
+
+
+def test_override_without_equals():
+    assert "key=value" in error(overrides=["data.batch_size"])
+
+
+def test_bad_files(tmp_path):
+    assert "cannot read" in error(tmp_path / "missing.yaml")
+    assert "not valid YAML" in error(write(tmp_path, "a: [1, 2"))
+    assert "mapping" in error(write(tmp_path, "- 1\n- 2\n"))
+
+
+# ------------------------------------------------------------ round trip
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["algorithm.name=ssp", "algorithm.staleness=5", "cluster.workers=3", "cluster.workers.2.slowdown=2.5",
+     "stop.target_accuracy=null", "optimizer.schedule.name=cosine", "optimizer.schedule.total_steps=50",
+     "model.kwargs={width: 8}", "data.dataset=synthetic", "optimizer.betas=[0.5, 0.75]"],
+    ["algorithm.name=async", "model.name=mlp", "eval.enabled=false"],
+])
+def test_dump_load_round_trip(tmp_path, overrides):
+    cfg = load_config(None, overrides)
+    path = tmp_path / "resolved.yaml"
+    dump_config(cfg, path)
+    again = load_config(path)
+    assert again == cfg
+    assert config_to_dict(again) == config_to_dict(cfg)
+    assert yaml.safe_load(path.read_text())["algorithm"]["name"] == cfg.algorithm.name

@@ -1,0 +1,88 @@
+"""The worker daemon (and the evaluator, a worker mode).
+
+    hetps worker --config CONFIG --rank N [--scheduler tcp://HOST:PORT] [key=value ...]
+    hetps worker --config CONFIG --evaluator [--scheduler ...]
+    python -m hetps.worker ...   (the same)
+
+The scheduler address comes from --scheduler, else $HETPS_SCHEDULER, else
+cluster.scheduler. The worker builds the model (seeded, so all workers start
+equal), registers its tensor list, waits for the plan, trains on its share of
+the data until the scheduler says stop, then says goodbye. Exit 0 on a clean
+stop, 1 when a shard or the scheduler cannot be reached in time.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+
+from hetps.proto.config import NodeConfig
+from hetps.proto.daemon import common_args, daemon_setup
+from hetps.proto.membership import Membership
+from hetps.proto.plan import schema_hash
+from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
+
+from .data import DatasetUnavailable, load_datasets
+from .evaluator import Evaluator
+from .models import build_model
+from .state import ModelState, model_specs
+from .trainer import Trainer
+
+log = logging.getLogger("hetps.worker")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hetps worker", description="training worker daemon")
+    common_args(parser)
+    parser.add_argument("--evaluator", action="store_true", help="run as the evaluator")
+    args = parser.parse_args(argv)
+    role = "evaluator" if args.evaluator else "worker"
+    cfg, scheduler = daemon_setup(args, role)
+    workers = cfg.cluster.workers
+    node = workers[args.rank] if not args.evaluator and args.rank < len(workers) else NodeConfig()
+    torch.set_num_threads(node.threads)
+    device = pick_device(node.device)
+    try:
+        data = load_datasets(cfg.data, cfg.seed)
+    except DatasetUnavailable as exc:
+        print(f"hetps {role}: {exc}", file=sys.stderr)
+        return 2
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, data.in_shape, data.num_classes).to(device)
+    specs = model_specs(model)
+    member = Membership(scheduler, role, args.rank, cfg.cluster)
+    runner = None
+    try:
+        member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs))
+        plan = member.wait_plan()
+        state = ModelState(model, device)
+        runner = (Evaluator(cfg, member, plan, state, data.test) if args.evaluator
+                  else Trainer(cfg, node, member, plan, state, data))
+        member.start_heartbeats(runner.stats)
+        log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)
+        try:
+            runner.run()
+        except Aborted:
+            pass
+        log.info("stopping: %s", member.stop_reason)
+        member.bye(runner.stats())
+        return 0
+    except (RequestTimeout, RemoteError) as exc:
+        print(f"hetps {role} {args.rank}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if runner is not None:
+            runner.close()
+        member.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

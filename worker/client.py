@@ -1,0 +1,79 @@
+"""The worker's client of the shards: sends each tensor to the shard that
+owns it (per the plan) and gathers values back. Requests to all shards are
+sent first and awaited after, so shards work in parallel; a push and the
+pull that follows it go back to back on one connection (one round trip).
+
+Blocking; every wait has the cluster's request timeout and is abandoned
+(Aborted) when `should_abort()` turns true. Not thread-safe.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from hetps.proto.config import ClusterConfig
+from hetps.proto.messages import Ack, Init, Params, Pull, Push
+from hetps.proto.plan import ClusterPlan
+from hetps.proto.rpc import RpcClient
+
+
+class PSClient:
+    def __init__(self, plan: ClusterPlan, node_id: int, cluster: ClusterConfig,
+                 should_abort: Callable[[], bool] | None = None):
+        self.plan = plan
+        self.shards = [RpcClient(s.address, src=node_id, timeout_s=cluster.request_timeout_s,
+                                 max_message_bytes=cluster.max_message_bytes, should_abort=should_abort)
+                       for s in plan.shards]
+        self.names = [[t.name for t in plan.owned(i)] for i in range(len(plan.shards))]
+        self.versions = [0] * len(plan.shards)  # version of each shard's values we hold
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes_sent for c in self.shards)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(c.bytes_received for c in self.shards)
+
+    def _split(self, tensors: Mapping[str, torch.Tensor]) -> list[dict]:
+        return [{n: tensors[n] for n in names if n in tensors} for names in self.names]
+
+    def init(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Offer initial values to every shard; the first offer a shard gets wins."""
+        ids = [c.send(Init(plan_id=self.plan.plan_id, tensors=part))
+               for c, part in zip(self.shards, self._split(values))]
+        for c, req in zip(self.shards, ids):
+            c.wait(req)
+
+    def pull(self, clock: int) -> dict[str, torch.Tensor]:
+        """Current values from every shard (may wait, per the algorithm).
+        Returned tensors are read-only views of received frames."""
+        ids = [c.send(Pull(plan_id=self.plan.plan_id, clock=clock)) for c in self.shards]
+        return self._gather_params(ids)
+
+    def push_pull(self, tensors: Mapping[str, torch.Tensor], clock: int,
+                  n_samples: int) -> tuple[list[Ack], dict[str, torch.Tensor]]:
+        """Push this step's gradients/buffers (made after `clock` pushes), then
+        pull the values for the next step. Returns the push ACKs and values."""
+        push_ids, pull_ids = [], []
+        for i, (c, part) in enumerate(zip(self.shards, self._split(tensors))):
+            push_ids.append(c.send(Push(plan_id=self.plan.plan_id, clock=clock,
+                                        base_version=self.versions[i], n_samples=n_samples,
+                                        tensors=part)))
+            pull_ids.append(c.send(Pull(plan_id=self.plan.plan_id, clock=clock + 1)))
+        acks = [c.wait(req) for c, req in zip(self.shards, push_ids)]
+        return acks, self._gather_params(pull_ids)
+
+    def _gather_params(self, ids: list[int]) -> dict[str, torch.Tensor]:
+        values: dict[str, torch.Tensor] = {}
+        for i, (c, req) in enumerate(zip(self.shards, ids)):
+            reply = c.wait(req)
+            assert isinstance(reply, Params)
+            self.versions[i] = reply.version
+            values.update(reply.tensors)
+        return values
+
+    def close(self) -> None:
+        for c in self.shards:
+            c.close()

@@ -1,0 +1,81 @@
+"""The evaluator: a worker mode that pulls the current parameters every
+`eval.every_s` seconds, measures test loss and accuracy, and reports them to
+the scheduler, so every algorithm gets the same accuracy-versus-time curve.
+When the run stops it evaluates once more, so the final numbers describe the
+final model. Blocking.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hetps.proto.config import RunConfig
+from hetps.proto.membership import Membership
+from hetps.proto.plan import ClusterPlan
+from hetps.proto.rpc import Aborted
+
+from .client import PSClient
+from .data import ArrayDataset
+from .state import ModelState
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: ArrayDataset, batch_size: int,
+             device: torch.device) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy loss) of `model` on all of `data`."""
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    for start in range(0, len(data), batch_size):
+        x, y = data.batch(torch.arange(start, min(start + batch_size, len(data))))
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(1) == y).sum())
+    return correct / len(data), loss_sum / len(data)
+
+
+class Evaluator:
+    def __init__(self, cfg: RunConfig, member: Membership, plan: ClusterPlan, state: ModelState,
+                 test: ArrayDataset):
+        self.cfg = cfg
+        self.member = member
+        self.state = state
+        self.test = test
+        self.client = PSClient(plan, member.node_id, cfg.cluster, member.stop_requested.is_set)
+        # the final evaluation must still reach the shards after stop is requested
+        self.final_client = PSClient(plan, member.node_id, cfg.cluster)
+        self.evals = 0
+
+    def stats(self) -> dict:
+        return {"evals": self.evals, "bytes_sent": self.client.bytes_sent + self.final_client.bytes_sent,
+                "bytes_received": self.client.bytes_received + self.final_client.bytes_received}
+
+    def evaluate_once(self, client: PSClient, final: bool = False) -> None:
+        started = time.perf_counter()
+        self.state.load(client.pull(-1))
+        accuracy, loss = evaluate(self.state.model, self.test, self.cfg.data.eval_batch_size,
+                                  self.state.device)
+        self.evals += 1
+        self.member.report("eval", {"accuracy": accuracy, "loss": loss, "final": final,
+                                    "versions": list(client.versions),
+                                    "eval_s": time.perf_counter() - started})
+
+    def run(self) -> None:
+        stop = self.member.stop_requested
+        try:
+            while not stop.is_set():
+                next_at = time.monotonic() + self.cfg.eval.every_s
+                self.evaluate_once(self.client)
+                stop.wait(max(0.0, next_at - time.monotonic()))
+        except Aborted:
+            pass
+        self.evaluate_once(self.final_client, final=True)
+
+    def close(self) -> None:
+        self.client.close()
+        self.final_client.close()
