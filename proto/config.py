@@ -154,6 +154,9 @@ def _fail(path: str, message: str) -> None:
     raise ConfigError(f"{path or '<root>'}: {message}")
 
 
+_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _build(tp: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -170,6 +173,8 @@ def _build(tp: Any, value: Any, path: str) -> Any:
         return [_build(item, v, f"{path}.{i}") for i, v in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+        return float(value)  # PyYAML (YAML 1.1) leaves `1e-4` (no dot) a string
     if tp in (int, float, str, bool, dict, list) and (
             not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
         _fail(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")

@@ -1,0 +1,148 @@
+"""Real clusters: scheduler, shards, workers and evaluator as separate
+processes over ZeroMQ on loopback (random ports), training LeNet-5 on the
+real mnist-5k digits."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from cluster_util import (HETPS, REPO, kill_leftovers, log_tails, processes_mentioning, run_hetps,
+                          summary, wait_for)
+
+pytestmark = pytest.mark.cluster
+
+ALGORITHMS = {
+    "sync": ["configs/default.yaml"],
+    "async": ["configs/async.yaml"],
+    "ssp": ["configs/ssp.yaml", "algorithm.staleness=2"],
+}
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    path = tmp_path / "run"
+    yield path
+    leftovers = kill_leftovers(str(path))
+    assert not leftovers, f"processes left behind: {leftovers}"
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_cluster_trains_to_93_percent(algorithm, run_dir):
+    config, *extra = ALGORITHMS[algorithm]
+    result = run_hetps(["run", config, *extra, "stop.target_accuracy=0.94", "stop.max_steps=6000",
+                        "stop.max_seconds=150", "eval.every_s=1.0", "--out", str(run_dir), "--quiet"],
+                       timeout_s=240)
+    assert result.returncode == 0, result.stderr + log_tails(run_dir)
+    s = summary(run_dir)
+    assert s["algorithm"] == algorithm
+    assert s["final_accuracy"] >= 0.93, s
+    assert s["time_to_target_s"] is not None and s["global_steps"] <= 6000 + 200, s
+    assert s["failures"] == [] and s["not_left"] == []
+    assert s["bytes_sent"] > 0 and s["bytes_received"] > 0
+    # every shard applied updates, and the versions agree with the algorithm
+    versions = list(s["shard_versions"].values())
+    assert len(versions) == 2 and min(versions) > 0
+    if algorithm == "sync":
+        assert s["global_steps"] >= 4 * min(versions) - 4  # one update per round of 4 pushes
+    for name in ("config.yaml", "plan.json", "metrics.jsonl", "summary.json", "accuracy_vs_time.png"):
+        assert (run_dir / name).exists(), name
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert len(plan["workers"]) == 4 and len(plan["shards"]) == 2
+    assert plan["placement"][plan["tensors"][0][0]] == 0  # bottom layer on the first shard
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert {r["worker"] for r in steps} == {0, 1, 2, 3}
+    assert all({"t", "step", "loss", "staleness"} <= set(r) for r in steps)
+    assert any(r["kind"] == "eval" and r["final"] for r in records)
+
+
+def test_bad_config_exits_2_with_one_line(tmp_path):
+    for args, key in ((["stop.bogus=1"], "stop.bogus"), (["algorithm.name=nope"], "algorithm.name"),
+                      (["data.batch_size=abc"], "data.batch_size"), (["data.dataset=imagenet"], "data.dataset")):
+        result = run_hetps(["run", "configs/default.yaml", *args, "--out", str(tmp_path / "x")], timeout_s=60)
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and key in lines[0], result.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_failed_process_is_named_and_nothing_left(run_dir):
+    # mnist (not bundled) without download: every worker fails at start
+    result = run_hetps(["run", "configs/default.yaml", "data.dataset=mnist",
+                        f"data.root={run_dir}-nodata", "cluster.startup_timeout_s=30",
+                        "--out", str(run_dir), "--quiet"], timeout_s=120)
+    assert result.returncode == 1
+    assert "exited with 2" in result.stderr and "data.download" in result.stderr, result.stderr
+    assert any(f"{role}" in result.stderr for role in ("worker", "evaluator"))
+
+
+def test_sigint_stops_cleanly(run_dir):
+    proc = subprocess.Popen([*HETPS, "run", "configs/default.yaml", "stop.target_accuracy=null",
+                             "stop.max_seconds=120", "cluster.workers=2", "cluster.shards=1",
+                             "--out", str(run_dir), "--quiet"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and '"eval"' in metrics.read_text(), 90, "a first evaluation")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, err + log_tails(run_dir)
+    s = summary(run_dir)
+    assert "signal" in s["stop_reason"] and s["global_steps"] > 0 and s["not_left"] == []
+
+
+def test_daemons_by_hand_across_hosts_style(tmp_path):
+    """The multi-host path: each daemon started on its own, the scheduler
+    address passed by flag or HETPS_SCHEDULER."""
+    run_dir = tmp_path / "byhand"
+    overrides = ["cluster.workers=2", "cluster.shards=1", "stop.target_accuracy=0.9",
+                 "stop.max_seconds=120", "eval.every_s=1.0"]
+    config = str(REPO / "configs" / "default.yaml")
+    procs = []
+    logs = []
+
+    def start(args, env=None):
+        log = open(tmp_path / f"{len(procs)}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([*HETPS, *args], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                      env={**os.environ, **(env or {})}, start_new_session=True))
+
+    try:
+        start(["scheduler", "--config", config, "--bind", "tcp://127.0.0.1:0", "--run-dir", str(run_dir),
+               *overrides])
+        addr = wait_for(lambda: (run_dir / "scheduler.addr").exists()
+                        and (run_dir / "scheduler.addr").read_text(), 60, "the scheduler address")
+        start(["ps", "--config", config, "--rank", "0", "--scheduler", addr, *overrides])
+        for rank in range(2):
+            start(["worker", "--config", config, *overrides], env={"HETPS_SCHEDULER": addr,
+                                                                     "HETPS_RANK": str(rank)})
+        start(["worker", "--config", config, "--evaluator", *overrides], env={"HETPS_SCHEDULER": addr})
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        for log in logs:
+            log.close()
+    tails = "\n".join((tmp_path / f"{i}.log").read_text()[-1500:] for i in range(len(procs)))
+    assert codes == [0] * len(procs), tails
+    s = summary(run_dir)
+    assert s["time_to_target_s"] is not None and s["final_accuracy"] >= 0.88, s
+    assert not processes_mentioning(str(tmp_path))
+
+
+def test_daemon_without_scheduler_address_exits_2(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "hetps.ps", "--config", str(REPO / "configs/default.yaml")],
+                            capture_output=True, text=True, timeout=60, env={**os.environ, "HETPS_SCHEDULER": ""})
+    assert result.returncode == 2 and "HETPS_SCHEDULER" in result.stderr
