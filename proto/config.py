@@ -85,8 +85,21 @@ class SspParams:
     staleness: int = 2         # a worker may be at most this many clocks ahead of the slowest
 
 
+@dataclass(frozen=True)
+class GroupingParams:
+    groups: int = 0            # number of groups; 0 = chosen by the Calinski-Harabasz score
+    max_groups: int = 4        # upper bound when choosing automatically
+    choose_k: str = "ratio"    # auto k: "ratio" (smallest k with homogeneous groups) | "ch" (Calinski-Harabasz)
+    scale_lr: bool = True      # a group's update uses lr / staleness
+    regroup: bool = True       # re-form groups while training when speeds drift
+    hysteresis: float = 0.3    # relative speed change that may trigger re-grouping
+    regroup_every_s: float = 2.0
+    equal_ratio: float = 1.5   # auto mode: fastest/slowest below this means one group
+
+
 # Algorithm name -> its parameter dataclass. A new algorithm adds one line here.
-ALGORITHM_PARAMS: dict[str, type] = {"sync": SyncParams, "async": AsyncParams, "ssp": SspParams}
+ALGORITHM_PARAMS: dict[str, type] = {"sync": SyncParams, "async": AsyncParams, "ssp": SspParams,
+                                     "grouping": GroupingParams}
 
 
 @dataclass(frozen=True)
@@ -96,8 +109,15 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
+class SlowdownChange:
+    at_s: float                # seconds after the node starts training (serving, for shards)
+    slowdown: float
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     slowdown: float = 1.0      # emulate a slower node: a step takes slowdown x its compute time
+    schedule: list[SlowdownChange] = field(default_factory=list)  # later changes of slowdown
     threads: int = 1           # torch intra-op threads
     device: str = "auto"       # auto | cpu | cuda | cuda:N  (workers)
 
@@ -109,6 +129,7 @@ class ClusterConfig:
     shards: list[NodeConfig] = field(default_factory=lambda: [NodeConfig(), NodeConfig()])
     workers: list[NodeConfig] = field(default_factory=lambda: [NodeConfig() for _ in range(4)])
     heartbeat_s: float = 0.5
+    profile_steps: int = 20                # steps timed on the real model before joining (speed)
     request_timeout_s: float = 120.0       # longest wait for any single reply
     startup_timeout_s: float = 120.0       # longest wait for the cluster to form
     max_message_bytes: int = 1 << 30       # enforced by the sockets
@@ -240,6 +261,11 @@ def _check_values(cfg: RunConfig) -> None:
         for i, node in enumerate(getattr(cfg.cluster, kind)):
             if node.slowdown < 1.0:
                 _fail(f"cluster.{kind}.{i}.slowdown", f"must be >= 1.0, got {node.slowdown}")
+            for j, change in enumerate(node.schedule):
+                if change.slowdown < 1.0 or change.at_s < 0:
+                    _fail(f"cluster.{kind}.{i}.schedule.{j}", "needs at_s >= 0 and slowdown >= 1.0")
+    if isinstance(cfg.algorithm.params, GroupingParams) and cfg.algorithm.params.choose_k not in ("ratio", "ch"):
+        _fail("algorithm.choose_k", f"unknown value {cfg.algorithm.params.choose_k!r}; allowed: ratio, ch")
     if isinstance(cfg.algorithm.params, SspParams) and cfg.algorithm.params.staleness < 0:
         _fail("algorithm.staleness", f"must be >= 0, got {cfg.algorithm.params.staleness}")
     if cfg.optimizer.schedule.name == "cosine" and cfg.optimizer.schedule.total_steps <= 0:

@@ -5,8 +5,10 @@ and the scheduler address.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 from .config import ConfigError, RunConfig, load_config
@@ -36,6 +38,7 @@ def daemon_setup(args: argparse.Namespace, role: str) -> tuple[RunConfig, str]:
     """Config, logging and the scheduler address for a daemon."""
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {role}{args.rank} %(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     cfg = load_or_exit(args.config, args.overrides)
     scheduler = args.scheduler or cfg.cluster.scheduler
     if scheduler.endswith(":0"):

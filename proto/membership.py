@@ -39,11 +39,13 @@ class Membership:
         self._beat_thread: threading.Thread | None = None
         self._closing = threading.Event()
 
-    def join(self, address: str = "", tensor_specs: list | None = None, schema_hash: str = "") -> int:
+    def join(self, address: str = "", tensor_specs: list | None = None, schema_hash: str = "",
+             speed: float = 0.0) -> int:
         """Register; returns this node's id. Raises RequestTimeout naming the
         scheduler address if it does not answer within the startup timeout."""
         welcome = self.rpc.call(Register(role=self.role, rank=self.rank, address=address,
-                                         tensor_specs=tensor_specs or [], schema_hash=schema_hash),
+                                         tensor_specs=tensor_specs or [], schema_hash=schema_hash,
+                                         speed=speed),
                                 timeout_s=self.cluster.startup_timeout_s)
         assert isinstance(welcome, Welcome)
         self.node_id = welcome.node_id
@@ -56,6 +58,12 @@ class Membership:
         assert isinstance(reply, Plan)
         self.latest_plan_id = max(self.latest_plan_id, reply.plan_id)
         return ClusterPlan.from_dict(reply.plan)
+
+    def newer_plan(self, current: int) -> ClusterPlan | None:
+        """The scheduler's newer plan if a heartbeat announced one, else None."""
+        if self.latest_plan_id <= current:
+            return None
+        return self.wait_plan(after=current)
 
     def add_record(self, record: dict) -> None:
         """Queue a step record for the next heartbeat (thread-safe)."""

@@ -68,6 +68,7 @@ class Register(Message):
     address: str = ""             # advertised server address (shards)
     tensor_specs: list = field(default_factory=list)  # [[name, dtype, shape, kind]] forward order
     schema_hash: str = ""
+    speed: float = 0.0            # profiled speed: samples/s (workers), bytes/s updated (shards)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class Push(Message):
     clock: int                    # pushes this worker made before this one
     base_version: int             # shard version the gradient was computed on
     n_samples: int = 0
+    info: dict = field(default_factory=dict)  # algorithm extras (e.g. local steps), string keys
     tensors: dict = field(default_factory=dict)
 
 

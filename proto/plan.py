@@ -55,6 +55,10 @@ class ClusterPlan:
     tensors: list[TensorSpec]        # forward order
     placement: dict[str, int]        # tensor name -> index into `shards`
     schema_hash: str = ""
+    groups: list[list[int]] = field(default_factory=list)  # worker node ids per synchronous group
+    speeds: dict[str, float] = field(default_factory=dict)  # node id -> measured speed
+    shares: dict[str, float] = field(default_factory=dict)  # worker node id -> relative data share
+    placement_id: int = 1            # plan id that last changed the placement
     info: dict = field(default_factory=dict)
 
     def shard_index(self, node_id: int) -> int:
@@ -70,6 +74,16 @@ class ClusterPlan:
     def worker_ids(self) -> list[int]:
         return [w.node_id for w in self.workers]
 
+    def share_weights(self) -> list[float]:
+        """Data-share weights in worker order (equal when the plan sets none)."""
+        return [float(self.shares.get(str(w), 1.0)) for w in self.worker_ids()]
+
+    def group_of(self, worker: int) -> int:
+        for g, members in enumerate(self.groups):
+            if worker in members:
+                return g
+        return 0
+
     def to_dict(self) -> dict:
         data = asdict(self)
         data["tensors"] = [t.to_wire() for t in self.tensors]
@@ -82,4 +96,7 @@ class ClusterPlan:
                    shards=[NodeEntry(**s) for s in data["shards"]],
                    tensors=[TensorSpec.from_wire(t) for t in data["tensors"]],
                    placement=dict(data["placement"]), schema_hash=data.get("schema_hash", ""),
+                   groups=[list(g) for g in data.get("groups", [])],
+                   speeds=dict(data.get("speeds", {})), shares=dict(data.get("shares", {})),
+                   placement_id=data.get("placement_id", 1),
                    info=dict(data.get("info", {})))

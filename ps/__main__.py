@@ -22,7 +22,10 @@ from hetps.proto.daemon import common_args, daemon_setup
 from hetps.proto.membership import Membership
 from hetps.proto.transport import make_server
 
-from .shard import Shard
+from hetps.proto.config import NodeConfig
+from hetps.proto.emulation import Slowdown
+
+from .shard import Shard, profile_update_speed
 
 log = logging.getLogger("hetps.ps")
 
@@ -34,19 +37,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--advertise", default=None, help="address workers should connect to")
     args = parser.parse_args(argv)
     cfg, scheduler = daemon_setup(args, "ps")
-    node = cfg.cluster.shards[args.rank] if args.rank < len(cfg.cluster.shards) else None
-    torch.set_num_threads(node.threads if node else 1)
+    node = cfg.cluster.shards[args.rank] if args.rank < len(cfg.cluster.shards) else NodeConfig()
+    torch.set_num_threads(node.threads)
+    slowdown = Slowdown(node)
     server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
     member = Membership(scheduler, "ps", args.rank, cfg.cluster)
     try:
-        member.join(address=args.advertise or server.address)
+        member.join(address=args.advertise or server.address, speed=profile_update_speed(slowdown))
         plan = member.wait_plan()
-        shard = Shard(server, member.node_id, plan, cfg, slowdown=node.slowdown if node else 1.0)
+        slowdown.start()
+        shard = Shard(server, member.node_id, plan, cfg, slowdown)
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
                  len(shard.store.specs), server.address)
         member.start_heartbeats(shard.stats)
         while not member.stop_requested.is_set():
             shard.serve_once(0.05)
+            newer = member.newer_plan(shard.plan.plan_id)
+            if newer is not None:
+                shard.adopt(newer)
         log.info("stopping: %s", member.stop_reason)
         member.bye(shard.stats())
     finally:

@@ -5,12 +5,15 @@ A policy is driven by the shard's single loop (not thread-safe). `on_push`
 returns the staleness of the push (shard updates since the version the
 gradient was computed on). `pull_ready(worker, clock)` says whether a pull
 from a worker that has made `clock` pushes may be answered now; clock -1
-(the evaluator) is always ready. Parked pulls are re-checked after every push.
+(the evaluator) is always ready. Parked pulls are re-checked after every push
+and after a plan change. `adopt(plan)` switches to a new plan at a round
+boundary: rounds still open are closed with the contributions they have, so
+no pushed gradient is lost or applied twice.
 
 Buffers (BatchNorm statistics) are not gradients: each push carries the
-worker's current buffers, and the shard keeps a running mean of them
-(`TensorStore.mix_buffers`): sync averages the round's buffers; async and ssp
-move toward each pushed value with weight 1/P.
+worker's current buffers and the shard keeps a running mean of them
+(`TensorStore.mix_buffers`): a round moves the buffers toward the round's mean
+with weight (members in the round) / P; async and ssp with weight 1/P.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 
 from hetps.proto.codec import ProtocolError
 from hetps.proto.messages import Push, Status
+from hetps.proto.plan import ClusterPlan
 
 from .optim import Updater
 from .store import TensorStore
@@ -30,11 +34,11 @@ from .store import TensorStore
 class ConsistencyPolicy(ABC):
     name: ClassVar[str]
 
-    def __init__(self, store: TensorStore, updater: Updater, workers: list[int], params):
+    def __init__(self, store: TensorStore, updater: Updater, plan: ClusterPlan, params):
         self.store = store
         self.updater = updater
-        self.workers = list(workers)
         self.params = params
+        self.workers: list[int] = plan.worker_ids()
 
     def split(self, push: Push) -> tuple[dict, dict]:
         """The push's gradients (all parameters required) and buffers (optional)."""
@@ -49,6 +53,13 @@ class ConsistencyPolicy(ABC):
         if worker not in self.workers:
             raise ProtocolError(Status.BAD_STATE, f"node {worker} is not a worker of this plan")
 
+    def adopt(self, plan: ClusterPlan) -> None:
+        """Switch to `plan` (new worker set or groups)."""
+        self.workers = plan.worker_ids()
+
+    def stats(self) -> dict:
+        return {}
+
     @abstractmethod
     def on_push(self, worker: int, push: Push) -> int: ...
 
@@ -58,11 +69,12 @@ class ConsistencyPolicy(ABC):
 
 @dataclass
 class Round:
-    """Running sums of one synchronous round."""
+    """Running sums of one group round."""
 
     grads: dict = field(default_factory=dict)
     buffers: dict = field(default_factory=dict)
     members: set = field(default_factory=set)
+    buffer_counts: dict = field(default_factory=dict)  # buffers are optional: count who sent each
 
     def add(self, worker: int, grads: dict, buffers: dict) -> None:
         for target, values in ((self.grads, grads), (self.buffers, buffers)):
@@ -73,49 +85,96 @@ class Round:
                     target[n].add_(t)
                 else:  # integer buffers (num_batches_tracked): keep the largest
                     torch.maximum(target[n], t, out=target[n])
+        for n in buffers:
+            self.buffer_counts[n] = self.buffer_counts.get(n, 0) + 1
         self.members.add(worker)
 
     def means(self) -> tuple[dict, dict]:
         k = len(self.members)
         return ({n: s.div_(k) for n, s in self.grads.items()},
-                {n: s.div_(k) if s.is_floating_point() else s for n, s in self.buffers.items()})
+                {n: s.div_(self.buffer_counts[n]) if s.is_floating_point() else s
+                 for n, s in self.buffers.items()})
 
 
-class SyncPolicy(ConsistencyPolicy):
-    """BSP: round r closes when every worker pushed its r-th gradient; the
-    mean is applied once; a pull after r+1 pushes waits for round r."""
+class GroupingPolicy(ConsistencyPolicy):
+    """Grouping-SGD: inside a group, a round closes when every member pushed
+    once, and the mean gradient is applied; groups never wait for each other.
+    A group's update uses lr / staleness, staleness = 1 + updates applied by
+    other groups since this group's last update (`scale_lr: false` turns the
+    scaling off). A pull after `clock` pushes waits until all of them were
+    applied."""
 
-    name = "sync"
+    name = "grouping"
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, store: TensorStore, updater: Updater, plan: ClusterPlan, params):
+        super().__init__(store, updater, plan, params)
         self.rounds: dict[int, Round] = {}
-        self.closed = 0  # rounds applied so far
+        self.pushed: dict[int, int] = {}    # worker -> pushes accepted (clock of the next new push)
+        self.applied: dict[int, int] = {}   # worker -> pushes applied in closed rounds
+        self.group_updates: dict[int, int] = {}
+        self.last_update_at: dict[int, int] = {}  # group -> shard version right after its update
+        self.staleness_seen: dict[int, int] = {}
+        self._set_groups(plan)
+
+    def groups_of(self, plan: ClusterPlan) -> list[list[int]]:
+        return [list(g) for g in plan.groups] or [plan.worker_ids()]
+
+    def _set_groups(self, plan: ClusterPlan) -> None:
+        self.groups = self.groups_of(plan)
+        self.group_of = {w: g for g, members in enumerate(self.groups) for w in members}
+        for w in self.group_of:
+            self.pushed.setdefault(w, 0)
+            self.applied.setdefault(w, self.pushed[w])
+
+    def adopt(self, plan: ClusterPlan) -> None:
+        for g in list(self.rounds):
+            self._close(g)  # flush: partial rounds are applied with the members they have
+        super().adopt(plan)
+        self._set_groups(plan)
+        self.last_update_at = {g: self.store.version for g in range(len(self.groups))}
 
     def on_push(self, worker: int, push: Push) -> int:
         self.check_member(worker)
         grads, buffers = self.split(push)
         staleness = self.store.version - push.base_version
-        if push.clock < self.closed:
-            return staleness  # replay of a closed round: already applied once
-        rnd = self.rounds.setdefault(push.clock, Round())
-        if worker in rnd.members:
-            return staleness  # duplicate push
-        rnd.add(worker, grads, buffers)
-        self._close_ready_rounds()
+        if push.clock < self.pushed[worker]:
+            return staleness  # duplicate or replayed push: it was taken once already
+        g = self.group_of[worker]
+        self.rounds.setdefault(g, Round()).add(worker, grads, buffers)
+        self.pushed[worker] = push.clock + 1
+        if self.rounds[g].members >= set(self.groups[g]):
+            self._close(g)
         return staleness
 
-    def _close_ready_rounds(self) -> None:
-        while (rnd := self.rounds.get(self.closed)) and rnd.members >= set(self.workers):
-            grads, buffers = rnd.means()
-            self.updater.apply(grads)
-            self.store.mix_buffers(buffers, 1.0)
-            self.store.mark_updated(grads)
-            del self.rounds[self.closed]
-            self.closed += 1
+    def _close(self, g: int) -> None:
+        rnd = self.rounds.pop(g)
+        grads, buffers = rnd.means()
+        staleness = 1 + self.store.version - self.last_update_at.get(g, 0)
+        scale = 1.0 / staleness if getattr(self.params, "scale_lr", False) else 1.0
+        self.updater.apply(grads, lr_scale=scale)
+        self.store.mix_buffers(buffers, len(rnd.members) / max(1, len(self.workers)))
+        self.store.mark_updated(grads)
+        self.last_update_at[g] = self.store.version
+        self.group_updates[g] = self.group_updates.get(g, 0) + 1
+        self.staleness_seen[g] = staleness
+        for w in rnd.members:
+            self.applied[w] = self.pushed[w]
 
     def pull_ready(self, worker: int, clock: int) -> bool:
-        return clock < 0 or self.closed >= clock
+        return clock < 0 or self.applied.get(worker, 0) >= clock
+
+    def stats(self) -> dict:
+        return {"group_updates": {str(g): n for g, n in self.group_updates.items()},
+                "group_staleness": {str(g): s for g, s in self.staleness_seen.items()}}
+
+
+class SyncPolicy(GroupingPolicy):
+    """BSP: one group of every worker; each round's mean is applied once."""
+
+    name = "sync"
+
+    def groups_of(self, plan: ClusterPlan) -> list[list[int]]:
+        return [plan.worker_ids()]
 
 
 class AsyncPolicy(ConsistencyPolicy):
@@ -126,6 +185,10 @@ class AsyncPolicy(ConsistencyPolicy):
     def __init__(self, *args):
         super().__init__(*args)
         self.clocks = {w: 0 for w in self.workers}
+
+    def adopt(self, plan: ClusterPlan) -> None:
+        super().adopt(plan)
+        self.clocks = {w: self.clocks.get(w, min(self.clocks.values(), default=0)) for w in self.workers}
 
     def on_push(self, worker: int, push: Push) -> int:
         self.check_member(worker)
@@ -154,4 +217,5 @@ class SspPolicy(AsyncPolicy):
         return clock < 0 or min(self.clocks.values()) >= clock - self.params.staleness
 
 
-POLICIES: dict[str, type[ConsistencyPolicy]] = {p.name: p for p in (SyncPolicy, AsyncPolicy, SspPolicy)}
+POLICIES: dict[str, type[ConsistencyPolicy]] = {
+    p.name: p for p in (SyncPolicy, AsyncPolicy, SspPolicy, GroupingPolicy)}

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from hetps.proto.codec import Envelope, ProtocolError
-from hetps.proto.config import RunConfig
+from hetps.proto.config import NodeConfig, RunConfig
+from hetps.proto.emulation import Slowdown, work_clock
 from hetps.proto.messages import Ack, Params, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Service
@@ -38,11 +39,11 @@ class ParkedPull:
 
 class Shard(Service):
     def __init__(self, server: ServerTransport, node_id: int, plan: ClusterPlan, cfg: RunConfig,
-                 slowdown: float = 1.0):
+                 slowdown: Slowdown | None = None):
         super().__init__(server, node_id)
         self.cfg = cfg
         self.plan = plan
-        self.slowdown = slowdown
+        self.slowdown = slowdown or Slowdown(NodeConfig())
         self.store = TensorStore(plan.owned(plan.shard_index(node_id)))
         self.policy: ConsistencyPolicy | None = None
         self.parked: list[ParkedPull] = []
@@ -56,16 +57,27 @@ class Shard(Service):
         return self.cfg.cluster.max_message_bytes
 
     def stats(self) -> dict:
-        return {"version": self.store.version, "parked": len(self.parked),
+        policy = self.policy.stats() if self.policy else {}
+        return {"version": self.store.version, "parked": len(self.parked), "plan_id": self.plan.plan_id,
                 "malformed": self.malformed, "tensors": len(self.store.specs),
-                "lr": self.policy.updater.lr if self.policy else 0.0, **self.counts}
+                "lr": self.policy.updater.lr if self.policy else 0.0, **self.counts, **policy}
+
+    def adopt(self, plan: ClusterPlan) -> None:
+        """Switch to a newer plan (same placement): open rounds are closed first."""
+        if plan.placement_id != self.plan.placement_id:
+            raise ValueError(f"plan {plan.plan_id} moves tensors; live re-placement is not supported")
+        log.info("adopting plan %d (groups %s)", plan.plan_id, plan.groups)
+        self.plan = plan
+        if self.policy is not None:
+            self.policy.adopt(plan)
+        self._serve_parked()
 
     # ------------------------------------------------------------ handlers
     def on_init(self, peer: bytes, env: Envelope):
         first = self.store.initialize(env.msg.tensors)
         if first:
             updater = Updater(self.store.tensors, self.store.param_names(), self.cfg.optimizer)
-            self.policy = POLICIES[self.plan.algorithm](self.store, updater, self.plan.worker_ids(),
+            self.policy = POLICIES[self.plan.algorithm](self.store, updater, self.plan,
                                                         self.cfg.algorithm.params)
             log.info("initialized %d tensors from node %d", len(self.store.specs), env.src)
             self._serve_parked()
@@ -75,12 +87,13 @@ class Shard(Service):
         push = env.msg
         if self.policy is None:
             raise ProtocolError(Status.NOT_READY, "no INIT has reached this shard yet")
-        if push.plan_id != self.plan.plan_id:
-            raise ProtocolError(Status.STALE_PLAN, f"plan {push.plan_id}, current {self.plan.plan_id}")
+        if push.plan_id < self.plan.placement_id:  # made for a placement that no longer holds
+            raise ProtocolError(Status.STALE_PLAN, f"plan {push.plan_id} predates placement of plan "
+                                                   f"{self.plan.placement_id}")
         self._check_finite(push.tensors)
-        started = time.perf_counter()
+        started = work_clock()
         staleness = self.policy.on_push(env.src, push)
-        self._stretch(time.perf_counter() - started)
+        self._stretch(work_clock() - started)
         self.counts["pushes"] += 1
         self._serve_parked()
         return Ack(version=self.store.version, staleness=max(0, staleness), plan_id=self.plan.plan_id)
@@ -101,9 +114,7 @@ class Shard(Service):
 
     def _stretch(self, busy_s: float) -> None:
         """Emulate a slower server: make this update take slowdown x its time."""
-        self.counts["busy_s"] += busy_s * self.slowdown
-        if self.slowdown > 1.0:
-            time.sleep(busy_s * (self.slowdown - 1.0))
+        self.counts["busy_s"] += self.slowdown.stretch(busy_s)
 
     def _ready(self, pull: ParkedPull) -> bool:
         return self.policy is not None and self.policy.pull_ready(pull.worker, pull.clock)
@@ -120,3 +131,18 @@ class Shard(Service):
             else:
                 waiting.append(pull)
         self.parked = waiting
+
+
+def profile_update_speed(slowdown: Slowdown, numel: int = 1 << 18, steps: int = 5) -> float:
+    """Bytes per second this shard updates: SGD-with-momentum steps on a
+    scratch tensor, stretched by the emulated slowdown."""
+    param = torch.zeros(numel)
+    grad = torch.ones(numel)
+    opt = torch.optim.SGD([param], lr=0.01, momentum=0.9)
+    param.grad = grad
+    opt.step()  # warm-up: allocates the momentum buffer
+    started = work_clock()
+    for _ in range(steps):
+        opt.step()
+    busy = (work_clock() - started) * slowdown.factor()
+    return steps * numel * 4 / max(busy, 1e-9)

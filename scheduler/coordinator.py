@@ -9,7 +9,9 @@ One loop, one thread; `tick()` is called between requests.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 
+from .grouping import data_shares, drifted, form_groups
 from .placement import place
 from .runlog import RunLog
 
@@ -30,6 +33,13 @@ EXIT_GRACE_S = 40.0   # longest wait for everyone to leave after a stop began
 ROLES = ("ps", "worker", "evaluator")
 
 
+def _count(stats: dict, key: str) -> int:
+    """A count from a peer's stats; 0 when absent or not a finite number
+    (stats are free-form on the wire and must not break the summary)."""
+    value = stats.get(key, 0)
+    return int(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0
+
+
 @dataclass
 class Node:
     node_id: int
@@ -37,8 +47,14 @@ class Node:
     rank: int
     address: str
     last_seen: float
+    profiled_speed: float = 0.0
     stats: dict = field(default_factory=dict)
     left: bool = False
+
+    @property
+    def speed(self) -> float:
+        """Latest measured speed: from heartbeats once training, else the profile."""
+        return float(self.stats.get("speed") or self.profiled_speed or 1.0)
 
 
 @dataclass
@@ -62,6 +78,7 @@ class Coordinator(Service):
         self.schema = ""
         self.plan: ClusterPlan | None = None
         self.plan_waiters: list[tuple[bytes, int, int]] = []
+        self.plan_checked = 0.0
         self.barriers: dict[str, list[tuple[bytes, int]]] = {}
         self.created = time.monotonic()
         self.started: float | None = None     # when the first plan went out
@@ -86,7 +103,7 @@ class Coordinator(Service):
         return [n for n in self.nodes.values() if n.role in roles]
 
     def global_steps(self) -> int:
-        return sum(int(n.stats.get("steps", 0)) for n in self.members("worker"))
+        return sum(_count(n.stats, "steps") for n in self.members("worker"))
 
     def begin_stop(self, reason: str) -> None:
         if self.stop_reason is None:
@@ -103,7 +120,8 @@ class Coordinator(Service):
         if msg.role == "worker":
             self._check_schema(msg.tensor_specs, msg.schema_hash)
         node_id = len(self.nodes) + 1
-        self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, time.monotonic())
+        self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, time.monotonic(),
+                                   profiled_speed=msg.speed)
         log.info("registered %s %d as node %d %s", msg.role, msg.rank, node_id, msg.address)
         self._maybe_plan()
         return Welcome(node_id=node_id, role=msg.role, rank=msg.rank)
@@ -167,23 +185,62 @@ class Coordinator(Service):
     def _maybe_plan(self) -> None:
         if self.plan is not None or self.specs is None:
             return
-        shards = sorted(self.members("ps"), key=lambda n: n.rank)
+        shards = sorted(self.members("ps"), key=lambda n: (-n.speed, n.rank))  # fastest first
         workers = sorted(self.members("worker"), key=lambda n: n.rank)
         if len(shards) < self.expected["ps"] or len(workers) < self.expected["worker"]:
             return
-        placement = place(self.specs, [1.0] * len(shards))
-        self.plan = ClusterPlan(
+        placement = place(self.specs, [n.speed for n in shards])
+        self.started = time.monotonic()
+        self._publish(ClusterPlan(
             plan_id=1, algorithm=self.cfg.algorithm.name,
             workers=[NodeEntry(n.node_id, n.rank) for n in workers],
             shards=[NodeEntry(n.node_id, n.rank, n.address) for n in shards],
-            tensors=self.specs, placement=placement, schema_hash=self.schema)
-        self.started = time.monotonic()
-        self.runlog.write_plan(self.plan.to_dict())
-        self.runlog.record("plan", t=0.0, plan_id=1)
-        log.info("plan 1: %d workers, %d shards, %d tensors", len(workers), len(shards), len(self.specs))
+            tensors=self.specs, placement=placement, schema_hash=self.schema,
+            speeds={str(n.node_id): round(n.speed, 3) for n in shards + workers},
+            **self._grouping({n.node_id: n.speed for n in workers})))
+
+    def _grouping(self, speeds: dict[int, float]) -> dict:
+        """Plan fields for the workers' groups and data shares under this algorithm."""
+        name = self.cfg.algorithm.name
+        if name == "grouping":
+            groups = form_groups(speeds, self.cfg.algorithm.params, self.cfg.seed)
+            return {"groups": groups, "shares": {str(w): s for w, s in data_shares(groups, speeds).items()}}
+        if name in ("async", "ssp"):
+            return {"groups": [[w] for w in sorted(speeds)], "shares": {}}
+        return {"groups": [sorted(speeds)], "shares": {}}
+
+    def _publish(self, plan: ClusterPlan) -> None:
+        self.plan = plan
+        self.plan_checked = time.monotonic()
+        self.runlog.write_plan(plan.to_dict())
+        self.runlog.record("plan", t=round(self.elapsed(), 4), plan_id=plan.plan_id, groups=plan.groups,
+                           speeds=plan.speeds)
+        log.info("plan %d: %d workers in groups %s, %d shards, %d tensors; speeds %s", plan.plan_id,
+                 len(plan.workers), plan.groups, len(plan.shards), len(plan.tensors), plan.speeds)
         for peer, req, after in self.plan_waiters:
-            self.reply(peer, req, Plan(plan_id=1, plan=self.plan.to_dict()))
-        self.plan_waiters.clear()
+            if plan.plan_id > after:
+                self.reply(peer, req, Plan(plan_id=plan.plan_id, plan=plan.to_dict()))
+        self.plan_waiters = [w for w in self.plan_waiters if w[2] >= plan.plan_id]
+
+    def _maybe_regroup(self) -> None:
+        """Grouping-SGD: a new plan when measured worker speeds drifted beyond
+        the hysteresis and k-means now forms different groups."""
+        params = self.cfg.algorithm.params
+        if (self.cfg.algorithm.name != "grouping" or not params.regroup or self.stop_reason
+                or time.monotonic() - self.plan_checked < params.regroup_every_s):
+            return
+        self.plan_checked = time.monotonic()
+        workers = [n for n in self.members("worker") if n.node_id in self.plan.worker_ids()]
+        speeds = {n.node_id: n.speed for n in workers}
+        old = {w: self.plan.speeds.get(str(w), 1.0) for w in speeds}
+        if not drifted(old, speeds, params.hysteresis):
+            return
+        fields = self._grouping(speeds)
+        if sorted(map(sorted, fields["groups"])) == sorted(map(sorted, self.plan.groups)):
+            return
+        self._publish(dataclasses.replace(
+            self.plan, plan_id=self.plan.plan_id + 1,
+            speeds={**self.plan.speeds, **{str(w): round(s, 3) for w, s in speeds.items()}}, **fields))
 
     # ------------------------------------------------------------ evaluation and stopping
     def _record_eval(self, values: dict) -> None:
@@ -217,6 +274,7 @@ class Coordinator(Service):
                 self.begin_stop(f"cluster did not form within {self.cfg.cluster.startup_timeout_s}s: "
                                 f"still waiting for {missing}")
             return
+        self._maybe_regroup()
         if self.elapsed() >= stop.max_seconds:
             self.begin_stop(f"time limit {stop.max_seconds}s")
         if stop.max_steps and self.global_steps() >= stop.max_steps:
@@ -231,9 +289,9 @@ class Coordinator(Service):
 
     def summary(self) -> dict:
         workers = sorted(self.members("worker", "evaluator"), key=lambda n: (n.role, n.rank))
-        per_node = {f"{n.role}{n.rank}": {"sent": int(n.stats.get("bytes_sent", 0)),
-                                          "received": int(n.stats.get("bytes_received", 0)),
-                                          "steps": int(n.stats.get("steps", 0))} for n in workers}
+        per_node = {f"{n.role}{n.rank}": {"sent": _count(n.stats, "bytes_sent"),
+                                          "received": _count(n.stats, "bytes_received"),
+                                          "steps": _count(n.stats, "steps")} for n in workers}
         stragglers = [f"{n.role}{n.rank}" for n in self.nodes.values() if not n.left]
         return {
             "name": self.cfg.name, "algorithm": self.cfg.algorithm.name,
@@ -244,7 +302,8 @@ class Coordinator(Service):
             "bytes_sent": sum(v["sent"] for v in per_node.values()),
             "bytes_received": sum(v["received"] for v in per_node.values()),
             "per_node": per_node, "evals": self.evals.count,
-            "shard_versions": {f"ps{n.rank}": n.stats.get("version", 0) for n in self.members("ps")},
+            "shard_versions": {f"ps{n.rank}": _count(n.stats, "version") for n in self.members("ps")},
+            "shard_stats": {f"ps{n.rank}": n.stats for n in self.members("ps")},
             "plan_id": self.plan.plan_id if self.plan else 0,
             "stop_reason": self.stop_reason, "failures": self.failures, "not_left": stragglers,
         }

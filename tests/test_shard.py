@@ -8,6 +8,7 @@ NOT have come yet (a parked pull) is checked with a short `wait` that times out.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import uuid
 
@@ -28,6 +29,7 @@ A, B = 11, 12             # worker node ids
 SHARD_IDS = (21, 22)      # shard node ids
 PLAN_ID = 3
 TIGHT = dict(rtol=1e-6, atol=1e-7)
+PLAN_FIELDS = {f.name for f in dataclasses.fields(ClusterPlan)}
 
 
 # ---------------------------------------------------------------- fixtures and helpers
@@ -45,10 +47,11 @@ def tiny_model(seed: int = 0) -> nn.Module:
 def make_plan(model: nn.Module, n_shards: int, algorithm: str, workers=(A, B)) -> ClusterPlan:
     specs = model_specs(model)
     shards = [NodeEntry(SHARD_IDS[i], i, f"mem://unused-{i}") for i in range(n_shards)]
+    extra = {"placement_id": PLAN_ID} if "placement_id" in PLAN_FIELDS else {}
     return ClusterPlan(plan_id=PLAN_ID, algorithm=algorithm,
                        workers=[NodeEntry(w, r) for r, w in enumerate(workers)],
                        shards=shards, tensors=specs, placement=place(specs, [1.0] * n_shards),
-                       schema_hash=schema_hash(specs))
+                       schema_hash=schema_hash(specs), **extra)
 
 
 class Harness:
@@ -404,7 +407,6 @@ def test_refusals_leave_the_shard_serving(harnesses):
     missing_grad = {n: t for n, t in good.items() if n != "3.bias"}
     cases = [
         (A, push(good, plan_id=PLAN_ID - 1), Status.STALE_PLAN),
-        (A, push(good, plan_id=PLAN_ID + 1), Status.STALE_PLAN),
         (A, push(nan), Status.NONFINITE),
         (A, push(inf_buffer), Status.NONFINITE),
         (A, push({**good, "ghost.weight": torch.zeros(3)}), Status.UNKNOWN_TENSOR),
@@ -449,6 +451,21 @@ def test_buffers_are_optional_in_a_push(harnesses):
     for n, k in h.kinds.items():
         if k == "buffer":
             assert torch.equal(after[n], init_values(model)[n])
+
+
+def test_sync_buffer_mean_counts_only_the_pushes_that_carried_it(harnesses):
+    model = tiny_model()
+    h = harnesses(model, [])
+    h.init(init_values(model))
+    with_buffers = fake_push(model, 4)
+    grads_only = {n: t for n, t in fake_push(model, 5).items() if h.kinds[n] == "param"}
+    h.push(A, 0, with_buffers)
+    h.push(B, 0, grads_only)
+    assert h.versions() == [1]
+    after = h.values()
+    for n, k in h.kinds.items():
+        if k == "buffer":  # the mean of the one value pushed, not half of it
+            torch.testing.assert_close(after[n], with_buffers[n], **TIGHT)
 
 
 # ---------------------------------------------------------------- learning-rate schedule

@@ -28,9 +28,13 @@ from .data import DatasetUnavailable, load_datasets
 from .evaluator import Evaluator
 from .models import build_model
 from .state import ModelState, model_specs
-from .trainer import Trainer
+from hetps.proto.emulation import Slowdown
+
+from .trainer import Trainer, profile_speed
 
 log = logging.getLogger("hetps.worker")
+# algorithm name -> the worker loop that runs it
+TRAINERS = {"sync": Trainer, "async": Trainer, "ssp": Trainer, "grouping": Trainer}
 
 
 def pick_device(name: str) -> torch.device:
@@ -61,11 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     member = Membership(scheduler, role, args.rank, cfg.cluster)
     runner = None
     try:
-        member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs))
-        plan = member.wait_plan()
         state = ModelState(model, device)
+        speed = 0.0 if args.evaluator else profile_speed(state, data, cfg.data.batch_size,
+                                                         cfg.cluster.profile_steps, Slowdown(node))
+        member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=speed)
+        plan = member.wait_plan()
         runner = (Evaluator(cfg, member, plan, state, data.test) if args.evaluator
-                  else Trainer(cfg, node, member, plan, state, data))
+                  else TRAINERS[cfg.algorithm.name](cfg, node, member, plan, state, data))
         member.start_heartbeats(runner.stats)
         log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)
         try:

@@ -28,6 +28,12 @@ class PSClient:
         self.names = [[t.name for t in plan.owned(i)] for i in range(len(plan.shards))]
         self.versions = [0] * len(plan.shards)  # version of each shard's values we hold
 
+    def adopt(self, plan: ClusterPlan) -> None:
+        """Use a newer plan; its placement must be the one we connected for."""
+        if plan.placement_id != self.plan.placement_id:
+            raise ValueError(f"plan {plan.plan_id} moves tensors; live re-placement is not supported")
+        self.plan = plan
+
     @property
     def bytes_sent(self) -> int:
         return sum(c.bytes_sent for c in self.shards)

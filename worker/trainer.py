@@ -5,6 +5,7 @@ Blocking; returns when the scheduler asks the cluster to stop.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hetps.proto.config import NodeConfig, RunConfig
+from hetps.proto.emulation import Slowdown, work_clock
 from hetps.proto.membership import Membership
 from hetps.proto.plan import ClusterPlan
 
@@ -36,24 +38,53 @@ class StepTimer:
         self.step_s += a * (step_s - self.step_s)
 
 
+def profile_speed(state: ModelState, data: Datasets, batch_size: int, steps: int,
+                  slowdown: Slowdown) -> float:
+    """Samples per second of forward+backward on the real model and data,
+    stretched by the emulated slowdown (on a copy: the model is untouched)."""
+    model = copy.deepcopy(state.model).train()
+    stream = BatchStream(data.train, torch.arange(len(data.train)), batch_size, seed=0)
+    busy = 0.0
+    device = str(state.device)
+    for i in range(steps + 1):
+        x, y = stream.next_batch()
+        started = work_clock(device)
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x.to(state.device)), y.to(state.device)).backward()
+        if i:  # the first step warms up allocators and kernels
+            busy += work_clock(device) - started
+    return steps * batch_size / max(busy * slowdown.factor(), 1e-9)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, node: NodeConfig, member: Membership, plan: ClusterPlan,
                  state: ModelState, data: Datasets):
         self.cfg = cfg
-        self.node = node
         self.member = member
         self.state = state
-        self.index = plan.worker_ids().index(member.node_id)
-        shard_ids = partition(len(data.train), self.index, len(plan.workers), cfg.seed)
-        self.stream = BatchStream(data.train, shard_ids, cfg.data.batch_size, cfg.seed + 1000 * self.index)
+        self.data = data
+        self.slowdown = Slowdown(node)
+        self.device = str(state.device)
         self.client = PSClient(plan, member.node_id, cfg.cluster, member.stop_requested.is_set)
         self.timer = StepTimer()
         self.clock = 0
+        self.use_plan(plan)
+
+    def use_plan(self, plan: ClusterPlan) -> None:
+        """Take this worker's group and data share from `plan`."""
+        self.client.adopt(plan)
+        self.index = plan.worker_ids().index(self.member.node_id)
+        self.group = plan.group_of(self.member.node_id)
+        share = partition(len(self.data.train), self.index, len(plan.workers), self.cfg.seed,
+                          plan.share_weights())
+        self.stream = BatchStream(self.data.train, share, self.cfg.data.batch_size,
+                                  self.cfg.seed + 1000 * self.index + plan.plan_id)
 
     def stats(self) -> dict:
         return {"steps": self.clock, "bytes_sent": self.client.bytes_sent,
                 "bytes_received": self.client.bytes_received, "step_time_s": self.timer.step_s,
-                "compute_s": self.timer.compute_s,
+                "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id,
+                "speed": self.cfg.data.batch_size / self.timer.compute_s if self.timer.compute_s else 0.0,
                 "samples_per_s": self.cfg.data.batch_size / self.timer.step_s if self.timer.step_s else 0.0}
 
     def compute(self) -> float:
@@ -70,18 +101,21 @@ class Trainer:
     def run(self) -> None:
         self.client.init(self.state.values())
         self.state.load(self.client.pull(0))
+        self.slowdown.start()
         while not self.member.stop_requested.is_set():
-            started = time.perf_counter()
+            newer = self.member.newer_plan(self.client.plan.plan_id)
+            if newer is not None:  # between steps: our previous push is fully applied
+                self.use_plan(newer)
+                log.info("switched to plan %d: group %d", newer.plan_id, self.group)
+            started, work_started = time.perf_counter(), work_clock(self.device)
             loss = self.compute()
-            compute_s = time.perf_counter() - started
-            if self.node.slowdown > 1.0:
-                time.sleep(compute_s * (self.node.slowdown - 1.0))
+            compute_s = self.slowdown.stretch(work_clock(self.device) - work_started)
             acks, values = self.client.push_pull(self.state.outgoing(), self.clock, self.cfg.data.batch_size)
             self.state.load(values)
             self.clock += 1
             self.timer.update(compute_s, time.perf_counter() - started)
             self.member.add_record({"worker": self.index, "step": self.clock, "loss": round(loss, 5),
-                                    "staleness": max(a.staleness for a in acks),
+                                    "staleness": max(a.staleness for a in acks), "group": self.group,
                                     "compute_s": round(compute_s, 5),
                                     "step_s": round(time.perf_counter() - started, 5)})
 
