@@ -97,9 +97,78 @@ class GroupingParams:
     equal_ratio: float = 1.5   # auto mode: fastest/slowest below this means one group
 
 
+def _check_params(prefix: str, params, choices: dict, at_least: dict) -> None:
+    """Reject a bad algorithm parameter at load, naming its key."""
+    for key, allowed in choices.items():
+        if getattr(params, key) not in allowed:
+            _fail(f"{prefix}.{key}", f"unknown value {getattr(params, key)!r}; allowed: {', '.join(allowed)}")
+    for key, low in at_least.items():
+        if getattr(params, key) < low:
+            _fail(f"{prefix}.{key}", f"must be >= {low}, got {getattr(params, key)}")
+
+
+@dataclass(frozen=True)
+class EagerParams:
+    quorum: str = "majority"   # solo: first fresh push closes a round | majority: ceil(P/2) | random initiator
+    limiter: int = 8           # every limiter-th round is a full barrier (bounds staleness); 0 = never
+    max_staleness: int = 0     # versions; staler pushes are folded or dropped; 0 = the limiter
+    too_stale: str = "fold"    # fold: added to the open round like any late push | drop: discarded
+    seed: int = 0              # quorum=random: seeds the per-round initiator draw
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {"quorum": ("solo", "majority", "random"),
+                                          "too_stale": ("fold", "drop")},
+                      {"limiter": 0, "max_staleness": 0})
+
+
+@dataclass(frozen=True)
+class CpsgdParams:
+    period: int = 8            # local steps between model averages
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {}, {"period": 1})
+
+
+@dataclass(frozen=True)
+class AdpsgdParams:
+    rule: str = "variance"     # period rule (ps/averaging_rules.py PERIOD_RULES)
+    warmup_rounds: int = 4     # rounds at period 1 that set the reference spread
+    base_period: float = 1.0   # period = base_period x reference spread / current spread ...
+    max_period: int = 32       # ... capped here (the budget floor may exceed it)
+    budget_rounds: int = 0     # at most this many averages in the first horizon_steps local steps; 0 = no budget
+    horizon_steps: int = 0
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {"rule": ("variance",)},
+                      {"warmup_rounds": 2, "base_period": 1e-9, "max_period": 1, "budget_rounds": 0,
+                       "horizon_steps": 0})
+        if self.budget_rounds and self.budget_rounds <= self.warmup_rounds:
+            _fail("algorithm.budget_rounds", f"must exceed warmup_rounds ({self.warmup_rounds})")
+
+
+@dataclass(frozen=True)
+class WpsgdParams:
+    period_s: float = 2.0      # seconds of local SGD between averages; 0 = only the final average
+    weights: str = "wpsgd"     # wpsgd: 1-(1-lr*wd)^T_i (T_i if wd is 0) | steps: T_i | equal
+    final_average: bool = True  # one more average when the run stops
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {"weights": ("wpsgd", "steps", "equal")}, {"period_s": 0.0})
+
+
+@dataclass(frozen=True)
+class SimuParallelParams(WpsgdParams):
+    weights: str = "equal"
+
+
 # Algorithm name -> its parameter dataclass. A new algorithm adds one line here.
 ALGORITHM_PARAMS: dict[str, type] = {"sync": SyncParams, "async": AsyncParams, "ssp": SspParams,
-                                     "grouping": GroupingParams}
+                                     "grouping": GroupingParams,
+                                     "eager": EagerParams,
+                                     "cpsgd": CpsgdParams,
+                                     "adpsgd": AdpsgdParams,
+                                     "wpsgd": WpsgdParams,
+                                     "simuparallel": SimuParallelParams}
 
 
 @dataclass(frozen=True)
@@ -129,6 +198,7 @@ class ClusterConfig:
     shards: list[NodeConfig] = field(default_factory=lambda: [NodeConfig(), NodeConfig()])
     workers: list[NodeConfig] = field(default_factory=lambda: [NodeConfig() for _ in range(4)])
     heartbeat_s: float = 0.5
+    straggler: float = 0.0                 # every step one seeded-random worker computes 1+this x as long
     profile_steps: int = 20                # steps timed on the real model before joining (speed)
     request_timeout_s: float = 120.0       # longest wait for any single reply
     startup_timeout_s: float = 120.0       # longest wait for the cluster to form

@@ -60,6 +60,10 @@ class ConsistencyPolicy(ABC):
     def stats(self) -> dict:
         return {}
 
+    def reply_info(self, worker: int) -> dict:
+        """Extras for the ACK of `worker`'s push (string keys), e.g. the next period."""
+        return {}
+
     @abstractmethod
     def on_push(self, worker: int, push: Push) -> int: ...
 
@@ -113,7 +117,8 @@ class GroupingPolicy(ConsistencyPolicy):
         self.applied: dict[int, int] = {}   # worker -> pushes applied in closed rounds
         self.group_updates: dict[int, int] = {}
         self.last_update_at: dict[int, int] = {}  # group -> shard version right after its update
-        self.staleness_seen: dict[int, int] = {}
+        self.staleness_sum: dict[int, int] = {}   # group -> sum of its updates' staleness
+        self.counts = {"accepted": 0, "duplicates": 0, "contributions": 0}  # pushes in, pushes applied
         self._set_groups(plan)
 
     def groups_of(self, plan: ClusterPlan) -> list[list[int]]:
@@ -138,7 +143,9 @@ class GroupingPolicy(ConsistencyPolicy):
         grads, buffers = self.split(push)
         staleness = self.store.version - push.base_version
         if push.clock < self.pushed[worker]:
+            self.counts["duplicates"] += 1
             return staleness  # duplicate or replayed push: it was taken once already
+        self.counts["accepted"] += 1
         g = self.group_of[worker]
         self.rounds.setdefault(g, Round()).add(worker, grads, buffers)
         self.pushed[worker] = push.clock + 1
@@ -156,7 +163,8 @@ class GroupingPolicy(ConsistencyPolicy):
         self.store.mark_updated(grads)
         self.last_update_at[g] = self.store.version
         self.group_updates[g] = self.group_updates.get(g, 0) + 1
-        self.staleness_seen[g] = staleness
+        self.staleness_sum[g] = self.staleness_sum.get(g, 0) + staleness
+        self.counts["contributions"] += len(rnd.members)
         for w in rnd.members:
             self.applied[w] = self.pushed[w]
 
@@ -165,7 +173,9 @@ class GroupingPolicy(ConsistencyPolicy):
 
     def stats(self) -> dict:
         return {"group_updates": {str(g): n for g, n in self.group_updates.items()},
-                "group_staleness": {str(g): s for g, s in self.staleness_seen.items()}}
+                "group_staleness": {str(g): round(s / self.group_updates[g], 3)
+                                    for g, s in self.staleness_sum.items()},  # mean per group
+                "pending": sum(len(r.members) for r in self.rounds.values()), **self.counts}
 
 
 class SyncPolicy(GroupingPolicy):

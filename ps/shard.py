@@ -22,9 +22,13 @@ from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 
+from . import averaging, eager, policies
 from .optim import Updater
-from .policies import POLICIES, ConsistencyPolicy
+from .policies import ConsistencyPolicy
 from .store import TensorStore
+
+# algorithm name -> consistency policy; each policy module exports its own POLICIES
+POLICIES: dict[str, type[ConsistencyPolicy]] = {**policies.POLICIES, **eager.POLICIES, **averaging.POLICIES}
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +100,8 @@ class Shard(Service):
         self._stretch(work_clock() - started)
         self.counts["pushes"] += 1
         self._serve_parked()
-        return Ack(version=self.store.version, staleness=max(0, staleness), plan_id=self.plan.plan_id)
+        return Ack(version=self.store.version, staleness=max(0, staleness), plan_id=self.plan.plan_id,
+                   info=self.policy.reply_info(env.src))
 
     def on_pull(self, peer: bytes, env: Envelope):
         pull = ParkedPull(peer, env.req_id, env.src, env.msg.clock)

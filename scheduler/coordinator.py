@@ -2,9 +2,10 @@
 PLAN, heartbeats, barriers, evaluation reports, and a clean stop of the
 whole cluster. No tensor passes through it.
 
-Stop happens in two phases so the final evaluation can still read the
-shards: first workers and the evaluator are told to stop; shards are told
-once every worker and the evaluator said BYE (or `STOP_GRACE_S` passed).
+Stop happens in phases so the final evaluation sees the workers' last
+pushes and can still read the shards: first workers are told to stop; the
+evaluator once every worker said BYE; shards once every worker and the
+evaluator did (each, at the latest, after `STOP_GRACE_S`).
 One loop, one thread; `tick()` is called between requests.
 """
 from __future__ import annotations
@@ -259,9 +260,11 @@ class Coordinator(Service):
     def _tell_stop(self, node: Node) -> bool:
         if self.stop_reason is None:
             return False
-        if node.role != "ps":
+        if node.role == "worker":
             return True
-        others_gone = all(n.left for n in self.members("worker", "evaluator"))
+        # the evaluator goes after the workers, so its last evaluation sees their last pushes
+        before = ("worker",) if node.role == "evaluator" else ("worker", "evaluator")
+        others_gone = all(n.left for n in self.members(*before))
         return others_gone or time.monotonic() - self.stop_since > STOP_GRACE_S
 
     def tick(self) -> None:
@@ -303,6 +306,8 @@ class Coordinator(Service):
             "bytes_received": sum(v["received"] for v in per_node.values()),
             "per_node": per_node, "evals": self.evals.count,
             "shard_versions": {f"ps{n.rank}": _count(n.stats, "version") for n in self.members("ps")},
+            "communication_rounds": max((_count(n.stats, "rounds") or _count(n.stats, "version")
+                                         for n in self.members("ps")), default=0),
             "shard_stats": {f"ps{n.rank}": n.stats for n in self.members("ps")},
             "plan_id": self.plan.plan_id if self.plan else 0,
             "stop_reason": self.stop_reason, "failures": self.failures, "not_left": stragglers,

@@ -26,6 +26,7 @@ from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 
 from .data import DatasetUnavailable, load_datasets
 from .evaluator import Evaluator
+from .local import LocalSgdTrainer
 from .models import build_model
 from .state import ModelState, model_specs
 from hetps.proto.emulation import Slowdown
@@ -34,7 +35,10 @@ from .trainer import Trainer, profile_speed
 
 log = logging.getLogger("hetps.worker")
 # algorithm name -> the worker loop that runs it
-TRAINERS = {"sync": Trainer, "async": Trainer, "ssp": Trainer, "grouping": Trainer}
+TRAINERS = {"sync": Trainer, "async": Trainer, "ssp": Trainer, "grouping": Trainer,
+            "eager": Trainer,
+            "cpsgd": LocalSgdTrainer, "adpsgd": LocalSgdTrainer,
+            "wpsgd": LocalSgdTrainer, "simuparallel": LocalSgdTrainer}
 
 
 def pick_device(name: str) -> torch.device:

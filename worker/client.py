@@ -58,15 +58,26 @@ class PSClient:
         ids = [c.send(Pull(plan_id=self.plan.plan_id, clock=clock)) for c in self.shards]
         return self._gather_params(ids)
 
-    def push_pull(self, tensors: Mapping[str, torch.Tensor], clock: int,
-                  n_samples: int) -> tuple[list[Ack], dict[str, torch.Tensor]]:
-        """Push this step's gradients/buffers (made after `clock` pushes), then
-        pull the values for the next step. Returns the push ACKs and values."""
+    def _push(self, i: int, part: dict, clock: int, n_samples: int, info: dict | None) -> Push:
+        return Push(plan_id=self.plan.plan_id, clock=clock, base_version=self.versions[i],
+                    n_samples=n_samples, info=info or {}, tensors=part)
+
+    def push(self, tensors: Mapping[str, torch.Tensor], clock: int, n_samples: int,
+             info: dict | None = None) -> list[Ack]:
+        """Push without pulling (e.g. a last model when the run stops); returns the ACKs."""
+        ids = [c.send(self._push(i, part, clock, n_samples, info))
+               for i, (c, part) in enumerate(zip(self.shards, self._split(tensors)))]
+        return [c.wait(req) for c, req in zip(self.shards, ids)]
+
+    def push_pull(self, tensors: Mapping[str, torch.Tensor], clock: int, n_samples: int,
+                  info: dict | None = None) -> tuple[list[Ack], dict[str, torch.Tensor]]:
+        """Push this step's tensors (gradients and buffers; a model for the
+        averaging algorithms; `info`: algorithm extras) made after `clock`
+        pushes, then pull the values for the next step. Returns the push ACKs
+        and values."""
         push_ids, pull_ids = [], []
         for i, (c, part) in enumerate(zip(self.shards, self._split(tensors))):
-            push_ids.append(c.send(Push(plan_id=self.plan.plan_id, clock=clock,
-                                        base_version=self.versions[i], n_samples=n_samples,
-                                        tensors=part)))
+            push_ids.append(c.send(self._push(i, part, clock, n_samples, info)))
             pull_ids.append(c.send(Pull(plan_id=self.plan.plan_id, clock=clock + 1)))
         acks = [c.wait(req) for c, req in zip(self.shards, push_ids)]
         return acks, self._gather_params(pull_ids)

@@ -20,6 +20,7 @@ from hetps.proto.plan import ClusterPlan
 from .client import PSClient
 from .data import BatchStream, Datasets, partition
 from .state import ModelState
+from .straggler import straggle
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class Trainer:
             started, work_started = time.perf_counter(), work_clock(self.device)
             loss = self.compute()
             compute_s = self.slowdown.stretch(work_clock(self.device) - work_started)
+            compute_s += straggle(self.cfg, self.index, self.clock, compute_s)
             acks, values = self.client.push_pull(self.state.outgoing(), self.clock, self.cfg.data.batch_size)
             self.state.load(values)
             self.clock += 1

@@ -1,0 +1,159 @@
+"""The worker's loop for model-averaging algorithms (cpsgd, adpsgd, wpsgd,
+simuparallel): local SGD with a torch optimizer on this worker's data share,
+and every period a push of the MODEL (parameters and buffers) followed by a
+pull of the shards' (weighted) mean, which replaces the local model. The
+local optimizer's state (momentum) is kept across averages.
+
+Periods: cpsgd and adpsgd count local steps (`algorithm.period`; adpsgd
+starts at 1 and takes the smallest period the shards' ACKs propose); wpsgd
+and simuparallel count seconds (`algorithm.period_s`; 0 = never during the
+run). With `final_average`, a worker that stops between averages pushes its
+model once more (not waiting for the mean), so the shards' last round
+averages the final models; best effort: it completes only if every worker
+gets to push.
+
+Every push carries `info`: steps (local steps since the last average), lr,
+weight_decay and period. Blocking; returns when the scheduler asks the
+cluster to stop.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from hetps.proto.config import NodeConfig, OptimizerConfig, RunConfig, ScheduleConfig
+from hetps.proto.emulation import work_clock
+from hetps.proto.membership import Membership
+from hetps.proto.plan import ClusterPlan
+from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
+
+from .client import PSClient
+from .data import Datasets
+from .state import ModelState
+from .straggler import straggle
+from .trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+# The worker must not import hetps.ps: these few lines mirror ps/optim.py's
+# optimizer builder and lr schedule, so local steps use the configured optimizer.
+def build_local_optimizer(params: list, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                           weight_decay=cfg.weight_decay)
+
+
+def lr_multiplier(cfg: ScheduleConfig, step: int) -> float:
+    """Multiplier of the base lr after `step` local steps: warm-up, then the schedule."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    after = step - cfg.warmup_steps
+    if cfg.name == "step":
+        return cfg.gamma ** (after // cfg.step_size)
+    if cfg.name == "cosine":
+        span = max(1, cfg.total_steps - cfg.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(after, span) / span))
+    return 1.0
+
+
+class LocalSgdTrainer(Trainer):
+    def __init__(self, cfg: RunConfig, node: NodeConfig, member: Membership, plan: ClusterPlan,
+                 state: ModelState, data: Datasets):
+        super().__init__(cfg, node, member, plan, state, data)
+        self.optimizer = build_local_optimizer(list(state.model.parameters()), cfg.optimizer)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_multiplier(cfg.optimizer.schedule, step))
+        params = cfg.algorithm.params
+        self.period_s: float | None = getattr(params, "period_s", None)  # time-based periods
+        self.period = getattr(params, "period", 1)                       # step-based periods
+        self.final_average = bool(getattr(params, "final_average", False))
+        self.round = 0            # averages this worker took part in (= its push clock)
+        self.steps_in_round = 0
+        self.round_started = time.monotonic()
+        self.in_flight = False    # a push was sent whose mean has not come back
+
+    def stats(self) -> dict:
+        return {**super().stats(), "rounds": self.round, "period": self.period}
+
+    def model_values(self) -> dict[str, torch.Tensor]:
+        """Copies (CPU) of every parameter and buffer: what an average needs."""
+        return {n: t.detach().to("cpu", copy=True) for n, (t, _) in self.state.tensors.items()}
+
+    def due(self) -> bool:
+        if self.period_s is not None:
+            return self.period_s > 0 and time.monotonic() - self.round_started >= self.period_s
+        return self.steps_in_round >= self.period
+
+    def info(self) -> dict:
+        return {"steps": self.steps_in_round, "period": self.steps_in_round,
+                "lr": self.optimizer.param_groups[0]["lr"], "weight_decay": self.cfg.optimizer.weight_decay}
+
+    def local_step(self) -> tuple[float, float]:
+        """One local optimizer step; returns (loss, compute seconds incl. emulated slowness)."""
+        work_started = work_clock(self.device)
+        loss = self.compute()
+        self.optimizer.step()
+        compute_s = self.slowdown.stretch(work_clock(self.device) - work_started)
+        compute_s += straggle(self.cfg, self.index, self.clock, compute_s)
+        self.scheduler.step()
+        self.clock += 1
+        self.steps_in_round += 1
+        return loss, compute_s
+
+    def average(self) -> dict:
+        """Push the model, load the mean; returns fields for the step record."""
+        self.in_flight = True
+        acks, values = self.client.push_pull(self.model_values(), self.round,
+                                             self.steps_in_round * self.cfg.data.batch_size, self.info())
+        self.in_flight = False
+        self.state.load(values)
+        self.round += 1
+        self.steps_in_round = 0
+        self.round_started = time.monotonic()
+        periods = [int(a.info["period"]) for a in acks if "period" in a.info]
+        if periods:
+            self.period = min(periods)  # shards decide on their own tensors: the most frequent wins
+        out = {"round": self.round, "period": self.period}
+        if "weights" in acks[0].info:
+            out.update(weights=acks[0].info["weights"], weights_round=acks[0].info["round"])
+        return out
+
+    def run(self) -> None:
+        self.client.init(self.state.values())
+        self.state.load(self.client.pull(0))
+        self.slowdown.start()
+        self.round_started = time.monotonic()
+        try:
+            while not self.member.stop_requested.is_set():
+                started = time.perf_counter()
+                loss, compute_s = self.local_step()
+                record = {"worker": self.index, "step": self.clock, "loss": round(loss, 5), "staleness": 0,
+                          "compute_s": round(compute_s, 5)}
+                if self.due():
+                    record.update(self.average())
+                self.timer.update(compute_s, time.perf_counter() - started)
+                record["step_s"] = round(time.perf_counter() - started, 5)
+                self.member.add_record(record)
+        except Aborted:
+            pass
+        if self.final_average and not self.in_flight and self.steps_in_round:
+            self.push_final()
+
+    def push_final(self) -> None:
+        """Push the model for the last round without waiting for its mean
+        (a client that ignores the stop flag; every wait still has a deadline)."""
+        client = PSClient(self.client.plan, self.member.node_id, self.cfg.cluster)
+        client.versions = list(self.client.versions)
+        try:
+            client.push(self.model_values(), self.round, self.steps_in_round * self.cfg.data.batch_size,
+                        {**self.info(), "final": True})
+            log.info("pushed the final model for round %d", self.round)
+        except (RequestTimeout, RemoteError) as exc:
+            log.warning("final average skipped: %s", exc)
+        finally:
+            client.close()
