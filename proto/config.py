@@ -87,7 +87,7 @@ class SspParams:
 
 @dataclass(frozen=True)
 class GroupingParams:
-    groups: int = 0            # number of groups; 0 = chosen by the Calinski-Harabasz score
+    groups: int = 0            # number of groups; 0 = chosen automatically (choose_k)
     max_groups: int = 4        # upper bound when choosing automatically
     choose_k: str = "ratio"    # auto k: "ratio" (smallest k with homogeneous groups) | "ch" (Calinski-Harabasz)
     scale_lr: bool = True      # a group's update uses lr / staleness
@@ -133,17 +133,22 @@ class CpsgdParams:
 class AdpsgdParams:
     rule: str = "variance"     # period rule (ps/averaging_rules.py PERIOD_RULES)
     warmup_rounds: int = 4     # rounds at period 1 that set the reference spread
-    base_period: float = 1.0   # period = base_period x reference spread / current spread ...
+    base_period: float = 1.0   # period = base_period x peak spread / current spread ...
     max_period: int = 32       # ... capped here (the budget floor may exceed it)
     budget_rounds: int = 0     # at most this many averages in the first horizon_steps local steps; 0 = no budget
     horizon_steps: int = 0
+    smoothing: float = 0.3     # weight of the newest round in the spread's moving average; 1 = none
 
     def __post_init__(self):
         _check_params("algorithm", self, {"rule": ("variance",)},
                       {"warmup_rounds": 2, "base_period": 1e-9, "max_period": 1, "budget_rounds": 0,
-                       "horizon_steps": 0})
-        if self.budget_rounds and self.budget_rounds <= self.warmup_rounds:
-            _fail("algorithm.budget_rounds", f"must exceed warmup_rounds ({self.warmup_rounds})")
+                       "horizon_steps": 0, "smoothing": 1e-9})
+        if self.smoothing > 1:
+            _fail("algorithm.smoothing", f"must be <= 1, got {self.smoothing}")
+        if self.budget_rounds and self.horizon_steps:  # warm-up, then the rest at max_period must fit
+            need = self.warmup_rounds + -(-(self.horizon_steps - self.warmup_rounds) // self.max_period)
+            if self.budget_rounds < need:
+                _fail("algorithm.budget_rounds", f"must be >= {need} (warm-up, then horizon_steps at max_period)")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     common_args(parser)
     parser.add_argument("--bind", default=None, help="address to bind (default tcp://<cluster.host>:0)")
     parser.add_argument("--advertise", default=None, help="address workers should connect to")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     cfg, scheduler = daemon_setup(args, "ps")
     node = cfg.cluster.shards[args.rank] if args.rank < len(cfg.cluster.shards) else NodeConfig()
     torch.set_num_threads(node.threads)

@@ -96,7 +96,7 @@ class ModelAveragingPolicy(ConsistencyPolicy):
             models = [rnd.params[w][name].to(self.store.tensors[name].dtype) for w in order]
             mean = sum(wt * m for wt, m in zip(weights, models))
             variance += sum(float((m - mean).pow(2).sum()) for m in models) / len(models)
-            self.store.tensors[name].copy_(mean)
+            self.store.tensors[name].copy_(models[0])
         self._average_buffers(rnd, order, weights)
         self.store.mark_updated(self.store.param_names())
         self.closed += 1

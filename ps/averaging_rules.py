@@ -33,68 +33,72 @@ class VariancePeriod:
 
     Signal: v = V / tau, the spread of the models per local step, where V is
     the round's mean squared distance of the models to their mean and tau the
-    round's period (models start each round equal, so V grows with tau).
+    round's period (models start each round equal, so V grows with tau),
+    smoothed by a moving average that gives the newest round weight
+    `smoothing` (1 = none).
 
     Rule, in order:
-    1. Warm-up: the first `warmup_rounds` rounds run at period 1; the mean v of
-       the rounds observed before the first decision is the reference v_ref.
-    2. Proposal: ceil(base_period * v_ref / v_latest), capped at `max_period`
-       (short while the spread is large, growing as it shrinks).
+    1. Warm-up: the first `warmup_rounds` rounds run at period 1 (the policy
+       does not ask the rule before).
+    2. Proposal: ceil(base_period * v_peak / v), v_peak the largest smoothed
+       spread seen so far, capped at `max_period`: period 1 while the spread
+       rises (early training), growing as it falls from its peak.
     3. The period never decreases: max(proposal, previous period).
-    4. Budget: with `budget_rounds` R and `horizon_steps` H (both > 0), the
-       period is at least ceil((H - s) / (R - r)) after s local steps and r
-       rounds, so at most R rounds end within the first H local steps (the
-       budget wins over `max_period`). Past H the budget no longer binds.
+    4. Budget: with `budget_rounds` R and `horizon_steps` H (both > 0), at
+       most R rounds end within the first H local steps. Short periods are
+       spent early, as long as the rest of the horizon could still be covered
+       at `max_period` M: after s local steps and r rounds the period is at
+       least H - s - (R - r - 1) * M (and H - s + 1, i.e. past the horizon,
+       when no round is left). Past H the budget no longer binds. The config
+       check makes the budget feasible: R >= warm-up + ceil((H - warm-up) / M).
     5. Learning-rate change: v scales with lr^2, so when the reported lr goes
-       from a to b, v_ref is rescaled by (b / a)^2; a schedule's decay alone
-       does not stretch the period.
+       from a to b, the peak and the average are rescaled by (b / a)^2; a
+       schedule's decay alone does not stretch the period.
     """
 
     def __init__(self, warmup_rounds: int = 4, base_period: float = 1.0, max_period: int = 32,
-                 budget_rounds: int = 0, horizon_steps: int = 0):
+                 budget_rounds: int = 0, horizon_steps: int = 0, smoothing: float = 1.0):
         self.warmup_rounds = warmup_rounds
         self.base_period = base_period
         self.max_period = max_period
         self.budget_rounds = budget_rounds
         self.horizon_steps = horizon_steps
-        self.warm: list[float] = []
-        self.ref: float | None = None
-        self.latest: float | None = None
+        self.smoothing = smoothing
+        self.spread: float | None = None   # smoothed v
+        self.peak = 0.0
         self.lr: float | None = None
         self.last = 1
 
     @classmethod
     def from_params(cls, params) -> "VariancePeriod":
         return cls(params.warmup_rounds, params.base_period, params.max_period,
-                   params.budget_rounds, params.horizon_steps)
+                   params.budget_rounds, params.horizon_steps, params.smoothing)
 
     def observe(self, variance: float, period: int, lr: float) -> None:
         v = variance / max(1, period)
         if self.lr and lr and lr != self.lr:
             scale = (lr / self.lr) ** 2
-            self.warm = [x * scale for x in self.warm]
-            self.ref = self.ref * scale if self.ref is not None else None
+            self.peak *= scale
+            self.spread = self.spread * scale if self.spread is not None else None
         self.lr = lr or self.lr
-        self.latest = v
-        if self.ref is None:
-            self.warm.append(v)
+        self.spread = v if self.spread is None else self.spread + self.smoothing * (v - self.spread)
+        self.peak = max(self.peak, self.spread)
 
     def budget_floor(self, steps_done: int, rounds_done: int) -> int:
         r, h = self.budget_rounds, self.horizon_steps
         if r <= 0 or h <= 0 or steps_done >= h:
             return 1
-        left = r - rounds_done
-        if left <= 0:
+        after = r - rounds_done - 1  # rounds the budget still allows after this one
+        if after < 0:
             return h - steps_done + 1  # no round may end within the horizon any more
-        return math.ceil((h - steps_done) / left)
+        return max(1, h - steps_done - after * self.max_period)
 
     def next_period(self, steps_done: int, rounds_done: int) -> int:
-        if self.ref is None and self.warm:
-            self.ref = sum(self.warm) / len(self.warm)
         proposal = 1
-        if self.ref is not None and self.latest is not None:
-            ratio = self.ref / self.latest if self.latest > 0 else math.inf
-            proposal = min(self.max_period, max(1, math.ceil(self.base_period * ratio - 1e-9)))
+        if self.spread is not None and self.peak > 0:
+            ratio = self.peak / self.spread if self.spread > 0 else math.inf
+            x = self.base_period * ratio
+            proposal = min(self.max_period, max(1, math.ceil(x - 1e-6 * x)))  # float noise: 2.0000001 is 2
         self.last = max(proposal, self.last, self.budget_floor(steps_done, rounds_done))
         return self.last
 

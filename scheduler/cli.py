@@ -1,6 +1,7 @@
 """The `hetps` command.
 
     hetps run CONFIG [key=value ...] [--out DIR] [--quiet]   a whole local cluster
+    hetps compare CONFIG --algorithms a,b,c [--repeats N] [--with ALGO key=value] [--out DIR]
     hetps scheduler --config CONFIG [--bind ADDR] [--run-dir DIR]
     hetps ps        --config CONFIG --rank N [--scheduler ADDR]
     hetps worker    --config CONFIG --rank N [--scheduler ADDR] [--evaluator]
@@ -29,7 +30,7 @@ def run_command(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     parser.add_argument("--out", default=None, help="run directory (default: out_dir/NAME-ALGO-TIME)")
     parser.add_argument("--quiet", action="store_true", help="no progress line or summary")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     cfg = load_or_exit(args.config, args.overrides)
     run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     return run_local(cfg, run_dir, quiet=args.quiet)
@@ -37,13 +38,17 @@ def run_command(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("run", "scheduler", "ps", "worker")
+    commands = ("run", "compare", "scheduler", "ps", "worker")
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
     if command == "run":
         return run_command(rest)
+    if command == "compare":
+        from .compare import compare_command
+
+        return compare_command(rest)
     if command == "scheduler":
         from .__main__ import main as scheduler_main
 

@@ -1,5 +1,5 @@
 """Grouping-SGD's groups: workers of similar speed, found by k-means on the
-1-D speeds (scikit-learn), with k from the config or chosen automatically:
+1-D log speeds (scikit-learn), with k from the config or chosen automatically:
 `choose_k: ratio` (default) takes the smallest k whose groups each span less
 than `equal_ratio` fastest/slowest; `choose_k: ch` takes the best
 Calinski-Harabasz score, which over-splits small clusters of 1-D speeds
@@ -23,16 +23,19 @@ def form_groups(speeds: dict[int, float], params: GroupingParams, seed: int = 0)
     ids = sorted(speeds)
     if not ids:
         return []
-    values = np.array([[max(speeds[i], 1e-9)] for i in ids])
+    # k-means on log(speed): "similar speed" is a ratio, so 10 vs 11 is as
+    # close as 100 vs 110 and tiers 3x apart stay apart under noise
+    values = np.log(np.array([[max(speeds[i], 1e-9)] for i in ids]))
     distinct = len(np.unique(values.round(6)))
+    max_k = min(params.max_groups, distinct)
     if params.groups:
         k = min(params.groups, distinct)
-    elif values.max() / values.min() < params.equal_ratio:
+    elif max_k <= 1 or np.exp(values.max() - values.min()) < params.equal_ratio:
         k = 1
     elif params.choose_k == "ch":
-        k = _best_k(values, min(params.max_groups, distinct), seed)
+        k = _best_k(values, max_k, seed)
     else:
-        k = _smallest_homogeneous_k(values, min(params.max_groups, distinct), params.equal_ratio, seed)
+        k = _smallest_homogeneous_k(values, max_k, params.equal_ratio, seed)
     labels = _kmeans(values, k, seed)
     groups = [[ids[j] for j in range(len(ids)) if labels[j] == c] for c in set(labels)]
     return sorted(groups, key=lambda g: -min(speeds[i] for i in g))
@@ -53,7 +56,7 @@ def _smallest_homogeneous_k(values: np.ndarray, max_k: int, ratio: float, seed: 
     the Calinski-Harabasz choice when no k up to max_k achieves that."""
     for k in range(2, max_k + 1):
         labels = np.array(_kmeans(values, k, seed))
-        spans = [values[labels == c].max() / values[labels == c].min() for c in set(labels.tolist())]
+        spans = [np.exp(values[labels == c].max() - values[labels == c].min()) for c in set(labels.tolist())]
         if max(spans) < ratio:
             return k
     return _best_k(values, max_k, seed)

@@ -13,8 +13,8 @@ def place(tensors: list[TensorSpec], speeds: list[float]) -> dict[str, int]:
     there are at least as many tensors as shards. `speeds` must be > 0."""
     if not speeds:
         raise ValueError("placement needs at least one shard")
-    if any(s <= 0 for s in speeds):
-        raise ValueError(f"shard speeds must be > 0, got {speeds}")
+    if not all(0 < s < float("inf") for s in speeds):  # also rejects NaN
+        raise ValueError(f"shard speeds must be finite and > 0, got {speeds}")
     total = sum(t.nbytes for t in tensors) or 1
     # cumulative byte budget up to and including shard k
     bounds, acc = [], 0.0

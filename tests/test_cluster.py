@@ -17,7 +17,7 @@ from cluster_util import (HETPS, REPO, kill_leftovers, log_tails, processes_ment
 pytestmark = pytest.mark.cluster
 
 ALGORITHMS = {
-    "sync": ["configs/default.yaml"],
+    "sync": ["configs/sync.yaml"],
     "async": ["configs/async.yaml"],
     "ssp": ["configs/ssp.yaml", "algorithm.staleness=2"],
 }
@@ -64,7 +64,7 @@ def test_cluster_trains_to_93_percent(algorithm, run_dir):
 def test_bad_config_exits_2_with_one_line(tmp_path):
     for args, key in ((["stop.bogus=1"], "stop.bogus"), (["algorithm.name=nope"], "algorithm.name"),
                       (["data.batch_size=abc"], "data.batch_size"), (["data.dataset=imagenet"], "data.dataset")):
-        result = run_hetps(["run", "configs/default.yaml", *args, "--out", str(tmp_path / "x")], timeout_s=60)
+        result = run_hetps(["run", "configs/sync.yaml", *args, "--out", str(tmp_path / "x")], timeout_s=60)
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and key in lines[0], result.stderr
@@ -73,7 +73,7 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
 
 def test_failed_process_is_named_and_nothing_left(run_dir):
     # mnist (not bundled) without download: every worker fails at start
-    result = run_hetps(["run", "configs/default.yaml", "data.dataset=mnist",
+    result = run_hetps(["run", "configs/sync.yaml", "data.dataset=mnist",
                         f"data.root={run_dir}-nodata", "cluster.startup_timeout_s=30",
                         "--out", str(run_dir), "--quiet"], timeout_s=120)
     assert result.returncode == 1
@@ -82,7 +82,7 @@ def test_failed_process_is_named_and_nothing_left(run_dir):
 
 
 def test_sigint_stops_cleanly(run_dir):
-    proc = subprocess.Popen([*HETPS, "run", "configs/default.yaml", "stop.target_accuracy=null",
+    proc = subprocess.Popen([*HETPS, "run", "configs/sync.yaml", "stop.target_accuracy=null",
                              "stop.max_seconds=120", "cluster.workers=2", "cluster.shards=1",
                              "--out", str(run_dir), "--quiet"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -107,7 +107,7 @@ def test_daemons_by_hand_across_hosts_style(tmp_path):
     run_dir = tmp_path / "byhand"
     overrides = ["cluster.workers=2", "cluster.shards=1", "stop.target_accuracy=0.9",
                  "stop.max_seconds=120", "eval.every_s=1.0"]
-    config = str(REPO / "configs" / "default.yaml")
+    config = str(REPO / "configs" / "sync.yaml")
     procs = []
     logs = []
 
@@ -143,6 +143,6 @@ def test_daemons_by_hand_across_hosts_style(tmp_path):
 
 
 def test_daemon_without_scheduler_address_exits_2(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "hetps.ps", "--config", str(REPO / "configs/default.yaml")],
+    result = subprocess.run([sys.executable, "-m", "hetps.ps", "--config", str(REPO / "configs/sync.yaml")],
                             capture_output=True, text=True, timeout=60, env={**os.environ, "HETPS_SCHEDULER": ""})
     assert result.returncode == 2 and "HETPS_SCHEDULER" in result.stderr

@@ -25,7 +25,7 @@ def records(run_dir, kind):
 
 
 def test_groups_update_independently(run_dir):
-    result = run_hetps(["run", "configs/grouping.yaml", "algorithm.groups=2", "algorithm.regroup=false",
+    result = run_hetps(["run", "configs/default.yaml", "algorithm.groups=2", "algorithm.regroup=false",
                         "cluster.workers=[{slowdown: 1}, {slowdown: 1}, {slowdown: 5}, {slowdown: 5}]",
                         "stop.target_accuracy=0.94", "stop.max_seconds=120", "--out", str(run_dir), "--quiet"],
                        timeout_s=200)
@@ -50,7 +50,7 @@ def test_groups_update_independently(run_dir):
 
 
 def test_regrouping_when_a_worker_slows_down(run_dir):
-    result = run_hetps(["run", "configs/grouping.yaml",
+    result = run_hetps(["run", "configs/default.yaml",
                         "cluster.workers=[{slowdown: 1}, {slowdown: 1, schedule: [{at_s: 3, slowdown: 5}]},"
                         " {slowdown: 5}, {slowdown: 5}]", "cluster.shards=1",
                         "stop.target_accuracy=null", "stop.max_seconds=14", "--out", str(run_dir), "--quiet"],

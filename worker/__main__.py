@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetps worker", description="training worker daemon")
     common_args(parser)
     parser.add_argument("--evaluator", action="store_true", help="run as the evaluator")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     role = "evaluator" if args.evaluator else "worker"
     cfg, scheduler = daemon_setup(args, role)
     workers = cfg.cluster.workers

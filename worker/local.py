@@ -119,6 +119,8 @@ class LocalSgdTrainer(Trainer):
         if periods:
             self.period = min(periods)  # shards decide on their own tensors: the most frequent wins
         out = {"round": self.round, "period": self.period}
+        if "variance" in acks[0].info:  # V of the last closed round, summed over the shards' tensors
+            out["variance"] = round(sum(float(a.info.get("variance", 0.0)) for a in acks), 8)
         if "weights" in acks[0].info:
             out.update(weights=acks[0].info["weights"], weights_round=acks[0].info["round"])
         return out

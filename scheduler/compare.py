@@ -1,0 +1,128 @@
+"""`hetps compare`: one experiment under several algorithms, N repeats each,
+run one after another on the same machine, with the same seeds.
+
+    hetps compare configs/default.yaml --algorithms sync,async,ssp,grouping --repeats 3 \
+        --with async optimizer.lr=0.0125 --with ssp algorithm.staleness=3 [key=value ...]
+
+Each run replaces the config's `algorithm` block with `{name: ALGO}`, then
+applies the common overrides, then that algorithm's `--with` overrides.
+Writes OUT/compare.json, OUT/compare.md (median time to target, speedup over
+the first algorithm, final accuracy, bytes, communication rounds) and
+OUT/compare.png (test accuracy against time, one curve per algorithm).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from hetps.proto.config import ConfigError, apply_override, config_from_dict, load_raw
+
+from .launcher import run_local
+from .report import read_metrics
+
+
+def algorithm_config(raw: dict, algorithm: str, common: list[str], extra: list[str], seed: int):
+    raw = copy.deepcopy(raw)
+    raw["algorithm"] = {"name": algorithm}
+    for assignment in [*common, *extra, f"seed={seed}"]:
+        apply_override(raw, assignment)
+    return config_from_dict(raw)
+
+
+def median_or_none(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present and len(present) == len(values) else None
+
+
+def aggregate(algorithm: str, summaries: list[dict]) -> dict:
+    """One table row; time to target is a median only if every repeat reached it."""
+    return {
+        "algorithm": algorithm, "repeats": len(summaries),
+        "time_to_target_s": median_or_none([s["time_to_target_s"] for s in summaries]),
+        "reached": sum(s["time_to_target_s"] is not None for s in summaries),
+        "final_accuracy": statistics.median(s["final_accuracy"] or 0.0 for s in summaries),
+        "bytes": statistics.median(s["bytes_sent"] + s["bytes_received"] for s in summaries),
+        "rounds": statistics.median(s.get("communication_rounds") or max(
+            s["shard_versions"].values(), default=0) for s in summaries),
+        "global_steps": statistics.median(s["global_steps"] for s in summaries),
+        "runs": [s["run_dir"] for s in summaries],
+    }
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    base = rows[0]
+    lines = [f"# {title}", "",
+             f"| algorithm | time to target (s, median) | speedup over {base['algorithm']} | "
+             "final accuracy (median) | MB moved | rounds | steps | reached |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ttt = r["time_to_target_s"]
+        speedup = (f"{base['time_to_target_s'] / ttt:.2f}x"
+                   if ttt and base["time_to_target_s"] else "-")
+        lines.append(f"| {r['algorithm']} | {'-' if ttt is None else f'{ttt:.1f}'} | {speedup} | "
+                     f"{r['final_accuracy']:.4f} | {r['bytes'] / 1e6:.0f} | {r['rounds']:.0f} | "
+                     f"{r['global_steps']:.0f} | {r['reached']}/{r['repeats']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_compare(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        evals = [m for m in read_metrics(Path(r["runs"][0]) / "metrics.jsonl") if m["kind"] == "eval"]
+        ax.plot([m["t"] for m in evals], [m["accuracy"] for m in evals], marker=".", label=r["algorithm"])
+    ax.set(xlabel="wall-clock time (s)", ylabel="test accuracy", title="test accuracy (first repeat)")
+    ax.set_ylim(0.8, 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "compare.png", dpi=100)
+    plt.close(fig)
+
+
+def compare_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hetps compare", description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every run")
+    parser.add_argument("--algorithms", required=True, help="comma-separated, e.g. sync,async,grouping")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--with", dest="extra", nargs=2, action="append", default=[],
+                        metavar=("ALGO", "KEY=VALUE"), help="an override for one algorithm only")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_intermixed_args(argv)
+    raw = load_raw(args.config)
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    extra = {a: [kv for name, kv in args.extra if name == a] for a in algorithms}
+    try:
+        configs = {a: [algorithm_config(raw, a, args.overrides, extra[a], raw.get("seed", 0) + r)
+                       for r in range(args.repeats)] for a in algorithms}
+    except ConfigError as exc:
+        print(f"hetps: config error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for a in algorithms:
+        summaries = []
+        for r, cfg in enumerate(configs[a]):
+            run_dir = out / f"{a}-{r}"
+            print(f"hetps compare: {a} run {r + 1}/{args.repeats} -> {run_dir}", file=sys.stderr)
+            if run_local(cfg, run_dir, quiet=True) != 0:
+                print(f"hetps compare: {a} run {r + 1} failed; see {run_dir}/logs", file=sys.stderr)
+                return 1
+            summaries.append({**json.loads((run_dir / "summary.json").read_text()), "run_dir": str(run_dir)})
+        rows.append(aggregate(a, summaries))
+    (out / "compare.json").write_text(json.dumps(rows, indent=2))
+    (out / "compare.md").write_text(markdown(rows, f"{args.config} {' '.join(args.overrides)}".strip()))
+    plot_compare(rows, out)
+    print((out / "compare.md").read_text())
+    return 0

@@ -1,0 +1,86 @@
+"""eager, cpsgd, adpsgd, wpsgd and simuparallel on real processes: each
+trains LeNet-5 on mnist-5k to >= 93% test accuracy with its config from
+configs/, and its summary shows the algorithm's own bookkeeping."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster_util import kill_leftovers, log_tails, run_hetps, summary
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    path = tmp_path / "run"
+    yield path
+    leftovers = kill_leftovers(str(path))
+    assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def step_records(run_dir) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "step"]
+
+
+def check_eager(s: dict, steps: list[dict]) -> None:
+    for shard in s["shard_stats"].values():
+        assert shard["rounds"] == shard["version"] > 0
+        assert shard["late"] > 0 and shard["barriers"] > 0, shard  # the straggler made late pushes
+        assert shard["fresh"] + shard["late"] + shard["folded"] == shard["contributions"]
+
+
+def check_cpsgd(s: dict, steps: list[dict]) -> None:
+    period = 8
+    assert {r["period"] for r in steps if "period" in r} == {period}
+    assert s["global_steps"] >= 4 * period * (s["communication_rounds"] - 1)
+
+
+def check_adpsgd(s: dict, steps: list[dict]) -> None:
+    for worker in range(4):
+        periods = [r["period"] for r in steps if r["worker"] == worker and "period" in r]
+        assert periods[0] == 1 and periods == sorted(periods), periods
+
+
+def check_weights(equal: bool):
+    def check(s: dict, steps: list[dict]) -> None:
+        weighted = [r["weights"] for r in steps if "weights" in r]
+        assert weighted
+        for w in weighted:
+            assert sum(w) == pytest.approx(1.0, abs=1e-4)
+            if equal:
+                assert w == pytest.approx([0.25] * 4)
+            else:  # slowdowns [1, 1, 2, 4]: the slowest worker did the fewest steps
+                assert w[3] < min(w[0], w[1]), w
+    return check
+
+
+ALGORITHMS = {
+    "eager": ("configs/eager.yaml", check_eager),
+    "cpsgd": ("configs/cpsgd.yaml", check_cpsgd),
+    "adpsgd": ("configs/adpsgd.yaml", check_adpsgd),
+    "wpsgd": ("configs/wpsgd.yaml", check_weights(equal=False)),
+    "simuparallel": ("configs/simuparallel.yaml", check_weights(equal=True)),
+}
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_algorithm_trains_to_93_percent(algorithm, run_dir):
+    config, check = ALGORITHMS[algorithm]
+    result = run_hetps(["run", config, "stop.target_accuracy=0.94", "stop.max_seconds=60",
+                        "stop.max_steps=20000", "eval.every_s=1.0", "--out", str(run_dir), "--quiet"],
+                       timeout_s=180)
+    assert result.returncode == 0, result.stderr + log_tails(run_dir)
+    s = summary(run_dir)
+    assert s["algorithm"] == algorithm
+    assert s["final_accuracy"] >= 0.93, s
+    assert s["time_to_target_s"] is not None, s
+    assert s["failures"] == [] and s["not_left"] == []
+    assert s["communication_rounds"] > 0
+    workers = {k: v for k, v in s["per_node"].items() if k.startswith("worker")}
+    assert len(workers) == 4 and all(v["sent"] > 0 and v["received"] > 0 for v in workers.values())
+    steps = step_records(run_dir)
+    assert {r["worker"] for r in steps} == {0, 1, 2, 3}
+    check(s, steps)
