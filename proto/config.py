@@ -132,11 +132,11 @@ class CpsgdParams:
 @dataclass(frozen=True)
 class AdpsgdParams:
     rule: str = "variance"     # period rule (ps/averaging_rules.py PERIOD_RULES)
-    warmup_rounds: int = 4     # rounds at period 1 that set the reference spread
-    base_period: float = 1.0   # period = base_period x peak spread / current spread ...
-    max_period: int = 32       # ... capped here (the budget floor may exceed it)
-    budget_rounds: int = 0     # at most this many averages in the first horizon_steps local steps; 0 = no budget
-    horizon_steps: int = 0
+    warmup_rounds: int = 4     # rounds at period 1 before the rule decides
+    base_period: float = 1.0   # period = base_period x peak spread / current spread, never shorter ...
+    max_period: int = 32       # ... and at most this
+    budget_rounds: int = 0     # at most this many averages end within the first ...
+    horizon_steps: int = 0     # ... horizon_steps local steps of a worker; 0 = no budget
     smoothing: float = 0.3     # weight of the newest round in the spread's moving average; 1 = none
 
     def __post_init__(self):
@@ -148,7 +148,7 @@ class AdpsgdParams:
         if self.budget_rounds and self.horizon_steps:  # warm-up, then the rest at max_period must fit
             need = self.warmup_rounds + -(-(self.horizon_steps - self.warmup_rounds) // self.max_period)
             if self.budget_rounds < need:
-                _fail("algorithm.budget_rounds", f"must be >= {need} (warm-up, then horizon_steps at max_period)")
+                _fail("algorithm.budget_rounds", f"must be >= {need} (warm-up, then the horizon at max_period)")
 
 
 @dataclass(frozen=True)

@@ -22,17 +22,40 @@ the workers report).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from hetps.proto.messages import Push
+from hetps.proto.codec import ProtocolError
+from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
 
 from .averaging_rules import PERIOD_RULES, WEIGHT_RULES, ConstantPeriod
 from .optim import Updater
 from .policies import ConsistencyPolicy
 from .store import TensorStore
+
+
+INFO_KEYS = {"steps": int, "period": int, "lr": float, "weight_decay": float, "final": bool}
+
+
+def checked_info(info: dict) -> dict:
+    """The push's `info`, checked before it may touch any state (a trust
+    boundary): known keys only, non-negative finite numbers."""
+    out = {}
+    for key, value in info.items():
+        kind = INFO_KEYS.get(key)
+        if kind is None:
+            raise ProtocolError(Status.MALFORMED,
+                                f"PUSH info key {key!r} unknown; allowed: {', '.join(INFO_KEYS)}")
+        ok = isinstance(value, bool) if kind is bool else (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= 0 and (kind is float or value == int(value)))
+        if not ok:
+            raise ProtocolError(Status.MALFORMED, f"PUSH info {key}={value!r}: expected a {kind.__name__} >= 0")
+        out[key] = kind(value)
+    return out
 
 
 @dataclass
@@ -62,8 +85,8 @@ class ModelAveragingPolicy(ConsistencyPolicy):
     def weights(self, rnd: ModelRound, order: list[int]) -> list[float]:
         return [1.0 / len(order)] * len(order)
 
-    def on_first_push(self, index: int, push: Push) -> None:
-        """Called once per round, at its first push."""
+    def on_first_push(self, index: int, info: dict) -> None:
+        """Called once per round, at its first push, with that push's checked info."""
 
     def on_close(self, index: int, rnd: ModelRound, variance: float) -> None:
         """Called after round `index` was applied."""
@@ -72,17 +95,20 @@ class ModelAveragingPolicy(ConsistencyPolicy):
     def on_push(self, worker: int, push: Push) -> int:
         self.check_member(worker)
         params, buffers = self.split(push)
+        info = checked_info(push.info)
         staleness = self.store.version - push.base_version
         if push.clock < self.pushed.get(worker, 0):
             return staleness  # duplicate or replayed push: it was taken once already
+        if push.clock > self.closed:  # a worker pushes round r only after it pulled the mean of r-1
+            raise ProtocolError(Status.BAD_STATE, f"round {push.clock} is not open (open: {self.closed})")
         self.pushed[worker] = push.clock + 1
         if push.clock not in self.rounds:
             self.rounds[push.clock] = ModelRound()
-            self.on_first_push(push.clock, push)
+            self.on_first_push(push.clock, info)
         rnd = self.rounds[push.clock]
         rnd.params[worker] = {n: t.clone() for n, t in params.items()}
         rnd.buffers[worker] = {n: t.clone() for n, t in buffers.items()}
-        rnd.info[worker] = dict(push.info)
+        rnd.info[worker] = info
         while self.closed in self.rounds and set(self.rounds[self.closed].params) >= set(self.workers):
             self.close(self.closed)
         return staleness
@@ -96,7 +122,7 @@ class ModelAveragingPolicy(ConsistencyPolicy):
             models = [rnd.params[w][name].to(self.store.tensors[name].dtype) for w in order]
             mean = sum(wt * m for wt, m in zip(weights, models))
             variance += sum(float((m - mean).pow(2).sum()) for m in models) / len(models)
-            self.store.tensors[name].copy_(models[0])
+            self.store.tensors[name].copy_(mean)
         self._average_buffers(rnd, order, weights)
         self.store.mark_updated(self.store.param_names())
         self.closed += 1
@@ -149,9 +175,9 @@ class CpsgdPolicy(ModelAveragingPolicy):
     def make_rule(self, params):
         return ConstantPeriod(params.period)
 
-    def on_first_push(self, index: int, push: Push) -> None:
+    def on_first_push(self, index: int, info: dict) -> None:
         # round `index` is running, rounds < index are closed: plan round index+1
-        used = int(push.info.get("period", self.periods.get(index, 1)))
+        used = info.get("period", self.periods.get(index, 1))
         self.steps_after[index] = self.steps_after.get(index - 1, 0) + used
         nxt = index + 1
         self.periods[nxt] = (1 if nxt < self.rule.warmup_rounds
@@ -159,12 +185,15 @@ class CpsgdPolicy(ModelAveragingPolicy):
 
     def on_close(self, index: int, rnd: ModelRound, variance: float) -> None:
         info = next(iter(rnd.info.values()), {})
-        self.rule.observe(variance, int(info.get("period", self.periods.get(index, 1))),
-                          float(info.get("lr", self.updater.lr)))
+        self.rule.observe(variance, info.get("period", self.periods.get(index, 1)),
+                          info.get("lr", self.updater.lr))
+        for table in (self.periods, self.steps_after):  # only rounds from `index` on are asked for again
+            for old in [k for k in table if k < index]:
+                del table[old]
 
     def reply_info(self, worker: int) -> dict:
         nxt = self.pushed.get(worker, 0)
-        return {**super().reply_info(worker), "period": self.periods.get(nxt, self.periods[0])}
+        return {**super().reply_info(worker), "period": self.periods.get(nxt, 1)}
 
     def stats(self) -> dict:
         return {**super().stats(), "period": self.periods[max(self.periods)]}
@@ -194,9 +223,9 @@ class WpsgdPolicy(ModelAveragingPolicy):
 
     def weights(self, rnd: ModelRound, order: list[int]) -> list[float]:
         infos = [rnd.info[w] for w in order]
-        steps = [int(i.get("steps", 1)) for i in infos]
-        lr = float(infos[0].get("lr", self.updater.lr))
-        wd = float(infos[0].get("weight_decay", 0.0))
+        steps = [i.get("steps", 1) for i in infos]
+        lr = infos[0].get("lr", self.updater.lr)
+        wd = infos[0].get("weight_decay", 0.0)
         return WEIGHT_RULES[self.params.weights](steps, lr, wd)
 
 

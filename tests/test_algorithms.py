@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from hetps.proto.config import ScheduleConfig, load_config
-from hetps.proto.messages import Ack, Init, Params, Pull, Push
+from hetps.proto.messages import Ack, Init, Params, Pull, Push, Status
 from hetps.proto.plan import ClusterPlan, NodeEntry, schema_hash
-from hetps.proto.rpc import RequestTimeout, RpcClient
+from hetps.proto.rpc import RemoteError, RequestTimeout, RpcClient
 from hetps.proto.transport import make_server
 from hetps.ps.averaging_rules import VariancePeriod, equal_weights, wpsgd_weights
 from hetps.ps.optim import lr_factor
@@ -404,6 +404,25 @@ def test_weighted_round_mean_and_reported_weights(clusters, algorithm):
     c.push(W[0], 1, models[0], info=info(3))
     (reply,) = answered(c.pull(W[1], -1))
     assert reply.version == 1
+
+
+@pytest.mark.parametrize("bad_info,clock,status", [
+    ({"steps": "many"}, 0, Status.MALFORMED), ({"lr": float("nan")}, 0, Status.MALFORMED),
+    ({"steps": -3}, 0, Status.MALFORMED), ({"bogus": 1}, 0, Status.MALFORMED),
+    ({"steps": 4}, 1, Status.BAD_STATE),  # round 1 is not open before round 0 closed
+])
+def test_a_bad_model_push_is_refused_and_leaves_no_trace(clusters, bad_info, clock, status):
+    c = clusters("cpsgd", ["algorithm.period=4"], n_workers=2)
+    models = [c.tensors(seed=s) for s in range(2)]
+    with pytest.raises(RemoteError) as refused:
+        c.push(W[0], clock, c.tensors(seed=9), info=bad_info)
+    assert refused.value.status == status
+    c.push(W[0], 0, models[0], info=info(4))  # the same round, now valid: taken
+    c.push(W[1], 0, models[1], info=info(4))
+    assert c.versions() == [1]
+    got = c.values()
+    for n in c.params():
+        torch.testing.assert_close(got[n], (models[0][n] + models[1][n]) / 2, **TIGHT)
 
 
 # ---------------------------------------------------------------- worker-side helpers
