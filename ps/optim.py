@@ -6,38 +6,12 @@ gives exactly the update a single optimizer over the whole model would.
 """
 from __future__ import annotations
 
-import math
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 
-from hetps.proto.config import OptimizerConfig, ScheduleConfig
-
-
-def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                               weight_decay=cfg.weight_decay)
-    if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    raise ValueError(f"optimizer.name: unknown value {cfg.name!r}; allowed: sgd, adam")
-
-
-def lr_factor(cfg: ScheduleConfig) -> Callable[[int], float]:
-    """Multiplier of the base lr after `step` updates: linear warm-up, then the schedule."""
-
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        after = step - cfg.warmup_steps
-        if cfg.name == "step":
-            return cfg.gamma ** (after // cfg.step_size)
-        if cfg.name == "cosine":
-            span = max(1, cfg.total_steps - cfg.warmup_steps)
-            return 0.5 * (1 + math.cos(math.pi * min(after, span) / span))
-        return 1.0
-
-    return factor
+from hetps.proto.config import OptimizerConfig
+from hetps.proto.optim import build_lr_scheduler, build_optimizer
 
 
 class Updater:
@@ -47,7 +21,7 @@ class Updater:
     def __init__(self, tensors: Mapping[str, torch.Tensor], names: list[str], cfg: OptimizerConfig):
         self.params = {n: tensors[n] for n in names}
         self.optimizer = build_optimizer(list(self.params.values()), cfg) if names else None
-        self.scheduler = (torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg.schedule))
+        self.scheduler = (build_lr_scheduler(self.optimizer, cfg.schedule)
                           if self.optimizer else None)
         self.updates = 0
 

@@ -9,7 +9,6 @@ values from the first INIT.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch

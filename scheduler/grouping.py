@@ -12,7 +12,7 @@ import warnings
 
 import numpy as np
 
-from hetps.proto.config import GroupingParams
+from hetps.proto.algorithm_params import GroupingParams
 
 
 def form_groups(speeds: dict[int, float], params: GroupingParams, seed: int = 0) -> list[list[int]]:

@@ -12,16 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from hetps.proto.config import ScheduleConfig, load_config
+from hetps.proto.config import load_config
 from hetps.proto.messages import Ack, Init, Params, Pull, Push, Status
 from hetps.proto.plan import ClusterPlan, NodeEntry, schema_hash
 from hetps.proto.rpc import RemoteError, RequestTimeout, RpcClient
 from hetps.proto.transport import make_server
 from hetps.ps.averaging_rules import VariancePeriod, equal_weights, wpsgd_weights
-from hetps.ps.optim import lr_factor
 from hetps.ps.shard import Shard
 from hetps.scheduler.placement import place
-from hetps.worker.local import lr_multiplier
 from hetps.worker.state import model_specs, model_tensors
 from hetps.worker.straggler import straggler_of
 
@@ -426,13 +424,6 @@ def test_a_bad_model_push_is_refused_and_leaves_no_trace(clusters, bad_info, clo
 
 
 # ---------------------------------------------------------------- worker-side helpers
-
-def test_worker_lr_schedule_mirrors_the_shard_one():
-    for cfg in (ScheduleConfig(), ScheduleConfig(name="step", step_size=3, gamma=0.5, warmup_steps=2),
-                ScheduleConfig(name="cosine", total_steps=20, warmup_steps=4)):
-        shard = lr_factor(cfg)
-        assert [lr_multiplier(cfg, s) for s in range(30)] == pytest.approx([shard(s) for s in range(30)])
-
 
 def test_straggler_draw_is_shared_and_spread():
     draws = [straggler_of(0, s, 4) for s in range(800)]

@@ -8,9 +8,9 @@ import types
 import pytest
 import yaml
 
-from hetps.proto.config import (ALGORITHM_PARAMS, BUILTIN_MODELS, DATASETS, AsyncParams, ConfigError,
-                                NodeConfig, RunConfig, SspParams, SyncParams, config_from_dict,
-                                config_to_dict, dump_config, load_config)
+from hetps.proto.algorithm_params import ALGORITHM_PARAMS, AsyncParams, SspParams, SyncParams
+from hetps.proto.config import (BUILTIN_MODELS, DATASETS, ConfigError, NodeConfig, RunConfig,
+                                config_from_dict, config_to_dict, dump_config, load_config)
 
 
 def write(tmp_path, data, name="run.yaml"):

@@ -17,7 +17,8 @@ import uuid
 import pytest
 import torch
 
-from hetps.proto.config import GroupingParams, load_config
+from hetps.proto.algorithm_params import GroupingParams
+from hetps.proto.config import load_config
 from hetps.proto.messages import Ack, Init, Params, Pull, Push
 from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, schema_hash
 from hetps.proto.rpc import RequestTimeout, RpcClient

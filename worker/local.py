@@ -19,12 +19,12 @@ cluster to stop.
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import torch
 
-from hetps.proto.config import NodeConfig, OptimizerConfig, RunConfig, ScheduleConfig
+from hetps.proto.config import NodeConfig, RunConfig
+from hetps.proto.optim import build_lr_scheduler, build_optimizer
 from hetps.proto.emulation import work_clock
 from hetps.proto.membership import Membership
 from hetps.proto.plan import ClusterPlan
@@ -39,35 +39,12 @@ from .trainer import Trainer
 log = logging.getLogger(__name__)
 
 
-# The worker must not import hetps.ps: these few lines mirror ps/optim.py's
-# optimizer builder and lr schedule, so local steps use the configured optimizer.
-def build_local_optimizer(params: list, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                           weight_decay=cfg.weight_decay)
-
-
-def lr_multiplier(cfg: ScheduleConfig, step: int) -> float:
-    """Multiplier of the base lr after `step` local steps: warm-up, then the schedule."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    after = step - cfg.warmup_steps
-    if cfg.name == "step":
-        return cfg.gamma ** (after // cfg.step_size)
-    if cfg.name == "cosine":
-        span = max(1, cfg.total_steps - cfg.warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(after, span) / span))
-    return 1.0
-
-
 class LocalSgdTrainer(Trainer):
     def __init__(self, cfg: RunConfig, node: NodeConfig, member: Membership, plan: ClusterPlan,
                  state: ModelState, data: Datasets):
         super().__init__(cfg, node, member, plan, state, data)
-        self.optimizer = build_local_optimizer(list(state.model.parameters()), cfg.optimizer)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_multiplier(cfg.optimizer.schedule, step))
+        self.optimizer = build_optimizer(list(state.model.parameters()), cfg.optimizer)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer.schedule)
         params = cfg.algorithm.params
         self.period_s: float | None = getattr(params, "period_s", None)  # time-based periods
         self.period = getattr(params, "period", 1)                       # step-based periods

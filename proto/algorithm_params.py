@@ -1,0 +1,128 @@
+"""The parameters of each algorithm, one frozen dataclass per algorithm,
+found by name in ALGORITHM_PARAMS. In YAML they sit beside the name:
+`algorithm: {name: ssp, staleness: 3}`. Each rejects a bad value at load
+with a ConfigError naming `algorithm.<key>` and the allowed values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+
+def _fail(path: str, message: str) -> None:
+    raise ConfigError(f"{path}: {message}")
+
+
+def _check_params(prefix: str, params, choices: dict, at_least: dict) -> None:
+    """Reject a bad algorithm parameter at load, naming its key."""
+    for key, allowed in choices.items():
+        if getattr(params, key) not in allowed:
+            _fail(f"{prefix}.{key}", f"unknown value {getattr(params, key)!r}; allowed: {', '.join(allowed)}")
+    for key, low in at_least.items():
+        if getattr(params, key) < low:
+            _fail(f"{prefix}.{key}", f"must be >= {low}, got {getattr(params, key)}")
+
+
+@dataclass(frozen=True)
+class SyncParams:
+    pass
+
+
+@dataclass(frozen=True)
+class AsyncParams:
+    pass
+
+
+@dataclass(frozen=True)
+class SspParams:
+    staleness: int = 2         # a worker may be at most this many clocks ahead of the slowest
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {}, {"staleness": 0})
+
+
+@dataclass(frozen=True)
+class GroupingParams:
+    groups: int = 0            # number of groups; 0 = chosen automatically (choose_k)
+    max_groups: int = 4        # upper bound when choosing automatically
+    choose_k: str = "ratio"    # auto k: "ratio" (smallest k with homogeneous groups) | "ch" (Calinski-Harabasz)
+    scale_lr: bool = True      # a group's update uses lr / staleness
+    regroup: bool = True       # re-form groups while training when speeds drift
+    hysteresis: float = 0.3    # relative speed change that may trigger re-grouping
+    regroup_every_s: float = 2.0
+    equal_ratio: float = 1.5   # auto mode: fastest/slowest below this means one group
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {"choose_k": ("ratio", "ch")},
+                      {"groups": 0, "max_groups": 1, "hysteresis": 0.0, "regroup_every_s": 0.0,
+                       "equal_ratio": 1.0})
+
+
+@dataclass(frozen=True)
+class EagerParams:
+    quorum: str = "majority"   # solo: first fresh push closes a round | majority: ceil(P/2) | random initiator
+    limiter: int = 8           # every limiter-th round is a full barrier (bounds staleness); 0 = never
+    max_staleness: int = 0     # versions; staler pushes are folded or dropped; 0 = the limiter
+    too_stale: str = "fold"    # fold: added to the open round like any late push | drop: discarded
+    seed: int = 0              # quorum=random: seeds the per-round initiator draw
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {"quorum": ("solo", "majority", "random"),
+                                          "too_stale": ("fold", "drop")},
+                      {"limiter": 0, "max_staleness": 0})
+
+
+@dataclass(frozen=True)
+class CpsgdParams:
+    period: int = 8            # local steps between model averages
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {}, {"period": 1})
+
+
+@dataclass(frozen=True)
+class AdpsgdParams:
+    rule: str = "variance"     # period rule (ps/averaging_rules.py PERIOD_RULES)
+    warmup_rounds: int = 4     # rounds at period 1 before the rule decides
+    base_period: float = 1.0   # period = base_period x peak spread / current spread, never shorter ...
+    max_period: int = 32       # ... and at most this
+    budget_rounds: int = 0     # at most this many averages end within the first ...
+    horizon_steps: int = 0     # ... horizon_steps local steps of a worker; 0 = no budget
+    smoothing: float = 0.3     # weight of the newest round in the spread's moving average; 1 = none
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {"rule": ("variance",)},
+                      {"warmup_rounds": 2, "base_period": 1e-9, "max_period": 1, "budget_rounds": 0,
+                       "horizon_steps": 0, "smoothing": 1e-9})
+        if self.smoothing > 1:
+            _fail("algorithm.smoothing", f"must be <= 1, got {self.smoothing}")
+        if self.budget_rounds and self.horizon_steps:  # warm-up, then the rest at max_period must fit
+            need = self.warmup_rounds + -(-(self.horizon_steps - self.warmup_rounds) // self.max_period)
+            if self.budget_rounds < need:
+                _fail("algorithm.budget_rounds", f"must be >= {need} (warm-up, then the horizon at max_period)")
+
+
+@dataclass(frozen=True)
+class WpsgdParams:
+    period_s: float = 2.0      # seconds of local SGD between averages; 0 = only the final average
+    weights: str = "wpsgd"     # wpsgd: 1-(1-lr*wd)^T_i (T_i if wd is 0) | steps: T_i | equal
+    final_average: bool = True  # one more average when the run stops
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {"weights": ("wpsgd", "steps", "equal")}, {"period_s": 0.0})
+
+
+@dataclass(frozen=True)
+class SimuParallelParams(WpsgdParams):
+    weights: str = "equal"
+
+
+# Algorithm name -> its parameter dataclass. A new algorithm adds one line here.
+ALGORITHM_PARAMS: dict[str, type] = {"sync": SyncParams, "async": AsyncParams, "ssp": SspParams,
+                                     "grouping": GroupingParams,
+                                     "eager": EagerParams,
+                                     "cpsgd": CpsgdParams,
+                                     "adpsgd": AdpsgdParams,
+                                     "wpsgd": WpsgdParams,
+                                     "simuparallel": SimuParallelParams}

@@ -1,0 +1,43 @@
+"""Optimizers from the config, shared by the shards (server-side updates)
+and the model-averaging workers (local steps): a torch.optim optimizer and
+the multiplier of its lr under the configured schedule.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from .config import OptimizerConfig, ScheduleConfig
+
+
+def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                               weight_decay=cfg.weight_decay)
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    raise ValueError(f"optimizer.name: unknown value {cfg.name!r}; allowed: sgd, adam")
+
+
+def lr_factor(cfg: ScheduleConfig) -> Callable[[int], float]:
+    """Multiplier of the base lr after `step` updates: linear warm-up, then the schedule."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        after = step - cfg.warmup_steps
+        if cfg.name == "step":
+            return cfg.gamma ** (after // cfg.step_size)
+        if cfg.name == "cosine":
+            span = max(1, cfg.total_steps - cfg.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(after, span) / span))
+        return 1.0
+
+    return factor
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig):
+    """A LambdaLR stepping `lr_factor(cfg)`: call .step() once per update."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
