@@ -51,11 +51,12 @@ class GroupingParams:
     regroup: bool = True       # re-form groups while training when speeds drift
     hysteresis: float = 0.3    # relative speed change that may trigger re-grouping
     regroup_every_s: float = 2.0
+    confirm_checks: int = 2    # a new grouping must come out of this many checks in a row
     equal_ratio: float = 1.5   # auto mode: fastest/slowest below this means one group
 
     def __post_init__(self):
         _check_params("algorithm", self, {"choose_k": ("ratio", "ch")},
-                      {"groups": 0, "max_groups": 1, "hysteresis": 0.0, "regroup_every_s": 0.0,
+                      {"groups": 0, "max_groups": 1, "hysteresis": 0.0, "regroup_every_s": 0.0, "confirm_checks": 1,
                        "equal_ratio": 1.0})
 
 

@@ -85,6 +85,7 @@ class SlowdownChange:
 class NodeConfig:
     slowdown: float = 1.0      # emulate a slower node: a step takes slowdown x its compute time
     schedule: list[SlowdownChange] = field(default_factory=list)  # later changes of slowdown
+    link_mbps: float = 0.0     # emulate a slow link: cap this node's sockets at this many Mbit/s each way (0: none)
     threads: int = 1           # torch intra-op threads
     device: str = "auto"       # auto | cpu | cuda | cuda:N  (workers)
 

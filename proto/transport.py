@@ -6,6 +6,9 @@ Two implementations behind one interface:
 - in-process (`mem://NAME`): thread-safe queues, for protocol and policy
   tests in one process without sockets.
 
+A node's link can be capped (`set_link_cap`, from `link_mbps` in the
+config) to emulate a slow network on one machine.
+
 `make_server(address)` / `make_client(address)` pick one by the address
 scheme. Servers bound to port 0 (`tcp://HOST:0`) get a random free port; read
 `server.address` for the one actually bound. Nothing here blocks longer than
@@ -16,6 +19,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from typing import Sequence
 
@@ -30,6 +34,42 @@ class TransportError(Exception):
 
 def frames_nbytes(frames: Sequence) -> int:
     return sum(memoryview(f).nbytes for f in frames)
+
+
+class LinkCap:
+    """Emulates a node's link of `bytes_per_s` in one direction: a message of
+    n bytes occupies the link for n / rate seconds after the previous one, and
+    the caller sleeps until it has passed. Thread-safe."""
+
+    def __init__(self, bytes_per_s: float):
+        self.rate = bytes_per_s
+        self.free_at = time.monotonic()
+        self.lock = threading.Lock()
+
+    def carry(self, nbytes: int) -> None:
+        with self.lock:
+            now = time.monotonic()
+            self.free_at = max(now, self.free_at) + nbytes / self.rate
+            wait = self.free_at - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+_LINK: dict[str, LinkCap] = {}  # "out"/"in" -> this process's emulated link, when capped
+
+
+def set_link_cap(mbit_per_s: float) -> None:
+    """Cap every ZeroMQ socket of this process at `mbit_per_s` megabits/s in
+    each direction (0: no cap). Emulates a slow link on one machine."""
+    _LINK.clear()
+    if mbit_per_s > 0:
+        _LINK.update(out=LinkCap(mbit_per_s * 1e6 / 8), inn=LinkCap(mbit_per_s * 1e6 / 8))
+
+
+def _carry(direction: str, frames: Sequence) -> None:
+    link = _LINK.get(direction)
+    if link is not None:
+        link.carry(frames_nbytes(frames))
 
 
 class ServerTransport(ABC):
@@ -99,9 +139,11 @@ class ZmqServer(ServerTransport):
         frames = _recv_frames(self.sock, timeout_s)
         if frames is None:
             return None
+        _carry("inn", frames[1:])
         return bytes(frames[0]), frames[1:]
 
     def send(self, peer: bytes, frames: Sequence) -> None:
+        _carry("out", frames)
         self.sock.send_multipart([peer, *frames], copy=False)
 
     def close(self) -> None:
@@ -118,12 +160,14 @@ class ZmqClient(ClientTransport):
 
     def send(self, frames: Sequence) -> None:
         self.bytes_sent += frames_nbytes(frames)
+        _carry("out", frames)
         self.sock.send_multipart(list(frames), copy=False)
 
     def recv(self, timeout_s: float):
         frames = _recv_frames(self.sock, timeout_s)
         if frames is not None:
             self.bytes_received += frames_nbytes(frames)
+            _carry("inn", frames)
         return frames
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from hetps.proto.daemon import common_args, daemon_setup
 from hetps.proto.membership import Membership
-from hetps.proto.transport import make_server
+from hetps.proto.transport import make_server, set_link_cap
 
 from hetps.proto.config import NodeConfig
 from hetps.proto.emulation import Slowdown
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, scheduler = daemon_setup(args, "ps")
     node = cfg.cluster.shards[args.rank] if args.rank < len(cfg.cluster.shards) else NodeConfig()
     torch.set_num_threads(node.threads)
+    set_link_cap(node.link_mbps)
     slowdown = Slowdown(node)
     server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
     member = Membership(scheduler, "ps", args.rank, cfg.cluster)

@@ -3,6 +3,7 @@ run one after another on the same machine, with the same seeds.
 
     hetps compare configs/default.yaml --algorithms sync,async,ssp,grouping --repeats 3 \
         --with async optimizer.lr=0.0125 --with ssp algorithm.staleness=3 [key=value ...]
+    hetps compare configs/sync.yaml --algorithms sync,solo:eager,majority:eager --with solo algorithm.quorum=solo
 
 Each run replaces the config's `algorithm` block with `{name: ALGO}`, then
 applies the common overrides, then that algorithm's `--with` overrides.
@@ -93,17 +94,21 @@ def compare_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hetps compare", description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every run")
-    parser.add_argument("--algorithms", required=True, help="comma-separated, e.g. sync,async,grouping")
+    parser.add_argument("--algorithms", required=True,
+                        help="comma-separated ALGO or LABEL:ALGO, e.g. sync,async,solo:eager")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--with", dest="extra", nargs=2, action="append", default=[],
-                        metavar=("ALGO", "KEY=VALUE"), help="an override for one algorithm only")
+                        metavar=("LABEL", "KEY=VALUE"), help="an override for one entry only")
     parser.add_argument("--out", default=None)
     args = parser.parse_intermixed_args(argv)
     raw = load_raw(args.config)
-    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    # each entry is ALGO or LABEL:ALGO (the same algorithm twice with different --with)
+    entries = [e.strip() for e in args.algorithms.split(",") if e.strip()]
+    labels = {e.split(":")[0]: e.split(":")[-1] for e in entries}
+    algorithms = list(labels)
     extra = {a: [kv for name, kv in args.extra if name == a] for a in algorithms}
     try:
-        configs = {a: [algorithm_config(raw, a, args.overrides, extra[a], raw.get("seed", 0) + r)
+        configs = {a: [algorithm_config(raw, labels[a], args.overrides, extra[a], raw.get("seed", 0) + r)
                        for r in range(args.repeats)] for a in algorithms}
     except ConfigError as exc:
         print(f"hetps: config error: {exc}", file=sys.stderr)

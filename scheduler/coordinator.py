@@ -80,6 +80,7 @@ class Coordinator(Service):
         self.plan: ClusterPlan | None = None
         self.plan_waiters: list[tuple[bytes, int, int]] = []
         self.plan_checked = 0.0
+        self.regroup_votes: list = []  # consecutive checks proposing the same new grouping
         self.barriers: dict[str, list[tuple[bytes, int]]] = {}
         self.created = time.monotonic()
         self.started: float | None = None     # when the first plan went out
@@ -237,8 +238,15 @@ class Coordinator(Service):
         if not drifted(old, speeds, params.hysteresis):
             return
         fields = self._grouping(speeds)
-        if sorted(map(sorted, fields["groups"])) == sorted(map(sorted, self.plan.groups)):
+        proposal = sorted(map(sorted, fields["groups"]))
+        if proposal == sorted(map(sorted, self.plan.groups)):
+            self.regroup_votes = []
             return
+        # speeds are noisy: act only on a grouping that several checks in a row agree on
+        self.regroup_votes = [v for v in self.regroup_votes if v == proposal] + [proposal]
+        if len(self.regroup_votes) < params.confirm_checks:
+            return
+        self.regroup_votes = []
         self._publish(dataclasses.replace(
             self.plan, plan_id=self.plan.plan_id + 1,
             speeds={**self.plan.speeds, **{str(w): round(s, 3) for w, s in speeds.items()}}, **fields))

@@ -22,6 +22,7 @@ from hetps.proto.config import NodeConfig
 from hetps.proto.daemon import common_args, daemon_setup
 from hetps.proto.membership import Membership
 from hetps.proto.plan import schema_hash
+from hetps.proto.transport import set_link_cap
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 
 from .data import DatasetUnavailable, load_datasets
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = cfg.cluster.workers
     node = workers[args.rank] if not args.evaluator and args.rank < len(workers) else NodeConfig()
     torch.set_num_threads(node.threads)
+    set_link_cap(node.link_mbps)
     device = pick_device(node.device)
     try:
         data = load_datasets(cfg.data, cfg.seed)

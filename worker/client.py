@@ -8,6 +8,7 @@ Blocking; every wait has the cluster's request timeout and is abandoned
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Mapping
 
 import torch
@@ -26,7 +27,8 @@ class PSClient:
                                  max_message_bytes=cluster.max_message_bytes, should_abort=should_abort)
                        for s in plan.shards]
         self.names = [[t.name for t in plan.owned(i)] for i in range(len(plan.shards))]
-        self.versions = [0] * len(plan.shards)  # version of each shard's values we hold
+        self.versions = [0] * len(plan.shards)
+        self.last_push_s = 0.0  # seconds from sending the last push_pull until its pushes were acked  # version of each shard's values we hold
 
     def adopt(self, plan: ClusterPlan) -> None:
         """Use a newer plan; its placement must be the one we connected for."""
@@ -76,10 +78,12 @@ class PSClient:
         pushes, then pull the values for the next step. Returns the push ACKs
         and values."""
         push_ids, pull_ids = [], []
+        started = time.perf_counter()
         for i, (c, part) in enumerate(zip(self.shards, self._split(tensors))):
             push_ids.append(c.send(self._push(i, part, clock, n_samples, info)))
             pull_ids.append(c.send(Pull(plan_id=self.plan.plan_id, clock=clock + 1)))
         acks = [c.wait(req) for c, req in zip(self.shards, push_ids)]
+        self.last_push_s = time.perf_counter() - started
         return acks, self._gather_params(pull_ids)
 
     def _gather_params(self, ids: list[int]) -> dict[str, torch.Tensor]:

@@ -115,7 +115,7 @@ class LocalSgdTrainer(Trainer):
                           "compute_s": round(compute_s, 5)}
                 if self.due():
                     record.update(self.average())
-                self.timer.update(compute_s, time.perf_counter() - started)
+                self.timer.update(compute_s, 0.0, time.perf_counter() - started)
                 record["step_s"] = round(time.perf_counter() - started, 5)
                 self.member.add_record(record)
         except Aborted:

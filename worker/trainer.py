@@ -26,17 +26,26 @@ log = logging.getLogger(__name__)
 
 
 class StepTimer:
-    """Exponential moving averages of compute and step times (seconds)."""
+    """Exponential moving averages (seconds) of a worker's compute time, of
+    the time its push takes to be acknowledged (its own link and the shards'
+    service, not waiting for other workers), and of the whole step."""
 
-    def __init__(self, alpha: float = 0.2):
+    def __init__(self, alpha: float = 0.05):
         self.alpha = alpha
         self.compute_s = 0.0
+        self.push_s = 0.0
         self.step_s = 0.0
 
-    def update(self, compute_s: float, step_s: float) -> None:
+    def update(self, compute_s: float, push_s: float, step_s: float) -> None:
         a = self.alpha if self.step_s else 1.0
         self.compute_s += a * (compute_s - self.compute_s)
+        self.push_s += a * (push_s - self.push_s)
         self.step_s += a * (step_s - self.step_s)
+
+    def speed(self, batch_size: int) -> float:
+        """Samples/s this worker could sustain alone: compute plus its push."""
+        busy = self.compute_s + self.push_s
+        return batch_size / busy if busy else 0.0
 
 
 def profile_speed(state: ModelState, data: Datasets, batch_size: int, steps: int,
@@ -85,7 +94,7 @@ class Trainer:
         return {"steps": self.clock, "bytes_sent": self.client.bytes_sent,
                 "bytes_received": self.client.bytes_received, "step_time_s": self.timer.step_s,
                 "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id,
-                "speed": self.cfg.data.batch_size / self.timer.compute_s if self.timer.compute_s else 0.0,
+                "speed": self.timer.speed(self.cfg.data.batch_size), "push_s": self.timer.push_s,
                 "samples_per_s": self.cfg.data.batch_size / self.timer.step_s if self.timer.step_s else 0.0}
 
     def compute(self) -> float:
@@ -115,7 +124,7 @@ class Trainer:
             acks, values = self.client.push_pull(self.state.outgoing(), self.clock, self.cfg.data.batch_size)
             self.state.load(values)
             self.clock += 1
-            self.timer.update(compute_s, time.perf_counter() - started)
+            self.timer.update(compute_s, self.client.last_push_s, time.perf_counter() - started)
             self.member.add_record({"worker": self.index, "step": self.clock, "loss": round(loss, 5),
                                     "staleness": max(a.staleness for a in acks), "group": self.group,
                                     "compute_s": round(compute_s, 5),
