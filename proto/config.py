@@ -102,6 +102,7 @@ class ClusterConfig:
     request_timeout_s: float = 120.0       # longest wait for any single reply
     startup_timeout_s: float = 120.0       # longest wait for the cluster to form
     max_message_bytes: int = 1 << 30       # enforced by the sockets
+    chunk_bytes: int = 0                   # tensors larger than this are cut into parts placed apart; 0 = never
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,26 @@ def schema_hash(specs: list[TensorSpec]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def chunk_specs(specs: list[TensorSpec], max_bytes: int) -> tuple[list[TensorSpec], dict[str, dict]]:
+    """Cut every tensor larger than `max_bytes` (0: none) into 1-D parts
+    `NAME#0, NAME#1, ...` of at most `max_bytes`, in place in forward order,
+    so placement can spread one large tensor over several shards. Returns the
+    new spec list and name -> {"shape": original shape, "parts": part names}."""
+    out: list[TensorSpec] = []
+    chunks: dict[str, dict] = {}
+    for s in specs:
+        if not max_bytes or s.nbytes <= max_bytes:
+            out.append(s)
+            continue
+        itemsize = DTYPES[s.dtype].itemsize
+        numel, per = s.nbytes // itemsize, max(1, max_bytes // itemsize)
+        parts = [TensorSpec(f"{s.name}#{i}", s.dtype, (min(per, numel - start),), s.kind)
+                 for i, start in enumerate(range(0, numel, per))]
+        out.extend(parts)
+        chunks[s.name] = {"shape": list(s.shape), "parts": [p.name for p in parts]}
+    return out, chunks
+
+
 @dataclass(frozen=True)
 class NodeEntry:
     node_id: int
@@ -59,6 +79,7 @@ class ClusterPlan:
     speeds: dict[str, float] = field(default_factory=dict)  # node id -> measured speed
     shares: dict[str, float] = field(default_factory=dict)  # worker node id -> relative data share
     placement_id: int = 1            # plan id that last changed the placement
+    chunks: dict[str, dict] = field(default_factory=dict)  # name -> {shape, parts}: tensors cut into 1-D parts
     info: dict = field(default_factory=dict)
 
     def shard_index(self, node_id: int) -> int:
@@ -98,5 +119,5 @@ class ClusterPlan:
                    placement=dict(data["placement"]), schema_hash=data.get("schema_hash", ""),
                    groups=[list(g) for g in data.get("groups", [])],
                    speeds=dict(data.get("speeds", {})), shares=dict(data.get("shares", {})),
-                   placement_id=data.get("placement_id", 1),
+                   placement_id=data.get("placement_id", 1), chunks=dict(data.get("chunks", {})),
                    info=dict(data.get("info", {})))

@@ -5,8 +5,9 @@ run one after another on the same machine, with the same seeds.
         --with async optimizer.lr=0.0125 --with ssp algorithm.staleness=3 [key=value ...]
     hetps compare configs/sync.yaml --algorithms sync,solo:eager,majority:eager --with solo algorithm.quorum=solo
 
-Each run replaces the config's `algorithm` block with `{name: ALGO}`, then
-applies the common overrides, then that algorithm's `--with` overrides.
+Each run keeps the config's `algorithm` block if it names ALGO and replaces
+it with `{name: ALGO}` otherwise, then applies the common overrides, then
+that entry's `--with` overrides.
 Writes OUT/compare.json, OUT/compare.md (median time to target, speedup over
 the first algorithm, final accuracy, bytes, communication rounds) and
 OUT/compare.png (test accuracy against time, one curve per algorithm).
@@ -29,7 +30,8 @@ from .report import read_metrics
 
 def algorithm_config(raw: dict, algorithm: str, common: list[str], extra: list[str], seed: int):
     raw = copy.deepcopy(raw)
-    raw["algorithm"] = {"name": algorithm}
+    if (raw.get("algorithm") or {}).get("name") != algorithm:
+        raw["algorithm"] = {"name": algorithm}  # the config's parameters belong to another algorithm
     for assignment in [*common, *extra, f"seed={seed}"]:
         apply_override(raw, assignment)
     return config_from_dict(raw)

@@ -20,7 +20,7 @@ from pathlib import Path
 from hetps.proto.codec import Envelope, ProtocolError
 from hetps.proto.config import RunConfig
 from hetps.proto.messages import Ack, Plan, Status, Welcome
-from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec
+from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, chunk_specs
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 
@@ -191,13 +191,14 @@ class Coordinator(Service):
         workers = sorted(self.members("worker"), key=lambda n: n.rank)
         if len(shards) < self.expected["ps"] or len(workers) < self.expected["worker"]:
             return
-        placement = place(self.specs, [n.speed for n in shards])
+        specs, chunks = chunk_specs(self.specs, self.cfg.cluster.chunk_bytes)
+        placement = place(specs, [n.speed for n in shards])
         self.started = time.monotonic()
         self._publish(ClusterPlan(
             plan_id=1, algorithm=self.cfg.algorithm.name,
             workers=[NodeEntry(n.node_id, n.rank) for n in workers],
             shards=[NodeEntry(n.node_id, n.rank, n.address) for n in shards],
-            tensors=self.specs, placement=placement, schema_hash=self.schema,
+            tensors=specs, chunks=chunks, placement=placement, schema_hash=self.schema,
             speeds={str(n.node_id): round(n.speed, 3) for n in shards + workers},
             **self._grouping({n.node_id: n.speed for n in workers})))
 

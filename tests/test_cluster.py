@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-from cluster_util import (HETPS, REPO, kill_leftovers, log_tails, processes_mentioning, run_hetps,
-                          summary, wait_for)
+from cluster_util import HETPS, REPO, log_tails, processes_mentioning, run_hetps, summary, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -21,14 +20,6 @@ ALGORITHMS = {
     "async": ["configs/async.yaml"],
     "ssp": ["configs/ssp.yaml", "algorithm.staleness=2"],
 }
-
-
-@pytest.fixture
-def run_dir(tmp_path):
-    path = tmp_path / "run"
-    yield path
-    leftovers = kill_leftovers(str(path))
-    assert not leftovers, f"processes left behind: {leftovers}"
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
@@ -146,3 +137,15 @@ def test_daemon_without_scheduler_address_exits_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "hetps.ps", "--config", str(REPO / "configs/sync.yaml")],
                             capture_output=True, text=True, timeout=60, env={**os.environ, "HETPS_SCHEDULER": ""})
     assert result.returncode == 2 and "HETPS_SCHEDULER" in result.stderr
+
+
+def test_chunked_tensors_train_across_shards(run_dir):
+    result = run_hetps(["run", "configs/sync.yaml", "cluster.chunk_bytes=40000", "cluster.workers=2",
+                        "stop.target_accuracy=0.94", "stop.max_seconds=120", "eval.every_s=1.0",
+                        "--out", str(run_dir), "--quiet"], timeout_s=200)
+    assert result.returncode == 0, result.stderr + log_tails(run_dir)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    parts = plan["chunks"]["fc1.weight"]["parts"] if "fc1.weight" in plan["chunks"] else \
+        next(iter(plan["chunks"].values()))["parts"]
+    assert len({plan["placement"][p] for p in parts}) == 2  # one tensor spread over both shards
+    assert summary(run_dir)["final_accuracy"] >= 0.93

@@ -27,8 +27,10 @@ class PSClient:
                                  max_message_bytes=cluster.max_message_bytes, should_abort=should_abort)
                        for s in plan.shards]
         self.names = [[t.name for t in plan.owned(i)] for i in range(len(plan.shards))]
-        self.versions = [0] * len(plan.shards)
-        self.last_push_s = 0.0  # seconds from sending the last push_pull until its pushes were acked  # version of each shard's values we hold
+        self.versions = [0] * len(plan.shards)  # version of each shard's values we hold
+        self.last_push_s = 0.0  # seconds from sending the last push_pull until its pushes were acked
+        sizes = {t.name: t.shape[0] for t in plan.tensors}
+        self.part_sizes = {n: [sizes[p] for p in c["parts"]] for n, c in plan.chunks.items()}
 
     def adopt(self, plan: ClusterPlan) -> None:
         """Use a newer plan; its placement must be the one we connected for."""
@@ -45,7 +47,22 @@ class PSClient:
         return sum(c.bytes_received for c in self.shards)
 
     def _split(self, tensors: Mapping[str, torch.Tensor]) -> list[dict]:
-        return [{n: tensors[n] for n in names if n in tensors} for names in self.names]
+        """Per shard, the tensors it owns; chunked tensors become views of their parts."""
+        flat: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            chunk = self.plan.chunks.get(name)
+            if chunk is None:
+                flat[name] = t
+            else:
+                flat.update(zip(chunk["parts"], t.reshape(-1).split(self.part_sizes[name])))
+        return [{n: flat[n] for n in names if n in flat} for names in self.names]
+
+    def _join(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Reassemble chunked tensors from their parts (one copy each)."""
+        for name, chunk in self.plan.chunks.items():
+            if chunk["parts"][0] in values:
+                values[name] = torch.cat([values.pop(p) for p in chunk["parts"]]).view(chunk["shape"])
+        return values
 
     def init(self, values: Mapping[str, torch.Tensor]) -> None:
         """Offer initial values to every shard; the first offer a shard gets wins."""
@@ -93,7 +110,7 @@ class PSClient:
             assert isinstance(reply, Params)
             self.versions[i] = reply.version
             values.update(reply.tensors)
-        return values
+        return self._join(values)
 
     def close(self) -> None:
         for c in self.shards:
