@@ -97,6 +97,7 @@ class ClusterConfig:
     shards: list[NodeConfig] = field(default_factory=lambda: [NodeConfig(), NodeConfig()])
     workers: list[NodeConfig] = field(default_factory=lambda: [NodeConfig() for _ in range(4)])
     heartbeat_s: float = 0.5
+    dead_after_s: float = 5.0              # a worker silent this long leaves the plan
     straggler: float = 0.0                 # every step one seeded-random worker computes 1+this x as long
     profile_steps: int = 20                # steps timed on the real model before joining (speed)
     request_timeout_s: float = 120.0       # longest wait for any single reply

@@ -50,7 +50,12 @@ class Node:
     last_seen: float
     profiled_speed: float = 0.0
     stats: dict = field(default_factory=dict)
-    left: bool = False
+    left: bool = False    # said BYE
+    dead: bool = False    # silent for longer than cluster.dead_after_s
+
+    @property
+    def gone(self) -> bool:
+        return self.left or self.dead
 
     @property
     def speed(self) -> float:
@@ -126,6 +131,8 @@ class Coordinator(Service):
                                    profiled_speed=msg.speed)
         log.info("registered %s %d as node %d %s", msg.role, msg.rank, node_id, msg.address)
         self._maybe_plan()
+        if msg.role == "worker" and self.plan is not None and node_id not in self.plan.worker_ids():
+            self._replan(f"worker {msg.rank} joined as node {node_id}")
         return Welcome(node_id=node_id, role=msg.role, rank=msg.rank)
 
     def _check_schema(self, wire_specs: list, schema_hash: str) -> None:
@@ -147,6 +154,9 @@ class Coordinator(Service):
 
     def on_heartbeat(self, peer: bytes, env: Envelope):
         node = self.node(env.msg.node_id)
+        if node.dead:  # declared dead while it was only slow: it must not come back unannounced
+            return Ack(plan_id=self.plan.plan_id if self.plan else 0, stop=True,
+                       info={"reason": f"declared dead after {self.cfg.cluster.dead_after_s}s of silence"})
         node.stats = env.msg.stats
         now = self.elapsed()
         for rec in env.msg.records:
@@ -181,6 +191,8 @@ class Coordinator(Service):
         node.stats = env.msg.stats or node.stats
         node.left = True
         log.info("%s %d (node %d) left", node.role, node.rank, node.node_id)
+        if node.role == "worker" and self.stop_reason is None and self.plan is not None:
+            self._replan(f"worker {node.rank} left")
         return Ack(stop=True)
 
     # ------------------------------------------------------------ planning
@@ -201,6 +213,38 @@ class Coordinator(Service):
             tensors=specs, chunks=chunks, placement=placement, schema_hash=self.schema,
             speeds={str(n.node_id): round(n.speed, 3) for n in shards + workers},
             **self._grouping({n.node_id: n.speed for n in workers})))
+
+    def live_workers(self) -> list[Node]:
+        return sorted((n for n in self.members("worker") if not n.gone), key=lambda n: (n.rank, n.node_id))
+
+    def _replan(self, reason: str) -> None:
+        """A new plan for the live workers: same shards and placement, groups
+        and data shares recomputed. Shards close the rounds still open when
+        they adopt it, so nobody waits for a worker that is gone."""
+        workers = self.live_workers()
+        if not workers:
+            self.begin_stop(f"no live workers left ({reason})")
+            return
+        speeds = {n.node_id: n.speed for n in workers}
+        log.info("re-planning: %s", reason)
+        self._publish(dataclasses.replace(
+            self.plan, plan_id=self.plan.plan_id + 1, workers=[NodeEntry(n.node_id, n.rank) for n in workers],
+            speeds={**self.plan.speeds, **{str(w): round(s, 3) for w, s in speeds.items()}},
+            info={"reason": reason}, **self._grouping(speeds)))
+
+    def _detect_dead(self) -> None:
+        """Workers silent for longer than dead_after_s leave the plan."""
+        now = time.monotonic()
+        for n in self.members("worker"):
+            silent = now - n.last_seen
+            if n.gone or silent <= self.cfg.cluster.dead_after_s:
+                continue
+            n.dead = True
+            self.failures.append({"kind": "worker_dead", "node": f"worker{n.rank}", "node_id": n.node_id,
+                                  "t": round(self.elapsed(), 3), "silent_s": round(silent, 3)})
+            log.warning("worker %d (node %d) silent for %.1fs: declared dead", n.rank, n.node_id, silent)
+            if self.plan is not None and self.stop_reason is None:
+                self._replan(f"worker {n.rank} dead")
 
     def _grouping(self, speeds: dict[int, float]) -> dict:
         """Plan fields for the workers' groups and data shares under this algorithm."""
@@ -273,7 +317,7 @@ class Coordinator(Service):
             return True
         # the evaluator goes after the workers, so its last evaluation sees their last pushes
         before = ("worker",) if node.role == "evaluator" else ("worker", "evaluator")
-        others_gone = all(n.left for n in self.members(*before))
+        others_gone = all(n.gone for n in self.members(*before))
         return others_gone or time.monotonic() - self.stop_since > STOP_GRACE_S
 
     def tick(self) -> None:
@@ -286,6 +330,7 @@ class Coordinator(Service):
                 self.begin_stop(f"cluster did not form within {self.cfg.cluster.startup_timeout_s}s: "
                                 f"still waiting for {missing}")
             return
+        self._detect_dead()
         self._maybe_regroup()
         if self.elapsed() >= stop.max_seconds:
             self.begin_stop(f"time limit {stop.max_seconds}s")
@@ -296,7 +341,7 @@ class Coordinator(Service):
         """True once a stop began and every node left (or EXIT_GRACE_S passed)."""
         if self.stop_reason is None:
             return False
-        everyone_left = all(n.left for n in self.nodes.values())
+        everyone_left = all(n.gone for n in self.nodes.values())
         return everyone_left or time.monotonic() - self.stop_since > EXIT_GRACE_S
 
     def summary(self) -> dict:
@@ -304,7 +349,7 @@ class Coordinator(Service):
         per_node = {f"{n.role}{n.rank}": {"sent": _count(n.stats, "bytes_sent"),
                                           "received": _count(n.stats, "bytes_received"),
                                           "steps": _count(n.stats, "steps")} for n in workers}
-        stragglers = [f"{n.role}{n.rank}" for n in self.nodes.values() if not n.left]
+        stragglers = [f"{n.role}{n.rank}" for n in self.nodes.values() if not n.gone]
         return {
             "name": self.cfg.name, "algorithm": self.cfg.algorithm.name,
             "final_accuracy": self.evals.final, "final_loss": self.evals.final_loss,

@@ -102,13 +102,21 @@ class LocalCluster:
         scheduler = self.children[0]
         progress = Progress(self.run_dir / "metrics.jsonl")
         last_print = 0.0
+        tolerated: set[str] = set()
         while scheduler.popen.poll() is None:
             time.sleep(0.25)
             for child in self.children[1:]:
                 code = child.popen.poll()
-                if code not in (None, 0):
-                    self.stop_scheduler()
-                    raise LaunchError(f"{child.name} exited with {code}; last log lines:\n{child.tail()}")
+                if code in (None, 0) or child.name in tolerated:
+                    continue
+                if child.name.startswith("worker") and (self.run_dir / "plan.json").exists():
+                    # training began: the scheduler notices the silence and re-plans without it
+                    tolerated.add(child.name)
+                    print(f"\nhetps run: {child.name} exited with {code}; the cluster goes on without it",
+                          file=sys.stderr)
+                    continue
+                self.stop_scheduler()
+                raise LaunchError(f"{child.name} exited with {code}; last log lines:\n{child.tail()}")
             progress.poll()
             if not self.quiet and time.monotonic() - last_print > (0.5 if sys.stderr.isatty() else 5.0):
                 end = "\r" if sys.stderr.isatty() else "\n"
@@ -120,16 +128,16 @@ class LocalCluster:
         if scheduler.popen.returncode != 0:
             raise LaunchError(f"scheduler exited with {scheduler.popen.returncode}; last log lines:\n"
                               f"{scheduler.tail()}")
-        self._wait_rest()
+        self._wait_rest(tolerated)
 
-    def _wait_rest(self) -> None:
+    def _wait_rest(self, tolerated: set[str]) -> None:
         deadline = time.monotonic() + REAP_WAIT_S
         for child in self.children:
             try:
                 child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        failed = [c for c in self.children if c.popen.returncode not in (0, None)]
+        failed = [c for c in self.children if c.popen.returncode not in (0, None) and c.name not in tolerated]
         if failed:
             c = failed[0]
             raise LaunchError(f"{c.name} exited with {c.popen.returncode}; last log lines:\n{c.tail()}")

@@ -73,3 +73,47 @@ def log_tails(run_dir: Path, lines: int = 20) -> str:
     for log in sorted((run_dir / "logs").glob("*.log")):
         out.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
     return "\n".join(out)
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    """The records of one kind ("step", "eval", "plan", ...) in a run's metrics.jsonl."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+class Daemons:
+    """Daemons started one by one with `hetps ROLE ...` (the multi-host path),
+    each logging to DIR/N.log; `close()` kills and reaps any still running."""
+
+    def __init__(self, log_dir: Path, overrides: list[str]):
+        self.log_dir = log_dir
+        self.overrides = overrides
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list = []
+
+    def start(self, args: list[str], env: dict | None = None) -> None:
+        log = open(self.log_dir / f"{len(self.procs)}.log", "w")
+        self.logs.append(log)
+        self.procs.append(subprocess.Popen([*HETPS, *args, *self.overrides], cwd=self.log_dir, stdout=log,
+                                           stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                           start_new_session=True))
+
+    def scheduler(self, config: str, run_dir: Path) -> str:
+        """Start the scheduler on a random port; returns its address."""
+        self.start(["scheduler", "--config", config, "--bind", "tcp://127.0.0.1:0", "--run-dir", str(run_dir)])
+        addr_file = run_dir / "scheduler.addr"
+        return wait_for(lambda: addr_file.exists() and addr_file.read_text(), 60, "the scheduler address")
+
+    def wait(self, timeout_s: float) -> list[int]:
+        return [p.wait(timeout=timeout_s) for p in self.procs]
+
+    def tails(self) -> str:
+        return "\n".join((self.log_dir / f"{i}.log").read_text()[-1500:] for i in range(len(self.procs)))
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        for log in self.logs:
+            log.close()

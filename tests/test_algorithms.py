@@ -1,27 +1,23 @@
 """The shard rules of eager, cpsgd, adpsgd, wpsgd and simuparallel against
 hand computations, driven through ps.shard.Shard over the in-process
-`mem://` transport (as in test_shard.py: send, let the shard serve its inbox,
-then wait; a reply that must not have come is a short wait that times out)."""
+`mem://` transport (the ShardHarness of shard_harness.py, as in test_shard.py:
+send, let the shard serve its inbox, then wait; a reply that must not have
+come is a short wait that times out)."""
 from __future__ import annotations
 
 import math
 import random
-import uuid
 
 import pytest
 import torch
 from torch import nn
 
-from hetps.proto.config import load_config
-from hetps.proto.messages import Ack, Init, Params, Pull, Push, Status
-from hetps.proto.plan import ClusterPlan, NodeEntry, schema_hash
+from hetps.proto.messages import Params, Status
 from hetps.proto.rpc import RemoteError, RequestTimeout, RpcClient
-from hetps.proto.transport import make_server
 from hetps.ps.averaging_rules import VariancePeriod, equal_weights, wpsgd_weights
-from hetps.ps.shard import Shard
-from hetps.scheduler.placement import place
 from hetps.worker.state import model_specs, model_tensors
 from hetps.worker.straggler import straggler_of
+from shard_harness import ShardHarness, closing_factory
 
 PLAN_ID = 1
 W = [11, 12, 13, 14, 15]       # worker node ids
@@ -38,44 +34,16 @@ def tiny_model() -> nn.Module:
     return model
 
 
-class Cluster:
-    """Shards of one plan on mem:// transports and an RpcClient per (worker, shard)."""
+class Cluster(ShardHarness):
+    """The shards of a plan over tiny_model()'s tensors and the first `n_workers`
+    of W, initialised (by W[0]) with the model's values, kept as `initial`."""
 
     def __init__(self, algorithm: str, overrides: list[str], n_workers: int = 4, n_shards: int = 1):
         self.model = tiny_model()
-        self.cfg = load_config(None, [f"algorithm.name={algorithm}", *overrides])
         self.workers = W[:n_workers]
-        specs = model_specs(self.model)
-        self.kinds = {s.name: s.kind for s in specs}
-        self.plan = ClusterPlan(
-            plan_id=PLAN_ID, algorithm=algorithm, workers=[NodeEntry(w, r) for r, w in enumerate(self.workers)],
-            shards=[NodeEntry(21 + i, i, "mem://unused") for i in range(n_shards)], tensors=specs,
-            placement=place(specs, [1.0] * n_shards), schema_hash=schema_hash(specs))
-        self.addresses = [f"mem://alg-{uuid.uuid4().hex[:12]}" for _ in range(n_shards)]
-        self.shards = [Shard(make_server(a), 21 + i, self.plan, self.cfg) for i, a in enumerate(self.addresses)]
-        self.clients: dict[tuple[int, int], RpcClient] = {}
-        self.init = self.tensors(seed=None)
-        for i in range(n_shards):
-            self.call(self.workers[0], i, Init(plan_id=PLAN_ID, tensors=self.part(self.init, i)))
-
-    def client(self, node: int, shard: int) -> RpcClient:
-        if (node, shard) not in self.clients:
-            self.clients[node, shard] = RpcClient(self.addresses[shard], src=node, timeout_s=5.0)
-        return self.clients[node, shard]
-
-    def serve(self) -> None:
-        for s in self.shards:
-            while s.serve_once(0.0):
-                pass
-
-    def call(self, node: int, shard: int, msg):
-        c = self.client(node, shard)
-        req = c.send(msg)
-        self.serve()
-        return c.wait(req, timeout_s=2.0)
-
-    def part(self, tensors: dict, shard: int) -> dict:
-        return {t.name: tensors[t.name] for t in self.plan.owned(shard) if t.name in tensors}
+        super().__init__(model_specs(self.model), overrides, self.workers, n_shards, algorithm, plan_id=PLAN_ID)
+        self.initial = self.tensors(seed=None)
+        self.init(self.initial, self.workers[0])
 
     def tensors(self, seed: int | None, scale: float = 1.0) -> dict[str, torch.Tensor]:
         """Initial values (seed None), or random values of every tensor (a gradient or a model)."""
@@ -88,47 +56,13 @@ class Cluster:
                       else torch.tensor(seed % 50, dtype=t.dtype))
         return out
 
-    def push(self, node: int, clock: int, tensors: dict, base: int = 0, info: dict | None = None) -> list[Ack]:
-        return [self.call(node, i, Push(plan_id=PLAN_ID, clock=clock, base_version=base, info=info or {},
-                                        tensors=self.part(tensors, i)))
-                for i in range(len(self.shards))]
-
     def pull(self, node: int, clock: int) -> list[tuple[RpcClient, int]]:
-        reqs = [(self.client(node, i), self.client(node, i).send(Pull(plan_id=PLAN_ID, clock=clock)))
-                for i in range(len(self.shards))]
-        self.serve()
-        return reqs
-
-    def values(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for s in self.shards:
-            out.update({n: t.clone() for n, t in s.store.tensors.items()})
-        return out
-
-    def params(self) -> list[str]:
-        return [n for n, k in self.kinds.items() if k == "param"]
-
-    def versions(self) -> list[int]:
-        return [s.store.version for s in self.shards]
-
-    def close(self) -> None:
-        for c in self.clients.values():
-            c.close()
-        for s in self.shards:
-            s.server.close()
+        return [(self.client(node, i), req) for i, req in enumerate(self.send_pull(node, clock))]
 
 
 @pytest.fixture
 def clusters():
-    made: list[Cluster] = []
-
-    def make(*args, **kwargs) -> Cluster:
-        made.append(Cluster(*args, **kwargs))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
+    yield from closing_factory(Cluster)
 
 
 def answered(reqs, timeout_s: float = 0.05) -> list[Params] | None:
@@ -155,17 +89,17 @@ def test_solo_closes_on_the_first_fresh_push(clusters):
     c = clusters("eager", PLAIN_SGD + ["algorithm.quorum=solo", "algorithm.limiter=0"])
     names = c.params()
     g = [c.tensors(seed=s) for s in range(4)]
-    (ack,) = c.push(W[0], 0, g[0], base=0)
+    (ack,) = c.push(W[0], 0, g[0], base_version=0)
     assert ack.version == 1 and c.versions() == [1]  # one fresh push closed round 0
-    expected = sgd_step(c.init, [g[0]], names, 0.1, 4)
+    expected = sgd_step(c.initial, [g[0]], names, 0.1, 4)
     assert_close(c.values(), expected, names)
     assert answered(c.pull(W[0], 1)) is not None
     # W1 computed on version 0: late; it waits in the open round and does not close it
-    (ack,) = c.push(W[1], 0, g[1], base=0)
+    (ack,) = c.push(W[1], 0, g[1], base_version=0)
     assert ack.version == 1 and ack.staleness == 1
     assert answered(c.pull(W[1], 1)) is not None, "a late pusher is answered at once"
     # W2's fresh push closes round 1 with W2's and the late W1's gradient
-    (ack,) = c.push(W[2], 0, g[2], base=1)
+    (ack,) = c.push(W[2], 0, g[2], base_version=1)
     assert ack.version == 2
     assert_close(c.values(), sgd_step(expected, [g[1], g[2]], names, 0.1, 4), names)
     stats = c.shards[0].stats()
@@ -184,7 +118,7 @@ def test_majority_closes_on_ceil_half_and_applies_sum_over_p(clusters, p, quorum
         first = None
         for i, g in enumerate(grads):
             assert c.versions() == [rnd, rnd]
-            acks = c.push(W[i], rnd, g, base=rnd)
+            acks = c.push(W[i], rnd, g, base_version=rnd)
             assert [a.staleness for a in acks] == [0, 0]
             if i == 0:
                 first = c.pull(W[0], rnd + 1)
@@ -203,39 +137,39 @@ def test_late_gradient_is_counted_once_in_the_next_round(clusters):
     c = clusters("eager", PLAIN_SGD + ["algorithm.quorum=majority", "algorithm.limiter=0"])
     names = c.params()
     g = {(w, k): c.tensors(seed=100 * w + k) for w in W[:4] for k in range(3)}
-    c.push(W[0], 0, g[W[0], 0], base=0)
-    c.push(W[1], 0, g[W[1], 0], base=0)
-    after0 = sgd_step(c.init, [g[W[0], 0], g[W[1], 0]], names, 0.1, 4)
+    c.push(W[0], 0, g[W[0], 0], base_version=0)
+    c.push(W[1], 0, g[W[1], 0], base_version=0)
+    after0 = sgd_step(c.initial, [g[W[0], 0], g[W[1], 0]], names, 0.1, 4)
     assert c.versions() == [1]
     # W2's gradient of round 0 arrives after the round closed: it joins round 1
-    (ack,) = c.push(W[2], 0, g[W[2], 0], base=0)
+    (ack,) = c.push(W[2], 0, g[W[2], 0], base_version=0)
     assert ack.staleness == 1 and c.versions() == [1]
     assert_close(c.values(), after0, names)
-    c.push(W[2], 0, c.tensors(seed=999), base=0)  # a replay of the same push: ignored
-    c.push(W[0], 1, g[W[0], 1], base=1)
-    c.push(W[1], 1, g[W[1], 1], base=1)
+    c.push(W[2], 0, c.tensors(seed=999), base_version=0)  # a replay of the same push: ignored
+    c.push(W[0], 1, g[W[0], 1], base_version=1)
+    c.push(W[1], 1, g[W[1], 1], base_version=1)
     after1 = sgd_step(after0, [g[W[0], 1], g[W[1], 1], g[W[2], 0]], names, 0.1, 4)
     assert c.versions() == [2]
     assert_close(c.values(), after1, names)
     # round 2 holds only its own pushes: the late gradient was not counted again
-    c.push(W[0], 2, g[W[0], 2], base=2)
-    c.push(W[1], 2, g[W[1], 2], base=2)
+    c.push(W[0], 2, g[W[0], 2], base_version=2)
+    c.push(W[1], 2, g[W[1], 2], base_version=2)
     assert_close(c.values(), sgd_step(after1, [g[W[0], 2], g[W[1], 2]], names, 0.1, 4), names)
     assert c.shards[0].stats()["late"] == 1
 
 
 def test_every_limiter_round_is_a_full_barrier(clusters):
     c = clusters("eager", PLAIN_SGD + ["algorithm.quorum=solo", "algorithm.limiter=2"])
-    c.push(W[0], 0, c.tensors(seed=1), base=0)
+    c.push(W[0], 0, c.tensors(seed=1), base_version=0)
     assert c.versions() == [1]  # round 0: solo
     for i in range(3):  # round 1 is a barrier: three fresh pushes are not enough
-        c.push(W[i], 1 if i == 0 else 0, c.tensors(seed=2 + i), base=1)
+        c.push(W[i], 1 if i == 0 else 0, c.tensors(seed=2 + i), base_version=1)
         assert c.versions() == [1]
     waiting = c.pull(W[0], 2)
     assert answered(waiting) is None
-    c.push(W[3], 0, c.tensors(seed=9), base=0)  # the slow worker's (late) push completes it
+    c.push(W[3], 0, c.tensors(seed=9), base_version=0)  # the slow worker's (late) push completes it
     assert c.versions() == [2] and answered(waiting, timeout_s=2.0) is not None
-    c.push(W[1], 1, c.tensors(seed=10), base=2)
+    c.push(W[1], 1, c.tensors(seed=10), base_version=2)
     assert c.versions() == [3]  # round 2: solo again
     assert c.shards[0].stats()["barriers"] == 1
 
@@ -246,11 +180,11 @@ def test_random_initiator_closes_the_round(clusters):
     for rnd in range(3):
         initiator = draw.choice(W[:4])
         others = [w for w in W[:4] if w != initiator]
-        c.push(others[0], rnd, c.tensors(seed=rnd), base=rnd)
+        c.push(others[0], rnd, c.tensors(seed=rnd), base_version=rnd)
         assert c.versions() == [rnd]
-        c.push(others[1], rnd, c.tensors(seed=rnd + 80), base=rnd)
+        c.push(others[1], rnd, c.tensors(seed=rnd + 80), base_version=rnd)
         assert c.versions() == [rnd]  # two fresh pushes, neither from the initiator
-        c.push(initiator, rnd, c.tensors(seed=rnd + 50), base=rnd)
+        c.push(initiator, rnd, c.tensors(seed=rnd + 50), base_version=rnd)
         assert c.versions() == [rnd + 1]
 
 
@@ -260,14 +194,14 @@ def test_a_push_staler_than_the_bound_is_folded_or_dropped(clusters, mode):
                                        "algorithm.max_staleness=1", f"algorithm.too_stale={mode}"])
     names = c.params()
     for k in range(2):
-        c.push(W[0], k, c.tensors(seed=k), base=k)
+        c.push(W[0], k, c.tensors(seed=k), base_version=k)
     before = c.values()
     stale = c.tensors(seed=42)
-    (ack,) = c.push(W[1], 0, stale, base=0)  # two versions stale > 1
+    (ack,) = c.push(W[1], 0, stale, base_version=0)  # two versions stale > 1
     assert ack.staleness == 2
     assert answered(c.pull(W[1], 1)) is not None
     fresh = c.tensors(seed=43)
-    c.push(W[0], 2, fresh, base=2)
+    c.push(W[0], 2, fresh, base_version=2)
     applied = [fresh, stale] if mode == "fold" else [fresh]
     assert_close(c.values(), sgd_step(before, applied, names, 0.1, 4), names)
     assert c.shards[0].stats()["folded" if mode == "fold" else "dropped"] == 1
@@ -299,7 +233,7 @@ def test_cpsgd_round_holds_the_mean_model(clusters):
         if got[name].is_floating_point():
             torch.testing.assert_close(got[name], sum(m[name] for m in models) / 3, **TIGHT)
         else:
-            assert torch.equal(got[name], max([c.init[name]] + [m[name] for m in models]))  # a counter: max
+            assert torch.equal(got[name], max([c.initial[name]] + [m[name] for m in models]))  # a counter: max
     assert_close(pulled, got, got)
     params = c.params()
     variance = sum(float((m[n] - got[n]).pow(2).sum()) for m in models for n in params) / 3

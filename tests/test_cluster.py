@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from cluster_util import HETPS, REPO, log_tails, processes_mentioning, run_hetps, summary, wait_for
+from cluster_util import HETPS, REPO, Daemons, log_tails, processes_mentioning, run_hetps, summary, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -99,35 +99,17 @@ def test_daemons_by_hand_across_hosts_style(tmp_path):
     overrides = ["cluster.workers=2", "cluster.shards=1", "stop.target_accuracy=0.9",
                  "stop.max_seconds=120", "eval.every_s=1.0"]
     config = str(REPO / "configs" / "sync.yaml")
-    procs = []
-    logs = []
-
-    def start(args, env=None):
-        log = open(tmp_path / f"{len(procs)}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([*HETPS, *args], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                                      env={**os.environ, **(env or {})}, start_new_session=True))
-
+    daemons = Daemons(tmp_path, overrides)
     try:
-        start(["scheduler", "--config", config, "--bind", "tcp://127.0.0.1:0", "--run-dir", str(run_dir),
-               *overrides])
-        addr = wait_for(lambda: (run_dir / "scheduler.addr").exists()
-                        and (run_dir / "scheduler.addr").read_text(), 60, "the scheduler address")
-        start(["ps", "--config", config, "--rank", "0", "--scheduler", addr, *overrides])
+        addr = daemons.scheduler(config, run_dir)
+        daemons.start(["ps", "--config", config, "--rank", "0", "--scheduler", addr])
         for rank in range(2):
-            start(["worker", "--config", config, *overrides], env={"HETPS_SCHEDULER": addr,
-                                                                     "HETPS_RANK": str(rank)})
-        start(["worker", "--config", config, "--evaluator", *overrides], env={"HETPS_SCHEDULER": addr})
-        codes = [p.wait(timeout=180) for p in procs]
+            daemons.start(["worker", "--config", config], env={"HETPS_SCHEDULER": addr, "HETPS_RANK": str(rank)})
+        daemons.start(["worker", "--config", config, "--evaluator"], env={"HETPS_SCHEDULER": addr})
+        codes = daemons.wait(180)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
-        for log in logs:
-            log.close()
-    tails = "\n".join((tmp_path / f"{i}.log").read_text()[-1500:] for i in range(len(procs)))
-    assert codes == [0] * len(procs), tails
+        daemons.close()
+    assert codes == [0] * len(codes), daemons.tails()
     s = summary(run_dir)
     assert s["time_to_target_s"] is not None and s["final_accuracy"] >= 0.88, s
     assert not processes_mentioning(str(tmp_path))

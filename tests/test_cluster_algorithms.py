@@ -3,26 +3,11 @@ trains LeNet-5 on mnist-5k to >= 93% test accuracy with its config from
 configs/, and its summary shows the algorithm's own bookkeeping."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from cluster_util import kill_leftovers, log_tails, run_hetps, summary
+from cluster_util import log_tails, records, run_hetps, summary
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture
-def run_dir(tmp_path):
-    path = tmp_path / "run"
-    yield path
-    leftovers = kill_leftovers(str(path))
-    assert not leftovers, f"processes left behind: {leftovers}"
-
-
-def step_records(run_dir) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == "step"]
 
 
 def check_eager(s: dict, steps: list[dict]) -> None:
@@ -81,6 +66,6 @@ def test_algorithm_trains_to_93_percent(algorithm, run_dir):
     assert s["communication_rounds"] > 0
     workers = {k: v for k, v in s["per_node"].items() if k.startswith("worker")}
     assert len(workers) == 4 and all(v["sent"] > 0 and v["received"] > 0 for v in workers.values())
-    steps = step_records(run_dir)
+    steps = records(run_dir, "step")
     assert {r["worker"] for r in steps} == {0, 1, 2, 3}
     check(s, steps)

@@ -6,22 +6,9 @@ import json
 
 import pytest
 
-from cluster_util import kill_leftovers, log_tails, run_hetps, summary
+from cluster_util import log_tails, records, run_hetps, summary
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture
-def run_dir(tmp_path):
-    path = tmp_path / "run"
-    yield path
-    leftovers = kill_leftovers(str(path))
-    assert not leftovers, f"processes left behind: {leftovers}"
-
-
-def records(run_dir, kind):
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
 def test_groups_update_independently(run_dir):
@@ -64,9 +51,10 @@ def test_regrouping_when_a_worker_slows_down(run_dir):
     mover = workers[1]
     together = lambda plan, a, b: any(a in g and b in g for g in plan["groups"])
     # the slowed worker moved from the fast group to the slow one
-    assert any(together(p, mover, workers[0]) for p in plans[:-1]), [p["groups"] for p in plans]
-    assert sorted(map(sorted, plans[-1]["groups"])) == sorted([[workers[0]], sorted(workers[1:])]), \
-        plans[-1]["groups"]
+    slowed = sorted([[workers[0]], sorted(workers[1:])])
+    first_slowed = next((i for i, p in enumerate(plans) if sorted(map(sorted, p["groups"])) == slowed), None)
+    assert first_slowed, [p["groups"] for p in plans]  # some plan after the first has it in the slow group
+    assert any(together(p, mover, workers[0]) for p in plans[:first_slowed]), [p["groups"] for p in plans]
     shard = next(iter(s["shard_stats"].values()))
     assert shard["duplicates"] == 0
     assert shard["accepted"] == shard["contributions"] + shard["pending"]  # nothing lost or doubled

@@ -2,8 +2,8 @@
 drift, speed-ranked placement) and the shard's group policy driven
 in-process over mem://, with updates checked against hand computations.
 
-The shard harness here is self-contained (a model-free tensor list, one
-RpcClient per worker node id): a request is `send`, the shard runs
+The shard harness (shard_harness.py) here runs on a model-free tensor list,
+one RpcClient per worker node id: a request is `send`, the shard runs
 `serve_once` until its inbox is empty, then the client `wait`s; a reply that
 must NOT have come yet (a parked pull) is checked with a short `wait` that
 times out.
@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import uuid
 
 import pytest
 import torch
 
 from hetps.proto.algorithm_params import GroupingParams
-from hetps.proto.config import load_config
-from hetps.proto.messages import Ack, Init, Params, Pull, Push
-from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, schema_hash
-from hetps.proto.rpc import RequestTimeout, RpcClient
-from hetps.proto.transport import make_server
-from hetps.ps.shard import Shard
+from hetps.proto.messages import Ack, Params
+from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec
 from hetps.scheduler.grouping import data_shares, drifted, form_groups
 from hetps.scheduler.placement import place
 from hetps.worker.data import partition
+from shard_harness import PLAN_ID, ShardHarness, closing_factory, not_answered
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -352,8 +348,6 @@ def test_invalid_speeds(speeds):
 # ================================================================ the shard's group policy
 
 A, B, C, D = 11, 12, 13, 14
-SHARD_IDS = (21, 22)
-PLAN_ID = 3
 TENSORS = [TensorSpec("w", "float32", (2, 3)), TensorSpec("b", "float32", (3,))]
 LR = 0.5
 
@@ -381,65 +375,20 @@ def sgd_step(params: dict, g: dict, lr: float) -> dict:
     return {n: params[n].double() - lr * g[n].double() for n in params}
 
 
-class GroupHarness:
-    """Shards of one plan on mem:// transports, one RpcClient per (worker, shard)."""
+class GroupHarness(ShardHarness):
+    """The shards of a plan over TENSORS with `groups`; every push must be acknowledged."""
 
     def __init__(self, overrides: list[str], groups: list[list[int]], algorithm: str = "grouping",
                  workers=(A, B, C, D), n_shards: int = 1):
-        self.cfg = load_config(None, [f"algorithm.name={algorithm}", *overrides])
-        self.plan = ClusterPlan(
-            plan_id=PLAN_ID, algorithm=algorithm, workers=[NodeEntry(w, r) for r, w in enumerate(workers)],
-            shards=[NodeEntry(SHARD_IDS[i], i, f"mem://unused-{i}") for i in range(n_shards)],
-            tensors=TENSORS, placement=place(TENSORS, [1.0] * n_shards), schema_hash=schema_hash(TENSORS),
-            groups=[list(g) for g in groups], placement_id=PLAN_ID)
-        self.addresses = [f"mem://test-grouping-{uuid.uuid4().hex[:12]}" for _ in range(n_shards)]
-        self.shards = [Shard(make_server(a), SHARD_IDS[i], self.plan, self.cfg)
-                       for i, a in enumerate(self.addresses)]
-        self.clients: dict[tuple[int, int], RpcClient] = {}
-
-    def client(self, node: int, shard: int = 0) -> RpcClient:
-        if (node, shard) not in self.clients:
-            self.clients[node, shard] = RpcClient(self.addresses[shard], src=node, timeout_s=5.0)
-        return self.clients[node, shard]
-
-    def serve(self) -> None:
-        for shard in self.shards:
-            while shard.serve_once(0.0):
-                pass
-
-    def call(self, node: int, msg, shard: int = 0):
-        c = self.client(node, shard)
-        req = c.send(msg)
-        self.serve()
-        return c.wait(req, timeout_s=2.0)
-
-    def part(self, tensors: dict, shard: int) -> dict:
-        return {t.name: tensors[t.name] for t in self.plan.owned(shard)}
-
-    def init(self, values: dict) -> None:
-        for i in range(len(self.shards)):
-            ack = self.call(A, Init(plan_id=PLAN_ID, tensors=self.part(values, i)), i)
-            assert isinstance(ack, Ack) and ack.info["first"] is True
+        super().__init__(TENSORS, overrides, workers, n_shards, algorithm, groups=groups)
 
     def push(self, node: int, clock: int, tensors: dict, base_version: int = 0) -> list[Ack]:
-        acks = [self.call(node, Push(plan_id=PLAN_ID, clock=clock, base_version=base_version,
-                                     tensors=self.part(tensors, i)), i) for i in range(len(self.shards))]
+        acks = super().push(node, clock, tensors, base_version)
         assert all(isinstance(a, Ack) for a in acks), acks
         return acks
 
-    def send_pull(self, node: int, clock: int) -> list[int]:
-        reqs = [self.client(node, i).send(Pull(plan_id=PLAN_ID, clock=clock)) for i in range(len(self.shards))]
-        self.serve()
-        return reqs
-
     def parked(self, node: int, reqs: list[int]) -> bool:
-        for i, req in enumerate(reqs):
-            try:
-                self.client(node, i).wait(req, timeout_s=0.05)
-            except RequestTimeout:
-                continue
-            return False
-        return True
+        return all(not_answered(self.client(node, i), req) for i, req in enumerate(reqs))
 
     def answered(self, node: int, reqs: list[int]) -> tuple[list[int], dict]:
         self.serve()
@@ -451,37 +400,10 @@ class GroupHarness:
             tensors.update(reply.tensors)
         return versions, tensors
 
-    def values(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for s in self.shards:
-            out.update({n: t.clone() for n, t in s.store.tensors.items()})
-        return out
-
-    def versions(self) -> list[int]:
-        return [s.store.version for s in self.shards]
-
-    def stats(self) -> list[dict]:
-        return [s.stats() for s in self.shards]
-
-    def close(self) -> None:
-        for c in self.clients.values():
-            c.close()
-        for s in self.shards:
-            s.server.close()
-
 
 @pytest.fixture
 def harness():
-    made: list[GroupHarness] = []
-
-    def make(*args, **kwargs) -> GroupHarness:
-        h = GroupHarness(*args, **kwargs)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
+    yield from closing_factory(GroupHarness)
 
 
 def assert_values(actual: dict, expected: dict) -> None:

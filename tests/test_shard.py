@@ -1,35 +1,27 @@
 """The parameter-server shard as a Service, driven in-process and deterministically.
 
 Every test binds a Shard on a `mem://` transport and talks to it with
-RpcClients (one per worker node id). A request is `send`, then the test runs
-`serve_once` until the shard's inbox is empty, then `wait`s; a reply that must
-NOT have come yet (a parked pull) is checked with a short `wait` that times out.
+RpcClients (one per worker node id) through the ShardHarness of
+shard_harness.py. A request is `send`, then the test runs `serve_once` until
+the shard's inbox is empty, then `wait`s; a reply that must NOT have come yet
+(a parked pull) is checked with a short `wait` that times out.
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
-import uuid
 
 import pytest
 import torch
 from torch import nn
 
-from hetps.proto.config import load_config
 from hetps.proto.messages import Ack, Init, Params, Pull, Push, Register, Status
-from hetps.proto.plan import ClusterPlan, NodeEntry, schema_hash
-from hetps.proto.rpc import RemoteError, RequestTimeout, RpcClient
-from hetps.proto.transport import make_server
-from hetps.ps.shard import Shard
-from hetps.scheduler.placement import place
+from hetps.proto.rpc import RemoteError
 from hetps.worker.state import model_specs, model_tensors
+from shard_harness import PLAN_ID, ShardHarness, closing_factory, not_answered
 
 A, B = 11, 12             # worker node ids
-SHARD_IDS = (21, 22)      # shard node ids
-PLAN_ID = 3
 TIGHT = dict(rtol=1e-6, atol=1e-7)
-PLAN_FIELDS = {f.name for f in dataclasses.fields(ClusterPlan)}
 
 
 # ---------------------------------------------------------------- fixtures and helpers
@@ -44,97 +36,18 @@ def tiny_model(seed: int = 0) -> nn.Module:
     return model
 
 
-def make_plan(model: nn.Module, n_shards: int, algorithm: str, workers=(A, B)) -> ClusterPlan:
-    specs = model_specs(model)
-    shards = [NodeEntry(SHARD_IDS[i], i, f"mem://unused-{i}") for i in range(n_shards)]
-    extra = {"placement_id": PLAN_ID} if "placement_id" in PLAN_FIELDS else {}
-    return ClusterPlan(plan_id=PLAN_ID, algorithm=algorithm,
-                       workers=[NodeEntry(w, r) for r, w in enumerate(workers)],
-                       shards=shards, tensors=specs, placement=place(specs, [1.0] * n_shards),
-                       schema_hash=schema_hash(specs), **extra)
-
-
-class Harness:
-    """Shards of one plan on mem:// transports, and one RpcClient per (worker, shard)."""
+class Harness(ShardHarness):
+    """The shards of a plan over `model`'s tensors, workers A and B by default."""
 
     def __init__(self, model: nn.Module, overrides: list[str], n_shards: int = 1,
                  algorithm: str = "sync", workers=(A, B)):
+        super().__init__(model_specs(model), overrides, workers, n_shards, algorithm)
         self.model = model
-        self.cfg = load_config(None, [f"algorithm.name={algorithm}", *overrides])
-        self.plan = make_plan(model, n_shards, algorithm, workers)
-        self.shards: list[Shard] = []
-        self.addresses: list[str] = []
-        for i in range(n_shards):
-            addr = f"mem://test-shard-{uuid.uuid4().hex[:12]}"
-            self.addresses.append(addr)
-            self.shards.append(Shard(make_server(addr), SHARD_IDS[i], self.plan, self.cfg))
-        self.clients: dict[tuple[int, int], RpcClient] = {}
-        self.kinds = {s.name: s.kind for s in self.plan.tensors}
-
-    def client(self, node: int, shard: int = 0) -> RpcClient:
-        key = (node, shard)
-        if key not in self.clients:
-            self.clients[key] = RpcClient(self.addresses[shard], src=node, timeout_s=5.0)
-        return self.clients[key]
-
-    def serve(self) -> int:
-        """Let every shard handle everything queued for it; how many requests were handled."""
-        handled = 0
-        for shard in self.shards:
-            while shard.serve_once(0.0):
-                handled += 1
-        return handled
-
-    def call(self, node: int, msg, shard: int = 0):
-        c = self.client(node, shard)
-        req = c.send(msg)
-        self.serve()
-        return c.wait(req, timeout_s=2.0)
-
-    def owned(self, shard: int) -> list[str]:
-        return [t.name for t in self.plan.owned(shard)]
-
-    def part(self, tensors: dict, shard: int) -> dict:
-        return {n: tensors[n] for n in self.owned(shard) if n in tensors}
-
-    def init(self, values: dict, node: int = A) -> None:
-        for i in range(len(self.shards)):
-            ack = self.call(node, Init(plan_id=PLAN_ID, tensors=self.part(values, i)), i)
-            assert isinstance(ack, Ack) and ack.info["first"] is True
-
-    def push(self, node: int, clock: int, tensors: dict, base_version: int = 0) -> list[Ack]:
-        return [self.call(node, Push(plan_id=PLAN_ID, clock=clock, base_version=base_version,
-                                     tensors=self.part(tensors, i)), i)
-                for i in range(len(self.shards))]
-
-    def values(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for shard in self.shards:
-            out.update({n: t.clone() for n, t in shard.store.tensors.items()})
-        return out
-
-    def versions(self) -> list[int]:
-        return [s.store.version for s in self.shards]
-
-    def close(self) -> None:
-        for c in self.clients.values():
-            c.close()
-        for s in self.shards:
-            s.server.close()
 
 
 @pytest.fixture
 def harnesses():
-    made: list[Harness] = []
-
-    def make(*args, **kwargs) -> Harness:
-        h = Harness(*args, **kwargs)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
+    yield from closing_factory(Harness)
 
 
 def init_values(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -153,14 +66,6 @@ def fake_push(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
         else:
             out[name] = torch.tensor(seed + 7, dtype=t.dtype)
     return out
-
-
-def not_answered(client: RpcClient, req: int, timeout_s: float = 0.05) -> bool:
-    try:
-        client.wait(req, timeout_s=timeout_s)
-    except RequestTimeout:
-        return True
-    return False
 
 
 def assert_values(actual: dict, expected: dict, names) -> None:

@@ -111,7 +111,7 @@ class LocalSgdTrainer(Trainer):
             while not self.member.stop_requested.is_set():
                 started = time.perf_counter()
                 loss, compute_s = self.local_step()
-                record = {"worker": self.index, "step": self.clock, "loss": round(loss, 5), "staleness": 0,
+                record = {"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5), "staleness": 0,
                           "compute_s": round(compute_s, 5)}
                 if self.due():
                     record.update(self.average())

@@ -114,6 +114,9 @@ class Trainer:
         self.slowdown.start()
         while not self.member.stop_requested.is_set():
             newer = self.member.newer_plan(self.client.plan.plan_id)
+            if newer is not None and self.member.node_id not in newer.worker_ids():
+                log.warning("not a worker of plan %d any more: stopping", newer.plan_id)
+                break
             if newer is not None:  # between steps: our previous push is fully applied
                 self.use_plan(newer)
                 log.info("switched to plan %d: group %d", newer.plan_id, self.group)
@@ -125,7 +128,7 @@ class Trainer:
             self.state.load(values)
             self.clock += 1
             self.timer.update(compute_s, self.client.last_push_s, time.perf_counter() - started)
-            self.member.add_record({"worker": self.index, "step": self.clock, "loss": round(loss, 5),
+            self.member.add_record({"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5),
                                     "staleness": max(a.staleness for a in acks), "group": self.group,
                                     "compute_s": round(compute_s, 5),
                                     "step_s": round(time.perf_counter() - started, 5)})

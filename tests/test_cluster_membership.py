@@ -1,0 +1,86 @@
+"""Membership changes on real processes: a worker killed with SIGKILL leaves
+the plan and the others go on; a worker started late joins a group."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from cluster_util import HETPS, REPO, Daemons, log_tails, processes_mentioning, records, summary, wait_for
+
+pytestmark = pytest.mark.cluster
+DEAD_AFTER_S = 2.0
+
+
+def worker_pid(run_dir, rank: int) -> int:
+    for pid in processes_mentioning(str(run_dir)):
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        if b"hetps.worker" in cmdline and b"--rank" in cmdline and cmdline[cmdline.index(b"--rank") + 1] == \
+                str(rank).encode() and b"--evaluator" not in cmdline:
+            return pid
+    raise AssertionError(f"no worker {rank} process")
+
+
+@pytest.mark.parametrize("config", ["configs/sync.yaml", "configs/default.yaml"])
+def test_killed_worker_leaves_the_plan_and_the_run_reaches_target(config, run_dir):
+    proc = subprocess.Popen([*HETPS, "run", config, f"cluster.dead_after_s={DEAD_AFTER_S}",
+                             "stop.target_accuracy=0.96", "stop.max_seconds=150", "eval.every_s=1.0",
+                             "--out", str(run_dir), "--quiet"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists()
+                 and any(r["global_steps"] >= 40 for r in records(run_dir, "eval")), 90, "training under way")
+        os.kill(worker_pid(run_dir, 1), signal.SIGKILL)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, err + log_tails(run_dir)
+    s = summary(run_dir)
+    dead = [f for f in s["failures"] if f["kind"] == "worker_dead"]
+    assert [f["node"] for f in dead] == ["worker1"], s["failures"]
+    assert s["time_to_target_s"] is not None and s["final_accuracy"] >= 0.94, s
+    # the re-plan came within 2x the dead-after timeout of the worker's last step
+    last_step = max(r["t"] for r in records(run_dir, "step") if r["worker"] == 1)
+    replans = [r for r in records(run_dir, "plan") if r["plan_id"] > 1 and r["t"] > last_step]
+    assert replans and replans[0]["t"] - last_step <= 2 * DEAD_AFTER_S + 1.0, (last_step, replans)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert len(plan["workers"]) == 3
+    # and the others kept training after it
+    assert any(r["t"] > replans[0]["t"] for r in records(run_dir, "step"))
+
+
+def test_late_worker_joins_a_group_and_its_pushes_are_applied(tmp_path):
+    run_dir = tmp_path / "join"
+    overrides = ["cluster.workers=2", "cluster.shards=1", "stop.target_accuracy=null", "stop.max_seconds=14",
+                 "eval.every_s=1.0"]
+    config = str(REPO / "configs" / "default.yaml")
+    daemons = Daemons(tmp_path, overrides)
+    try:
+        addr = daemons.scheduler(config, run_dir)
+        daemons.start(["ps", "--config", config, "--rank", "0", "--scheduler", addr])
+        for rank in range(2):
+            daemons.start(["worker", "--config", config, "--rank", str(rank), "--scheduler", addr])
+        daemons.start(["worker", "--config", config, "--evaluator", "--scheduler", addr])
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists()
+                 and any(r["global_steps"] >= 40 for r in records(run_dir, "eval")), 90, "training under way")
+        daemons.start(["worker", "--config", config, "--rank", "2", "--scheduler", addr])
+        codes = daemons.wait(120)
+    finally:
+        daemons.close()
+    assert codes == [0] * len(codes), daemons.tails()
+    s = summary(run_dir)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert s["plan_id"] >= 2 and len(plan["workers"]) == 3, plan
+    late = plan["workers"][2]["node_id"]
+    assert any(late in g for g in plan["groups"])
+    assert s["per_node"]["worker2"]["steps"] > 10, s["per_node"]
+    shard = s["shard_stats"]["ps0"]
+    assert shard["accepted"] == shard["contributions"] + shard["pending"]
+    assert shard["accepted"] >= s["global_steps"]  # the late worker's pushes are among those applied
+    assert not processes_mentioning(str(tmp_path))
