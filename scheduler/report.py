@@ -30,7 +30,7 @@ class Progress:
     accuracy: float | None = None
     t: float = 0.0
     rate: float = 0.0
-    _last: tuple[float, int] | None = None
+    _samples: list = field(default_factory=list)  # (t, total steps) over the last few seconds
 
     def poll(self) -> None:
         if not self.path.exists():
@@ -48,10 +48,10 @@ class Progress:
             elif rec["kind"] == "eval":
                 self.accuracy = rec["accuracy"]
         total = sum(self.steps.values())
-        if self._last and self.t > self._last[0]:
-            self.rate = (total - self._last[1]) / (self.t - self._last[0])
-        if self._last is None or self.t - self._last[0] >= 2.0:
-            self._last = (self.t, total)
+        self._samples = [s for s in self._samples if s[0] >= self.t - 3.0] + [(self.t, total)]
+        t0, total0 = self._samples[0]
+        if self.t - t0 >= 0.5:  # steps/s over the last ~3 s of the run
+            self.rate = (total - total0) / (self.t - t0)
 
     def line(self) -> str:
         acc = f"{self.accuracy:.4f}" if self.accuracy is not None else "  -   "
