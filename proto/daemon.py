@@ -22,7 +22,15 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", default=env("HETPS_SCHEDULER"),
                         help="scheduler address tcp://HOST:PORT ($HETPS_SCHEDULER; else cluster.scheduler)")
     parser.add_argument("--log-level", default=env("HETPS_LOG_LEVEL", "INFO"))
+    parser.add_argument("--check", action="store_true",
+                        help="validate flags, environment and config, print them, exit 0 without connecting")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+
+def check_and_exit(role: str, **resolved) -> None:
+    """For --check: print what the daemon would do and exit 0."""
+    print(f"hetps {role}: ok " + " ".join(f"{k}={v}" for k, v in resolved.items()))
+    raise SystemExit(0)
 
 
 def load_or_exit(path: str | None, overrides: list[str]) -> RunConfig:
@@ -46,4 +54,6 @@ def daemon_setup(args: argparse.Namespace, role: str) -> tuple[RunConfig, str]:
               "HETPS_SCHEDULER (cluster.scheduler has port 0, which only `hetps run` can fill in)",
               file=sys.stderr)
         raise SystemExit(2)
+    if args.check and role != "ps":  # the shard adds its own addresses
+        check_and_exit(role, rank=args.rank, scheduler=scheduler, config=args.config)
     return cfg, scheduler

@@ -22,6 +22,10 @@ from .rpc import RequestTimeout, RpcClient
 log = logging.getLogger(__name__)
 
 
+class SchedulerUnreachable(RuntimeError):
+    """The scheduler did not answer registration within the startup timeout."""
+
+
 class Membership:
     def __init__(self, scheduler: str, role: str, rank: int, cluster: ClusterConfig):
         self.scheduler = scheduler
@@ -41,12 +45,18 @@ class Membership:
 
     def join(self, address: str = "", tensor_specs: list | None = None, schema_hash: str = "",
              speed: float = 0.0) -> int:
-        """Register; returns this node's id. Raises RequestTimeout naming the
-        scheduler address if it does not answer within the startup timeout."""
-        welcome = self.rpc.call(Register(role=self.role, rank=self.rank, address=address,
-                                         tensor_specs=tensor_specs or [], schema_hash=schema_hash,
-                                         speed=speed),
-                                timeout_s=self.cluster.startup_timeout_s)
+        """Register; returns this node's id. Raises SchedulerUnreachable, naming
+        the address and the timeout, if the scheduler does not answer in time."""
+        try:
+            welcome = self.rpc.call(Register(role=self.role, rank=self.rank, address=address,
+                                             tensor_specs=tensor_specs or [], schema_hash=schema_hash,
+                                             speed=speed),
+                                    timeout_s=self.cluster.startup_timeout_s)
+        except RequestTimeout:
+            raise SchedulerUnreachable(
+                f"cannot reach the scheduler at {self.scheduler} within {self.cluster.startup_timeout_s}s "
+                "(cluster.startup_timeout_s): is it running, and is that address reachable from this "
+                "host?") from None
         assert isinstance(welcome, Welcome)
         self.node_id = welcome.node_id
         self.rpc.src = self.node_id

@@ -154,7 +154,11 @@ class ZmqClient(ClientTransport):
     def __init__(self, address: str, max_message_bytes: int | None = None):
         self.address = address
         self.sock = _zmq_socket(zmq.DEALER, max_message_bytes)
-        self.sock.connect(address)
+        try:
+            self.sock.connect(address)
+        except zmq.ZMQError as exc:
+            self.sock.close(0)
+            raise TransportError(f"cannot connect to {address}: {exc}") from None
         self.bytes_sent = 0
         self.bytes_received = 0
 

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import torch
 
-from hetps.proto.daemon import common_args, daemon_setup
-from hetps.proto.membership import Membership
-from hetps.proto.transport import make_server, set_link_cap
+from hetps.proto.daemon import check_and_exit, common_args, daemon_setup
+from hetps.proto.membership import Membership, SchedulerUnreachable
+from hetps.proto.rpc import RequestTimeout
+from hetps.proto.transport import TransportError, make_server, set_link_cap
 
 from hetps.proto.config import NodeConfig
 from hetps.proto.emulation import Slowdown
@@ -33,16 +35,25 @@ log = logging.getLogger("hetps.ps")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetps ps", description="parameter-server shard daemon")
     common_args(parser)
-    parser.add_argument("--bind", default=None, help="address to bind (default tcp://<cluster.host>:0)")
-    parser.add_argument("--advertise", default=None, help="address workers should connect to")
+    parser.add_argument("--bind", default=os.environ.get("HETPS_BIND"),
+                        help="address to bind ($HETPS_BIND; default tcp://<cluster.host>:0)")
+    parser.add_argument("--advertise", default=os.environ.get("HETPS_ADVERTISE"),
+                        help="address workers should connect to ($HETPS_ADVERTISE; default: the bound one)")
     args = parser.parse_intermixed_args(argv)
     cfg, scheduler = daemon_setup(args, "ps")
+    if args.check:
+        check_and_exit("ps", rank=args.rank, scheduler=scheduler, bind=args.bind, advertise=args.advertise,
+                       config=args.config)
     node = cfg.cluster.shards[args.rank] if args.rank < len(cfg.cluster.shards) else NodeConfig()
     torch.set_num_threads(node.threads)
     set_link_cap(node.link_mbps)
     slowdown = Slowdown(node)
-    server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
-    member = Membership(scheduler, "ps", args.rank, cfg.cluster)
+    try:
+        server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
+        member = Membership(scheduler, "ps", args.rank, cfg.cluster)
+    except TransportError as exc:
+        print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
+        return 1
     try:
         member.join(address=args.advertise or server.address, speed=profile_update_speed(slowdown))
         plan = member.wait_plan()
@@ -58,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                 shard.adopt(newer)
         log.info("stopping: %s", member.stop_reason)
         member.bye(shard.stats())
+    except (SchedulerUnreachable, RequestTimeout) as exc:
+        print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
+        return 1
     finally:
         member.close()
         server.close()

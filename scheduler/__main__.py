@@ -19,7 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
-from hetps.proto.daemon import load_or_exit
+from hetps.proto.daemon import check_and_exit, load_or_exit
 from hetps.proto.transport import make_server
 
 from .coordinator import Coordinator
@@ -34,11 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bind", default=env("HETPS_BIND"), help="address to bind ($HETPS_BIND)")
     parser.add_argument("--run-dir", default=env("HETPS_RUN_DIR"), help="where metrics and summary go")
     parser.add_argument("--log-level", default=env("HETPS_LOG_LEVEL", "INFO"))
+    parser.add_argument("--check", action="store_true",
+                        help="validate flags, environment and config, print them, exit 0 without binding")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s")
     cfg = load_or_exit(args.config, args.overrides)
+    if args.check:
+        check_and_exit("scheduler", bind=args.bind or cfg.cluster.scheduler, run_dir=args.run_dir,
+                       config=args.config)
     run_dir = Path(args.run_dir) if args.run_dir else None
     if run_dir:
         run_dir.mkdir(parents=True, exist_ok=True)

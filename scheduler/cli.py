@@ -6,7 +6,7 @@
     hetps ps        --config CONFIG --rank N [--scheduler ADDR]
     hetps worker    --config CONFIG --rank N [--scheduler ADDR] [--evaluator]
 
-`ps` and `worker` hand over to `python -m hetps.ps` / `python -m hetps.worker`
+With no command, $HETPS_ROLE names it (containers). `ps` and `worker` hand over to `python -m hetps.ps` / `python -m hetps.worker`
 (the roles never import each other). Exit status 2 means a bad config or
 command line.
 """
@@ -39,6 +39,8 @@ def run_command(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = ("run", "compare", "scheduler", "ps", "worker")
+    if (not argv or argv[0] not in commands) and os.environ.get("HETPS_ROLE") in commands:
+        argv = [os.environ["HETPS_ROLE"], *argv]  # containers: the role from the environment
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -131,3 +131,32 @@ def test_chunked_tensors_train_across_shards(run_dir):
         next(iter(plan["chunks"].values()))["parts"]
     assert len({plan["placement"][p] for p in parts}) == 2  # one tensor spread over both shards
     assert summary(run_dir)["final_accuracy"] >= 0.93
+
+
+@pytest.mark.parametrize("role", ["ps", "worker"])
+def test_daemon_with_unreachable_scheduler_fails_fast_naming_it(role, tmp_path):
+    import socket
+    import time
+
+    with socket.socket() as probe:  # a port that nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    started = time.monotonic()
+    result = subprocess.run([*HETPS, role, "--config", str(REPO / "configs/sync.yaml"), "--scheduler", address,
+                             "cluster.startup_timeout_s=3", "cluster.profile_steps=1"],
+                            capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert result.returncode == 1
+    assert address in result.stderr and "3.0s" in result.stderr, result.stderr[-2000:]
+    assert time.monotonic() - started < 3 + 30  # the timeout plus interpreter and torch start-up
+
+
+@pytest.mark.parametrize("args", [["scheduler", "--bind", "tcp://0.0.0.0:7000"],
+                                  ["ps", "--rank", "1", "--bind", "tcp://0.0.0.0:7100", "--advertise", "tcp://ps1:7100"],
+                                  ["worker", "--evaluator"], ["worker"]])
+def test_check_flag_validates_without_connecting(args):
+    env = {**os.environ, "HETPS_SCHEDULER": "tcp://scheduler:7000", "HETPS_CONFIG": str(REPO / "configs/default.yaml")}
+    result = subprocess.run([*HETPS, *args, "--check"], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0 and ": ok" in result.stdout, result.stderr
+    bad = subprocess.run([*HETPS, *args, "--check", "stop.nope=1"], capture_output=True, text=True, timeout=60,
+                         env=env)
+    assert bad.returncode == 2 and "stop.nope" in bad.stderr

@@ -20,9 +20,9 @@ import torch
 
 from hetps.proto.config import NodeConfig
 from hetps.proto.daemon import common_args, daemon_setup
-from hetps.proto.membership import Membership
+from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.plan import schema_hash
-from hetps.proto.transport import set_link_cap
+from hetps.proto.transport import TransportError, set_link_cap
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 
 from .data import DatasetUnavailable, load_datasets
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("stopping: %s", member.stop_reason)
         member.bye(runner.stats())
         return 0
-    except (RequestTimeout, RemoteError) as exc:
+    except (RequestTimeout, RemoteError, SchedulerUnreachable, TransportError) as exc:
         print(f"hetps {role} {args.rank}: {exc}", file=sys.stderr)
         return 1
     finally:
