@@ -1,0 +1,158 @@
+"""The operator's Prometheus endpoint: one per daemon, off by default.
+
+    hetps worker ... --metrics-port 9100     (or HETPS_METRICS_PORT=9100; 0 = a random free port)
+
+`serve_metrics` starts an HTTP server on a daemon thread whose collector calls
+the daemon's `stats()` at scrape time (the same dict its heartbeats carry) and
+turns the keys listed in METRICS into gauges and counters labelled with the
+daemon's role and rank. Keys not listed, and values that are not finite
+numbers, are skipped: a scrape never fails because of a stat. `stats()` runs on
+the HTTP thread, so it must be safe to call from another thread (the daemons'
+stats already are: the heartbeat thread calls them too).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from http.server import ThreadingHTTPServer
+from typing import Callable, Iterator, NamedTuple
+
+from prometheus_client import CollectorRegistry, MetricsHandler, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+
+class Spec(NamedTuple):
+    name: str
+    kind: str               # "gauge", "counter", or "member" (the value is a label, the sample is 1)
+    help: str
+    labels: tuple[str, ...] = ()   # for dict values: one label per nesting level
+
+
+# stats key -> metric; one table for every role (a role exports the keys it has)
+METRICS = {
+    # worker
+    "steps": Spec("hetps_steps_total", "counter", "Training steps taken by this worker (its clock)."),
+    "step_time_s": Spec("hetps_step_seconds", "gauge", "Moving average of one step's wall time, seconds."),
+    "samples_per_s": Spec("hetps_samples_per_second", "gauge", "Training samples per second (step rate x batch)."),
+    "speed": Spec("hetps_speed_samples_per_second", "gauge", "Measured speed the scheduler groups by."),
+    "compute_s": Spec("hetps_compute_seconds", "gauge", "Moving average of forward+backward time, seconds."),
+    "push_s": Spec("hetps_push_seconds", "gauge", "Moving average of push-until-acknowledged time, seconds."),
+    "staleness": Spec("hetps_staleness", "gauge", "Staleness the shards reported for this worker's last push."),
+    "group": Spec("hetps_group", "member", "1 for the group this worker belongs to in the current plan.",
+                  ("group",)),
+    "rounds": Spec("hetps_rounds_total", "counter", "Averaging rounds taken part in (worker) or closed (shard)."),
+    "evals": Spec("hetps_evals_total", "counter", "Evaluations run (evaluator) or received (scheduler)."),
+    "bytes_sent": Spec("hetps_bytes_sent_total", "counter", "Bytes this node sent to the shards."),
+    "bytes_received": Spec("hetps_bytes_received_total", "counter", "Bytes this node received from the shards."),
+    "plan_id": Spec("hetps_plan_id", "gauge", "Id of the cluster plan this node follows."),
+    # shard
+    "version": Spec("hetps_shard_version", "gauge", "Updates applied to this shard's tensors."),
+    "group_updates": Spec("hetps_group_updates_total", "counter", "Updates applied per group.", ("group",)),
+    "group_staleness": Spec("hetps_group_staleness", "gauge", "Mean staleness of each group's updates.",
+                            ("group",)),
+    "pushes": Spec("hetps_pushes_total", "counter", "Pushes this shard accepted."),
+    "pulls": Spec("hetps_pulls_total", "counter", "Pulls this shard answered."),
+    "parked": Spec("hetps_parked_pulls", "gauge", "Pulls waiting for a round or a clock."),
+    "pending": Spec("hetps_pending_contributions", "gauge", "Contributions waiting in open rounds."),
+    "malformed": Spec("hetps_malformed_total", "counter", "Messages dropped or refused at decode."),
+    "nonfinite": Spec("hetps_nonfinite_total", "counter", "Pushes refused for NaN or infinite values."),
+    "busy_s": Spec("hetps_busy_seconds_total", "counter", "Seconds spent applying updates."),
+    "lr": Spec("hetps_learning_rate", "gauge", "Learning rate of the shard's optimizer."),
+    # scheduler (and evaluator)
+    "nodes": Spec("hetps_nodes", "gauge", "Registered nodes by role and state.", ("node_role", "state")),
+    "global_steps": Spec("hetps_global_steps", "gauge", "Steps summed over every worker."),
+    "accuracy": Spec("hetps_accuracy", "gauge", "Latest test accuracy."),
+    "best_accuracy": Spec("hetps_best_accuracy", "gauge", "Best test accuracy so far."),
+    "loss": Spec("hetps_loss", "gauge", "Latest test loss."),
+    "elapsed_s": Spec("hetps_elapsed_seconds", "gauge", "Seconds since training began."),
+    "stopping": Spec("hetps_stopping", "gauge", "1 once the scheduler began stopping the cluster."),
+}
+_SERVERS: dict[str, ThreadingHTTPServer] = {}
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _leaves(value, depth: int, path: tuple = ()) -> Iterator[tuple[tuple, object]]:
+    """(label values, leaf) of a dict nested `depth` levels deep; other shapes yield nothing."""
+    if depth == 0:
+        yield path, value
+    elif isinstance(value, dict):
+        for key, inner in value.items():
+            yield from _leaves(inner, depth - 1, (*path, str(key)))
+
+
+def family(spec: Spec, value, base: dict[str, str]) -> Metric | None:
+    """One metric family for a stat, or None when nothing in it is a number."""
+    names, values = [*base, *spec.labels], list(base.values())
+    cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+    metric = cls(spec.name, spec.help, labels=names)
+    if spec.kind == "member":
+        if _number(value) is None:
+            return None
+        metric.add_metric([*values, str(int(value))], 1.0)
+        return metric
+    for path, leaf in _leaves(value, len(spec.labels)):
+        number = _number(leaf)
+        if number is not None:
+            metric.add_metric([*values, *path], number)
+    return metric if metric.samples else None
+
+
+class StatsCollector(Collector):
+    """Reads `stats()` at every scrape; a failing `stats()` yields nothing."""
+
+    def __init__(self, role: str, rank: int, stats: Callable[[], dict]):
+        self.base = {"role": role, "rank": str(rank)}
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self.stats()
+        except Exception as exc:  # a racing update in the daemon: the next scrape will do
+            log.warning("metrics: stats() failed: %r", exc)
+            return
+        if not isinstance(stats, dict):
+            return
+        for key, spec in METRICS.items():
+            metric = family(spec, stats.get(key), self.base) if key in stats else None
+            if metric is not None:
+                yield metric
+
+
+def serve_metrics(port: int, host: str, role: str, rank: int, stats: Callable[[], dict]) -> str | None:
+    """Serve /metrics on HOST:PORT (port 0: a free one) from a daemon thread;
+    returns "http://HOST:PORT/metrics", or None when port < 0 (off) or the
+    port cannot be bound (logged; training goes on without metrics).
+    Not blocking; the server lives as long as the process."""
+    if port < 0:
+        return None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(role, rank, stats))
+    ProcessCollector(registry=registry)  # CPU seconds, resident memory, open fds of this daemon
+    try:
+        server = ThreadingHTTPServer((host, port), MetricsHandler.factory(registry))
+    except OSError as exc:
+        log.error("metrics: cannot listen on %s:%d: %s; serving no metrics", host, port, exc)
+        return None
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name=f"metrics-{role}{rank}", daemon=True).start()
+    address = f"http://{host}:{server.server_address[1]}/metrics"
+    _SERVERS[address] = server
+    log.info("metrics at %s", address)
+    return address
+
+
+def stop_metrics(address: str) -> None:
+    """Shut down a server `serve_metrics` started (tests; daemons just exit)."""
+    server = _SERVERS.pop(address, None)
+    if server is not None:
+        server.shutdown()
+        server.server_close()
