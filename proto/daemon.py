@@ -24,7 +24,18 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=env("HETPS_LOG_LEVEL", "INFO"))
     parser.add_argument("--check", action="store_true",
                         help="validate flags, environment and config, print them, exit 0 without connecting")
+    metrics_args(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+
+def metrics_args(parser: argparse.ArgumentParser) -> None:
+    """The Prometheus endpoint's flags (see proto/metrics.py); every daemon has them."""
+    env = os.environ.get
+    parser.add_argument("--metrics-port", type=int, default=int(env("HETPS_METRICS_PORT", "-1")),
+                        help="serve Prometheus /metrics on this port ($HETPS_METRICS_PORT; 0 = a free port; "
+                             "default -1 = off)")
+    parser.add_argument("--metrics-host", default=env("HETPS_METRICS_HOST"),
+                        help="address /metrics listens on ($HETPS_METRICS_HOST; default cluster.host)")
 
 
 def check_and_exit(role: str, **resolved) -> None:

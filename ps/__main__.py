@@ -21,6 +21,7 @@ import torch
 
 from hetps.proto.daemon import check_and_exit, common_args, daemon_setup
 from hetps.proto.membership import Membership, SchedulerUnreachable
+from hetps.proto.metrics import serve_metrics
 from hetps.proto.rpc import RequestTimeout
 from hetps.proto.transport import TransportError, make_server, set_link_cap
 
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
                  len(shard.store.specs), server.address)
         member.start_heartbeats(shard.stats)
+        serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats)
         while not member.stop_requested.is_set():
             shard.serve_once(0.05)
             newer = member.newer_plan(shard.plan.plan_id)

@@ -19,7 +19,8 @@ import signal
 import sys
 from pathlib import Path
 
-from hetps.proto.daemon import check_and_exit, load_or_exit
+from hetps.proto.daemon import check_and_exit, load_or_exit, metrics_args
+from hetps.proto.metrics import serve_metrics
 from hetps.proto.transport import make_server
 
 from .coordinator import Coordinator
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default=env("HETPS_LOG_LEVEL", "INFO"))
     parser.add_argument("--check", action="store_true",
                         help="validate flags, environment and config, print them, exit 0 without binding")
+    metrics_args(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(server.address)
         os.replace(tmp, run_dir / "scheduler.addr")
     log.info("scheduler at %s, expecting %s", server.address, coordinator.expected)
+    serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "scheduler", 0,
+                  coordinator.metrics)
 
     def on_signal(signum, frame):
         coordinator.begin_stop(f"signal {signal.Signals(signum).name}")

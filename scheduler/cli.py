@@ -1,6 +1,6 @@
 """The `hetps` command.
 
-    hetps run CONFIG [key=value ...] [--out DIR] [--quiet]   a whole local cluster
+    hetps run CONFIG [key=value ...] [--out DIR] [--quiet] [--metrics]   a whole local cluster
     hetps compare CONFIG --algorithms a,b,c [--repeats N] [--with ALGO key=value] [--out DIR]
     hetps scheduler --config CONFIG [--bind ADDR] [--run-dir DIR]
     hetps ps        --config CONFIG --rank N [--scheduler ADDR]
@@ -30,10 +30,12 @@ def run_command(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     parser.add_argument("--out", default=None, help="run directory (default: out_dir/NAME-ALGO-TIME)")
     parser.add_argument("--quiet", action="store_true", help="no progress line or summary")
+    parser.add_argument("--metrics", action="store_true",
+                        help="every daemon serves Prometheus /metrics on a free port (its log says where)")
     args = parser.parse_intermixed_args(argv)
     cfg = load_or_exit(args.config, args.overrides)
     run_dir = Path(args.out) if args.out else default_run_dir(cfg)
-    return run_local(cfg, run_dir, quiet=args.quiet)
+    return run_local(cfg, run_dir, quiet=args.quiet, metrics=args.metrics)
 
 
 def main(argv: list[str] | None = None) -> int:

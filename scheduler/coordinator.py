@@ -367,6 +367,19 @@ class Coordinator(Service):
             "stop_reason": self.stop_reason, "failures": self.failures, "not_left": stragglers,
         }
 
+    def metrics(self) -> dict:
+        """Numbers for the operator's /metrics endpoint. Called from the
+        metrics thread: reads a snapshot of the nodes, writes nothing."""
+        nodes = list(self.nodes.values())
+        states = {role: {"alive": 0, "left": 0, "dead": 0} for role in ROLES}
+        for n in nodes:
+            states[n.role]["left" if n.left else "dead" if n.dead else "alive"] += 1
+        ev = self.evals
+        return {"nodes": states, "plan_id": self.plan.plan_id if self.plan else 0,
+                "global_steps": sum(_count(n.stats, "steps") for n in nodes if n.role == "worker"),
+                "accuracy": ev.final, "loss": ev.final_loss, "best_accuracy": ev.best if ev.count else None,
+                "evals": ev.count, "elapsed_s": self.elapsed(), "stopping": int(self.stop_reason is not None)}
+
     def close(self) -> None:
         self.runlog.write_summary(self.summary())
         self.runlog.close()

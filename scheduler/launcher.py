@@ -49,10 +49,12 @@ def default_run_dir(cfg: RunConfig) -> Path:
 
 
 class LocalCluster:
-    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False):
+    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool = False):
         self.cfg = cfg
         self.run_dir = run_dir
         self.quiet = quiet
+        # each child serves Prometheus /metrics on a free port and logs "metrics at URL"
+        self.metrics_args = ("--metrics-port", "0") if metrics else ()
         self.children: list[Child] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.config_path = run_dir / "config.yaml"
@@ -64,7 +66,8 @@ class LocalCluster:
         log_path = self.run_dir / "logs" / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         with open(log_path, "w") as log_file:
-            popen = subprocess.Popen([sys.executable, "-m", module, "--config", str(self.config_path), *args],
+            popen = subprocess.Popen([sys.executable, "-m", module, "--config", str(self.config_path),
+                                      *self.metrics_args, *args],
                                      stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, start_new_session=True)
         child = Child(name, popen, log_path)
@@ -169,9 +172,10 @@ class LocalCluster:
                 child.popen.wait(timeout=5.0)
 
 
-def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False) -> int:
-    """Run one experiment end to end; returns the process exit status."""
-    cluster = LocalCluster(cfg, run_dir, quiet)
+def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool = False) -> int:
+    """Run one experiment end to end; returns the process exit status.
+    `metrics`: every daemon serves Prometheus /metrics on a free port."""
+    cluster = LocalCluster(cfg, run_dir, quiet, metrics)
     previous = signal.signal(signal.SIGINT, cluster.on_interrupt)
     previous_term = signal.signal(signal.SIGTERM, cluster.on_interrupt)
     try:

@@ -21,6 +21,7 @@ import torch
 from hetps.proto.config import NodeConfig
 from hetps.proto.daemon import common_args, daemon_setup
 from hetps.proto.membership import Membership, SchedulerUnreachable
+from hetps.proto.metrics import serve_metrics
 from hetps.proto.plan import schema_hash
 from hetps.proto.transport import TransportError, set_link_cap
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = (Evaluator(cfg, member, plan, state, data.test) if args.evaluator
                   else TRAINERS[cfg.algorithm.name](cfg, node, member, plan, state, data))
         member.start_heartbeats(runner.stats)
+        serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, role, args.rank, runner.stats)
         log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)
         try:
             runner.run()

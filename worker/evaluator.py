@@ -50,9 +50,12 @@ class Evaluator:
         # the final evaluation must still reach the shards after stop is requested
         self.final_client = PSClient(plan, member.node_id, cfg.cluster)
         self.evals = 0
+        self.accuracy: float | None = None   # of the latest evaluation
+        self.loss: float | None = None
 
     def stats(self) -> dict:
-        return {"evals": self.evals, "bytes_sent": self.client.bytes_sent + self.final_client.bytes_sent,
+        return {"evals": self.evals, "accuracy": self.accuracy, "loss": self.loss,
+                "bytes_sent": self.client.bytes_sent + self.final_client.bytes_sent,
                 "bytes_received": self.client.bytes_received + self.final_client.bytes_received}
 
     def evaluate_once(self, client: PSClient, final: bool = False) -> None:
@@ -61,6 +64,7 @@ class Evaluator:
         accuracy, loss = evaluate(self.state.model, self.test, self.cfg.data.eval_batch_size,
                                   self.state.device)
         self.evals += 1
+        self.accuracy, self.loss = accuracy, loss
         self.member.report("eval", {"accuracy": accuracy, "loss": loss, "final": final,
                                     "versions": list(client.versions),
                                     "eval_s": time.perf_counter() - started})

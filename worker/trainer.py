@@ -78,6 +78,7 @@ class Trainer:
         self.client = PSClient(plan, member.node_id, cfg.cluster, member.stop_requested.is_set)
         self.timer = StepTimer()
         self.clock = 0
+        self.staleness = 0   # the shards' staleness for our last push
         self.use_plan(plan)
 
     def use_plan(self, plan: ClusterPlan) -> None:
@@ -93,7 +94,8 @@ class Trainer:
     def stats(self) -> dict:
         return {"steps": self.clock, "bytes_sent": self.client.bytes_sent,
                 "bytes_received": self.client.bytes_received, "step_time_s": self.timer.step_s,
-                "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id,
+                "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id, "group": self.group,
+                "staleness": self.staleness,
                 "speed": self.timer.speed(self.cfg.data.batch_size), "push_s": self.timer.push_s,
                 "samples_per_s": self.cfg.data.batch_size / self.timer.step_s if self.timer.step_s else 0.0}
 
@@ -127,9 +129,10 @@ class Trainer:
             acks, values = self.client.push_pull(self.state.outgoing(), self.clock, self.cfg.data.batch_size)
             self.state.load(values)
             self.clock += 1
+            self.staleness = max(a.staleness for a in acks)
             self.timer.update(compute_s, self.client.last_push_s, time.perf_counter() - started)
             self.member.add_record({"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5),
-                                    "staleness": max(a.staleness for a in acks), "group": self.group,
+                                    "staleness": self.staleness, "group": self.group,
                                     "compute_s": round(compute_s, 5),
                                     "step_s": round(time.perf_counter() - started, 5)})
 

@@ -1,0 +1,427 @@
+"""The deployment files: docker/Dockerfile, docker/Dockerfile.cuda, docker/docker-compose.yml and
+docker/k8s/*.yaml.
+
+No Docker daemon or Kubernetes cluster is needed. The manifests are parsed and cross-checked
+(names, selectors, volumes, addresses), `docker-compose config` validates the compose file
+(skipped when Debian's docker-compose client is not installed; .ci/run installs it), and every
+container's command line — its entrypoint, command and environment as the container would see
+them, the config path mapped onto the files mounted there — is run through the real CLI with
+`--check` appended, which parses flags, environment and config and prints the resolved role, rank
+and addresses without connecting anywhere.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hetps.proto.config import config_from_dict, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+COMPOSE = DOCKER / "docker-compose.yml"
+K8S = DOCKER / "k8s"
+CPU_DOCKERFILE = DOCKER / "Dockerfile"
+CUDA_DOCKERFILE = DOCKER / "Dockerfile.cuda"
+DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
+PACKAGE_DIRS = ("proto", "ps", "worker", "scheduler")   # pyproject's package-dir mapping
+RANK_FROM_ADDRESS_MIN = 1000   # the scaled workers' entrypoint: 1000 + low 16 bits of the IP
+
+COMPOSE_SERVICES = {"scheduler", "ps0", "ps1", "worker0", "worker1", "worker2", "worker3", "worker",
+                    "evaluator", "worker-gpu"}
+K8S_OBJECTS = {("ConfigMap", "hetps-config"), ("PersistentVolumeClaim", "hetps-runs"),
+               ("Service", "hetps-scheduler"), ("StatefulSet", "hetps-scheduler"),
+               ("Service", "hetps-ps"), ("StatefulSet", "hetps-ps"),
+               ("Deployment", "hetps-worker"), ("Deployment", "hetps-evaluator")}
+
+
+# ---------------------------------------------------------------- helpers
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def dockerfile_entrypoint(path: Path) -> list[str]:
+    entry = [args for word, args in dockerfile_instructions(path) if word == "ENTRYPOINT"]
+    assert entry, f"{path.name}: no ENTRYPOINT"
+    return json.loads(entry[-1])  # exec form, so signals reach hetps
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's variable substitution ($$, $VAR, ${VAR}, ${VAR:-default}, ${VAR-default}),
+    used when the docker-compose client is not installed."""
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group("braced") or m.group("bare")
+        op, default = m.group("op"), m.group("default") or ""
+        if name in env and not (op == ":-" and env[name] == ""):
+            return env[name]
+        return default if op else ""
+    pattern = r"\$\$|\$\{(?P<braced>\w+)(?:(?P<op>:?-)(?P<default>[^}]*))?\}|\$(?P<bare>\w+)"
+    return re.sub(pattern, sub, value)
+
+
+def interpolate_all(node, env: dict[str, str]):
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, list):
+        return [interpolate_all(v, env) for v in node]
+    if isinstance(node, dict):
+        return {k: interpolate_all(v, env) for k, v in node.items()}
+    return node
+
+
+def compose_env() -> dict[str, str]:
+    """The environment docker-compose runs in for these tests: none of the file's variables set."""
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp")}
+
+
+def docker_compose() -> str | None:
+    return shutil.which("docker-compose")
+
+
+def load_compose() -> dict:
+    """The compose file as docker-compose resolves it (`config`), or, without the client,
+    parsed here with the same variable substitution."""
+    binary = docker_compose()
+    if binary:
+        done = subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True,
+                              env=compose_env(), timeout=120)
+        assert done.returncode == 0, done.stderr
+        return yaml.safe_load(done.stdout)
+    raw = yaml.safe_load(COMPOSE.read_text())
+    return interpolate_all({k: v for k, v in raw.items() if not str(k).startswith("x-")}, {})
+
+
+def env_dict(environment) -> dict[str, str]:
+    if environment is None:
+        return {}
+    if isinstance(environment, list):
+        return dict(item.split("=", 1) if "=" in item else (item, "") for item in environment)
+    return {k: "" if v is None else str(v) for k, v in environment.items()}
+
+
+def as_argv(value) -> list[str]:
+    if value is None:
+        return []
+    return shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+
+
+def map_paths(value: str, mounts: dict[str, Path]) -> str:
+    """A container path under a mounted directory -> the host path it stands for."""
+    for inside, outside in mounts.items():
+        if value == inside or value.startswith(inside.rstrip("/") + "/"):
+            return str(outside) + value[len(inside.rstrip("/")):]
+    return value
+
+
+@pytest.fixture(scope="module")
+def shim_path(tmp_path_factory) -> str:
+    """PATH for the container commands: `hetps` runs the real CLI with --check appended
+    (`python -m hetps.scheduler.cli ARGS --check`), `python` is this interpreter."""
+    bin_dir = tmp_path_factory.mktemp("bin")
+    (bin_dir / "hetps").write_text(
+        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m hetps.scheduler.cli "$@" --check\n')
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"
+
+
+def run_container_command(argv: list[str], env: dict[str, str], shim: str) -> dict[str, str]:
+    """Run a container's argv with --check; return the resolved values it printed
+    (`hetps ROLE: ok key=value ...` -> {"role": ROLE, key: value, ...})."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("HETPS_")}
+    full_env.update(env)
+    full_env["PATH"] = shim
+    exe = shutil.which(argv[0], path=shim)
+    assert exe, f"{argv[0]!r} is not on the container's PATH"
+    done = subprocess.run([exe, *argv[1:]], env=full_env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, (f"{argv} exited {done.returncode}\n"
+                                  f"stdout: {done.stdout}\nstderr: {done.stderr}")
+    for line in done.stdout.splitlines():
+        m = re.match(r"hetps (\w+): ok\b(.*)", line)
+        if m:
+            return {"role": m.group(1), **dict(re.findall(r"(\w+)=(\S+)", m.group(2)))}
+    raise AssertionError(f"{argv}: no 'hetps ROLE: ok' line in {done.stdout!r}")
+
+
+def service_dockerfile(svc: dict) -> Path:
+    context = Path(svc["build"]["context"])
+    return ((context if context.is_absolute() else DOCKER / context) / svc["build"]["dockerfile"]).resolve()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    m = re.fullmatch(r"tcp://([^:/]+):(\d+)", address)
+    assert m, f"not a tcp://HOST:PORT address: {address!r}"
+    return m.group(1), int(m.group(2))
+
+
+# ---------------------------------------------------------------- Dockerfiles
+def test_cpu_dockerfile():
+    steps = dockerfile_instructions(CPU_DOCKERFILE)
+    froms = [args for word, args in steps if word == "FROM"]
+    assert len(froms) == 1 and re.fullmatch(r"python:3\.1[1-9][\w.-]*-slim[\w.-]*", froms[0]), froms
+    assert dockerfile_entrypoint(CPU_DOCKERFILE) == ["hetps"]
+    runs = " ".join(args for word, args in steps if word == "RUN")
+    assert "download.pytorch.org/whl/cpu" in " ".join(args for _, args in steps)  # the CPU torch wheels
+    assert re.search(r"pip install .*\.\[data\]", runs), "installs hetps with the data extra"
+
+
+def test_cuda_dockerfile():
+    steps = dockerfile_instructions(CUDA_DOCKERFILE)
+    args = dict(re.match(r"(\w+)=(\S+)", a).groups() for w, a in steps if w == "ARG" and "=" in a)
+    froms = [re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), a)
+             for w, a in steps if w == "FROM"]
+    assert len(froms) == 1 and re.fullmatch(r"pytorch/pytorch:[\w.]+-cuda[\w.-]+-runtime", froms[0]), froms
+    assert dockerfile_entrypoint(CUDA_DOCKERFILE) == ["hetps"]
+    runs = " ".join(a for w, a in steps if w == "RUN")
+    assert re.search(r"pip install .*\.\[data\]", runs)
+    # the base image's CUDA torch stays: no torch/torchvision requirement on any pip command line
+    for command in re.findall(r"pip install[^&;]*", runs):
+        assert not re.search(r"(^|\s)['\"]?torch(vision)?([<>=~!\s'\"]|$)", command), command
+
+
+@pytest.mark.parametrize("path", [CPU_DOCKERFILE, CUDA_DOCKERFILE], ids=lambda p: p.name)
+def test_dockerfile_copies_the_package_and_runs_unprivileged(path):
+    steps = dockerfile_instructions(path)
+    copied = {src for w, a in steps if w == "COPY" for src in a.split()[:-1]}
+    missing = [d for d in ("pyproject.toml", *PACKAGE_DIRS) if d not in copied]
+    assert not missing, f"{path.name} does not copy {missing} (pyproject installs them)"
+    users = [a for w, a in steps if w == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0"), f"{path.name} runs as root"
+
+
+# ---------------------------------------------------------------- docker-compose
+def test_compose_config_validates():
+    binary = docker_compose()
+    if binary is None:
+        pytest.skip("docker-compose not installed (.ci/run installs Debian's docker-compose); "
+                    "the service commands are still checked from the parsed file")
+    done = subprocess.run([binary, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
+                          text=True, env=compose_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    services = subprocess.run([binary, "-f", str(COMPOSE), "config", "--services"], capture_output=True,
+                              text=True, env=compose_env(), timeout=120)
+    assert set(services.stdout.split()) == COMPOSE_SERVICES
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load_compose()
+
+
+def test_compose_structure(compose):
+    services = compose["services"]
+    assert set(services) == COMPOSE_SERVICES
+    cfg = load_config(DEFAULT_CONFIG)
+    assert {"runs", "checkpoints"} <= set(compose.get("volumes") or {})
+    for name, svc in services.items():
+        assert svc.get("restart") in ("on-failure", "unless-stopped", "always") or \
+            str(svc.get("restart", "")).startswith("on-failure:"), f"{name}: no restart policy"
+        assert svc.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
+        env = env_dict(svc.get("environment"))
+        assert env.get("HETPS_CONFIG") == "/configs/default.yaml", name
+        assert any(str(v).split(":")[1:2] == ["/configs"] for v in svc.get("volumes", [])), \
+            f"{name}: the configs directory is not mounted at /configs"
+        if name != "scheduler":  # every other node reaches the scheduler service by name
+            host, port = split_address(env["HETPS_SCHEDULER"])
+            assert host == "scheduler" and f"tcp://0.0.0.0:{port}" in as_argv(services["scheduler"]["command"])
+            assert "scheduler" in (svc.get("depends_on") or {}), name
+    # the scheduler's run directory is on the runs volume
+    sched = services["scheduler"]
+    run_dir = env_dict(sched["environment"])["HETPS_RUN_DIR"]
+    runs_mount = [v.split(":")[1] for v in sched["volumes"] if v.split(":")[0] == "runs"]
+    assert runs_mount and run_dir.startswith(runs_mount[0] + "/"), (run_dir, sched["volumes"])
+    # one fixed service per configured shard and worker, ranks 0..n-1, matching names
+    fixed = {role: sorted(n for n in services if re.fullmatch(rf"{role}\d+", n)) for role in ("ps", "worker")}
+    assert fixed == {"ps": [f"ps{i}" for i in range(len(cfg.cluster.shards))],
+                     "worker": [f"worker{i}" for i in range(len(cfg.cluster.workers))]}
+    # the scalable services: none by default; GPU workers only with the gpu profile
+    assert int(services["worker"].get("scale", 1)) == 0
+    gpu = services["worker-gpu"]
+    assert "gpu" in gpu.get("profiles", [])
+    assert gpu["build"]["dockerfile"].endswith("Dockerfile.cuda")
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert any("gpu" in d.get("capabilities", []) for d in devices)
+    for name, svc in services.items():
+        assert service_dockerfile(svc) in (CPU_DOCKERFILE, CUDA_DOCKERFILE), name
+
+
+def compose_expectations(name: str) -> dict[str, str]:
+    if name == "scheduler":
+        return {"role": "scheduler", "bind": "tcp://0.0.0.0:7000", "run_dir": "/runs/default"}
+    if m := re.fullmatch(r"ps(\d+)", name):
+        return {"role": "ps", "rank": m.group(1), "bind": "tcp://0.0.0.0:7100",
+                "advertise": f"tcp://{name}:7100", "scheduler": "tcp://scheduler:7000"}
+    if m := re.fullmatch(r"worker(\d+)", name):
+        return {"role": "worker", "rank": m.group(1), "scheduler": "tcp://scheduler:7000"}
+    if name == "evaluator":
+        return {"role": "evaluator", "scheduler": "tcp://scheduler:7000"}
+    return {"role": "worker", "scheduler": "tcp://scheduler:7000"}  # scaled: rank from the address
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSE_SERVICES))
+def test_compose_service_command_passes_check(name, compose, shim_path):
+    svc = compose["services"][name]
+    entrypoint = as_argv(svc.get("entrypoint")) or dockerfile_entrypoint(service_dockerfile(svc))
+    mounts = {}
+    for volume in svc.get("volumes", []):
+        source, target = str(volume).split(":")[:2]
+        if source.startswith((".", "/")):  # a bind mount (named volumes are not read by --check)
+            mounts[target] = (DOCKER / source).resolve() if not Path(source).is_absolute() else Path(source)
+    env = {k: map_paths(v, mounts) for k, v in env_dict(svc.get("environment")).items()}
+    argv = [*entrypoint, *as_argv(svc.get("command"))]
+    argv = [argv[0], *(map_paths(a, mounts) for a in argv[1:])]
+    resolved = run_container_command(argv, env, shim_path)
+    expected = compose_expectations(name)
+    assert {k: resolved.get(k) for k in expected} == expected, resolved
+    assert resolved["config"] == str(ROOT / "configs" / "default.yaml")
+    if name in ("worker", "worker-gpu"):
+        assert int(resolved["rank"]) >= RANK_FROM_ADDRESS_MIN, resolved
+
+
+def test_compose_advertised_shard_addresses_are_service_names(compose):
+    services = compose["services"]
+    for name, svc in services.items():
+        argv = as_argv(svc.get("command"))
+        if "--advertise" in argv:
+            host, port = split_address(argv[argv.index("--advertise") + 1])
+            assert host == name and host in services
+            assert f"tcp://0.0.0.0:{port}" == argv[argv.index("--bind") + 1]
+
+
+# ---------------------------------------------------------------- Kubernetes
+@pytest.fixture(scope="module")
+def k8s() -> dict[tuple[str, str], dict]:
+    objects = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is None:
+                continue
+            key = (doc["kind"], doc["metadata"]["name"])
+            assert key not in objects, f"{key} defined twice"
+            assert "namespace" not in doc["metadata"], f"{path.name}: {key} names a namespace"
+            objects[key] = doc
+    return objects
+
+
+def test_k8s_objects(k8s):
+    assert set(k8s) == K8S_OBJECTS
+
+
+def test_k8s_objects_match_the_api_schemas(k8s):
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed: the manifests "
+                             "are checked by the structural tests here, not against the API schemas")
+    for obj in k8s.values():
+        kv.validate(obj, kv.latest_version(), strict=True)  # raises ValidationError naming the field
+
+
+def test_k8s_configmap_is_the_default_config(k8s):
+    data = k8s[("ConfigMap", "hetps-config")]["data"]
+    assert data["default.yaml"] == DEFAULT_CONFIG.read_text(), \
+        "docker/k8s/configmap.yaml has drifted from configs/default.yaml"
+    cfg = config_from_dict(yaml.safe_load(data["default.yaml"]))
+    assert cfg == load_config(DEFAULT_CONFIG)
+
+
+def workloads(k8s):
+    return {key: obj for key, obj in k8s.items() if key[0] in ("StatefulSet", "Deployment")}
+
+
+def test_k8s_workloads_are_consistent(k8s):
+    cfg = config_from_dict(yaml.safe_load(k8s[("ConfigMap", "hetps-config")]["data"]["default.yaml"]))
+    replicas = {key: obj["spec"]["replicas"] for key, obj in workloads(k8s).items()}
+    assert replicas == {("StatefulSet", "hetps-scheduler"): 1,
+                        ("StatefulSet", "hetps-ps"): len(cfg.cluster.shards),
+                        ("Deployment", "hetps-worker"): len(cfg.cluster.workers),
+                        ("Deployment", "hetps-evaluator"): 1}
+    for (kind, name), obj in workloads(k8s).items():
+        spec = obj["spec"]
+        labels = spec["template"]["metadata"]["labels"]
+        assert spec["selector"]["matchLabels"].items() <= labels.items(), name
+        if kind == "StatefulSet":  # governed by a headless Service that selects its pods
+            svc = k8s[("Service", spec["serviceName"])]["spec"]
+            assert svc.get("clusterIP") == "None" and svc["selector"].items() <= labels.items(), name
+            assert svc.get("publishNotReadyAddresses") is True, name
+        pod = spec["template"]["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        claims = {t["metadata"]["name"] for t in spec.get("volumeClaimTemplates", [])}
+        for volume in volumes.values():
+            if "configMap" in volume:
+                assert ("ConfigMap", volume["configMap"]["name"]) in k8s
+            if "persistentVolumeClaim" in volume:
+                assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in k8s
+        for c in pod["containers"]:
+            assert c["resources"]["requests"].get("cpu") and c["resources"]["requests"].get("memory"), name
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            assert all(n in volumes or n in claims for n in mounts.values()), name
+            assert volumes[mounts["/configs"]].get("configMap", {}).get("name") == "hetps-config", name
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            assert env.get("HETPS_CONFIG") == "/configs/default.yaml", name
+            if name != "hetps-scheduler":  # the scheduler pod's stable DNS name and its Service port
+                host, port = split_address(env["HETPS_SCHEDULER"])
+                pod_name, service = host.split(".", 1)
+                assert pod_name == "hetps-scheduler-0" and service == "hetps-scheduler", host
+                assert port in [p["port"] for p in k8s[("Service", service)]["spec"]["ports"]]
+    runs = workloads(k8s)[("StatefulSet", "hetps-scheduler")]["spec"]["template"]["spec"]
+    assert any(v.get("persistentVolumeClaim", {}).get("claimName") == "hetps-runs" for v in runs["volumes"])
+
+
+def k8s_expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion of command and args ($$ escapes; unknown names stay)."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
+
+
+def k8s_pods():
+    """(workload name, pod hostname, expected --check values) for every pod the manifests make."""
+    scheduler = "tcp://hetps-scheduler-0.hetps-scheduler:7000"
+    pods = [("hetps-scheduler", "hetps-scheduler-0", {"role": "scheduler", "bind": "tcp://0.0.0.0:7000"})]
+    for i in range(2):
+        pods.append(("hetps-ps", f"hetps-ps-{i}", {
+            "role": "ps", "rank": str(i), "bind": "tcp://0.0.0.0:7100",
+            "advertise": f"tcp://hetps-ps-{i}.hetps-ps:7100", "scheduler": scheduler}))
+    pods.append(("hetps-worker", "hetps-worker-5d8f7c9b4-x2x7q", {"role": "worker", "scheduler": scheduler}))
+    pods.append(("hetps-evaluator", "hetps-evaluator-7b9c6d5f8-q4kzt",
+                 {"role": "evaluator", "scheduler": scheduler}))
+    return [pytest.param(*pod, id=pod[1]) for pod in pods]
+
+
+@pytest.mark.parametrize("workload,hostname,expected", k8s_pods())
+def test_k8s_container_command_passes_check(workload, hostname, expected, k8s, tmp_path, shim_path):
+    obj = next(o for (kind, name), o in workloads(k8s).items() if name == workload)
+    (container,) = obj["spec"]["template"]["spec"]["containers"]
+    # /configs is the ConfigMap: lay its files out as the kubelet would
+    config_dir = tmp_path / "configs"
+    config_dir.mkdir()
+    for key, text in k8s[("ConfigMap", "hetps-config")]["data"].items():
+        (config_dir / key).write_text(text)
+    mounts = {"/configs": config_dir}
+    env = {e["name"]: map_paths(str(e["value"]), mounts) for e in container.get("env", [])}
+    env["HOSTNAME"] = hostname
+    entrypoint = container.get("command") or dockerfile_entrypoint(CPU_DOCKERFILE)
+    argv = [k8s_expand(str(a), env) for a in [*entrypoint, *container.get("args", [])]]
+    resolved = run_container_command(argv, env, shim_path)
+    assert {k: resolved.get(k) for k in expected} == expected, resolved
+    assert resolved["config"] == str(config_dir / "default.yaml")
+    if workload == "hetps-scheduler":
+        assert re.fullmatch(r"/runs/default-\d{8}-\d{6}", resolved["run_dir"]), resolved
+    if workload == "hetps-worker":
+        assert int(resolved["rank"]) >= RANK_FROM_ADDRESS_MIN, resolved

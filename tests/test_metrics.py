@@ -1,0 +1,198 @@
+"""The operator's Prometheus endpoint: the collector on a fake stats dict,
+then a real `hetps run --metrics` cluster scraped while it trains."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster_util import HETPS, REPO, log_tails, wait_for
+from hetps.proto.daemon import common_args
+from hetps.proto.metrics import serve_metrics, stop_metrics
+
+
+def scrape(url: str) -> list:
+    """Every sample at `url` (raises URLError when nothing answers)."""
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def value(samples: list, name: str, **labels) -> float | None:
+    """The value of the first sample called `name` whose labels include `labels`."""
+    for s in samples:
+        if s.name == name and labels.items() <= s.labels.items():
+            return s.value
+    return None
+
+
+@pytest.fixture
+def served():
+    addresses = []
+
+    def serve(stats, role="worker", rank=3):
+        address = serve_metrics(0, "127.0.0.1", role, rank, stats)
+        addresses.append(address)
+        return address
+
+    yield serve
+    for address in addresses:
+        stop_metrics(address)
+
+
+def test_worker_and_shard_stats_become_labelled_metrics(served):
+    stats = {"steps": 7, "step_time_s": 0.25, "push_s": 0.01, "compute_s": 0.2, "bytes_sent": 1000,
+             "bytes_received": 2000, "plan_id": 2, "group": 1, "staleness": 3, "version": 40, "parked": 2,
+             "malformed": 1, "group_staleness": {"0": 1.0, "1": 2.5}, "group_updates": {"0": 30, "1": 10}}
+    url = served(lambda: stats)
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url)
+    samples = scrape(url)
+    me = {"role": "worker", "rank": "3"}
+    assert value(samples, "hetps_steps_total", **me) == 7
+    assert value(samples, "hetps_step_seconds", **me) == 0.25
+    assert value(samples, "hetps_push_seconds", **me) == 0.01
+    assert value(samples, "hetps_compute_seconds", **me) == 0.2
+    assert value(samples, "hetps_bytes_sent_total", **me) == 1000
+    assert value(samples, "hetps_bytes_received_total", **me) == 2000
+    assert value(samples, "hetps_plan_id", **me) == 2
+    assert value(samples, "hetps_group", group="1", **me) == 1
+    assert value(samples, "hetps_staleness", **me) == 3
+    assert value(samples, "hetps_shard_version", **me) == 40
+    assert value(samples, "hetps_parked_pulls", **me) == 2
+    assert value(samples, "hetps_malformed_total", **me) == 1
+    assert value(samples, "hetps_group_staleness", group="1", **me) == 2.5
+    assert value(samples, "hetps_group_updates_total", group="0", **me) == 30
+    assert value(samples, "process_cpu_seconds_total") is not None
+    stats["steps"] = 8  # read at scrape time, not at start
+    assert value(scrape(url), "hetps_steps_total") == 8
+
+
+def test_scheduler_nodes_by_role_and_state(served):
+    url = served(lambda: {"nodes": {"worker": {"alive": 3, "dead": 1}, "ps": {"alive": 2}},
+                          "global_steps": 500, "accuracy": 0.91, "plan_id": 3}, role="scheduler", rank=0)
+    samples = scrape(url)
+    assert value(samples, "hetps_nodes", node_role="worker", state="dead", role="scheduler", rank="0") == 1
+    assert value(samples, "hetps_nodes", node_role="ps", state="alive") == 2
+    assert value(samples, "hetps_global_steps") == 500
+    assert value(samples, "hetps_accuracy") == 0.91
+
+
+def test_unknown_and_non_numeric_stats_are_skipped(served):
+    url = served(lambda: {"steps": "many", "plan_id": None, "staleness": float("nan"), "version": True,
+                          "group": "fast", "group_staleness": {"0": "x", "1": 2}, "nodes": [1, 2],
+                          "bytes_sent": float("inf"), "mystery": 5, "push_s": {"nested": 1}, "compute_s": 0.5})
+    samples = scrape(url)
+    names = {s.name for s in samples if s.name.startswith("hetps_")}
+    assert names == {"hetps_group_staleness", "hetps_compute_seconds"}
+    assert value(samples, "hetps_group_staleness", group="1") == 2
+
+
+def test_a_failing_stats_call_still_answers(served):
+    def broken():
+        raise RuntimeError("dictionary changed size during iteration")
+
+    samples = scrape(served(broken))
+    assert not [s for s in samples if s.name.startswith("hetps_")]
+    assert value(samples, "process_cpu_seconds_total") is not None
+
+
+def test_off_by_default_and_a_taken_port_is_not_fatal(monkeypatch):
+    assert serve_metrics(-1, "127.0.0.1", "ps", 0, dict) is None
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert serve_metrics(taken.getsockname()[1], "127.0.0.1", "ps", 0, dict) is None
+    parser = argparse.ArgumentParser()
+    common_args(parser)
+    assert parser.parse_args([]).metrics_port == -1
+    monkeypatch.setenv("HETPS_METRICS_PORT", "0")
+    parser = argparse.ArgumentParser()
+    common_args(parser)
+    assert parser.parse_args([]).metrics_port == 0
+    assert parser.parse_args(["--metrics-port", "9100"]).metrics_port == 9100
+
+
+# ---------------------------------------------------------------- a real cluster
+DAEMONS = ("scheduler", "ps0", "worker0", "worker1", "evaluator")
+
+
+def metrics_addresses(run_dir) -> dict[str, str] | None:
+    """Each daemon's metrics address from its log, once every daemon wrote one."""
+    found = {}
+    for name in DAEMONS:
+        log = run_dir / "logs" / f"{name}.log"
+        match = log.exists() and re.search(r"metrics at (http://\S+/metrics)", log.read_text(errors="replace"))
+        if not match:
+            return None
+        found[name] = match.group(1)
+    return found
+
+
+def scrape_when(url: str, ready) -> list:
+    """Scrape until `ready(samples)` holds (a daemon may still be starting)."""
+    def attempt():
+        try:
+            samples = scrape(url)
+        except (urllib.error.URLError, ConnectionError):
+            return None
+        return samples if ready(samples) else None
+    return wait_for(attempt, 60, f"metrics at {url}", interval_s=0.5)
+
+
+@pytest.mark.cluster
+def test_cluster_daemons_serve_metrics_while_training(run_dir, tmp_path):
+    stderr = open(tmp_path / "run.stderr", "w+")
+    proc = subprocess.Popen([*HETPS, "run", "configs/sync.yaml", "cluster.workers=2", "cluster.shards=1",
+                             "stop.target_accuracy=null", "stop.max_seconds=12", "--metrics",
+                             "--out", str(run_dir), "--quiet"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    try:
+        urls = wait_for(lambda: metrics_addresses(run_dir), 90, "every daemon to log its metrics address")
+        worker = scrape_when(urls["worker0"], lambda s: (value(s, "hetps_steps_total") or 0) > 2)
+        me = {"role": "worker", "rank": "0"}
+        assert value(worker, "hetps_bytes_sent_total", **me) > 0
+        assert value(worker, "hetps_bytes_received_total", **me) > 0
+        assert value(worker, "hetps_plan_id", **me) >= 1
+        assert value(worker, "hetps_group", group="0", **me) == 1  # sync: one group
+        assert value(worker, "hetps_staleness", **me) is not None
+        for name in ("hetps_step_seconds", "hetps_push_seconds", "hetps_compute_seconds"):
+            assert 0 < value(worker, name, **me) < 30, name
+
+        shard = scrape_when(urls["ps0"], lambda s: (value(s, "hetps_shard_version") or 0) > 0)
+        me = {"role": "ps", "rank": "0"}
+        assert value(shard, "hetps_plan_id", **me) >= 1
+        assert value(shard, "hetps_pushes_total", **me) > 0
+        assert value(shard, "hetps_malformed_total", **me) == 0
+        assert value(shard, "hetps_parked_pulls", **me) is not None
+        assert value(shard, "hetps_group_staleness", group="0", **me) >= 1
+
+        scheduler = scrape_when(urls["scheduler"], lambda s: value(s, "hetps_accuracy") is not None
+                                and (value(s, "hetps_global_steps") or 0) > 0)  # after a heartbeat
+        me = {"role": "scheduler", "rank": "0"}
+        assert value(scheduler, "hetps_nodes", node_role="worker", state="alive", **me) == 2
+        assert value(scheduler, "hetps_nodes", node_role="ps", state="alive", **me) == 1
+        assert value(scheduler, "hetps_nodes", node_role="evaluator", state="alive", **me) == 1
+        assert value(scheduler, "hetps_global_steps", **me) > 0
+        assert value(scheduler, "hetps_plan_id", **me) >= 1
+        assert 0 <= value(scheduler, "hetps_accuracy", **me) <= 1
+
+        evaluator = scrape_when(urls["evaluator"], lambda s: (value(s, "hetps_evals_total") or 0) >= 1)
+        assert value(evaluator, "hetps_bytes_received_total", role="evaluator") > 0
+
+        code = proc.wait(timeout=120)
+        stderr.seek(0)
+        assert code == 0, stderr.read() + log_tails(run_dir)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        stderr.close()

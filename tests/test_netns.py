@@ -1,0 +1,113 @@
+"""The multi-host path without Docker: every daemon in a Linux network
+namespace of its own, each with its own IP on a bridge (10.199.0.0/24),
+started with `ip netns exec NS python -m hetps.scheduler.cli ROLE ...`.
+Needs root and netns support (skips with the reason otherwise); CI runs as
+root and runs them. The tc variant caps one worker's link with a token bucket
+and checks that the scheduler measures it, and groups it, as the slow one.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import time
+
+import pytest
+
+from cluster_util import HETPS, REPO, processes_mentioning, records, summary
+from netns_util import NetDaemons, skip_reason, virtual_network
+
+pytestmark = pytest.mark.cluster
+
+SUBNET = ipaddress.ip_network("10.199.0.0/24")
+
+
+def _require(need_tc: bool = False) -> None:
+    reason = skip_reason(need_tc)
+    if reason:
+        pytest.skip(reason)
+
+
+def _start_cluster(net, daemons: NetDaemons, config: str, run_dir, workers: list[str]) -> str:
+    """Scheduler on 10.199.0.1 (random port), shards on their own addresses,
+    then the workers and the evaluator; returns the scheduler's address."""
+    daemons.start("scheduler", "scheduler", ["scheduler", "--config", config, "--run-dir", str(run_dir),
+                                             "--bind", f"tcp://{net.ip('scheduler')}:0"])
+    addr = daemons.wait_file(run_dir / "scheduler.addr", 60, "the scheduler address")
+    assert addr.startswith(f"tcp://{net.ip('scheduler')}:"), addr
+    for rank in (0, 1):
+        daemons.start(f"ps{rank}", f"ps{rank}", ["ps", "--config", config, "--rank", str(rank),
+                                                 "--scheduler", addr, "--bind", f"tcp://{net.ip(f'ps{rank}')}:0"])
+    for rank, node in enumerate(workers):
+        daemons.start(node, node, ["worker", "--config", config, "--rank", str(rank), "--scheduler", addr])
+    daemons.start("evaluator", "evaluator", ["worker", "--config", config, "--evaluator", "--scheduler", addr])
+    return addr
+
+
+def test_cluster_trains_across_namespaces(run_dir, tmp_path):
+    """Scheduler, 2 shards, 2 workers and the evaluator, each in its own
+    namespace with its own IP, train LeNet-5 on mnist-5k to >= 93%."""
+    _require()
+    nodes = ["scheduler", "ps0", "ps1", "worker0", "worker1", "evaluator"]
+    config = str(REPO / "configs" / "sync.yaml")
+    overrides = ["cluster.workers=2", "cluster.shards=2", "stop.target_accuracy=0.94",
+                 "stop.max_seconds=150", "eval.every_s=1.0"]
+    started = time.monotonic()
+    with virtual_network(nodes) as net:
+        daemons = NetDaemons(net, tmp_path / "logs", HETPS, overrides)
+        _start_cluster(net, daemons, config, run_dir, ["worker0", "worker1"])
+        codes = daemons.wait(240)
+        assert codes == {n: 0 for n in daemons.names}, f"exit codes {codes}\n{daemons.tails()}"
+        tails = daemons.tails()
+    print(f"namespace cluster: {time.monotonic() - started:.1f}s")
+
+    s = summary(run_dir)
+    assert s["final_accuracy"] >= 0.93, f"{s}\n{tails}"
+    assert s["failures"] == [], s
+    plan = json.loads((run_dir / "plan.json").read_text())
+    hosts = [s_["address"].removeprefix("tcp://").rsplit(":", 1)[0] for s_ in plan["shards"]]
+    assert all(ipaddress.ip_address(h) in SUBNET for h in hosts), plan["shards"]
+    assert len(set(hosts)) == 2 and set(hosts) == {net.ip("ps0"), net.ip("ps1")}, plan["shards"]
+    assert len(plan["workers"]) == 2
+    assert not processes_mentioning(str(tmp_path))
+
+
+def test_tc_limited_worker_is_measured_and_grouped_slow(run_dir, tmp_path):
+    """Four equal workers under Grouping-SGD; worker 1's link is capped at
+    8 Mbit/s each way with tc. A LeNet-5 push is ~250 kB, so its pushes take
+    ~0.25 s against a few ms for the others (and a ~10-30 ms step): its
+    measured speed (batch / (compute + push-ack)) falls ~10x below theirs,
+    and the scheduler's last plan must show it slowest and in the last
+    (slowest) group."""
+    _require(need_tc=True)
+    workers = ["worker0", "worker1", "worker2", "worker3"]
+    limited = 1
+    nodes = ["scheduler", "ps0", "ps1", *workers, "evaluator"]
+    config = str(REPO / "configs" / "default.yaml")
+    overrides = ["cluster.workers=[{}, {}, {}, {}]", "algorithm.regroup_every_s=1",
+                 "stop.target_accuracy=null", "stop.max_seconds=20", "cluster.profile_steps=10",
+                 "eval.every_s=2.0"]
+    started = time.monotonic()
+    with virtual_network(nodes) as net:
+        net.limit_link(workers[limited], rate="8mbit", burst="32kbit", latency="400ms")
+        qdisc = net.run(workers[limited], ["tc", "qdisc", "show", "dev", net.veth(workers[limited])]).stdout
+        assert "tbf" in qdisc, qdisc
+        daemons = NetDaemons(net, tmp_path / "logs", HETPS, overrides)
+        _start_cluster(net, daemons, config, run_dir, workers)
+        codes = daemons.wait(120)
+        assert codes == {n: 0 for n in daemons.names}, f"exit codes {codes}\n{daemons.tails()}"
+        tails = daemons.tails()
+    print(f"tc cluster: {time.monotonic() - started:.1f}s")
+
+    plan = json.loads((run_dir / "plan.json").read_text())
+    node_of = {w["rank"]: w["node_id"] for w in plan["workers"]}
+    slow = node_of[limited]
+    speeds = {node_of[r]: plan["speeds"][str(node_of[r])] for r in node_of}
+    history = [(p["plan_id"], p["groups"], p["speeds"]) for p in records(run_dir, "plan")]
+    context = f"limited worker node {slow}; last plan {plan['plan_id']} groups {plan['groups']} " \
+              f"speeds {speeds}\nplans {history}\n{tails}"
+    assert plan["plan_id"] > 1, "never re-grouped on measured speeds: " + context
+    assert min(speeds, key=speeds.get) == slow, context
+    others = [v for w, v in speeds.items() if w != slow]
+    assert speeds[slow] * 3 < min(others), "the limited worker is not clearly slower: " + context
+    assert slow in plan["groups"][-1], context  # groups are listed fastest first
+    assert not processes_mentioning(str(tmp_path))
