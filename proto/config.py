@@ -82,6 +82,12 @@ class SlowdownChange:
 
 
 @dataclass(frozen=True)
+class KillFault:
+    node: str                  # a process of `hetps run`: scheduler, ps0, worker2, evaluator, ...
+    at_s: float                # seconds after training began (the first plan)
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     slowdown: float = 1.0      # emulate a slower node: a step takes slowdown x its compute time
     schedule: list[SlowdownChange] = field(default_factory=list)  # later changes of slowdown
@@ -98,6 +104,7 @@ class ClusterConfig:
     workers: list[NodeConfig] = field(default_factory=lambda: [NodeConfig() for _ in range(4)])
     heartbeat_s: float = 0.5
     dead_after_s: float = 5.0              # a worker silent this long leaves the plan
+    kill: list[KillFault] = field(default_factory=list)  # fault injection: SIGKILL these nodes at these times
     straggler: float = 0.0                 # every step one seeded-random worker computes 1+this x as long
     profile_steps: int = 20                # steps timed on the real model before joining (speed)
     request_timeout_s: float = 120.0       # longest wait for any single reply

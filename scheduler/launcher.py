@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetps.proto.config import RunConfig, dump_config
+from hetps.proto.config import KillFault, RunConfig, dump_config
 
 from .report import Progress, plot_run
 
@@ -41,6 +41,31 @@ class Child:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+class FaultInjector:
+    """`cluster.kill`: SIGKILL named processes at given seconds after training
+    began (when plan.json appeared), to test failure handling by a setting."""
+
+    def __init__(self, kills: list[KillFault], plan_path: Path):
+        self.pending = sorted(kills, key=lambda k: k.at_s)
+        self.plan_path = plan_path
+        self.started: float | None = None
+
+    def fire(self, children: list[Child]) -> None:
+        if not self.pending:
+            return
+        if self.started is None:
+            if not self.plan_path.exists():
+                return
+            self.started = time.monotonic()
+        while self.pending and time.monotonic() - self.started >= self.pending[0].at_s:
+            fault = self.pending.pop(0)
+            for child in children:
+                if child.name == fault.node and child.popen.poll() is None:
+                    print(f"\nhetps run: fault injection: killing {child.name} at {fault.at_s}s",
+                          file=sys.stderr)
+                    child.popen.kill()
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -106,8 +131,10 @@ class LocalCluster:
         progress = Progress(self.run_dir / "metrics.jsonl")
         last_print = 0.0
         tolerated: set[str] = set()
+        faults = FaultInjector(self.cfg.cluster.kill, self.run_dir / "plan.json")
         while scheduler.popen.poll() is None:
             time.sleep(0.25)
+            faults.fire(self.children)
             for child in self.children[1:]:
                 code = child.popen.poll()
                 if code in (None, 0) or child.name in tolerated:

@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from cluster_util import HETPS, REPO, Daemons, log_tails, processes_mentioning, records, summary, wait_for
+from cluster_util import (HETPS, REPO, Daemons, log_tails, processes_mentioning, records, run_hetps, summary,
+                          wait_for)
 
 pytestmark = pytest.mark.cluster
 DEAD_AFTER_S = 2.0
@@ -84,3 +85,14 @@ def test_late_worker_joins_a_group_and_its_pushes_are_applied(tmp_path):
     assert shard["accepted"] == shard["contributions"] + shard["pending"]
     assert shard["accepted"] >= s["global_steps"]  # the late worker's pushes are among those applied
     assert not processes_mentioning(str(tmp_path))
+
+
+def test_kill_fault_setting_kills_the_named_node(run_dir):
+    result = run_hetps(["run", "configs/sync.yaml", "cluster.kill=[{node: worker2, at_s: 2}]",
+                        f"cluster.dead_after_s={DEAD_AFTER_S}", "stop.target_accuracy=0.96", "stop.max_seconds=120",
+                        "--out", str(run_dir), "--quiet"], timeout_s=200)
+    assert result.returncode == 0, result.stderr + log_tails(run_dir)
+    assert "fault injection: killing worker2" in result.stderr
+    s = summary(run_dir)
+    assert [f["node"] for f in s["failures"]] == ["worker2"], s["failures"]
+    assert s["final_accuracy"] >= 0.94, s
