@@ -26,12 +26,12 @@ def _check_params(prefix: str, params, choices: dict, at_least: dict) -> None:
 
 @dataclass(frozen=True)
 class SyncParams:
-    pass
+    """Sync-SGD has no parameters."""
 
 
 @dataclass(frozen=True)
 class AsyncParams:
-    pass
+    """Async-SGD has no parameters."""
 
 
 @dataclass(frozen=True)

@@ -241,7 +241,7 @@ class MemClient(ClientTransport):
         return frames
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the in-process queues go with the object."""
 
 
 def make_server(address: str, max_message_bytes: int | None = None) -> ServerTransport:

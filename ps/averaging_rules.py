@@ -22,7 +22,7 @@ class ConstantPeriod:
         self.warmup_rounds = 0
 
     def observe(self, variance: float, period: int, lr: float) -> None:
-        pass
+        """A constant period ignores the models' spread."""
 
     def next_period(self, steps_done: int, rounds_done: int) -> int:
         return self.period
