@@ -138,9 +138,13 @@ def _decode_tensor(spec: Any, buf, max_bytes: int, req_id: int) -> tuple[str, to
         raise ProtocolError(Status.DTYPE_NOT_ALLOWED,
                             f"tensor {name!r}: dtype {dtype_str!r} not in {sorted(DTYPES)}", req_id)
     dtype = DTYPES[dtype_str]
+    bound = dtype.itemsize  # >= nbytes; also bounds dims beside a 0
+    for d in shape:  # stop as soon as it is too large: a shape may list thousands of huge dims
+        bound *= max(d, 1)
+        if bound > max_bytes:
+            raise ProtocolError(Status.TOO_LARGE, f"tensor {name!r} declares more than {max_bytes} bytes, "
+                                                  f"shape {shape!r:.80}", req_id)
     nbytes = math.prod(shape) * dtype.itemsize
-    if math.prod(max(d, 1) for d in shape) * dtype.itemsize > max_bytes:  # >= nbytes; also bounds dims beside a 0
-        raise ProtocolError(Status.TOO_LARGE, f"tensor {name!r} declares {nbytes} bytes, shape {shape}", req_id)
     view = memoryview(buf)
     if view.nbytes != nbytes:
         raise ProtocolError(Status.MALFORMED,

@@ -135,7 +135,13 @@ class Service:
             return False
         peer, frames = got
         try:
-            env = decode(frames, self.catalog(), self.max_tensor_bytes())
+            try:
+                env = decode(frames, self.catalog(), self.max_tensor_bytes())
+            except ProtocolError:
+                raise
+            except Exception as exc:  # a decoder bug must not kill the loop either
+                log.exception("decoder failed on a message from %r", peer)
+                raise ProtocolError(Status.MALFORMED, f"undecodable: {type(exc).__name__}") from None
             handler = self.handlers.get(env.msg.OP)
             if handler is None:
                 raise ProtocolError(Status.UNKNOWN_OP,
