@@ -9,6 +9,7 @@ path. Child output goes to RUN_DIR/logs/<name>.log.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -163,10 +164,8 @@ class LocalCluster:
     def _wait_rest(self, tolerated: set[str]) -> None:
         deadline = time.monotonic() + REAP_WAIT_S
         for child in self.children:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # the caller kills what is left
                 child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         failed = [c for c in self.children if c.popen.returncode not in (0, None) and c.name not in tolerated]
         if failed:
             c = failed[0]

@@ -2,6 +2,7 @@
 deadline, find processes left behind, read a run directory."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -117,3 +118,17 @@ class Daemons:
                 p.wait(timeout=10)
         for log in self.logs:
             log.close()
+
+
+@contextlib.contextmanager
+def background_run(args: list[str]):
+    """`hetps run ARGS` in its own session, for tests that act on it while it
+    trains (signals, kills); its whole session is killed and reaped on exit."""
+    proc = subprocess.Popen([*HETPS, "run", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)

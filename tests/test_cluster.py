@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from cluster_util import HETPS, REPO, Daemons, log_tails, processes_mentioning, run_hetps, summary, wait_for
+from cluster_util import (HETPS, REPO, Daemons, background_run, log_tails, processes_mentioning, run_hetps,
+                          summary, wait_for)
 
 pytestmark = pytest.mark.cluster
 
@@ -73,20 +74,12 @@ def test_failed_process_is_named_and_nothing_left(run_dir):
 
 
 def test_sigint_stops_cleanly(run_dir):
-    proc = subprocess.Popen([*HETPS, "run", "configs/sync.yaml", "stop.target_accuracy=null",
-                             "stop.max_seconds=120", "cluster.workers=2", "cluster.shards=1",
-                             "--out", str(run_dir), "--quiet"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
+    with background_run(["configs/sync.yaml", "stop.target_accuracy=null", "stop.max_seconds=120",
+                         "cluster.workers=2", "cluster.shards=1", "--out", str(run_dir), "--quiet"]) as proc:
         metrics = run_dir / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and '"eval"' in metrics.read_text(), 90, "a first evaluation")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
     assert proc.returncode == 0, err + log_tails(run_dir)
     s = summary(run_dir)
     assert "signal" in s["stop_reason"] and s["global_steps"] > 0 and s["not_left"] == []

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 
 import pytest
 
-from cluster_util import (HETPS, REPO, Daemons, log_tails, processes_mentioning, records, run_hetps, summary,
+from cluster_util import (REPO, Daemons, background_run, log_tails, processes_mentioning, records, run_hetps, summary,
                           wait_for)
 
 pytestmark = pytest.mark.cluster
@@ -27,20 +26,12 @@ def worker_pid(run_dir, rank: int) -> int:
 
 @pytest.mark.parametrize("config", ["configs/sync.yaml", "configs/default.yaml"])
 def test_killed_worker_leaves_the_plan_and_the_run_reaches_target(config, run_dir):
-    proc = subprocess.Popen([*HETPS, "run", config, f"cluster.dead_after_s={DEAD_AFTER_S}",
-                             "stop.target_accuracy=0.96", "stop.max_seconds=150", "eval.every_s=1.0",
-                             "--out", str(run_dir), "--quiet"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
+    with background_run([config, f"cluster.dead_after_s={DEAD_AFTER_S}", "stop.target_accuracy=0.96",
+                         "stop.max_seconds=150", "eval.every_s=1.0", "--out", str(run_dir), "--quiet"]) as proc:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists()
                  and any(r["global_steps"] >= 40 for r in records(run_dir, "eval")), 90, "training under way")
         os.kill(worker_pid(run_dir, 1), signal.SIGKILL)
         _, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
     assert proc.returncode == 0, err + log_tails(run_dir)
     s = summary(run_dir)
     dead = [f for f in s["failures"] if f["kind"] == "worker_dead"]

@@ -13,6 +13,7 @@ stop, 1 when a shard or the scheduler cannot be reached in time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -82,10 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         member.start_heartbeats(runner.stats)
         serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, role, args.rank, runner.stats)
         log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)
-        try:
+        with contextlib.suppress(Aborted):  # the run stopped while a request was waiting
             runner.run()
-        except Aborted:
-            pass
         log.info("stopping: %s", member.stop_reason)
         member.bye(runner.stats())
         return 0

@@ -6,6 +6,7 @@ final model. Blocking.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -71,13 +72,11 @@ class Evaluator:
 
     def run(self) -> None:
         stop = self.member.stop_requested
-        try:
+        with contextlib.suppress(Aborted):  # stop came while a pull was waiting
             while not stop.is_set():
                 next_at = time.monotonic() + self.cfg.eval.every_s
                 self.evaluate_once(self.client)
                 stop.wait(max(0.0, next_at - time.monotonic()))
-        except Aborted:
-            pass
         self.evaluate_once(self.final_client, final=True)
 
     def close(self) -> None:

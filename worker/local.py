@@ -18,6 +18,7 @@ cluster to stop.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -107,7 +108,7 @@ class LocalSgdTrainer(Trainer):
         self.state.load(self.client.pull(0))
         self.slowdown.start()
         self.round_started = time.monotonic()
-        try:
+        with contextlib.suppress(Aborted):  # stop came while an average was waiting
             while not self.member.stop_requested.is_set():
                 started = time.perf_counter()
                 loss, compute_s = self.local_step()
@@ -118,8 +119,6 @@ class LocalSgdTrainer(Trainer):
                 self.timer.update(compute_s, 0.0, time.perf_counter() - started)
                 record["step_s"] = round(time.perf_counter() - started, 5)
                 self.member.add_record(record)
-        except Aborted:
-            pass
         if self.final_average and not self.in_flight and self.steps_in_round:
             self.push_final()
 
