@@ -62,9 +62,10 @@ class Membership:
         self.rpc.src = self.node_id
         return self.node_id
 
-    def wait_plan(self, after: int = 0) -> ClusterPlan:
-        """Block until the scheduler has a plan newer than `after`."""
-        reply = self.rpc.call(GetPlan(after=after), timeout_s=self.cluster.startup_timeout_s)
+    def wait_plan(self, after: int = 0, timeout_s: float | None = None) -> ClusterPlan:
+        """Block until the scheduler has a plan newer than `after` (at most
+        `timeout_s`, default the startup timeout; RequestTimeout after)."""
+        reply = self.rpc.call(GetPlan(after=after), timeout_s=timeout_s or self.cluster.startup_timeout_s)
         assert isinstance(reply, Plan)
         self.latest_plan_id = max(self.latest_plan_id, reply.plan_id)
         return ClusterPlan.from_dict(reply.plan)

@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 import torch
 
@@ -60,6 +61,21 @@ def main(argv: list[str] | None = None) -> int:
         plan = member.wait_plan()
         slowdown.start()
         shard = Shard(server, member.node_id, plan, cfg, slowdown)
+
+        refused_until = [0.0]
+
+        def newer_plan(after: int):
+            """A pushed plan id this shard has not seen: ask, briefly; after a
+            fruitless ask, not again for 5 s (a bogus id must not stall the shard)."""
+            if time.monotonic() < refused_until[0]:
+                return None
+            try:
+                return member.wait_plan(after, timeout_s=1.0)
+            except RequestTimeout:
+                refused_until[0] = time.monotonic() + 5.0
+                return None
+
+        shard.plan_source = newer_plan
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
                  len(shard.store.specs), server.address)
         member.start_heartbeats(shard.stats)

@@ -39,6 +39,7 @@ class ConsistencyPolicy(ABC):
         self.updater = updater
         self.params = params
         self.workers: list[int] = plan.worker_ids()
+        self.plan_id = plan.plan_id
 
     def split(self, push: Push) -> tuple[dict, dict]:
         """The push's gradients (all parameters required) and buffers (optional)."""
@@ -56,6 +57,7 @@ class ConsistencyPolicy(ABC):
     def adopt(self, plan: ClusterPlan) -> None:
         """Switch to `plan` (new worker set or groups)."""
         self.workers = plan.worker_ids()
+        self.plan_id = plan.plan_id
 
     def stats(self) -> dict:
         return {}
@@ -147,14 +149,23 @@ class GroupingPolicy(ConsistencyPolicy):
             return staleness  # duplicate or replayed push: it was taken once already
         self.counts["accepted"] += 1
         g = self.group_of[worker]
-        self.rounds.setdefault(g, Round()).add(worker, grads, buffers)
         self.pushed[worker] = push.clock + 1
+        if push.plan_id < self.plan_id:
+            # made under a plan whose rounds this shard already closed: applied alone, as the
+            # flush would have; joining a new round would misalign rounds across shards
+            late = Round()
+            late.add(worker, grads, buffers)
+            self._apply(g, late)
+            return staleness
+        self.rounds.setdefault(g, Round()).add(worker, grads, buffers)
         if self.rounds[g].members >= set(self.groups[g]):
             self._close(g)
         return staleness
 
     def _close(self, g: int) -> None:
-        rnd = self.rounds.pop(g)
+        self._apply(g, self.rounds.pop(g))
+
+    def _apply(self, g: int, rnd: Round) -> None:
         grads, buffers = rnd.means()
         staleness = 1 + self.store.version - self.last_update_at.get(g, 0)
         scale = 1.0 / staleness if getattr(self.params, "scale_lr", False) else 1.0

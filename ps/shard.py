@@ -50,6 +50,7 @@ class Shard(Service):
         self.store = TensorStore(plan.owned(plan.shard_index(node_id)))
         self.policy: ConsistencyPolicy | None = None
         self.parked: list[ParkedPull] = []
+        self.plan_source = None  # callable(after) -> a newer plan or None, briefly blocking; set by the daemon
         self.counts = {"pushes": 0, "pulls": 0, "nonfinite": 0, "busy_s": 0.0}
 
     # ------------------------------------------------------------ Service hooks
@@ -94,6 +95,12 @@ class Shard(Service):
             raise ProtocolError(Status.STALE_PLAN, f"plan {push.plan_id} predates placement of plan "
                                                    f"{self.plan.placement_id}")
         self._check_finite(push.tensors)
+        if push.plan_id > self.plan.plan_id and self.plan_source is not None:
+            # the sender already follows a newer plan: switch first, so its push joins the
+            # new plan's rounds here as on every other shard
+            newer = self.plan_source(self.plan.plan_id)
+            if newer is not None:
+                self.adopt(newer)
         started = work_clock()
         staleness = self.policy.on_push(env.src, push)
         self._stretch(work_clock() - started)

@@ -522,6 +522,7 @@ def test_regroup_closes_the_open_round_and_ignores_replays(harness):
 
     new_plan = dataclasses.replace(h.plan, plan_id=PLAN_ID + 1, groups=[[A, B, C], [D]])
     shard.adopt(new_plan)
+    h.plan_id = new_plan.plan_id  # the workers follow the new plan from their next push on
     h.serve()
     # the open round closed with C alone, once, lr / (1 + 1 update by group 0)
     expected = sgd_step(expected, gc, LR / 2)
@@ -597,3 +598,21 @@ def test_grouping_with_singleton_groups_does_not_wait(harness):
     h.push(B, 0, gb)
     expected = sgd_step(expected, gb, LR / 2)
     assert_values(h.values(), expected)
+
+
+def test_push_made_under_a_plan_the_shard_left_is_applied_alone(harness):
+    """After a switch, a push still carrying the old plan id must not join a new
+    round (another shard may have closed its twin in the flush): applied at once."""
+    h = harness(plain_sgd(), groups=[[A, B], [C, D]], workers=(A, B, C, D))
+    shard = h.shards[0]
+    h.init(initial())
+    shard.adopt(dataclasses.replace(h.plan, plan_id=PLAN_ID + 1, groups=[[A, B, C, D]]))
+    gc = grad(3)
+    h.push(C, 0, gc)  # still plan PLAN_ID
+    assert h.versions() == [1] and shard.stats()["pending"] == 0
+    assert_values(h.values(), sgd_step(initial(), gc, LR))
+    versions, _ = h.answered(C, h.send_pull(C, 1))
+    assert versions == [1]
+    h.plan_id = PLAN_ID + 1
+    h.push(A, 0, grad(1))  # under the new plan: waits for the whole new group
+    assert h.versions() == [1] and shard.stats()["pending"] == 1
