@@ -88,6 +88,15 @@ class KillFault:
 
 
 @dataclass(frozen=True)
+class MessageFaults:
+    """Fault injection on the wire: each message a worker sends is dropped or
+    delayed with these probabilities (seeded per node); workers retry."""
+    drop: float = 0.0          # fraction of a worker's requests that never leave it
+    delay: float = 0.0         # fraction held back before sending
+    delay_s: float = 0.05      # how long a delayed message waits
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     slowdown: float = 1.0      # emulate a slower node: a step takes slowdown x its compute time
     schedule: list[SlowdownChange] = field(default_factory=list)  # later changes of slowdown
@@ -111,6 +120,10 @@ class ClusterConfig:
     startup_timeout_s: float = 120.0       # longest wait for the cluster to form
     max_message_bytes: int = 1 << 30       # enforced by the sockets
     chunk_bytes: int = 0                   # tensors larger than this are cut into parts placed apart; 0 = never
+    faults: MessageFaults = field(default_factory=MessageFaults)
+    retry_s: float = 2.0                   # a worker re-sends an unanswered push/pull after this (doubling)
+    nonfinite: str = "reject"              # NaN/Inf in a push: reject (NONFINITE) | skip (ack, not applied) | clip
+    clip_value: float = 1.0                # nonfinite=clip: NaN -> 0, +-Inf -> +-clip_value
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,27 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""              # shard checkpoints go here; "" = none (`hetps run`: RUN_DIR/checkpoints)
+    every_updates: int = 0     # write after this many applied pushes; 0 = not by count
+    every_s: float = 10.0      # or after this many seconds; 0 = not by time
+    keep: int = 2              # checkpoints kept per shard
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    curve: bool = False        # CurveZMQ on every socket (encryption + client allow-list)
+    keys_dir: str = ""         # made by `hetps keys DIR`; env HETPS_KEYS_DIR overrides
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    overlap: bool = False      # push each gradient as backward produces it; wait per layer for the pull
+    compression: str = "none"  # none | fp16 | topk  (worker -> shard gradients)
+    topk_ratio: float = 0.01   # topk: fraction of each tensor's entries sent (error feedback keeps the rest)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str = "default"
     seed: int = 0
@@ -138,12 +172,17 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.dataset": DATASETS,
     "optimizer.name": ("sgd", "adam"),
     "optimizer.schedule.name": ("constant", "step", "cosine"),
+    "cluster.nonfinite": ("reject", "skip", "clip"),
+    "comm.compression": ("none", "fp16", "topk"),
 }
 
 
@@ -242,6 +281,11 @@ def _check_values(cfg: RunConfig) -> None:
             for j, change in enumerate(node.schedule):
                 if change.slowdown < 1.0 or change.at_s < 0:
                     _fail(f"cluster.{kind}.{i}.schedule.{j}", "needs at_s >= 0 and slowdown >= 1.0")
+    fractions = {"cluster.faults.drop": cfg.cluster.faults.drop, "cluster.faults.delay": cfg.cluster.faults.delay,
+                 "comm.topk_ratio": cfg.comm.topk_ratio}
+    for path, v in fractions.items():
+        if not 0.0 <= v <= 1.0:
+            _fail(path, f"must be in [0, 1], got {v}")
     if cfg.optimizer.schedule.name == "cosine" and cfg.optimizer.schedule.total_steps <= 0:
         _fail("optimizer.schedule.total_steps", "must be > 0 for the cosine schedule")
 
