@@ -1,29 +1,61 @@
 """Transport benchmark: hetps push+pull against a raw pyzmq ping-pong of the
 same bytes, measured in the same run on the same machine.
 
-    .venv/bin/python bench/transport.py [--sizes 4K,64K,1M,16M,64M] [--seconds 2]
+    .venv/bin/python bench/transport.py [--sizes lenet,4K,64K,1M,16M,64M,256M] [--seconds 1.5]
+        [--repeats 3] [--raw-frames one|per-tensor] [--profile DIR]
 
-For each size, a server process holds one float32 tensor of that many bytes:
+Each row is a tensor set: SIZE is one float32 tensor of that many bytes;
+`lenet` is the real LeNet-5 parameter set (10 tensors, 61,706 floats).
 - raw: a pyzmq ROUTER that echoes every multipart message back (copy=False
-  both ways), driven by a DEALER client sending one frame of N bytes;
-- hetps: a real shard (async policy, plain SGD) over the hetps codec and
-  transport, driven by the worker's PSClient doing push (N bytes) + pull
-  (N bytes) per round trip.
-Both move 2N bytes per round trip. Prints MB/s for each and the ratio
-hetps / raw (1.0 = as fast as raw ZeroMQ).
+  both ways), driven by a DEALER sending the set's bytes, by default as one
+  frame (`--raw-frames per-tensor`: one frame per tensor);
+- hetps: a real shard (async policy, plain SGD: momentum 0) over the hetps
+  codec and transport, driven by the worker's PSClient doing push (the set's
+  bytes as gradients) + pull (the set's bytes back) per round trip.
+Both move the set's bytes each way per round trip. The shard's update (the
+SGD step, which the echo does not do) is timed inside the shard (thread CPU
+seconds per push); `excl. update` is the ratio with that time taken out of
+the hetps round trip. Medians over `--repeats` runs (raw and hetps
+alternate). `--profile DIR` writes cProfile files of the hetps client and
+shard of the last repeat of each row.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import time
 
 import torch
 import zmq
 
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
+
+
+def tensor_set(row: str) -> list:
+    """TensorSpecs of a row: one float32 tensor of SIZE bytes, or LeNet-5's parameters."""
+    from hetps.proto.plan import TensorSpec
+
+    if row == "lenet":
+        from hetps.worker.models import LeNet5
+        from hetps.worker.state import model_specs
+
+        return model_specs(LeNet5((1, 28, 28), 10))
+    return [TensorSpec("w", "float32", (SIZES[row] // 4,))]
+
+
+def set_nbytes(specs: list) -> int:
+    return sum(torch.Size(s.shape).numel() * 4 for s in specs)
+
+
+def one_shard_plan(specs: list, address: str):
+    from hetps.proto.plan import ClusterPlan, NodeEntry
+
+    return ClusterPlan(plan_id=1, algorithm="async", workers=[NodeEntry(2, 0)],
+                       shards=[NodeEntry(1, 0, address)], tensors=specs, placement={s.name: 0 for s in specs})
 
 
 def raw_echo_server(port_queue: mp.Queue) -> None:
@@ -38,97 +70,136 @@ def raw_echo_server(port_queue: mp.Queue) -> None:
     sock.close(0)
 
 
-def hetps_shard_server(nbytes: int, addr_queue: mp.Queue) -> None:
+def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str) -> None:
     torch.set_num_threads(1)
     from hetps.proto.config import load_config
-    from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec
     from hetps.proto.transport import make_server
     from hetps.ps.shard import Shard
 
     cfg = load_config(None, ["algorithm.name=async", "optimizer.momentum=0.0"])
     server = make_server("tcp://127.0.0.1:0")
-    plan = ClusterPlan(plan_id=1, algorithm="async", workers=[NodeEntry(2, 0)],
-                       shards=[NodeEntry(1, 0, server.address)],
-                       tensors=[TensorSpec("w", "float32", (nbytes // 4,))], placement={"w": 0})
-    shard = Shard(server, 1, plan, cfg)
-    addr_queue.put(server.address)
-    while True:
-        shard.serve_once(0.1)
-        if os.getppid() == 1:  # parent gone
-            break
+    shard = Shard(server, 1, one_shard_plan(tensor_set(row), server.address), cfg)
+    queue.put(server.address)
+    prof = cProfile.Profile() if profile else None
+    if prof:
+        prof.enable()
+    while not stop.is_set() and os.getppid() != 1:  # the parent may die without setting `stop`
+        shard.serve_once(0.05)
+    if prof:
+        prof.disable()
+        prof.dump_stats(os.path.join(profile, f"shard-{row}.prof"))
+    queue.put(shard.stats())
+    server.close()
 
 
 def time_loop(step, seconds: float) -> tuple[int, float]:
-    step()  # warm-up
+    for _ in range(3):  # warm-up
+        step()
     n, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds or n < 3:
+    while time.perf_counter() - started < seconds or n < 5:
         step()
         n += 1
     return n, time.perf_counter() - started
 
 
-def bench_raw(nbytes: int, seconds: float) -> float:
+def bench_raw(specs: list, seconds: float, per_tensor: bool) -> float:
+    """Seconds per raw round trip."""
     q: mp.Queue = mp.Queue()
     proc = mp.Process(target=raw_echo_server, args=(q,), daemon=True)
     proc.start()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{q.get(timeout=30)}")
-    payload = torch.ones(nbytes // 4).numpy()
+    frames = ([torch.ones(s.shape).reshape(-1).numpy() for s in specs] if per_tensor
+              else [torch.ones(set_nbytes(specs) // 4).numpy()])
 
     def step():
-        sock.send(payload, copy=False)
-        sock.recv(copy=False)
+        sock.send_multipart(frames, copy=False)
+        sock.recv_multipart(copy=False)
 
     n, elapsed = time_loop(step, seconds)
     sock.send(b"")
     sock.close(0)
     proc.join(timeout=10)
-    return 2 * nbytes * n / elapsed / 1e6
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=10)
+    return elapsed / n
 
 
-def bench_hetps(nbytes: int, seconds: float) -> float:
+def bench_hetps(row: str, seconds: float, profile: str) -> tuple[float, float]:
+    """(seconds per push+pull round trip, shard update seconds per push)."""
     from hetps.proto.config import ClusterConfig
-    from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec
     from hetps.worker.client import PSClient
 
+    specs = tensor_set(row)
     q: mp.Queue = mp.Queue()
-    proc = mp.Process(target=hetps_shard_server, args=(nbytes, q), daemon=True)
+    stop = mp.Event()
+    proc = mp.Process(target=hetps_shard_server, args=(row, q, stop, profile), daemon=True)
     proc.start()
-    address = q.get(timeout=60)
-    plan = ClusterPlan(plan_id=1, algorithm="async", workers=[NodeEntry(2, 0)],
-                       shards=[NodeEntry(1, 0, address)],
-                       tensors=[TensorSpec("w", "float32", (nbytes // 4,))], placement={"w": 0})
-    client = PSClient(plan, 2, ClusterConfig())
-    client.init({"w": torch.zeros(nbytes // 4)})
-    grad = {"w": torch.full((nbytes // 4,), 1e-6)}
-    clock = [0]
+    client = PSClient(one_shard_plan(specs, q.get(timeout=60)), 2, ClusterConfig())
+    try:
+        client.init({s.name: torch.zeros(s.shape) for s in specs})
+        grads = {s.name: torch.full(s.shape, 1e-6) for s in specs}
+        clock = [0]
 
-    def step():
-        client.push_pull(grad, clock[0], 1)
-        clock[0] += 1
+        def step():
+            client.push_pull(grads, clock[0], 1)
+            clock[0] += 1
 
-    n, elapsed = time_loop(step, seconds)
-    client.close()
-    proc.terminate()
+        prof = cProfile.Profile() if profile else None
+        if prof:
+            prof.enable()
+        n, elapsed = time_loop(step, seconds)
+        if prof:
+            prof.disable()
+            prof.dump_stats(os.path.join(profile, f"client-{row}.prof"))
+    finally:
+        client.close()
+        stop.set()
+    stats = q.get(timeout=60)
     proc.join(timeout=10)
-    return 2 * nbytes * n / elapsed / 1e6
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=10)
+    return elapsed / n, stats["busy_s"] / max(1, stats["pushes"])
+
+
+def bench_row(row: str, args) -> dict:
+    specs = tensor_set(row)
+    raw, ours, update = [], [], []
+    for r in range(args.repeats):
+        raw.append(bench_raw(specs, args.seconds, args.raw_frames == "per-tensor"))
+        rt, upd = bench_hetps(row, args.seconds, args.profile if r == args.repeats - 1 else "")
+        ours.append(rt)
+        update.append(upd)
+    raw_s, ours_s, upd_s = statistics.median(raw), statistics.median(ours), statistics.median(update)
+    return {"row": row, "tensors": len(specs), "bytes": set_nbytes(specs), "raw_s": raw_s, "hetps_s": ours_s,
+            "update_s": upd_s, "ratio": raw_s / ours_s, "ratio_excl_update": raw_s / max(ours_s - upd_s, 1e-9)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="4K,64K,1M,16M,64M")
-    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--sizes", default="lenet,4K,64K,1M,16M,64M,256M")
+    parser.add_argument("--seconds", type=float, default=1.5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--raw-frames", choices=["one", "per-tensor"], default="one")
+    parser.add_argument("--profile", default="", metavar="DIR")
     args = parser.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     torch.set_num_threads(1)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}, "
-          f"torch {torch.__version__}, pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}")
-    print(f"{'size':>6} {'raw MB/s':>10} {'hetps MB/s':>11} {'ratio':>6}")
-    for name in args.sizes.split(","):
-        nbytes = SIZES[name]
-        raw = bench_raw(nbytes, args.seconds)
-        ours = bench_hetps(nbytes, args.seconds)
-        print(f"{name:>6} {raw:10.0f} {ours:11.0f} {ours / raw:6.2f}")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or '?'}, "
+          f"Python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
+          f"libzmq {zmq.zmq_version()}; medians of {args.repeats}, raw frames: {args.raw_frames}")
+    print(f"{'row':>6} {'tensors':>7} {'bytes':>10} {'raw us':>9} {'hetps us':>9} {'update us':>9} "
+          f"{'raw MB/s':>9} {'hetps MB/s':>10} {'ratio':>6} {'excl. update':>12}")
+    for row in args.sizes.split(","):
+        r = bench_row(row, args)
+        mb = 2 * r["bytes"] / 1e6
+        print(f"{row:>6} {r['tensors']:>7} {r['bytes']:>10} {r['raw_s'] * 1e6:9.0f} {r['hetps_s'] * 1e6:9.0f} "
+              f"{r['update_s'] * 1e6:9.0f} {mb / r['raw_s']:9.0f} {mb / r['hetps_s']:10.0f} {r['ratio']:6.2f} "
+              f"{r['ratio_excl_update']:12.2f}", flush=True)
 
 
 if __name__ == "__main__":

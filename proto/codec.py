@@ -7,7 +7,9 @@ raises `ProtocolError` with a `Status`; it never allocates memory sized by an
 unchecked header value and never unpickles anything.
 
 Received tensors are read-only views of the frame buffers (zero-copy): callers
-must copy before writing into them.
+must copy before writing into them. Small tensors travel together in one pack
+frame (layout.py); compressed gradients are decoded to dense tensors of their
+declared dtype and shape here (compression.py), so no caller sees either.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ from typing import Any, Mapping, Sequence
 import msgpack
 import torch
 
+from .compression import Compressed, check_encoding, decompress, payload_nbytes
+from .errors import ProtocolError
+from .layout import PACK_BELOW, build_pack, choose_packed, split_frames
 from .messages import (MESSAGES, PROTOCOL_VERSION, Error, Message, Op, Status,
                        has_tensors, header_fields)
 
@@ -34,16 +39,6 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30
 MAX_HEADER_BYTES = 1 << 20
 _TYPES = {"int": int, "str": str, "list": list, "dict": dict, "bool": bool, "float": (int, float)}
-
-
-class ProtocolError(Exception):
-    """A message failed validation; `status` says why, `req_id` is echoed if known."""
-
-    def __init__(self, status: Status, message: str, req_id: int = 0):
-        super().__init__(f"{status.name}: {message}")
-        self.status = status
-        self.message = message
-        self.req_id = req_id
 
 
 @dataclass(frozen=True)
@@ -66,27 +61,38 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def tensor_frame(t: torch.Tensor) -> memoryview:
-    """A byte view of a CPU tensor's data, copied only if it is not contiguous."""
-    flat = t.detach().reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.contiguous().view(torch.uint8).numpy()).cast("B")
+    """A flat byte view of a CPU tensor's data, copied only if it is not contiguous."""
+    flat = t.detach().reshape(-1).contiguous()  # bool, like every dtype, views as bytes
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
-def encode(msg: Message, req_id: int = 0, src: int = 0) -> list:
-    """Frames for `msg`: [header bytes, tensor data ...]. Tensors must be on the CPU."""
+def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_BELOW) -> list:
+    """Frames for `msg`: [header bytes, tensor payloads ...]. Tensors must be on
+    the CPU; a `Compressed` value travels compressed. Payloads under
+    `pack_below` bytes share one pack frame at the end (0: one frame each).
+    Large payloads are views of the tensors: do not write them until sent."""
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": int(msg.OP), "id": req_id, "src": src}
     for f in header_fields(type(msg)):
         header[f.name] = getattr(msg, f.name)
-    frames: list = [None]
-    if has_tensors(type(msg)):
-        specs = []
-        for name, t in msg.tensors.items():
-            specs.append([name, dtype_name(t.dtype), list(t.shape)])
-            frames.append(tensor_frame(t))
-        header["tensors"] = specs
-    frames[0] = msgpack.packb(header, use_bin_type=True)
-    return frames
+    if not has_tensors(type(msg)):
+        return [msgpack.packb(header, use_bin_type=True)]
+    specs, payloads, encodings = [], [], []
+    for i, (name, t) in enumerate(msg.tensors.items()):
+        specs.append([name, dtype_name(t.dtype), list(t.shape)])
+        if isinstance(t, Compressed):
+            encodings.append([i, t.kind, t.count])
+            t = t.payload
+        payloads.append(tensor_frame(t))
+    header["tensors"] = specs
+    if encodings:
+        header["enc"] = encodings
+    packed = choose_packed([p.nbytes for p in payloads], pack_below)
+    if not packed:
+        return [msgpack.packb(header, use_bin_type=True), *payloads]
+    header["packed"] = packed
+    in_pack = set(packed)
+    own = [p for i, p in enumerate(payloads) if i not in in_pack]
+    return [msgpack.packb(header, use_bin_type=True), *own, build_pack([payloads[i] for i in packed])]
 
 
 def _unpack_header(raw) -> dict:
@@ -128,10 +134,20 @@ def _read_op(header: dict) -> tuple[type[Message], int, int]:
     return cls, req_id, header["src"]
 
 
-def _decode_tensor(spec: Any, buf, max_bytes: int, req_id: int) -> tuple[str, torch.Tensor]:
+@dataclass(frozen=True)
+class Spec:
+    """A checked tensor spec: name, dtype, shape, element count."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    numel: int
+
+
+def _read_spec(spec: Any, max_bytes: int, req_id: int) -> Spec:
     if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
             and isinstance(spec[1], str) and isinstance(spec[2], list)
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in spec[2])):
+            and all(type(d) is int and d >= 0 for d in spec[2])):
         raise ProtocolError(Status.MALFORMED, f"bad tensor spec {spec!r:.80}", req_id)
     name, dtype_str, shape = spec
     if dtype_str not in DTYPES:
@@ -144,30 +160,70 @@ def _decode_tensor(spec: Any, buf, max_bytes: int, req_id: int) -> tuple[str, to
         if bound > max_bytes:
             raise ProtocolError(Status.TOO_LARGE, f"tensor {name!r} declares more than {max_bytes} bytes, "
                                                   f"shape {shape!r:.80}", req_id)
-    nbytes = math.prod(shape) * dtype.itemsize
-    view = memoryview(buf)
-    if view.nbytes != nbytes:
-        raise ProtocolError(Status.MALFORMED,
-                            f"tensor {name!r}: frame has {view.nbytes} bytes, shape needs {nbytes}", req_id)
-    if nbytes == 0:
-        return name, torch.empty(shape, dtype=dtype)
-    if dtype == torch.bool:
-        return name, torch.frombuffer(view, dtype=torch.uint8).view(torch.bool).reshape(shape)
-    return name, torch.frombuffer(view, dtype=dtype).reshape(shape)
+    return Spec(name, dtype, tuple(shape), math.prod(shape))
 
 
-def check_catalog(tensors: Mapping[str, torch.Tensor], catalog: TensorCatalog, req_id: int = 0) -> None:
+def _read_encodings(raw: Any, specs: list[Spec], req_id: int) -> dict[int, tuple[str, int]]:
+    """The header's `enc` field, checked: tensor index -> (kind, count)."""
+    if not isinstance(raw, list):
+        raise ProtocolError(Status.MALFORMED, "field 'enc' must be a list", req_id)
+    out: dict[int, tuple[str, int]] = {}
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int
+                and 0 <= entry[0] < len(specs) and entry[0] not in out):
+            raise ProtocolError(Status.MALFORMED, f"bad 'enc' entry {entry!r:.60}", req_id)
+        i, kind, count = entry
+        check_encoding(kind, count, specs[i].dtype, specs[i].numel, specs[i].name, req_id)
+        out[i] = (kind, count)
+    return out
+
+
+def _payload_size(spec: Spec, encoding: tuple[str, int] | None) -> int:
+    if encoding is None:
+        return spec.numel * spec.dtype.itemsize
+    return payload_nbytes(encoding[0], spec.dtype, spec.numel, encoding[1])
+
+
+def _dense_view(spec: Spec, payload: memoryview) -> torch.Tensor:
+    if spec.numel == 0:
+        return torch.empty(spec.shape, dtype=spec.dtype)
+    if spec.dtype == torch.bool:
+        return torch.frombuffer(payload, dtype=torch.uint8).view(torch.bool).reshape(spec.shape)
+    return torch.frombuffer(payload, dtype=spec.dtype).reshape(spec.shape)
+
+
+def check_catalog(specs: Sequence[Spec], catalog: TensorCatalog, req_id: int = 0) -> None:
     """Raise unless every tensor is in `catalog` with the registered dtype and shape."""
-    for name, t in tensors.items():
-        if name not in catalog:
-            raise ProtocolError(Status.UNKNOWN_TENSOR, f"tensor {name!r} is not held here", req_id)
-        dtype_str, shape = catalog[name]
-        if tuple(t.shape) != tuple(shape):
+    for s in specs:
+        if s.name not in catalog:
+            raise ProtocolError(Status.UNKNOWN_TENSOR, f"tensor {s.name!r} is not held here", req_id)
+        dtype_str, shape = catalog[s.name]
+        if s.shape != tuple(shape):
             raise ProtocolError(Status.SHAPE_MISMATCH,
-                                f"tensor {name!r}: shape {list(t.shape)}, registered {list(shape)}", req_id)
-        if DTYPE_NAMES[t.dtype] != dtype_str:
+                                f"tensor {s.name!r}: shape {list(s.shape)}, registered {list(shape)}", req_id)
+        if DTYPE_NAMES[s.dtype] != dtype_str:
             raise ProtocolError(Status.DTYPE_NOT_ALLOWED,
-                                f"tensor {name!r}: dtype {DTYPE_NAMES[t.dtype]}, registered {dtype_str}", req_id)
+                                f"tensor {s.name!r}: dtype {DTYPE_NAMES[s.dtype]}, registered {dtype_str}", req_id)
+
+
+def _decode_tensors(header: dict, frames: Sequence, catalog: TensorCatalog | None, max_bytes: int,
+                    req_id: int) -> dict[str, torch.Tensor]:
+    """Specs, then encodings, then frame layout and lengths, then the catalog;
+    only then are tensors made (views of the frames, or decompressed)."""
+    raw_specs = header.get("tensors", [])
+    if not isinstance(raw_specs, list):
+        raise ProtocolError(Status.MALFORMED, "field 'tensors' must be a list", req_id)
+    specs = [_read_spec(s, max_bytes, req_id) for s in raw_specs]
+    if len({s.name for s in specs}) != len(specs):
+        raise ProtocolError(Status.MALFORMED, "duplicate tensor names", req_id)
+    encodings = _read_encodings(header.get("enc", []), specs, req_id)
+    sizes = [_payload_size(s, encodings.get(i)) for i, s in enumerate(specs)]
+    payloads = split_frames(frames, sizes, header.get("packed", []), req_id)
+    if catalog is not None:
+        check_catalog(specs, catalog, req_id)
+    return {s.name: _dense_view(s, p) if i not in encodings
+            else decompress(*encodings[i], s.dtype, s.shape, p, s.name, req_id)
+            for i, (s, p) in enumerate(zip(specs, payloads))}
 
 
 def decode(frames: Sequence, catalog: TensorCatalog | None = None,
@@ -184,20 +240,21 @@ def decode(frames: Sequence, catalog: TensorCatalog | None = None,
             values[f.name] = header[f.name]
         elif f.default is MISSING and f.default_factory is MISSING:
             raise ProtocolError(Status.MALFORMED, f"{cls.OP.name}: missing field {f.name!r}", req_id)
-    specs = header.get("tensors", []) if has_tensors(cls) else []
-    if not isinstance(specs, list):
-        raise ProtocolError(Status.MALFORMED, "field 'tensors' must be a list", req_id)
-    if len(frames) - 1 != len(specs):
-        raise ProtocolError(Status.MALFORMED,
-                            f"{len(frames) - 1} tensor frames for {len(specs)} tensor specs", req_id)
     if has_tensors(cls):
-        tensors = dict(_decode_tensor(s, b, max_tensor_bytes, req_id) for s, b in zip(specs, frames[1:]))
-        if len(tensors) != len(specs):
-            raise ProtocolError(Status.MALFORMED, "duplicate tensor names", req_id)
-        if catalog is not None:
-            check_catalog(tensors, catalog, req_id)
-        values["tensors"] = tensors
+        values["tensors"] = _decode_tensors(header, frames[1:], catalog, max_tensor_bytes, req_id)
+    elif len(frames) != 1:
+        raise ProtocolError(Status.MALFORMED, f"{len(frames) - 1} tensor frames for 0 tensor specs", req_id)
     return Envelope(cls(**values), req_id, src)
+
+
+def nonfinite_names(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors that hold a NaN or an Inf. One sum
+    per tensor: a finite sum proves every entry finite (a NaN or Inf makes the
+    sum NaN or Inf); only a tensor whose sum is not finite (or overflowed) gets
+    the exact, slower element-wise test."""
+    return [name for name, t in tensors.items()
+            if t.is_floating_point() and t.numel() and not math.isfinite(float(t.sum()))
+            and not bool(torch.isfinite(t).all())]
 
 
 def error_frames(err: ProtocolError, src: int = 0) -> list:

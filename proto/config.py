@@ -85,6 +85,7 @@ class SlowdownChange:
 class KillFault:
     node: str                  # a process of `hetps run`: scheduler, ps0, worker2, evaluator, ...
     at_s: float                # seconds after training began (the first plan)
+    restart_after_s: float | None = None  # start it again this long after (same address; shards restore)
 
 
 @dataclass(frozen=True)

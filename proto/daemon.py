@@ -12,6 +12,7 @@ import signal
 import sys
 
 from .config import ConfigError, RunConfig, load_config
+from .security import SecurityError, configure
 
 
 def common_args(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,9 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=env("HETPS_LOG_LEVEL", "INFO"))
     parser.add_argument("--check", action="store_true",
                         help="validate flags, environment and config, print them, exit 0 without connecting")
+    parser.add_argument("--client-key", default=None,
+                        help="with security.curve: this node's client key, a name under KEYS_DIR/clients or a "
+                             ".key_secret path ($HETPS_CLIENT_KEY; default client-0)")
     metrics_args(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
@@ -53,12 +57,23 @@ def load_or_exit(path: str | None, overrides: list[str]) -> RunConfig:
         raise SystemExit(2) from None
 
 
+def security_or_exit(cfg: RunConfig, role: str, client_key: str | None = None) -> None:
+    """Turn CurveZMQ on for this process when the config asks (proto/security.py);
+    a missing key prints one line naming it and exits with status 2."""
+    try:
+        configure(cfg, role, client_key)
+    except SecurityError as exc:
+        print(f"hetps {role}: security: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def daemon_setup(args: argparse.Namespace, role: str) -> tuple[RunConfig, str]:
-    """Config, logging and the scheduler address for a daemon."""
+    """Config, logging, CurveZMQ keys and the scheduler address for a daemon."""
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {role}{args.rank} %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     cfg = load_or_exit(args.config, args.overrides)
+    security_or_exit(cfg, role, args.client_key)
     scheduler = args.scheduler or cfg.cluster.scheduler
     if scheduler.endswith(":0"):
         print(f"hetps {role}: no scheduler address: pass --scheduler tcp://HOST:PORT or set "

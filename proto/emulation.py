@@ -1,14 +1,16 @@
-"""Emulated heterogeneity: a node's slowdown factor, optionally changing on
-a time schedule (`slowdown: 1, schedule: [{at_s: 30, slowdown: 4}]`).
+"""Emulated heterogeneity and faults: a node's slowdown factor, optionally
+changing on a time schedule (`slowdown: 1, schedule: [{at_s: 30, slowdown: 4}]`),
+and dropped or delayed messages (`cluster.faults`).
 
 A slowed node sleeps (factor - 1) x the time it measured for its own work
 (`work_clock`), so a step or an update takes factor x its real compute time.
 """
 from __future__ import annotations
 
+import random
 import time
 
-from .config import NodeConfig
+from .config import MessageFaults, NodeConfig
 
 
 class Slowdown:
@@ -49,3 +51,29 @@ def work_clock(device: str = "cpu") -> float:
         torch.cuda.synchronize()
         return time.perf_counter()
     return time.thread_time()
+
+
+class WireFaults:
+    """Fault injection on a node's outgoing requests (`cluster.faults`): each
+    transmission is dropped with probability `drop`, else held back
+    `delay_s` with probability `delay`. Seeded, so a run is repeatable."""
+
+    def __init__(self, faults: MessageFaults, seed: int):
+        self.faults = faults
+        self.rng = random.Random(seed)
+        self.dropped = 0
+        self.delayed = 0
+
+    @property
+    def active(self) -> bool:
+        return self.faults.drop > 0 or self.faults.delay > 0
+
+    def admit(self) -> bool:
+        """False: drop this message. May sleep first (a delayed message)."""
+        if self.rng.random() < self.faults.drop:
+            self.dropped += 1
+            return False
+        if self.rng.random() < self.faults.delay:
+            self.delayed += 1
+            time.sleep(self.faults.delay_s)
+        return True

@@ -9,15 +9,16 @@ this node to stop or stops answering for `dead_after_s`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from typing import Callable
 
 from .config import ClusterConfig
-from .messages import Ack, Bye, GetPlan, Heartbeat, Plan, Register, Report, Welcome
+from .messages import Ack, Bye, GetPlan, Heartbeat, Plan, Register, Report, Status, Welcome
 from .plan import ClusterPlan
-from .rpc import RequestTimeout, RpcClient
+from .rpc import RemoteError, RequestTimeout, RpcClient
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +42,17 @@ class Membership:
         self._records: list[dict] = []
         self._records_lock = threading.Lock()
         self._beat_thread: threading.Thread | None = None
+        self._registration: Register | None = None
         self._closing = threading.Event()
 
     def join(self, address: str = "", tensor_specs: list | None = None, schema_hash: str = "",
              speed: float = 0.0) -> int:
         """Register; returns this node's id. Raises SchedulerUnreachable, naming
         the address and the timeout, if the scheduler does not answer in time."""
+        self._registration = Register(role=self.role, rank=self.rank, address=address,
+                                      tensor_specs=tensor_specs or [], schema_hash=schema_hash, speed=speed)
         try:
-            welcome = self.rpc.call(Register(role=self.role, rank=self.rank, address=address,
-                                             tensor_specs=tensor_specs or [], schema_hash=schema_hash,
-                                             speed=speed),
-                                    timeout_s=self.cluster.startup_timeout_s)
+            welcome = self.rpc.call(self._registration, timeout_s=self.cluster.startup_timeout_s)
         except RequestTimeout:
             raise SchedulerUnreachable(
                 f"cannot reach the scheduler at {self.scheduler} within {self.cluster.startup_timeout_s}s "
@@ -103,19 +104,43 @@ class Membership:
         dead_after = max(10 * self.cluster.heartbeat_s, 10.0)
         try:
             while not self._closing.is_set():
+                records = self._take_records()
                 try:
-                    ack = rpc.call(Heartbeat(node_id=self.node_id, stats=stats(),
-                                             records=self._take_records()))
+                    ack = rpc.call(Heartbeat(node_id=self.node_id, stats=stats(), records=records))
                     last_answer = time.monotonic()
                     self._on_ack(ack)
                 except RequestTimeout:
+                    self._requeue(records)
                     if time.monotonic() - last_answer > dead_after:
                         self._request_stop(f"scheduler silent for {dead_after:.0f}s")
+                except RemoteError as exc:
+                    self._requeue(records)
+                    if exc.status == Status.BAD_STATE:  # a restarted scheduler that lost us: register again
+                        self._register_again(rpc)
                 except Exception as exc:  # keep beating; the scheduler may come back
                     log.warning("heartbeat failed: %s", exc)
                 self._closing.wait(self.cluster.heartbeat_s)
         finally:
             rpc.close()
+
+    def _requeue(self, records: list[dict]) -> None:
+        """Records of a heartbeat that got no answer go out with the next one."""
+        now = time.monotonic()
+        for r in records:
+            r["_t"] = now - r.pop("ago", 0.0)
+        with self._records_lock:
+            self._records[:0] = records
+
+    def _register_again(self, rpc: RpcClient) -> None:
+        log.warning("the scheduler does not know node %d: registering again", self.node_id)
+        try:
+            welcome = rpc.call(dataclasses.replace(self._registration, node_id=self.node_id))
+        except (RequestTimeout, RemoteError) as exc:
+            log.warning("registering again failed: %s", exc)
+            return
+        if isinstance(welcome, Welcome) and welcome.node_id != self.node_id:
+            self._request_stop(f"the scheduler restarted without this run's state (gave node id "
+                               f"{welcome.node_id}, not {self.node_id})")
 
     def _on_ack(self, ack) -> None:
         if isinstance(ack, Ack):

@@ -11,6 +11,7 @@ Compatibility rule: a new protocol revision only ever *adds* optional fields
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -69,6 +70,7 @@ class Register(Message):
     tensor_specs: list = field(default_factory=list)  # [[name, dtype, shape, kind]] forward order
     schema_hash: str = ""
     speed: float = 0.0            # profiled speed: samples/s (workers), bytes/s updated (shards)
+    node_id: int = 0              # the id this node already had, when it registers again
 
 
 @dataclass(frozen=True)
@@ -184,11 +186,13 @@ MESSAGES: dict[Op, type[Message]] = {
 }
 
 
-def header_fields(cls: type[Message]) -> list:
+@functools.cache  # per message class, on every encode and decode
+def header_fields(cls: type[Message]) -> tuple:
     """The dataclass fields that travel in the msgpack header (not `tensors`)."""
-    return [f for f in fields(cls) if f.name != "tensors"]
+    return tuple(f for f in fields(cls) if f.name != "tensors")
 
 
+@functools.cache
 def has_tensors(cls: type[Message]) -> bool:
     return any(f.name == "tensors" for f in fields(cls))
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from .codec import ProtocolError, TensorCatalog, decode, encode, error_frames
 from .messages import Error, Message, Op, Status
+from .emulation import WireFaults
 from .transport import ServerTransport, make_client
 
 log = logging.getLogger(__name__)
@@ -39,25 +42,48 @@ class Aborted(Exception):
     """A wait was abandoned because the caller's abort condition became true."""
 
 
+@dataclass
+class Unanswered:
+    """A request kept for re-sending until its reply arrives."""
+
+    frames: list
+    resend_at: float
+    interval: float
+    before: list | None = None  # frames of an earlier request to re-send first (`send(after=)`)
+
+
 class RpcClient:
     """Requests to one server. Not thread-safe: one per thread.
 
     `should_abort`, if given, is checked while waiting; when it returns True
     the wait raises `Aborted` (used to leave a parked pull when the run stops).
+
+    With `retry_s` > 0 a request still unanswered after `retry_s` is sent
+    again, with the same request id, then after 2x, 4x ... (at most 8x)
+    `retry_s`, until the wait's deadline: a server that restarted, or a
+    message that was lost, does not cost the whole timeout. The server must
+    make a re-sent request harmless (shards answer a re-sent push with the
+    first one's ACK). `faults` injects drops and delays on every send.
     """
 
-    _ids = itertools.count(1)
+    # request ids start at a random point, so a restarted process does not reuse its old ids
+    _ids = itertools.count(secrets.randbelow(1 << 40) + 1)
 
     def __init__(self, address: str, src: int = 0, timeout_s: float = 60.0,
                  max_message_bytes: int | None = None,
-                 should_abort: Callable[[], bool] | None = None):
+                 should_abort: Callable[[], bool] | None = None,
+                 retry_s: float = 0.0, faults: WireFaults | None = None):
         self.address = address
         self.src = src
         self.timeout_s = timeout_s
         self.should_abort = should_abort
+        self.retry_s = retry_s
+        self.faults = faults if faults is not None and faults.active else None
         self.transport = make_client(address, max_message_bytes)
         self._early: dict[int, Message] = {}
         self._ops: dict[int, str] = {}
+        self._unanswered: dict[int, Unanswered] = {}
+        self.resent = 0
 
     @property
     def bytes_sent(self) -> int:
@@ -67,35 +93,67 @@ class RpcClient:
     def bytes_received(self) -> int:
         return self.transport.bytes_received
 
-    def send(self, msg: Message) -> int:
-        """Send without waiting; returns the request id to `wait` on."""
+    def send(self, msg: Message, after: int | None = None) -> int:
+        """Send without waiting; returns the request id to `wait` on.
+        `after`: an earlier request this one depends on (a push before its
+        pull): whenever this one is re-sent, that one is re-sent first, even if
+        it was answered (a restarted server may have lost it)."""
         req_id = next(self._ids)
         self._ops[req_id] = msg.OP.name
-        self.transport.send(encode(msg, req_id, self.src))
+        frames = encode(msg, req_id, self.src)
+        if self.retry_s > 0:
+            earlier = self._unanswered.get(after) if after is not None else None
+            self._unanswered[req_id] = Unanswered(frames, time.monotonic() + self.retry_s, self.retry_s,
+                                                  earlier.frames if earlier else None)
+        self._transmit(frames)
         return req_id
+
+    def _transmit(self, frames: list) -> None:
+        if self.faults is None or self.faults.admit():
+            self.transport.send(frames)
+
+    def _resend_due(self) -> None:
+        now = time.monotonic()
+        for kept in self._unanswered.values():
+            if now >= kept.resend_at:
+                kept.interval = min(kept.interval * 2, self.retry_s * 8)
+                kept.resend_at = now + kept.interval
+                self.resent += 1
+                if kept.before is not None:
+                    self._transmit(kept.before)
+                self._transmit(kept.frames)
 
     def wait(self, req_id: int, timeout_s: float | None = None) -> Message:
         """Block until the reply to `req_id` arrives. Raises RemoteError, RequestTimeout, Aborted."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         op = self._ops.get(req_id, "?")
         deadline = time.monotonic() + timeout_s
-        while req_id not in self._early:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RequestTimeout(self.address, op, timeout_s)
-            if self.should_abort is not None and self.should_abort():
-                raise Aborted(f"{op} to {self.address} abandoned")
-            frames = self.transport.recv(min(left, 0.1))
-            if frames is not None:
-                env = decode(frames)
-                if env.req_id in self._ops:
-                    self._early[env.req_id] = env.msg
+        try:
+            self._await(req_id, op, timeout_s, deadline)
+        finally:
+            self._unanswered.pop(req_id, None)
         self._ops.pop(req_id, None)
         reply = self._early.pop(req_id)
         if isinstance(reply, Error):
             status = Status(reply.status) if reply.status in Status._value2member_map_ else Status.UNSET
             raise RemoteError(status, reply.message, self.address, op)
         return reply
+
+    def _await(self, req_id: int, op: str, timeout_s: float, deadline: float) -> None:
+        while req_id not in self._early:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestTimeout(self.address, op, timeout_s)
+            if self.should_abort is not None and self.should_abort():
+                raise Aborted(f"{op} to {self.address} abandoned")
+            if self._unanswered:
+                self._resend_due()
+            frames = self.transport.recv(min(left, 0.1))
+            if frames is not None:
+                env = decode(frames)
+                if env.req_id in self._ops:
+                    self._early[env.req_id] = env.msg
+                    self._unanswered.pop(env.req_id, None)
 
     def call(self, msg: Message, timeout_s: float | None = None) -> Message:
         return self.wait(self.send(msg), timeout_s)
@@ -125,8 +183,9 @@ class Service:
     def max_tensor_bytes(self) -> int:
         return 1 << 30
 
-    def reply(self, peer: bytes, req_id: int, msg: Message) -> None:
-        self.server.send(peer, encode(msg, req_id, self.node_id))
+    def reply(self, peer: bytes, req_id: int, msg: Message):
+        """Send `msg`; returns the transport's tracker of its zero-copy frames (or None)."""
+        return self.server.send(peer, encode(msg, req_id, self.node_id))
 
     def serve_once(self, timeout_s: float) -> bool:
         """Handle at most one request; False if none arrived within `timeout_s`."""

@@ -9,6 +9,9 @@ Two implementations behind one interface:
 A node's link can be capped (`set_link_cap`, from `link_mbps` in the
 config) to emulate a slow network on one machine.
 
+With CurveZMQ turned on for the process (`security.configure`), every ZeroMQ
+socket made here is a curve server (ROUTER) or client (DEALER).
+
 `make_server(address)` / `make_client(address)` pick one by the address
 scheme. Servers bound to port 0 (`tcp://HOST:0`) get a random free port; read
 `server.address` for the one actually bound. Nothing here blocks longer than
@@ -26,6 +29,7 @@ from typing import Sequence
 import zmq
 
 from .messages import ZERO_COPY_BYTES
+from .security import SecurityError, secure_socket
 
 
 class TransportError(Exception):
@@ -80,8 +84,9 @@ class ServerTransport(ABC):
         """Next (peer id, frames), or None after `timeout_s` seconds."""
 
     @abstractmethod
-    def send(self, peer: bytes, frames: Sequence) -> None:
-        """Queue frames to `peer`; never blocks. The frames must not be written afterwards."""
+    def send(self, peer: bytes, frames: Sequence) -> zmq.MessageTracker | None:
+        """Queue frames to `peer`; never blocks. The frames must not be written
+        until the returned tracker is `done` (None: the bytes were copied)."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -112,7 +117,24 @@ def _zmq_socket(kind: int, max_message_bytes: int | None) -> zmq.Socket:
     sock.copy_threshold = ZERO_COPY_BYTES
     if max_message_bytes:
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    try:
+        secure_socket(sock, server=kind == zmq.ROUTER)  # CurveZMQ when this process turned it on
+    except SecurityError:
+        sock.close(0)
+        raise
     return sock
+
+
+def _tracked(frames: Sequence) -> tuple[list, zmq.MessageTracker | None]:
+    """Frames of ZERO_COPY_BYTES and more wrapped for a tracked zero-copy
+    send (smaller ones ZeroMQ copies), and one tracker for all of them."""
+    out, trackers = [], []
+    for f in frames:
+        if memoryview(f).nbytes >= ZERO_COPY_BYTES:
+            f = zmq.Frame(f, copy=False, track=True)
+            trackers.append(f.tracker)
+        out.append(f)
+    return out, (zmq.MessageTracker(*trackers) if trackers else None)
 
 
 def _recv_frames(sock: zmq.Socket, timeout_s: float) -> list | None:
@@ -142,9 +164,11 @@ class ZmqServer(ServerTransport):
         _carry("inn", frames[1:])
         return bytes(frames[0]), frames[1:]
 
-    def send(self, peer: bytes, frames: Sequence) -> None:
+    def send(self, peer: bytes, frames: Sequence) -> zmq.MessageTracker | None:
         _carry("out", frames)
-        self.sock.send_multipart([peer, *frames], copy=False)
+        parts, tracker = _tracked(frames)
+        self.sock.send_multipart([peer, *parts], copy=False)
+        return tracker
 
     def close(self) -> None:
         self.sock.close(0)

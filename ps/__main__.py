@@ -29,6 +29,7 @@ from hetps.proto.transport import TransportError, make_server, set_link_cap
 from hetps.proto.config import NodeConfig
 from hetps.proto.emulation import Slowdown
 
+from hetps.proto import checkpoint
 from .shard import Shard, profile_update_speed
 
 log = logging.getLogger("hetps.ps")
@@ -41,6 +42,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="address to bind ($HETPS_BIND; default tcp://<cluster.host>:0)")
     parser.add_argument("--advertise", default=os.environ.get("HETPS_ADVERTISE"),
                         help="address workers should connect to ($HETPS_ADVERTISE; default: the bound one)")
+    parser.add_argument("--checkpoint-dir", default=os.environ.get("HETPS_CHECKPOINT_DIR"),
+                        help="write checkpoints here and restore the newest of this run at start "
+                             "($HETPS_CHECKPOINT_DIR; default checkpoint.dir)")
+    parser.add_argument("--restore-version", type=int, default=None,
+                        help="restore the checkpoint of exactly this version (default: the newest)")
+    parser.add_argument("--resume", action="store_true",
+                        help="a resumed run (`hetps run --resume`): restore values, optimizer and versions, "
+                             "but not the old workers' clocks")
     args = parser.parse_intermixed_args(argv)
     cfg, scheduler = daemon_setup(args, "ps")
     if args.check:
@@ -61,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = member.wait_plan()
         slowdown.start()
         shard = Shard(server, member.node_id, plan, cfg, slowdown)
+        setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank, args.restore_version,
+                          args.resume)
 
         refused_until = [0.0]
 
@@ -86,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             if newer is not None:
                 shard.adopt(newer)
         log.info("stopping: %s", member.stop_reason)
+        shard.maybe_checkpoint(force=True)  # workers have stopped: a consistent point to resume from
         member.bye(shard.stats())
     except (SchedulerUnreachable, RequestTimeout) as exc:
         print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
@@ -94,6 +106,23 @@ def main(argv: list[str] | None = None) -> int:
         member.close()
         server.close()
     return 0
+
+
+def setup_checkpoints(shard: Shard, root: str | None, rank: int, version: int | None,
+                      resume: bool = False) -> None:
+    """Turn checkpoints on (when a directory is given) and continue from this
+    run's newest one (or `version`) if there is one; `resume`: new workers."""
+    if not root:
+        return
+    folder = checkpoint.shard_dir(root, shard.plan.run_id, rank)
+    path = checkpoint.latest(folder, version)
+    if version is not None and path is None:
+        raise SystemExit(f"hetps ps {rank}: no checkpoint of version {version} in {folder}")
+    if path is not None:
+        shard.restore(checkpoint.load(path), new_workers=resume)
+    shard.checkpointer = checkpoint.Checkpointer(shard.cfg.checkpoint, folder)
+    shard.checkpointer.last_version = shard.store.version if path is not None else -1
+    log.info("checkpoints in %s%s", folder, f"; restored {path.name}" if path else "")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,17 @@ class Updater:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
 
+    def state_dict(self) -> dict:
+        return {"updates": self.updates,
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates = int(state["updates"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+
     def apply(self, grads: Mapping[str, torch.Tensor], lr_scale: float = 1.0) -> None:
         """One optimizer step. `grads` must hold every parameter; they are only read."""
         if self.optimizer is None:

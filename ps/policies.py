@@ -62,6 +62,15 @@ class ConsistencyPolicy(ABC):
     def stats(self) -> dict:
         return {}
 
+    _NOT_STATE = ("store", "updater", "params")
+
+    def state_dict(self) -> dict:
+        """What the policy counts and holds (clocks, open rounds, ...), for a checkpoint."""
+        return {k: v for k, v in vars(self).items() if k not in self._NOT_STATE}
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)
+
     def reply_info(self, worker: int) -> dict:
         """Extras for the ACK of `worker`'s push (string keys), e.g. the next period."""
         return {}

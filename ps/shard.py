@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hetps.proto.codec import Envelope, ProtocolError
+from hetps.proto.codec import Envelope, ProtocolError, nonfinite_names
 from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.emulation import Slowdown, work_clock
 from hetps.proto.messages import Ack, Params, Status
@@ -22,6 +22,7 @@ from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 
 from . import averaging, eager, policies
+from hetps.proto.checkpoint import Checkpointer
 from .optim import Updater
 from .policies import ConsistencyPolicy
 from .store import TensorStore
@@ -51,7 +52,10 @@ class Shard(Service):
         self.policy: ConsistencyPolicy | None = None
         self.parked: list[ParkedPull] = []
         self.plan_source = None  # callable(after) -> a newer plan or None, briefly blocking; set by the daemon
-        self.counts = {"pushes": 0, "pulls": 0, "nonfinite": 0, "busy_s": 0.0}
+        self.checkpointer: Checkpointer | None = None  # set by the daemon when checkpoints are on
+        self.recent_acks: dict[int, tuple[int, Ack]] = {}  # worker -> (request id, ACK) of its last push
+        self.restored_version: int | None = None
+        self.counts = {"pushes": 0, "pulls": 0, "nonfinite": 0, "retried": 0, "busy_s": 0.0}
 
     # ------------------------------------------------------------ Service hooks
     def catalog(self):
@@ -62,9 +66,12 @@ class Shard(Service):
 
     def stats(self) -> dict:
         policy = self.policy.stats() if self.policy else {}
+        saved = ({"checkpoints": self.checkpointer.written, "checkpoint_s": round(self.checkpointer.seconds, 3),
+                  "checkpoint_version": self.checkpointer.last_version} if self.checkpointer else {})
         return {"version": self.store.version, "parked": len(self.parked), "plan_id": self.plan.plan_id,
                 "malformed": self.malformed, "tensors": len(self.store.specs),
-                "lr": self.policy.updater.lr if self.policy else 0.0, **self.counts, **policy}
+                "restored_version": self.restored_version,
+                "lr": self.policy.updater.lr if self.policy else 0.0, **self.counts, **saved, **policy}
 
     def adopt(self, plan: ClusterPlan) -> None:
         """Switch to a newer plan (same placement): open rounds are closed first."""
@@ -80,12 +87,14 @@ class Shard(Service):
     def on_init(self, peer: bytes, env: Envelope):
         first = self.store.initialize(env.msg.tensors)
         if first:
-            updater = Updater(self.store.tensors, self.store.param_names(), self.cfg.optimizer)
-            self.policy = POLICIES[self.plan.algorithm](self.store, updater, self.plan,
-                                                        self.cfg.algorithm.params)
+            self._make_policy()
             log.info("initialized %d tensors from node %d", len(self.store.specs), env.src)
             self._serve_parked()
         return Ack(version=self.store.version, plan_id=self.plan.plan_id, info={"first": first})
+
+    def _make_policy(self) -> None:
+        updater = Updater(self.store.tensors, self.store.param_names(), self.cfg.optimizer)
+        self.policy = POLICIES[self.plan.algorithm](self.store, updater, self.plan, self.cfg.algorithm.params)
 
     def on_push(self, peer: bytes, env: Envelope):
         push = env.msg
@@ -94,7 +103,11 @@ class Shard(Service):
         if push.plan_id < self.plan.placement_id:  # made for a placement that no longer holds
             raise ProtocolError(Status.STALE_PLAN, f"plan {push.plan_id} predates placement of plan "
                                                    f"{self.plan.placement_id}")
-        self._check_finite(push.tensors)
+        last = self.recent_acks.get(env.src)
+        if last is not None and last[0] == env.req_id:  # a retry of a push already applied
+            self.counts["retried"] += 1
+            return last[1]
+        self._screen_nonfinite(push)
         if push.plan_id > self.plan.plan_id and self.plan_source is not None:
             # the sender already follows a newer plan: switch first, so its push joins the
             # new plan's rounds here as on every other shard
@@ -106,22 +119,82 @@ class Shard(Service):
         self._stretch(work_clock() - started)
         self.counts["pushes"] += 1
         self._serve_parked()
-        return Ack(version=self.store.version, staleness=max(0, staleness), plan_id=self.plan.plan_id,
-                   info=self.policy.reply_info(env.src))
+        ack = Ack(version=self.store.version, staleness=max(0, staleness), plan_id=self.plan.plan_id,
+                  info=self.policy.reply_info(env.src))
+        self.recent_acks[env.src] = (env.req_id, ack)
+        self.maybe_checkpoint()
+        return ack
 
     def on_pull(self, peer: bytes, env: Envelope):
         pull = ParkedPull(peer, env.req_id, env.src, env.msg.clock)
         if self._ready(pull):
             return self._params()
+        # a retried pull replaces its parked original (its peer id may be new after a reconnect)
+        self.parked = [p for p in self.parked if (p.worker, p.req_id) != (pull.worker, pull.req_id)]
         self.parked.append(pull)
         return None
 
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Everything needed to serve on from here after a restart."""
+        return {"run_id": self.plan.run_id, "rank": self.node_rank(), "plan_id": self.plan.plan_id,
+                "algorithm": self.plan.algorithm, **self.store.state_dict(),
+                "updater": self.policy.updater.state_dict(), "policy": self.policy.state_dict(),
+                "recent_acks": self.recent_acks, "counts": self.counts}
+
+    def node_rank(self) -> int:
+        return self.plan.shards[self.plan.shard_index(self.node_id)].rank
+
+    def restore(self, state: dict, new_workers: bool = False) -> None:
+        """Continue from a checkpoint of this shard (same run, same placement).
+        `new_workers` (a resumed run): the workers are new processes with new
+        ids and clocks, so the policy's bookkeeping starts afresh."""
+        if state["algorithm"] != self.plan.algorithm:
+            raise ValueError(f"checkpoint is of algorithm {state['algorithm']}, the plan runs {self.plan.algorithm}")
+        self.store.load_state_dict(state)
+        self._make_policy()
+        self.policy.updater.load_state_dict(state["updater"])
+        if not new_workers:
+            self.policy.load_state_dict(state["policy"])
+            self.recent_acks = dict(state["recent_acks"])
+            self.counts.update(state["counts"])
+        self.restored_version = self.store.version
+        if state["plan_id"] != self.plan.plan_id and not new_workers:
+            self.policy.adopt(self.plan)
+        log.info("restored version %d (plan %d) from a checkpoint", self.store.version, state["plan_id"])
+        self._serve_parked()
+
+    def maybe_checkpoint(self, force: bool = False) -> None:
+        if self.checkpointer is None or self.policy is None:
+            return
+        if force or self.checkpointer.due(self.store.version):
+            self.checkpointer.write(self.state_dict())
+
     # ------------------------------------------------------------ internals
-    def _check_finite(self, tensors: dict) -> None:
-        for name, t in tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                self.counts["nonfinite"] += 1
-                raise ProtocolError(Status.NONFINITE, f"tensor {name!r} holds NaN or Inf")
+    def _screen_nonfinite(self, push) -> None:
+        """NaN/Inf in a push, per `cluster.nonfinite`: `reject` refuses the push
+        (NONFINITE; nothing of it is recorded); `skip` accepts it as a neutral
+        contribution (gradients -> zeros, a pushed model -> the shard's values,
+        buffers dropped), so the rounds it belongs to still close; `clip`
+        replaces NaN by 0 and +-Inf by +-clip_value. Counted in `nonfinite`."""
+        bad = nonfinite_names(push.tensors)  # one sum per tensor; entry-wise only if not finite
+        if not bad:
+            return
+        self.counts["nonfinite"] += 1
+        mode, tensors = self.cfg.cluster.nonfinite, push.tensors
+        if mode == "reject":
+            raise ProtocolError(Status.NONFINITE, f"tensor {bad[0]!r} holds NaN or Inf")
+        if mode == "clip":
+            clip = self.cfg.cluster.clip_value
+            for n in bad:
+                tensors[n] = torch.nan_to_num(tensors[n], nan=0.0, posinf=clip, neginf=-clip)
+            return
+        models = self.plan.algorithm in averaging.POLICIES
+        for n in list(tensors):
+            if n in self.store.buffer_names():
+                del tensors[n]
+            else:
+                tensors[n] = self.store.tensors[n].clone() if models else torch.zeros_like(tensors[n])
 
     def _stretch(self, busy_s: float) -> None:
         """Emulate a slower server: make this update take slowdown x its time."""
@@ -133,6 +206,12 @@ class Shard(Service):
     def _params(self) -> Params:
         self.counts["pulls"] += 1
         return Params(version=self.store.version, tensors=self.store.snapshot())
+
+    def reply(self, peer: bytes, req_id: int, msg):
+        tracker = super().reply(peer, req_id, msg)
+        if isinstance(msg, Params):  # its snapshot's buffers are reused once the transport is done
+            self.store.track(msg.tensors, tracker)
+        return tracker
 
     def _serve_parked(self) -> None:
         waiting = []

@@ -15,6 +15,8 @@ from hetps.proto.codec import ProtocolError, TensorCatalog
 from hetps.proto.messages import Status
 from hetps.proto.plan import TensorSpec
 
+from .snapshots import SnapshotCopies
+
 
 class TensorStore:
     def __init__(self, specs: list[TensorSpec]):
@@ -24,6 +26,7 @@ class TensorStore:
         self.versions: dict[str, int] = {s.name: 0 for s in specs}
         self.version = 0
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.copies = SnapshotCopies()
 
     @property
     def initialized(self) -> bool:
@@ -44,6 +47,20 @@ class TensorStore:
             raise ProtocolError(Status.MALFORMED, f"INIT lacks tensors {missing[:5]}")
         self.tensors = {n: values[n].clone() for n in self.specs}
         return True
+
+    def state_dict(self) -> dict:
+        return {"tensors": self.tensors, "versions": self.versions, "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Values and versions from a checkpoint of this same tensor set."""
+        tensors = state["tensors"]
+        if set(tensors) != set(self.specs):
+            raise ValueError(f"checkpoint holds tensors {sorted(tensors)[:5]}..., this shard owns "
+                             f"{sorted(self.specs)[:5]}...: not the same placement")
+        self.tensors = {n: tensors[n] for n in self.specs}
+        self.versions = dict(state["versions"])
+        self.version = int(state["version"])
+        self._snapshot = None
 
     def mark_updated(self, names) -> None:
         """Bump per-tensor versions and the shard version after an update."""
@@ -66,7 +83,13 @@ class TensorStore:
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of all tensors at the current version, shared by every pull
         of that version: replies are sent zero-copy, so they must never see a
-        later in-place update."""
+        later in-place update. Hand the dict to `track` once it was sent;
+        until then (or if never) its buffers are not reused."""
         if self._snapshot is None or self._snapshot[0] != self.version:
-            self._snapshot = (self.version, {n: t.clone() for n, t in self.tensors.items()})
-        return self._snapshot[1]
+            self._snapshot = (self.version, self.copies.make(self.tensors))
+        return self.copies.lend()
+
+    def track(self, snapshot: dict, tracker) -> None:
+        """`snapshot` went out in a reply; the transport is done with its memory
+        once `tracker.done` (None: already). See snapshots.py."""
+        self.copies.track(snapshot, tracker)

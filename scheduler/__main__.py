@@ -19,11 +19,13 @@ import signal
 import sys
 from pathlib import Path
 
-from hetps.proto.daemon import check_and_exit, load_or_exit, metrics_args
+from hetps.proto.daemon import check_and_exit, load_or_exit, metrics_args, security_or_exit
 from hetps.proto.metrics import serve_metrics
+from hetps.proto.plan import ClusterPlan
 from hetps.proto.transport import make_server
 
-from .coordinator import Coordinator
+from . import state
+from .coordinator import Coordinator, Node
 
 log = logging.getLogger("hetps.scheduler")
 
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=env("HETPS_CONFIG"), help="YAML experiment ($HETPS_CONFIG)")
     parser.add_argument("--bind", default=env("HETPS_BIND"), help="address to bind ($HETPS_BIND)")
     parser.add_argument("--run-dir", default=env("HETPS_RUN_DIR"), help="where metrics and summary go")
+    parser.add_argument("--run-id", default=env("HETPS_RUN_ID"),
+                        help="continue this run's checkpoints (`hetps run --resume`); default: a new id")
     parser.add_argument("--log-level", default=env("HETPS_LOG_LEVEL", "INFO"))
     parser.add_argument("--check", action="store_true",
                         help="validate flags, environment and config, print them, exit 0 without binding")
@@ -43,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s")
     cfg = load_or_exit(args.config, args.overrides)
+    security_or_exit(cfg, "scheduler")
     if args.check:
         check_and_exit("scheduler", bind=args.bind or cfg.cluster.scheduler, run_dir=args.run_dir,
                        config=args.config)
@@ -50,7 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     if run_dir:
         run_dir.mkdir(parents=True, exist_ok=True)
     server = make_server(args.bind or cfg.cluster.scheduler, cfg.cluster.max_message_bytes)
-    coordinator = Coordinator(server, cfg, run_dir)
+    coordinator = Coordinator(server, cfg, run_dir, run_id=args.run_id)
+    saved = state.read(run_dir)
+    if saved is not None and not saved["finished"] and args.run_id in (None, saved["run_id"]):
+        state.restore(coordinator, saved, Node)  # a restart: carry the unfinished run on
+        log.info("carrying on run %s from %s (plan %s, %d nodes)", coordinator.run_id, state.STATE_FILE,
+                 coordinator.plan.plan_id if coordinator.plan else None, len(coordinator.nodes))
+    elif saved is not None and saved["run_id"] == args.run_id and saved["plan"]:
+        coordinator.resumed_plan = ClusterPlan.from_dict(saved["plan"])  # resuming: keep its placement
     if run_dir:
         tmp = run_dir / "scheduler.addr.tmp"
         tmp.write_text(server.address)

@@ -1,10 +1,12 @@
 """The `hetps` command.
 
     hetps run CONFIG [key=value ...] [--out DIR] [--quiet] [--metrics]   a whole local cluster
+    hetps run --resume RUN_DIR [key=value ...]                          continue a stopped run
     hetps compare CONFIG --algorithms a,b,c [--repeats N] [--with ALGO key=value] [--out DIR]
     hetps scheduler --config CONFIG [--bind ADDR] [--run-dir DIR]
     hetps ps        --config CONFIG --rank N [--scheduler ADDR]
     hetps worker    --config CONFIG --rank N [--scheduler ADDR] [--evaluator]
+    hetps keys      DIR [--clients N]      CurveZMQ key pairs and allow-list (security.curve)
 
 With no command, $HETPS_ROLE names it (containers). `ps` and `worker` hand over to `python -m hetps.ps` / `python -m hetps.worker`
 (the roles never import each other). Exit status 2 means a bad config or
@@ -26,21 +28,67 @@ def run_command(argv: list[str]) -> int:
     from .launcher import default_run_dir, run_local
 
     parser = argparse.ArgumentParser(prog="hetps run", description="train one experiment on a local cluster")
-    parser.add_argument("config", help="YAML experiment, e.g. configs/default.yaml")
+    parser.add_argument("config", nargs="?", help="YAML experiment, e.g. configs/default.yaml "
+                                                  "(with --resume: the run's own config.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     parser.add_argument("--out", default=None, help="run directory (default: out_dir/NAME-ALGO-TIME)")
     parser.add_argument("--quiet", action="store_true", help="no progress line or summary")
     parser.add_argument("--metrics", action="store_true",
                         help="every daemon serves Prometheus /metrics on a free port (its log says where)")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its checkpoints")
     args = parser.parse_intermixed_args(argv)
+    if args.resume:
+        return resume_command(args)
+    if args.config is None or "=" in args.config:
+        parser.error("the config file is required (or --resume RUN_DIR)")
     cfg = load_or_exit(args.config, args.overrides)
     run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     return run_local(cfg, run_dir, quiet=args.quiet, metrics=args.metrics)
 
 
+def resume_command(args: argparse.Namespace) -> int:
+    from hetps.proto.config import ConfigError
+
+    from .launcher import run_local
+    from .resume import resume_point
+
+    run_dir = Path(args.resume)
+    overrides = ([args.config] if args.config else []) + args.overrides  # all key=value here
+    cfg = load_or_exit(str(run_dir / "config.yaml"), overrides)
+    try:
+        point = resume_point(run_dir, len(cfg.cluster.shards))
+    except ConfigError as exc:
+        print(f"hetps run: cannot resume: {exc}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(f"hetps run: resuming run {point.run_id} in {run_dir} from shard versions "
+              f"{point.versions}{'' if point.consistent else ' (not one common version)'}", file=sys.stderr)
+    return run_local(cfg, run_dir, quiet=args.quiet, metrics=args.metrics, resume=point)
+
+
+def keys_command(argv: list[str]) -> int:
+    from hetps.proto.security import SecurityError, write_keys
+
+    parser = argparse.ArgumentParser(prog="hetps keys", description="write CurveZMQ keys for security.curve: "
+                                     "a server key pair, N client key pairs and the allow-list")
+    parser.add_argument("dir", help="keys directory to create (security.keys_dir / $HETPS_KEYS_DIR)")
+    parser.add_argument("--clients", type=int, default=1, help="client key pairs client-0 ... client-N-1")
+    args = parser.parse_args(argv)
+    if args.clients < 1:
+        parser.error("--clients must be at least 1")
+    try:
+        written = write_keys(Path(args.dir), [f"client-{i}" for i in range(args.clients)])
+    except (SecurityError, OSError) as exc:
+        print(f"hetps keys: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"{oct(path.stat().st_mode & 0o777)[2:]} {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("run", "compare", "scheduler", "ps", "worker")
+    commands = ("run", "compare", "scheduler", "ps", "worker", "keys")
     if (not argv or argv[0] not in commands) and os.environ.get("HETPS_ROLE") in commands:
         argv = [os.environ["HETPS_ROLE"], *argv]  # containers: the role from the environment
     if not argv or argv[0] not in commands:
@@ -49,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "run":
         return run_command(rest)
+    if command == "keys":
+        return keys_command(rest)
     if command == "compare":
         from .compare import compare_command
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,20 +25,14 @@ from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 
 from .grouping import data_shares, drifted, form_groups
+from . import state, status
+from .status import ROLES
 from .placement import place
 from .runlog import RunLog
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 20.0   # longest wait for workers/evaluator to leave before shards are stopped
 EXIT_GRACE_S = 40.0   # longest wait for everyone to leave after a stop began
-ROLES = ("ps", "worker", "evaluator")
-
-
-def _count(stats: dict, key: str) -> int:
-    """A count from a peer's stats; 0 when absent or not a finite number
-    (stats are free-form on the wire and must not break the summary)."""
-    value = stats.get(key, 0)
-    return int(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0
 
 
 @dataclass
@@ -74,9 +68,13 @@ class EvalTrack:
 
 
 class Coordinator(Service):
-    def __init__(self, server: ServerTransport, cfg: RunConfig, run_dir: Path | None = None):
+    def __init__(self, server: ServerTransport, cfg: RunConfig, run_dir: Path | None = None,
+                 run_id: str | None = None):
         super().__init__(server, node_id=0)
         self.cfg = cfg
+        self.run_id = run_id or secrets.token_hex(6)  # names checkpoints; a resumed run keeps it
+        self.state_saved = 0.0
+        self.resumed_plan: ClusterPlan | None = None  # the stopped run's last plan, when resuming
         self.runlog = RunLog(run_dir)
         self.nodes: dict[int, Node] = {}
         self.expected = {"ps": len(cfg.cluster.shards), "worker": len(cfg.cluster.workers)}
@@ -110,7 +108,7 @@ class Coordinator(Service):
         return [n for n in self.nodes.values() if n.role in roles]
 
     def global_steps(self) -> int:
-        return sum(_count(n.stats, "steps") for n in self.members("worker"))
+        return sum(status.count(n.stats, "steps") for n in self.members("worker"))
 
     def begin_stop(self, reason: str) -> None:
         if self.stop_reason is None:
@@ -126,6 +124,9 @@ class Coordinator(Service):
             raise ProtocolError(Status.MALFORMED, f"role {msg.role!r} not in {ROLES}")
         if msg.role == "worker":
             self._check_schema(msg.tensor_specs, msg.schema_hash)
+        known = self._known(msg)
+        if known is not None:
+            return self._readmit(known, msg)
         node_id = len(self.nodes) + 1
         self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, time.monotonic(),
                                    profiled_speed=msg.speed)
@@ -133,7 +134,33 @@ class Coordinator(Service):
         self._maybe_plan()
         if msg.role == "worker" and self.plan is not None and node_id not in self.plan.worker_ids():
             self._replan(f"worker {msg.rank} joined as node {node_id}")
+        state.save(self)
         return Welcome(node_id=node_id, role=msg.role, rank=msg.rank)
+
+    def _known(self, msg) -> Node | None:
+        """The node a registration comes back as: the one whose id it names
+        (a node re-registering, e.g. after a scheduler restart), or, for a
+        shard, the plan's shard of that rank (a restarted shard process)."""
+        node = self.nodes.get(msg.node_id) if msg.node_id else None
+        if node is not None and (node.role, node.rank) == (msg.role, msg.rank):
+            return node
+        if msg.role == "ps" and self.plan is not None:
+            return next((self.nodes[s.node_id] for s in self.plan.shards if s.rank == msg.rank), None)
+        return None
+
+    def _readmit(self, node: Node, msg) -> Welcome:
+        planned = {s.node_id: s.address for s in self.plan.shards} if self.plan else {}
+        if node.node_id in planned and msg.address != planned[node.node_id]:
+            raise ProtocolError(Status.BAD_STATE, f"shard {msg.rank} must come back at {planned[node.node_id]} "
+                                                  f"(the plan's address), not {msg.address}")
+        if node.role == "ps":
+            self.failures.append({"kind": "shard_restarted", "node": f"ps{node.rank}",
+                                  "t": round(self.elapsed(), 3), "was_dead": node.dead})
+        node.dead = node.left = False
+        node.last_seen = time.monotonic()
+        log.info("%s %d came back as node %d", msg.role, msg.rank, node.node_id)
+        state.save(self)
+        return Welcome(node_id=node.node_id, role=msg.role, rank=msg.rank)
 
     def _check_schema(self, wire_specs: list, schema_hash: str) -> None:
         if self.specs is None:
@@ -154,6 +181,9 @@ class Coordinator(Service):
 
     def on_heartbeat(self, peer: bytes, env: Envelope):
         node = self.node(env.msg.node_id)
+        if node.dead and node.role == "ps":  # a slow shard is still the only owner of its tensors
+            node.dead = False
+            log.warning("shard %d (node %d) is back", node.rank, node.node_id)
         if node.dead:  # declared dead while it was only slow: it must not come back unannounced
             return Ack(plan_id=self.plan.plan_id if self.plan else 0, stop=True,
                        info={"reason": f"declared dead after {self.cfg.cluster.dead_after_s}s of silence"})
@@ -205,12 +235,18 @@ class Coordinator(Service):
             return
         specs, chunks = chunk_specs(self.specs, self.cfg.cluster.chunk_bytes)
         placement = place(specs, [n.speed for n in shards])
+        previous = self.resumed_plan
+        if previous is not None and previous.schema_hash == self.schema:
+            # a resumed run: each shard rank owns what it owned before (its checkpoint holds it)
+            order = {s.rank: i for i, s in enumerate(previous.shards)}
+            shards.sort(key=lambda n: order.get(n.rank, len(order)))
+            specs, chunks, placement = previous.tensors, previous.chunks, previous.placement
         self.started = time.monotonic()
         self._publish(ClusterPlan(
             plan_id=1, algorithm=self.cfg.algorithm.name,
             workers=[NodeEntry(n.node_id, n.rank) for n in workers],
             shards=[NodeEntry(n.node_id, n.rank, n.address) for n in shards],
-            tensors=specs, chunks=chunks, placement=placement, schema_hash=self.schema,
+            tensors=specs, chunks=chunks, placement=placement, schema_hash=self.schema, run_id=self.run_id,
             speeds={str(n.node_id): round(n.speed, 3) for n in shards + workers},
             **self._grouping({n.node_id: n.speed for n in workers})))
 
@@ -233,17 +269,21 @@ class Coordinator(Service):
             info={"reason": reason}, **self._grouping(speeds)))
 
     def _detect_dead(self) -> None:
-        """Workers silent for longer than dead_after_s leave the plan."""
+        """Workers silent for longer than dead_after_s leave the plan. A
+        silent shard is recorded: its tensors cannot move, so workers retry
+        until it comes back (restarted from its checkpoint) or their request
+        timeout ends the run."""
         now = time.monotonic()
-        for n in self.members("worker"):
+        for n in self.members("worker", "ps"):
             silent = now - n.last_seen
             if n.gone or silent <= self.cfg.cluster.dead_after_s:
                 continue
             n.dead = True
-            self.failures.append({"kind": "worker_dead", "node": f"worker{n.rank}", "node_id": n.node_id,
+            self.failures.append({"kind": f"{'shard' if n.role == 'ps' else n.role}_dead",
+                                  "node": f"{n.role}{n.rank}", "node_id": n.node_id,
                                   "t": round(self.elapsed(), 3), "silent_s": round(silent, 3)})
-            log.warning("worker %d (node %d) silent for %.1fs: declared dead", n.rank, n.node_id, silent)
-            if self.plan is not None and self.stop_reason is None:
+            log.warning("%s %d (node %d) silent for %.1fs: declared dead", n.role, n.rank, n.node_id, silent)
+            if n.role == "worker" and self.plan is not None and self.stop_reason is None:
                 self._replan(f"worker {n.rank} dead")
 
     def _grouping(self, speeds: dict[int, float]) -> dict:
@@ -260,6 +300,7 @@ class Coordinator(Service):
         self.plan = plan
         self.plan_checked = time.monotonic()
         self.runlog.write_plan(plan.to_dict())
+        state.save(self)
         self.runlog.record("plan", t=round(self.elapsed(), 4), plan_id=plan.plan_id, groups=plan.groups,
                            speeds=plan.speeds)
         log.info("plan %d: %d workers in groups %s, %d shards, %d tensors; speeds %s", plan.plan_id,
@@ -332,6 +373,8 @@ class Coordinator(Service):
             return
         self._detect_dead()
         self._maybe_regroup()
+        if time.monotonic() - self.state_saved > state.SAVE_EVERY_S:
+            state.save(self)
         if self.elapsed() >= stop.max_seconds:
             self.begin_stop(f"time limit {stop.max_seconds}s")
         if stop.max_steps and self.global_steps() >= stop.max_steps:
@@ -345,41 +388,13 @@ class Coordinator(Service):
         return everyone_left or time.monotonic() - self.stop_since > EXIT_GRACE_S
 
     def summary(self) -> dict:
-        workers = sorted(self.members("worker", "evaluator"), key=lambda n: (n.role, n.rank))
-        per_node = {f"{n.role}{n.rank}": {"sent": _count(n.stats, "bytes_sent"),
-                                          "received": _count(n.stats, "bytes_received"),
-                                          "steps": _count(n.stats, "steps")} for n in workers}
-        stragglers = [f"{n.role}{n.rank}" for n in self.nodes.values() if not n.gone]
-        return {
-            "name": self.cfg.name, "algorithm": self.cfg.algorithm.name,
-            "final_accuracy": self.evals.final, "final_loss": self.evals.final_loss,
-            "best_accuracy": self.evals.best if self.evals.count else None,
-            "target_accuracy": self.evals.target, "time_to_target_s": self.evals.time_to_target_s,
-            "wall_s": round(self.elapsed(), 3), "global_steps": self.global_steps(),
-            "bytes_sent": sum(v["sent"] for v in per_node.values()),
-            "bytes_received": sum(v["received"] for v in per_node.values()),
-            "per_node": per_node, "evals": self.evals.count,
-            "shard_versions": {f"ps{n.rank}": _count(n.stats, "version") for n in self.members("ps")},
-            "communication_rounds": max((_count(n.stats, "rounds") or _count(n.stats, "version")
-                                         for n in self.members("ps")), default=0),
-            "shard_stats": {f"ps{n.rank}": n.stats for n in self.members("ps")},
-            "plan_id": self.plan.plan_id if self.plan else 0,
-            "stop_reason": self.stop_reason, "failures": self.failures, "not_left": stragglers,
-        }
+        return status.run_summary(self)
 
     def metrics(self) -> dict:
-        """Numbers for the operator's /metrics endpoint. Called from the
-        metrics thread: reads a snapshot of the nodes, writes nothing."""
-        nodes = list(self.nodes.values())
-        states = {role: {"alive": 0, "left": 0, "dead": 0} for role in ROLES}
-        for n in nodes:
-            states[n.role]["left" if n.left else "dead" if n.dead else "alive"] += 1
-        ev = self.evals
-        return {"nodes": states, "plan_id": self.plan.plan_id if self.plan else 0,
-                "global_steps": sum(_count(n.stats, "steps") for n in nodes if n.role == "worker"),
-                "accuracy": ev.final, "loss": ev.final_loss, "best_accuracy": ev.best if ev.count else None,
-                "evals": ev.count, "elapsed_s": self.elapsed(), "stopping": int(self.stop_reason is not None)}
+        """Numbers for the operator's /metrics endpoint (called from the metrics thread)."""
+        return status.operator_metrics(self)
 
     def close(self) -> None:
+        state.save(self, finished=True)
         self.runlog.write_summary(self.summary())
         self.runlog.close()

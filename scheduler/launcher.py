@@ -19,9 +19,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetps.proto.config import KillFault, RunConfig, dump_config
+from hetps.proto.config import RunConfig, dump_config
+from hetps.proto.security import keys_for_run
 
+from .faults import FaultInjector
 from .report import Progress, plot_run
+from .resume import ResumePoint, checkpoints_root
 
 ADDR_WAIT_S = 60.0   # longest wait for the scheduler to publish its address
 REAP_WAIT_S = 15.0   # after the scheduler exits, how long the rest may take to leave
@@ -36,6 +39,8 @@ class Child:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    module: str = ""
+    args: tuple = ()
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -44,29 +49,11 @@ class Child:
             return "(no log)"
 
 
-class FaultInjector:
-    """`cluster.kill`: SIGKILL named processes at given seconds after training
-    began (when plan.json appeared), to test failure handling by a setting."""
-
-    def __init__(self, kills: list[KillFault], plan_path: Path):
-        self.pending = sorted(kills, key=lambda k: k.at_s)
-        self.plan_path = plan_path
-        self.started: float | None = None
-
-    def fire(self, children: list[Child]) -> None:
-        if not self.pending:
-            return
-        if self.started is None:
-            if not self.plan_path.exists():
-                return
-            self.started = time.monotonic()
-        while self.pending and time.monotonic() - self.started >= self.pending[0].at_s:
-            fault = self.pending.pop(0)
-            for child in children:
-                if child.name == fault.node and child.popen.poll() is None:
-                    print(f"\nhetps run: fault injection: killing {child.name} at {fault.at_s}s",
-                          file=sys.stderr)
-                    child.popen.kill()
+def client_names(cfg: RunConfig) -> list[str]:
+    """The processes of a local run that connect to a server (named as in `LocalCluster.start`)."""
+    names = [f"ps{r}" for r in range(len(cfg.cluster.shards))]
+    names += [f"worker{r}" for r in range(len(cfg.cluster.workers))]
+    return names + ["evaluator"] if cfg.eval.enabled else names
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -75,37 +62,60 @@ def default_run_dir(cfg: RunConfig) -> Path:
 
 
 class LocalCluster:
-    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool = False):
+    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool = False,
+                 resume: ResumePoint | None = None):
         self.cfg = cfg
         self.run_dir = run_dir
         self.quiet = quiet
+        self.resume = resume
+        # shards checkpoint into RUN_DIR/checkpoints unless checkpoint.dir says elsewhere
+        self.checkpoint_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else checkpoints_root(run_dir)
         # each child serves Prometheus /metrics on a free port and logs "metrics at URL"
         self.metrics_args = ("--metrics-port", "0") if metrics else ()
         self.children: list[Child] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        # security.curve without a keys directory: fresh keys in RUN_DIR/keys, one client key per process
+        self.cfg, self.own_keys = keys_for_run(self.cfg, run_dir / "keys", client_names(self.cfg))
         self.config_path = run_dir / "config.yaml"
-        dump_config(cfg, self.config_path)
+        dump_config(self.cfg, self.config_path)
         self.interrupted = 0
 
     # ------------------------------------------------------------ processes
     def spawn(self, name: str, module: str, *args: str) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        with open(log_path, "w") as log_file:
+        with open(log_path, "a") as log_file:
             popen = subprocess.Popen([sys.executable, "-m", module, "--config", str(self.config_path),
-                                      *self.metrics_args, *args],
+                                      *self.metrics_args, *self.client_key_args(name), *args],
                                      stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, start_new_session=True)
-        child = Child(name, popen, log_path)
+        child = Child(name, popen, log_path, module, args)
         self.children.append(child)
         return child
 
+    def respawn(self, name: str, address: str) -> None:
+        """Start the process `name` again, bound to `address` (its old one)."""
+        index = next(i for i, c in enumerate(self.children) if c.name == name)
+        old = self.children.pop(index)
+        args = (*old.args, "--bind", address) if address else old.args
+        self.spawn(name, old.module, *args)
+        self.children.insert(index, self.children.pop())
+
+    def client_key_args(self, name: str) -> tuple[str, ...]:
+        """With keys made for this run, every process but the scheduler uses its own client key."""
+        return ("--client-key", name) if self.own_keys and name != "scheduler" else ()
+
     def start(self) -> str:
         """Start every process; returns the scheduler address."""
-        scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir))
+        run_id = ("--run-id", self.resume.run_id) if self.resume else ()
+        (self.run_dir / "scheduler.addr").unlink(missing_ok=True)
+        scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir), *run_id)
         addr = self._scheduler_address(scheduler)
         for rank in range(len(self.cfg.cluster.shards)):
-            self.spawn(f"ps{rank}", "hetps.ps", "--rank", str(rank), "--scheduler", addr)
+            restore = (("--resume", "--restore-version", str(self.resume.versions[rank]))
+                       if self.resume else ())
+            self.spawn(f"ps{rank}", "hetps.ps", "--rank", str(rank), "--scheduler", addr,
+                       "--checkpoint-dir", str(self.checkpoint_root), *restore)
         for rank in range(len(self.cfg.cluster.workers)):
             self.spawn(f"worker{rank}", "hetps.worker", "--rank", str(rank), "--scheduler", addr)
         if self.cfg.eval.enabled:
@@ -128,17 +138,16 @@ class LocalCluster:
     def watch(self) -> None:
         """Show progress until the scheduler exits. Raises LaunchError when a
         process fails (after asking the scheduler to stop the others)."""
-        scheduler = self.children[0]
         progress = Progress(self.run_dir / "metrics.jsonl")
         last_print = 0.0
         tolerated: set[str] = set()
-        faults = FaultInjector(self.cfg.cluster.kill, self.run_dir / "plan.json")
-        while scheduler.popen.poll() is None:
+        faults = FaultInjector(self.cfg.cluster.kill, self.run_dir, self.checkpoint_root, self.respawn)
+        while self.children[0].popen.poll() is None or faults.restarting("scheduler"):
             time.sleep(0.25)
             faults.fire(self.children)
             for child in self.children[1:]:
                 code = child.popen.poll()
-                if code in (None, 0) or child.name in tolerated:
+                if code in (None, 0) or child.name in tolerated or child.name in faults.killed:
                     continue
                 if child.name.startswith("worker") and (self.run_dir / "plan.json").exists():
                     # training began: the scheduler notices the silence and re-plans without it
@@ -156,17 +165,19 @@ class LocalCluster:
         if not self.quiet:
             progress.poll()
             print(progress.line(), file=sys.stderr)
+        scheduler = self.children[0]
         if scheduler.popen.returncode != 0:
             raise LaunchError(f"scheduler exited with {scheduler.popen.returncode}; last log lines:\n"
                               f"{scheduler.tail()}")
-        self._wait_rest(tolerated)
+        self._wait_rest(tolerated, faults.killed)
 
-    def _wait_rest(self, tolerated: set[str]) -> None:
+    def _wait_rest(self, tolerated: set[str], faults_killed: set[str]) -> None:
         deadline = time.monotonic() + REAP_WAIT_S
         for child in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):  # the caller kills what is left
                 child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-        failed = [c for c in self.children if c.popen.returncode not in (0, None) and c.name not in tolerated]
+        failed = [c for c in self.children if c.popen.returncode not in (0, None)
+                  and c.name not in tolerated | faults_killed]
         if failed:
             c = failed[0]
             raise LaunchError(f"{c.name} exited with {c.popen.returncode}; last log lines:\n{c.tail()}")
@@ -198,10 +209,12 @@ class LocalCluster:
                 child.popen.wait(timeout=5.0)
 
 
-def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool = False) -> int:
+def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool = False,
+              resume: ResumePoint | None = None) -> int:
     """Run one experiment end to end; returns the process exit status.
-    `metrics`: every daemon serves Prometheus /metrics on a free port."""
-    cluster = LocalCluster(cfg, run_dir, quiet, metrics)
+    `metrics`: every daemon serves Prometheus /metrics on a free port;
+    `resume`: continue the stopped run in `run_dir` from its checkpoints."""
+    cluster = LocalCluster(cfg, run_dir, quiet, metrics, resume)
     previous = signal.signal(signal.SIGINT, cluster.on_interrupt)
     previous_term = signal.signal(signal.SIGTERM, cluster.on_interrupt)
     try:

@@ -7,6 +7,7 @@ import torch
 
 from hetps.proto import messages as m
 from hetps.proto.codec import (ProtocolError, decode, encode, error_frames)
+from hetps.proto.layout import PACK_BELOW
 from hetps.proto.messages import MESSAGES, PROTOCOL_VERSION, Op, Status
 
 
@@ -72,11 +73,21 @@ def assert_same_message(got: m.Message, want: m.Message) -> None:
         assert_same_tensors(got.tensors, want.tensors)
 
 
+def expected_frames(msg: m.Message, pack_below: int) -> int:
+    """1 header + one frame per payload of `pack_below` bytes or more + one pack
+    frame for the smaller ones, when there are at least two."""
+    if not m.has_tensors(type(msg)):
+        return 1
+    small = sum(t.numel() * t.element_size() < pack_below for t in msg.tensors.values())
+    return 1 + len(msg.tensors) - small + (1 if small >= 2 else small)
+
+
+@pytest.mark.parametrize("pack_below", [PACK_BELOW, 0], ids=["packed", "frame-per-tensor"])
 @pytest.mark.parametrize("op", list(MESSAGES), ids=lambda op: op.name)
-def test_round_trip(op):
+def test_round_trip(op, pack_below):
     msg = SAMPLES[op]
-    frames = encode(msg, req_id=123456, src=42)
-    assert len(frames) == 1 + (len(msg.tensors) if m.has_tensors(type(msg)) else 0)
+    frames = encode(msg, req_id=123456, src=42, pack_below=pack_below)
+    assert len(frames) == expected_frames(msg, pack_below)
     env = decode(frames)
     assert env.req_id == 123456
     assert env.src == 42

@@ -39,6 +39,8 @@ from hypothesis import strategies as st
 from hetps.proto import messages as m
 from hetps.proto.codec import (DEFAULT_MAX_TENSOR_BYTES, DTYPES, MAX_HEADER_BYTES, Envelope, ProtocolError,
                                decode, encode)
+from hetps.proto.compression import Compressed, Fp16Compressor, TopKCompressor, index_dtype, payload_nbytes
+from hetps.proto.layout import PACK_BELOW, aligned
 from hetps.proto.messages import MESSAGES, PROTOCOL_VERSION, Op, Status, has_tensors, header_fields
 
 # ---------------------------------------------------------------- settings
@@ -55,6 +57,7 @@ N_RANDOM_HEADERS = 2000
 N_FIELD_ERRORS = 2500
 N_TENSOR_ERRORS = 2500
 N_MIXED = 1500
+N_COMPRESSED = 1500
 # Messages sent to the live daemons.
 N_SHARD = 2200
 N_SCHEDULER = 1200
@@ -129,8 +132,8 @@ def sample_messages(tensors: dict, plan_id: int = 1, node_id: int = 1) -> dict[O
 class Template:
     """One valid message as a mutable header dict plus its raw tensor frames."""
 
-    def __init__(self, msg: m.Message, req_id: int, src: int):
-        frames = encode(msg, req_id, src)
+    def __init__(self, msg: m.Message, req_id: int, src: int, pack_below: int = 0):
+        frames = encode(msg, req_id, src, pack_below=pack_below)  # default: one frame per tensor
         self.op = msg.OP
         self.cls = type(msg)
         self.header = msgpack.unpackb(bytes(frames[0]), raw=False)
@@ -138,7 +141,7 @@ class Template:
         self.types = {"op": "int", "id": "int", "src": "int",
                       **{f.name: str(f.type) for f in header_fields(self.cls)}}
         if has_tensors(self.cls):
-            self.types["tensors"] = "list"
+            self.types.update(tensors="list", packed="list", enc="list")  # `packed`, `enc`: optional
         self.required = ["v", "op", "id", "src"] + [
             f.name for f in header_fields(self.cls) if f.default is MISSING and f.default_factory is MISSING]
 
@@ -146,6 +149,10 @@ class Template:
         h = dict(self.header)
         if "tensors" in h:
             h["tensors"] = [[s[0], s[1], list(s[2])] for s in h["tensors"]]
+        if "packed" in h:
+            h["packed"] = list(h["packed"])
+        if "enc" in h:
+            h["enc"] = [list(e) for e in h["enc"]]
         return h, list(self.data)
 
 
@@ -153,11 +160,27 @@ def templates(tensors: dict, plan_id: int = 1, node_id: int = 1, req_id: int = 7
     return {op: Template(msg, req_id, node_id) for op, msg in sample_messages(tensors, plan_id, node_id).items()}
 
 
+def compressed_template(tensors: dict, plan_id: int = 1, node_id: int = 1, req_id: int = 7) -> Template:
+    """A PUSH with its float32/float64 tensors compressed (topk and fp16 in
+    turn), small payloads packed into one frame."""
+    coders, out = [TopKCompressor(0.2), Fp16Compressor(0.0)], {}
+    floats = [n for n, t in tensors.items() if t.dtype in (torch.float32, torch.float64) and t.numel()]
+    for name, t in tensors.items():
+        out[name] = coders[floats.index(name) % 2].compress({name: t}, {name})[name] if name in floats else t
+    kinds = {v.kind for v in out.values() if isinstance(v, Compressed)}
+    assert kinds == {"topk", "fp16"}, kinds
+    push = m.Push(plan_id=plan_id, clock=0, base_version=0, n_samples=4, tensors=out)
+    t = Template(push, req_id, node_id, pack_below=PACK_BELOW)
+    assert t.header.get("packed") and t.header.get("enc")
+    return t
+
+
 DECODER_TENSORS = sample_tensors()
 DECODER_TEMPLATES = templates(DECODER_TENSORS)
 DECODER_CATALOG = {n: (s[1], tuple(s[2])) for n, s in
                    zip(DECODER_TENSORS, DECODER_TEMPLATES[Op.PUSH].header["tensors"])}
 TENSOR_OPS = [op for op, t in DECODER_TEMPLATES.items() if has_tensors(t.cls)]
+DECODER_COMPRESSED = compressed_template(DECODER_TENSORS)
 
 # ---------------------------------------------------------------- mutations
 
@@ -329,6 +352,97 @@ def tensor_error(draw, t: Template, h: dict, data: list, catalog: bool = False) 
     return {Status.DTYPE_NOT_ALLOWED}
 
 
+def payload_at(h: dict, data: list, i: int) -> tuple[int, int]:
+    """(frame index into `data`, byte offset) of tensor i's payload in a valid packed message."""
+    enc = {e[0]: e for e in h.get("enc", [])}
+    sizes = []
+    for j, (_, dtype, shape) in enumerate(h["tensors"]):
+        numel = math.prod(shape)
+        sizes.append(payload_nbytes(enc[j][1], DTYPES[dtype], numel, enc[j][2]) if j in enc
+                     else numel * DTYPES[dtype].itemsize)
+    packed = h.get("packed", [])
+    if i in packed:
+        return len(data) - 1, sum(aligned(sizes[j]) for j in packed if j < i)
+    return sum(1 for j in range(i) if j not in packed), 0
+
+
+def compressed_error(draw, h: dict, data: list) -> set[Status]:
+    """Make the pack frame or a compressed tensor of a packed, compressed
+    message lie in one way: always MALFORMED."""
+    specs, packed, enc = h["tensors"], h["packed"], h["enc"]
+    n = len(specs)
+    kind = draw(st.sampled_from(["pack_len", "drop_packed", "packed_index", "enc_kind", "enc_count",
+                                 "enc_index", "enc_entry", "drop_enc", "topk_index"]))
+    e = draw(st.sampled_from(enc))
+    if kind == "pack_len":
+        delta = draw(st.integers(-len(data[-1]), 64).filter(lambda d: d != 0))
+        data[-1] = data[-1][:delta] if delta < 0 else data[-1] + bytes(delta)
+    elif kind == "drop_packed":
+        del h["packed"]
+    elif kind == "packed_index":
+        choice = draw(st.sampled_from(["out_of_range", "negative", "repeat", "reverse", "not_int"]))
+        j = draw(st.integers(0, len(packed) - 1))
+        if choice == "out_of_range":
+            packed[-1] = draw(st.integers(n, 2**63 - 1))
+        elif choice == "negative":
+            packed[0] = draw(st.integers(-2**63, -1))
+        elif choice == "repeat":
+            packed.insert(j, packed[j])
+        elif choice == "reverse":
+            packed.reverse()
+        else:
+            packed[j] = draw(st.booleans() | st.floats() | TEXT | st.none())
+    elif kind == "enc_kind":
+        e[1] = draw(VALUES.filter(lambda k: k not in ("fp16", "topk")))
+    elif kind == "enc_count":
+        numel = math.prod(specs[e[0]][2])
+        valid = {numel} if e[1] == "fp16" else {e[2]}  # another topk count changes the payload size
+        e[2] = draw(st.one_of(st.integers(-2**63, 2**64 - 1), st.integers(-1, numel + 1), st.booleans(),
+                              st.floats(), TEXT).filter(lambda c: type(c) is not int or c not in valid))
+    elif kind == "enc_index":
+        others = [j for j, sp in enumerate(specs) if sp[1] not in ("float32", "float64")]
+        e[0] = draw(st.sampled_from(others) | st.integers(n, 2**63 - 1) | st.integers(-2**63, -1)
+                    | st.booleans() | st.sampled_from([x[0] for x in enc if x is not e] or [-1]))
+    elif kind == "enc_entry":
+        enc[enc.index(e)] = draw(VALUES.filter(lambda v: not (isinstance(v, list) and len(v) == 3)) | st.just(e[:2]))
+    elif kind == "drop_enc":
+        del h["enc"]
+    else:
+        return topk_index_error(draw, h, data)
+    return {M}
+
+
+def topk_index_error(draw, h: dict, data: list) -> set[Status]:
+    """Corrupt the indices of a topk payload: out of range, repeated or decreasing."""
+    i, _, k = draw(st.sampled_from([e for e in h["enc"] if e[1] == "topk"]))
+    numel = math.prod(h["tensors"][i][2])
+    frame, offset = payload_at(h, data, i)
+    raw = bytearray(data[frame])
+    index = torch.frombuffer(raw, dtype=index_dtype(numel), count=k, offset=offset)
+    choice = draw(st.sampled_from(["negative", "too_large", "repeat", "decrease"]))
+    if choice == "negative":
+        index[draw(st.integers(0, k - 1))] = draw(st.integers(-2**31, -1))
+    elif choice == "too_large":
+        index[-1] = draw(st.integers(numel, 2**31 - 1))
+    elif choice == "repeat":
+        j = draw(st.integers(1, k - 1))
+        index[j] = index[j - 1]
+    else:
+        index[0], index[1] = int(index[1]), int(index[0])
+    data[frame] = bytes(raw)
+    return {M}
+
+
+@st.composite
+def compressed_case(draw, t: Template):
+    """(frames, expected statuses, req id): a packed, compressed PUSH with one lie."""
+    h, data = t.copy()
+    add_noise(draw, t, h)
+    expected = compressed_error(draw, h, data)
+    frames = [pack(h), *data]
+    return frames, expect(frames[0], expected), echo_id(frames[0])
+
+
 @st.composite
 def random_frames(draw):
     """Garbage: raw bytes, or msgpack that is not a message."""
@@ -384,12 +498,24 @@ def check_decode(frames: list, catalog=None, max_bytes: int = DEFAULT_MAX_TENSOR
     assert isinstance(env, Envelope) and isinstance(env.msg, m.Message)
     assert type(env.msg) is MESSAGES[env.msg.OP]
     tensors = getattr(env.msg, "tensors", {})
-    assert len(frames) == 1 + len(tensors)
-    for t, frame in zip(tensors.values(), frames[1:]):
+    compressed = {e[0] for e in msgpack.unpackb(frames[0], raw=False).get("enc", [])}
+    assert len(frames) <= 2 + len(tensors)  # a frame per tensor, or fewer and a pack frame
+    for i, t in enumerate(tensors.values()):
         nbytes = t.numel() * t.element_size()
-        assert nbytes == len(frame) <= max_bytes
-        assert t.untyped_storage().nbytes() == len(frame)  # a view: nothing allocated beside the frame
+        assert nbytes <= max_bytes
+        assert t.untyped_storage().nbytes() == nbytes  # its own bytes: nothing allocated beside them
+        assert i in compressed or nbytes == 0 or inside_a_frame(t, frames[1:])  # a view of a frame
     return env
+
+
+def inside_a_frame(t: torch.Tensor, frames: list) -> bool:
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    for f in frames:
+        if len(f):
+            base = torch.frombuffer(f, dtype=torch.uint8).data_ptr()
+            if base <= start and end <= base + len(f):
+                return True
+    return False
 
 
 class Budget:
@@ -571,6 +697,25 @@ def test_decoder_mixed_damage():
     budget.done(N_MIXED)
 
 
+def test_decoder_packed_and_compressed_errors():
+    """A pack frame, `packed` and `enc` fields and topk indices that lie:
+    always MALFORMED, never a crash, never a tensor beyond its declared size."""
+    budget = Budget()
+
+    @fuzz_settings(N_COMPRESSED)
+    @given(compressed_case(DECODER_COMPRESSED), st.sampled_from([None, DECODER_CATALOG]))
+    def run(case, catalog):
+        budget.count += 1
+        frames, expected, rid = case
+        err = check_decode(frames, catalog)
+        assert isinstance(err, ProtocolError), "decoded a lying compressed message"
+        assert err.status in expected, err
+        assert err.req_id == rid
+
+    run()
+    budget.done(N_COMPRESSED)
+
+
 def test_huge_shapes_refused_quickly_and_briefly():
     """Regression: the size bound used to multiply every dim first, so a spec
     of 300 dims of 2**62 raised ValueError (an int past 4,300 digits in the
@@ -587,7 +732,7 @@ def test_huge_shapes_refused_quickly_and_briefly():
 
 def test_valid_messages_still_decode():
     """Sanity for the templates the fuzzers start from: unbroken, they decode."""
-    for t in DECODER_TEMPLATES.values():
+    for t in [*DECODER_TEMPLATES.values(), DECODER_COMPRESSED]:
         env = check_decode([pack(t.header), *t.data], DECODER_CATALOG)
         assert isinstance(env, Envelope) and env.msg.OP == t.op and env.req_id == 7
 
@@ -763,6 +908,7 @@ def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
             one_error(shard_temps, catalog=True),
             one_error(shard_temps, [Op.PUSH, Op.INIT, Op.PULL], catalog=True),
             garbage_case(),
+            compressed_case(compressed_template(values, plan.plan_id, node_id, req_id=4244)),
             shard_handler_case(shard_temps, plan.plan_id)), N_SHARD)
         shard_s = time.monotonic() - t0
         daemons.alive_or_fail()

@@ -31,6 +31,7 @@ from .data import DatasetUnavailable, load_datasets
 from .evaluator import Evaluator
 from .local import LocalSgdTrainer
 from .models import build_model
+from .overlap import OverlapTrainer
 from .state import ModelState, model_specs
 from hetps.proto.emulation import Slowdown
 
@@ -42,6 +43,13 @@ TRAINERS = {"sync": Trainer, "async": Trainer, "ssp": Trainer, "grouping": Train
             "eager": Trainer,
             "cpsgd": LocalSgdTrainer, "adpsgd": LocalSgdTrainer,
             "wpsgd": LocalSgdTrainer, "simuparallel": LocalSgdTrainer}
+
+
+def trainer_class(cfg) -> type:
+    """The worker loop for the configured algorithm; `comm.overlap` applies to
+    the gradient-pushing loop only (model averaging has no backward to overlap)."""
+    cls = TRAINERS[cfg.algorithm.name]
+    return OverlapTrainer if cfg.comm.overlap and cls is Trainer else cls
 
 
 def pick_device(name: str) -> torch.device:
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=speed)
         plan = member.wait_plan()
         runner = (Evaluator(cfg, member, plan, state, data.test) if args.evaluator
-                  else TRAINERS[cfg.algorithm.name](cfg, node, member, plan, state, data))
+                  else trainer_class(cfg)(cfg, node, member, plan, state, data))
         member.start_heartbeats(runner.stats)
         serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, role, args.rank, runner.stats)
         log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)

@@ -13,7 +13,10 @@ from typing import Callable, Mapping
 
 import torch
 
+from hetps.proto.codec import DTYPE_NAMES
+from hetps.proto.compression import FLOATS, Compressor
 from hetps.proto.config import ClusterConfig
+from hetps.proto.emulation import WireFaults
 from hetps.proto.messages import Ack, Init, Params, Pull, Push
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import RpcClient
@@ -21,15 +24,22 @@ from hetps.proto.rpc import RpcClient
 
 class PSClient:
     def __init__(self, plan: ClusterPlan, node_id: int, cluster: ClusterConfig,
-                 should_abort: Callable[[], bool] | None = None):
+                 should_abort: Callable[[], bool] | None = None, compressor: Compressor | None = None):
+        """`compressor`: applied to the gradients of float parameters in every
+        push (`comm.compression`; None: pushes travel exact)."""
         self.plan = plan
+        self.compressor = compressor
+        floats = {DTYPE_NAMES[d] for d in FLOATS}
+        self.compressible = {t.name for t in plan.tensors if t.kind == "param" and t.dtype in floats}
+        self.faults = WireFaults(cluster.faults, seed=node_id)
         self.shards = [RpcClient(s.address, src=node_id, timeout_s=cluster.request_timeout_s,
-                                 max_message_bytes=cluster.max_message_bytes, should_abort=should_abort)
+                                 max_message_bytes=cluster.max_message_bytes, should_abort=should_abort,
+                                 retry_s=cluster.retry_s, faults=self.faults)
                        for s in plan.shards]
         self.names = [[t.name for t in plan.owned(i)] for i in range(len(plan.shards))]
         self.versions = [0] * len(plan.shards)  # version of each shard's values we hold
         self.last_push_s = 0.0  # seconds from sending the last push_pull until its pushes were acked
-        sizes = {t.name: t.shape[0] for t in plan.tensors}
+        sizes = {t.name: t.shape[0] for t in plan.tensors if t.shape}  # parts are 1-D; scalars never cut
         self.part_sizes = {n: [sizes[p] for p in c["parts"]] for n, c in plan.chunks.items()}
 
     def adopt(self, plan: ClusterPlan) -> None:
@@ -45,6 +55,11 @@ class PSClient:
     @property
     def bytes_received(self) -> int:
         return sum(c.bytes_received for c in self.shards)
+
+    def fault_stats(self) -> dict:
+        """Requests re-sent (retries) and, under fault injection, dropped or delayed."""
+        return {"resent": sum(c.resent for c in self.shards), "dropped": self.faults.dropped,
+                "delayed": self.faults.delayed}
 
     def _split(self, tensors: Mapping[str, torch.Tensor]) -> list[dict]:
         """Per shard, the tensors it owns; chunked tensors become views of their parts."""
@@ -78,8 +93,15 @@ class PSClient:
         return self._gather_params(ids)
 
     def _push(self, i: int, part: dict, clock: int, n_samples: int, info: dict | None) -> Push:
+        if self.compressor is not None:
+            part = self.compressor.compress(part, self.compressible)
         return Push(plan_id=self.plan.plan_id, clock=clock, base_version=self.versions[i],
                     n_samples=n_samples, info=info or {}, tensors=part)
+
+    def compression_stats(self) -> dict:
+        """Bytes the compressed gradients would have taken dense, and took."""
+        stats = self.compressor.stats() if self.compressor else {}
+        return {k: stats.get(k, 0) for k in ("grad_dense_bytes", "grad_sent_bytes")}
 
     def push(self, tensors: Mapping[str, torch.Tensor], clock: int, n_samples: int,
              info: dict | None = None) -> list[Ack]:
@@ -98,7 +120,7 @@ class PSClient:
         started = time.perf_counter()
         for i, (c, part) in enumerate(zip(self.shards, self._split(tensors))):
             push_ids.append(c.send(self._push(i, part, clock, n_samples, info)))
-            pull_ids.append(c.send(Pull(plan_id=self.plan.plan_id, clock=clock + 1)))
+            pull_ids.append(c.send(Pull(plan_id=self.plan.plan_id, clock=clock + 1), after=push_ids[-1]))
         acks = [c.wait(req) for c, req in zip(self.shards, push_ids)]
         self.last_push_s = time.perf_counter() - started
         return acks, self._gather_params(pull_ids)

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 
 class LocalSgdTrainer(Trainer):
+    pushes_gradients = False  # it pushes models, which travel exact whatever `comm.compression` says
+
     def __init__(self, cfg: RunConfig, node: NodeConfig, member: Membership, plan: ClusterPlan,
                  state: ModelState, data: Datasets):
         super().__init__(cfg, node, member, plan, state, data)

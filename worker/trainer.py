@@ -12,9 +12,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hetps.proto.compression import make_compressor
 from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.emulation import Slowdown, work_clock
 from hetps.proto.membership import Membership
+from hetps.proto.messages import Ack
 from hetps.proto.plan import ClusterPlan
 
 from .client import PSClient
@@ -67,6 +69,8 @@ def profile_speed(state: ModelState, data: Datasets, batch_size: int, steps: int
 
 
 class Trainer:
+    pushes_gradients = True  # so `comm.compression` applies to its pushes
+
     def __init__(self, cfg: RunConfig, node: NodeConfig, member: Membership, plan: ClusterPlan,
                  state: ModelState, data: Datasets):
         self.cfg = cfg
@@ -75,7 +79,8 @@ class Trainer:
         self.data = data
         self.slowdown = Slowdown(node)
         self.device = str(state.device)
-        self.client = PSClient(plan, member.node_id, cfg.cluster, member.stop_requested.is_set)
+        compressor = make_compressor(cfg.comm.compression, cfg.comm.topk_ratio) if self.pushes_gradients else None
+        self.client = PSClient(plan, member.node_id, cfg.cluster, self.should_abort, compressor)
         self.timer = StepTimer()
         self.clock = 0
         self.staleness = 0   # the shards' staleness for our last push
@@ -97,6 +102,7 @@ class Trainer:
                 "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id, "group": self.group,
                 "staleness": self.staleness,
                 "speed": self.timer.speed(self.cfg.data.batch_size), "push_s": self.timer.push_s,
+                **self.client.fault_stats(), **self.client.compression_stats(),
                 "samples_per_s": self.cfg.data.batch_size / self.timer.step_s if self.timer.step_s else 0.0}
 
     def compute(self) -> float:
@@ -110,10 +116,31 @@ class Trainer:
         loss.backward()
         return float(loss.detach())
 
-    def run(self) -> None:
+    def should_abort(self) -> bool:
+        """Checked by every wait on a shard: true once the run is stopping."""
+        return self.member.stop_requested.is_set()
+
+    def start(self) -> None:
+        """Offer initial values, load the shards' (the first offer wins), start the clocks."""
         self.client.init(self.state.values())
         self.state.load(self.client.pull(0))
         self.slowdown.start()
+
+    def exchange(self) -> tuple[list[Ack], float]:
+        """Push this step's gradients and buffers, then load the values for the
+        next step (blocking). Returns the push ACKs and the seconds until they came."""
+        acks, values = self.client.push_pull(self.state.outgoing(), self.clock, self.cfg.data.batch_size)
+        self.state.load(values)
+        return acks, self.client.last_push_s
+
+    def record(self, loss: float, compute_s: float, started: float) -> dict:
+        """The step record sent to the scheduler."""
+        return {"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5),
+                "staleness": self.staleness, "group": self.group, "compute_s": round(compute_s, 5),
+                "step_s": round(time.perf_counter() - started, 5)}
+
+    def run(self) -> None:
+        self.start()
         while not self.member.stop_requested.is_set():
             newer = self.member.newer_plan(self.client.plan.plan_id)
             if newer is not None and self.member.node_id not in newer.worker_ids():
@@ -126,15 +153,12 @@ class Trainer:
             loss = self.compute()
             compute_s = self.slowdown.stretch(work_clock(self.device) - work_started)
             compute_s += straggle(self.cfg, self.index, self.clock, compute_s)
-            acks, values = self.client.push_pull(self.state.outgoing(), self.clock, self.cfg.data.batch_size)
-            self.state.load(values)
+            acks, push_s = self.exchange()
             self.clock += 1
-            self.staleness = max(a.staleness for a in acks)
-            self.timer.update(compute_s, self.client.last_push_s, time.perf_counter() - started)
-            self.member.add_record({"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5),
-                                    "staleness": self.staleness, "group": self.group,
-                                    "compute_s": round(compute_s, 5),
-                                    "step_s": round(time.perf_counter() - started, 5)})
+            if acks:
+                self.staleness = max(a.staleness for a in acks)
+            self.timer.update(compute_s, push_s, time.perf_counter() - started)
+            self.member.add_record(self.record(loss, compute_s, started))
 
     def close(self) -> None:
         self.client.close()

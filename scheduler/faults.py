@@ -1,0 +1,93 @@
+"""`cluster.kill` for `hetps run`: SIGKILL named processes at given seconds
+after training began (when plan.json appeared), and start them again after
+`restart_after_s` at the same address, to test failure handling by a setting.
+
+Every action is appended to RUN_DIR/faults.jsonl; a killed shard's line
+names the newest checkpoint version it had on disk, the one its restart must
+resume from.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from hetps.proto.config import KillFault
+
+from hetps.proto import checkpoint
+
+
+class FaultInjector:
+    def __init__(self, kills: list[KillFault], run_dir: Path, checkpoint_root: Path | None,
+                 respawn: Callable[[str, str], None]):
+        self.pending = sorted(kills, key=lambda k: k.at_s)
+        self.restarts: list[tuple[float, str, str]] = []  # (when, name, address)
+        self.run_dir = run_dir
+        self.checkpoint_root = checkpoint_root
+        self.respawn = respawn
+        self.killed: set[str] = set()   # names whose exit was ours
+        self.started: float | None = None
+
+    def _plan(self) -> dict | None:
+        path = self.run_dir / "plan.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def fire(self, children: list) -> None:
+        if not self.pending and not self.restarts:
+            return
+        if self.started is None:
+            if not (self.run_dir / "plan.json").exists():
+                return
+            self.started = time.monotonic()
+        elapsed = time.monotonic() - self.started
+        while self.pending and elapsed >= self.pending[0].at_s:
+            self._kill(self.pending.pop(0), children, elapsed)
+        due = [r for r in self.restarts if r[0] <= elapsed]
+        self.restarts = [r for r in self.restarts if r[0] > elapsed]
+        for _, name, address in due:
+            self.killed.discard(name)
+            self._record(action="restart", node=name, t=round(elapsed, 3), address=address)
+            print(f"\nhetps run: fault injection: restarting {name} at {address}", file=sys.stderr)
+            self.respawn(name, address)
+
+    def restarting(self, name: str) -> bool:
+        """True while `name` was killed and its restart is still due."""
+        return any(r[1] == name for r in self.restarts)
+
+    def _kill(self, fault: KillFault, children: list, elapsed: float) -> None:
+        child = next((c for c in children if c.name == fault.node and c.popen.poll() is None), None)
+        if child is None:
+            return
+        print(f"\nhetps run: fault injection: killing {child.name} at {fault.at_s}s", file=sys.stderr)
+        address = self._address(fault.node)
+        child.popen.kill()
+        child.popen.wait(timeout=10)
+        self.killed.add(child.name)
+        self._record(action="kill", node=fault.node, t=round(elapsed, 3),
+                     checkpoint_version=self._checkpoint_version(fault.node))
+        if fault.restart_after_s is not None:
+            self.restarts.append((elapsed + fault.restart_after_s, fault.node, address))
+
+    def _address(self, name: str) -> str:
+        if name == "scheduler":
+            return (self.run_dir / "scheduler.addr").read_text().strip()
+        plan = self._plan() or {}
+        if name.startswith("ps"):
+            for shard in plan.get("shards", []):
+                if f"ps{shard['rank']}" == name:
+                    return shard["address"]
+        return ""
+
+    def _checkpoint_version(self, name: str) -> int | None:
+        plan = self._plan()
+        if not name.startswith("ps") or self.checkpoint_root is None or plan is None:
+            return None
+        folder = checkpoint.shard_dir(self.checkpoint_root, plan.get("run_id", ""), int(name[2:]))
+        found = checkpoint.checkpoints(folder)
+        return found[-1][0] if found else None
+
+    def _record(self, **values) -> None:
+        with open(self.run_dir / "faults.jsonl", "a") as f:
+            f.write(json.dumps(values) + "\n")

@@ -1,0 +1,46 @@
+"""`hetps run --resume RUN_DIR`: continue a stopped run from its shard
+checkpoints.
+
+The resume point is the newest checkpoint version that every shard has
+(under sync and grouping the shards' versions advance together, and every
+shard writes a last checkpoint when the run stops, after the workers left);
+without a common version, each shard's newest. The resumed run keeps the run
+id (so checkpoints stay in one folder), the config (RUN_DIR/config.yaml, plus
+any overrides) and the run directory; metrics are appended.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetps.proto import checkpoint
+from hetps.proto.config import ConfigError
+
+from . import state
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    run_id: str
+    versions: dict[int, int]   # shard rank -> checkpoint version to restore
+    consistent: bool           # every shard restores the same version
+
+
+def resume_point(run_dir: Path, n_shards: int) -> ResumePoint:
+    saved = state.read(run_dir)
+    if saved is None:
+        raise ConfigError(f"{run_dir}: no {state.STATE_FILE}; not a run directory written by `hetps run`")
+    root = checkpoints_root(run_dir)
+    found = {rank: dict(checkpoint.checkpoints(checkpoint.shard_dir(root, saved["run_id"], rank)))
+             for rank in range(n_shards)}
+    empty = [f"ps{r}" for r, versions in found.items() if not versions]
+    if empty:
+        raise ConfigError(f"{run_dir}: no checkpoints of {', '.join(empty)} under {root}")
+    common = set.intersection(*(set(v) for v in found.values()))
+    if common:
+        return ResumePoint(saved["run_id"], {r: max(common) for r in found}, True)
+    return ResumePoint(saved["run_id"], {r: max(v) for r, v in found.items()}, False)
+
+
+def checkpoints_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
