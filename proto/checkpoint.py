@@ -54,6 +54,19 @@ def load(path: Path) -> dict:
     return state
 
 
+def abandon_after(folder: Path, version: int) -> list[Path]:
+    """Set aside (rename to *.abandoned) the checkpoints newer than `version`:
+    after restoring an older one they belong to a timeline that no longer
+    continues, and must never be restored or outlive the new ones."""
+    moved = []
+    for v, path in checkpoints(folder):
+        if v > version:
+            target = path.with_name(path.name + ".abandoned")
+            os.replace(path, target)
+            moved.append(target)
+    return moved
+
+
 def write_atomic(path: Path, state: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import MISSING, dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import msgpack
+import numpy
 import torch
 
 from .compression import Compressed, check_encoding, decompress, payload_nbytes
@@ -29,6 +30,7 @@ from .messages import (MESSAGES, PROTOCOL_VERSION, Error, Message, Op, Status,
 
 # torch warns that frame buffers are read-only; we never write into them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -36,6 +38,7 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8, "bool": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+NUMPY_DTYPES = {d: numpy.dtype(n) for n, d in DTYPES.items() if n != "bfloat16"}  # numpy has no bfloat16
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30
 MAX_HEADER_BYTES = 1 << 20
 _TYPES = {"int": int, "str": str, "list": list, "dict": dict, "bool": bool, "float": (int, float)}
@@ -62,8 +65,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def tensor_frame(t: torch.Tensor) -> memoryview:
     """A flat byte view of a CPU tensor's data, copied only if it is not contiguous."""
-    flat = t.detach().reshape(-1).contiguous()  # bool, like every dtype, views as bytes
-    return memoryview(flat.view(torch.uint8).numpy())
+    t = t.detach()
+    if t.dtype in NUMPY_DTYPES and t.numel() and t.dim() and t.is_contiguous():  # common case, fewer calls
+        return memoryview(t.numpy()).cast("B")
+    flat = t.reshape(-1)
+    if flat.stride() != (1,):  # a strided 1-D view (e.g. every other entry): copy it
+        flat = flat.contiguous()
+    return memoryview(flat.view(torch.uint8).numpy())  # bool, like every dtype, views as bytes
 
 
 def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_BELOW) -> list:
@@ -78,8 +86,8 @@ def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_B
         return [msgpack.packb(header, use_bin_type=True)]
     specs, payloads, encodings = [], [], []
     for i, (name, t) in enumerate(msg.tensors.items()):
-        specs.append([name, dtype_name(t.dtype), list(t.shape)])
-        if isinstance(t, Compressed):
+        specs.append([name, DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype), list(t.shape)])
+        if type(t) is Compressed:
             encodings.append([i, t.kind, t.count])
             t = t.payload
         payloads.append(tensor_frame(t))
@@ -134,8 +142,7 @@ def _read_op(header: dict) -> tuple[type[Message], int, int]:
     return cls, req_id, header["src"]
 
 
-@dataclass(frozen=True)
-class Spec:
+class Spec(NamedTuple):
     """A checked tensor spec: name, dtype, shape, element count."""
 
     name: str
@@ -145,21 +152,22 @@ class Spec:
 
 
 def _read_spec(spec: Any, max_bytes: int, req_id: int) -> Spec:
-    if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
-            and isinstance(spec[1], str) and isinstance(spec[2], list)
-            and all(type(d) is int and d >= 0 for d in spec[2])):
+    # type() rather than isinstance: msgpack makes exact lists, ints and strs, and a bool is no dim
+    if not (type(spec) is list and len(spec) == 3 and type(spec[0]) is str and type(spec[1]) is str
+            and type(spec[2]) is list and all(type(d) is int and d >= 0 for d in spec[2])):
         raise ProtocolError(Status.MALFORMED, f"bad tensor spec {spec!r:.80}", req_id)
     name, dtype_str, shape = spec
-    if dtype_str not in DTYPES:
+    dtype = DTYPES.get(dtype_str)
+    if dtype is None:
         raise ProtocolError(Status.DTYPE_NOT_ALLOWED,
                             f"tensor {name!r}: dtype {dtype_str!r} not in {sorted(DTYPES)}", req_id)
-    dtype = DTYPES[dtype_str]
     bound = dtype.itemsize  # >= nbytes; also bounds dims beside a 0
     for d in shape:  # stop as soon as it is too large: a shape may list thousands of huge dims
-        bound *= max(d, 1)
-        if bound > max_bytes:
-            raise ProtocolError(Status.TOO_LARGE, f"tensor {name!r} declares more than {max_bytes} bytes, "
-                                                  f"shape {shape!r:.80}", req_id)
+        if d > 1:
+            bound *= d
+            if bound > max_bytes:
+                raise ProtocolError(Status.TOO_LARGE, f"tensor {name!r} declares more than {max_bytes} bytes, "
+                                                      f"shape {shape!r:.80}", req_id)
     return Spec(name, dtype, tuple(shape), math.prod(shape))
 
 
@@ -187,6 +195,9 @@ def _payload_size(spec: Spec, encoding: tuple[str, int] | None) -> int:
 def _dense_view(spec: Spec, payload: memoryview) -> torch.Tensor:
     if spec.numel == 0:
         return torch.empty(spec.shape, dtype=spec.dtype)
+    np_dtype = NUMPY_DTYPES.get(spec.dtype)
+    if np_dtype is not None:  # the same view as torch.frombuffer, in fewer calls
+        return torch.from_numpy(numpy.frombuffer(payload, np_dtype).reshape(spec.shape))
     if spec.dtype == torch.bool:
         return torch.frombuffer(payload, dtype=torch.uint8).view(torch.bool).reshape(spec.shape)
     return torch.frombuffer(payload, dtype=spec.dtype).reshape(spec.shape)

@@ -6,7 +6,8 @@ ZeroMQ, whatever its size; a small model's push of ten tensors would pay that
 ten times. So payloads smaller than PACK_BELOW bytes (which ZeroMQ would copy
 anyway) travel back to back in one frame, the last of the message, each at an
 8-byte aligned offset so that a view of any dtype is aligned. Larger payloads
-keep a frame of their own and go zero-copy both ways. The header's optional
+keep a frame of their own (zero-copy from ZERO_COPY_BYTES on); received ones
+are views of the frames either way. The header's optional
 `packed` field lists the indices (into `tensors`) of the packed payloads in
 increasing order; without it every tensor has its own frame.
 
@@ -19,10 +20,13 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .errors import ProtocolError
-from .messages import ZERO_COPY_BYTES, Status
+from .messages import Status
 
 ALIGN = 8
-PACK_BELOW = ZERO_COPY_BYTES
+# Packing copies a payload once more (into the pack, which ZeroMQ then copies
+# too, being smaller than ZERO_COPY_BYTES): worth it for small payloads, where
+# a frame's fixed cost dominates, not for those of tens of kilobytes and more.
+PACK_BELOW = 64 * 1024
 _PAD = bytes(ALIGN)
 
 

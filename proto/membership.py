@@ -23,6 +23,9 @@ from .rpc import RemoteError, RequestTimeout, RpcClient
 log = logging.getLogger(__name__)
 
 
+MAX_QUEUED = 2000  # step records kept for the scheduler while it does not answer
+
+
 class SchedulerUnreachable(RuntimeError):
     """The scheduler did not answer registration within the startup timeout."""
 
@@ -84,12 +87,16 @@ class Membership:
             self._records.append(record)
 
     def _take_records(self) -> list[dict]:
+        """The queued records, emptied; each still holds its `_t`."""
         with self._records_lock:
             records, self._records = self._records, []
-        now = time.monotonic()
-        for r in records:
-            r["ago"] = now - r.pop("_t")
         return records
+
+    @staticmethod
+    def _outgoing(records: list[dict]) -> list[dict]:
+        """Records as a heartbeat carries them: `ago` (seconds) instead of `_t`."""
+        now = time.monotonic()
+        return [{**{k: v for k, v in r.items() if k != "_t"}, "ago": now - r["_t"]} for r in records]
 
     def start_heartbeats(self, stats: Callable[[], dict]) -> None:
         """Start the heartbeat thread; `stats()` is called from that thread."""
@@ -106,7 +113,7 @@ class Membership:
             while not self._closing.is_set():
                 records = self._take_records()
                 try:
-                    ack = rpc.call(Heartbeat(node_id=self.node_id, stats=stats(), records=records))
+                    ack = rpc.call(Heartbeat(node_id=self.node_id, stats=stats(), records=self._outgoing(records)))
                     last_answer = time.monotonic()
                     self._on_ack(ack)
                 except RequestTimeout:
@@ -124,12 +131,11 @@ class Membership:
             rpc.close()
 
     def _requeue(self, records: list[dict]) -> None:
-        """Records of a heartbeat that got no answer go out with the next one."""
-        now = time.monotonic()
-        for r in records:
-            r["_t"] = now - r.pop("ago", 0.0)
+        """Records of a heartbeat that got no answer go out with the next one
+        (the newest MAX_QUEUED, so a long outage cannot grow a heartbeat without bound)."""
         with self._records_lock:
             self._records[:0] = records
+            del self._records[:-MAX_QUEUED]
 
     def _register_again(self, rpc: RpcClient) -> None:
         log.warning("the scheduler does not know node %d: registering again", self.node_id)
@@ -162,7 +168,8 @@ class Membership:
         if self._beat_thread is not None:
             self._beat_thread.join(timeout=self.cluster.heartbeat_s * 5 + 1)
         try:
-            self.rpc.call(Heartbeat(node_id=self.node_id, stats=stats, records=self._take_records()),
+            records = self._outgoing(self._take_records())
+            self.rpc.call(Heartbeat(node_id=self.node_id, stats=stats, records=records),
                           timeout_s=timeout_s)
             self.rpc.call(Bye(node_id=self.node_id, stats=stats), timeout_s=timeout_s)
         except Exception as exc:

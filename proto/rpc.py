@@ -96,8 +96,9 @@ class RpcClient:
     def send(self, msg: Message, after: int | None = None) -> int:
         """Send without waiting; returns the request id to `wait` on.
         `after`: an earlier request this one depends on (a push before its
-        pull): whenever this one is re-sent, that one is re-sent first, even if
-        it was answered (a restarted server may have lost it)."""
+        pull), still unanswered when this one is sent: when this one is re-sent
+        after a reconnect, that one is re-sent first, even if it was answered
+        meanwhile (a restarted server may have lost it)."""
         req_id = next(self._ids)
         self._ops[req_id] = msg.OP.name
         frames = encode(msg, req_id, self.src)
@@ -113,13 +114,17 @@ class RpcClient:
             self.transport.send(frames)
 
     def _resend_due(self) -> None:
+        """Re-send what waited too long; after a reconnect (the server may have
+        restarted and lost what it had) re-send everything unanswered at once,
+        each with the request it depends on."""
         now = time.monotonic()
+        restarted = self.transport.reconnected()
         for kept in self._unanswered.values():
-            if now >= kept.resend_at:
+            if restarted or now >= kept.resend_at:
                 kept.interval = min(kept.interval * 2, self.retry_s * 8)
                 kept.resend_at = now + kept.interval
                 self.resent += 1
-                if kept.before is not None:
+                if restarted and kept.before is not None:
                     self._transmit(kept.before)
                 self._transmit(kept.frames)
 
@@ -132,7 +137,7 @@ class RpcClient:
             self._await(req_id, op, timeout_s, deadline)
         finally:
             self._unanswered.pop(req_id, None)
-        self._ops.pop(req_id, None)
+            self._ops.pop(req_id, None)  # a reply arriving after a timeout is dropped, not kept
         reply = self._early.pop(req_id)
         if isinstance(reply, Error):
             status = Status(reply.status) if reply.status in Status._value2member_map_ else Status.UNSET

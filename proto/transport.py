@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 from typing import Sequence
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .messages import ZERO_COPY_BYTES
 from .security import SecurityError, secure_socket
@@ -104,6 +105,11 @@ class ClientTransport(ABC):
     def recv(self, timeout_s: float) -> list | None:
         """Next reply frames, or None after `timeout_s` seconds."""
 
+    def reconnected(self) -> bool:
+        """True if the connection was made again since the last call (the
+        server restarted): what it had received may be lost."""
+        return False
+
     @abstractmethod
     def close(self) -> None: ...
 
@@ -178,13 +184,24 @@ class ZmqClient(ClientTransport):
     def __init__(self, address: str, max_message_bytes: int | None = None):
         self.address = address
         self.sock = _zmq_socket(zmq.DEALER, max_message_bytes)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)  # before connecting: sees the first
+        self.connects = 0
         try:
             self.sock.connect(address)
         except zmq.ZMQError as exc:
-            self.sock.close(0)
+            self.close()
             raise TransportError(f"cannot connect to {address}: {exc}") from None
         self.bytes_sent = 0
         self.bytes_received = 0
+
+    def reconnected(self) -> bool:
+        again = False
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.connects += 1
+                again = again or self.connects > 1
+        return again
 
     def send(self, frames: Sequence) -> None:
         self.bytes_sent += frames_nbytes(frames)
@@ -199,6 +216,7 @@ class ZmqClient(ClientTransport):
         return frames
 
     def close(self) -> None:
+        self.monitor.close(0)
         self.sock.close(0)
 
 

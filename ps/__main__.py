@@ -120,6 +120,7 @@ def setup_checkpoints(shard: Shard, root: str | None, rank: int, version: int | 
         raise SystemExit(f"hetps ps {rank}: no checkpoint of version {version} in {folder}")
     if path is not None:
         shard.restore(checkpoint.load(path), new_workers=resume)
+        checkpoint.abandon_after(folder, shard.store.version)
     shard.checkpointer = checkpoint.Checkpointer(shard.cfg.checkpoint, folder)
     shard.checkpointer.last_version = shard.store.version if path is not None else -1
     log.info("checkpoints in %s%s", folder, f"; restored {path.name}" if path else "")

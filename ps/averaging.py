@@ -99,6 +99,11 @@ class ModelAveragingPolicy(ConsistencyPolicy):
         staleness = self.store.version - push.base_version
         if push.clock < self.pushed.get(worker, 0):
             return staleness  # duplicate or replayed push: it was taken once already
+        if push.clock > self.closed and self.restored:
+            # restored from a checkpoint: the workers are rounds ahead on a timeline this shard lost;
+            # take up the round they are in
+            self.rounds = {k: r for k, r in self.rounds.items() if k >= push.clock}
+            self.closed = push.clock
         if push.clock > self.closed:  # a worker pushes round r only after it pulled the mean of r-1
             raise ProtocolError(Status.BAD_STATE, f"round {push.clock} is not open (open: {self.closed})")
         self.pushed[worker] = push.clock + 1

@@ -71,7 +71,8 @@ class EagerPolicy(ConsistencyPolicy):
         if push.clock < self.pushed.get(worker, 0):
             return staleness  # duplicate or replayed push: it was taken once already
         self.pushed[worker] = push.clock + 1
-        self.waits_for[worker] = push.base_version + 1
+        # (after a restore from a checkpoint, base versions can lie ahead of this shard's version)
+        self.waits_for[worker] = min(push.base_version, self.store.version) + 1
         too_stale = self.bound > 0 and staleness > self.bound
         if too_stale and self.params.too_stale == "drop":
             self.counts["dropped"] += 1

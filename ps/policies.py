@@ -33,6 +33,7 @@ from .store import TensorStore
 
 class ConsistencyPolicy(ABC):
     name: ClassVar[str]
+    restored = False  # set when restored from a checkpoint: workers may be ahead of this state
 
     def __init__(self, store: TensorStore, updater: Updater, plan: ClusterPlan, params):
         self.store = store
@@ -127,7 +128,8 @@ class GroupingPolicy(ConsistencyPolicy):
         self.pushed: dict[int, int] = {}    # worker -> pushes accepted (clock of the next new push)
         self.applied: dict[int, int] = {}   # worker -> pushes applied in closed rounds
         self.group_updates: dict[int, int] = {}
-        self.last_update_at: dict[int, int] = {}  # group -> shard version right after its update
+        # group -> shard version right after its update (a resumed shard starts at its version)
+        self.last_update_at: dict[int, int] = {g: store.version for g in range(len(self.groups_of(plan)))}
         self.staleness_sum: dict[int, int] = {}   # group -> sum of its updates' staleness
         self.counts = {"accepted": 0, "duplicates": 0, "contributions": 0}  # pushes in, pushes applied
         self._set_groups(plan)

@@ -55,7 +55,8 @@ class Shard(Service):
         self.checkpointer: Checkpointer | None = None  # set by the daemon when checkpoints are on
         self.recent_acks: dict[int, tuple[int, Ack]] = {}  # worker -> (request id, ACK) of its last push
         self.restored_version: int | None = None
-        self.counts = {"pushes": 0, "pulls": 0, "nonfinite": 0, "retried": 0, "busy_s": 0.0}
+        self.counts = {"pushes": 0, "pulls": 0, "nonfinite": 0, "retried": 0, "checkpoint_errors": 0,
+                       "busy_s": 0.0}
 
     # ------------------------------------------------------------ Service hooks
     def catalog(self):
@@ -89,6 +90,7 @@ class Shard(Service):
         if first:
             self._make_policy()
             log.info("initialized %d tensors from node %d", len(self.store.specs), env.src)
+            self.maybe_checkpoint(force=True)  # a restart before the first periodic one still has the values
             self._serve_parked()
         return Ack(version=self.store.version, plan_id=self.plan.plan_id, info={"first": first})
 
@@ -149,13 +151,15 @@ class Shard(Service):
         """Continue from a checkpoint of this shard (same run, same placement).
         `new_workers` (a resumed run): the workers are new processes with new
         ids and clocks, so the policy's bookkeeping starts afresh."""
-        if state["algorithm"] != self.plan.algorithm:
-            raise ValueError(f"checkpoint is of algorithm {state['algorithm']}, the plan runs {self.plan.algorithm}")
+        for key, mine in (("algorithm", self.plan.algorithm), ("run_id", self.plan.run_id), ("rank", self.node_rank())):
+            if state[key] != mine:
+                raise ValueError(f"checkpoint is of {key} {state[key]!r}, this shard's is {mine!r}")
         self.store.load_state_dict(state)
         self._make_policy()
         self.policy.updater.load_state_dict(state["updater"])
         if not new_workers:
             self.policy.load_state_dict(state["policy"])
+            self.policy.restored = True
             self.recent_acks = dict(state["recent_acks"])
             self.counts.update(state["counts"])
         self.restored_version = self.store.version
@@ -168,7 +172,11 @@ class Shard(Service):
         if self.checkpointer is None or self.policy is None:
             return
         if force or self.checkpointer.due(self.store.version):
-            self.checkpointer.write(self.state_dict())
+            try:
+                self.checkpointer.write(self.state_dict())
+            except OSError as exc:  # a full or failing disk must not cost the update already applied
+                self.counts["checkpoint_errors"] += 1
+                log.error("checkpoint v%d not written: %s", self.store.version, exc)
 
     # ------------------------------------------------------------ internals
     def _screen_nonfinite(self, push) -> None:

@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bind", default=env("HETPS_BIND"), help="address to bind ($HETPS_BIND)")
     parser.add_argument("--run-dir", default=env("HETPS_RUN_DIR"), help="where metrics and summary go")
     parser.add_argument("--run-id", default=env("HETPS_RUN_ID"),
-                        help="continue this run's checkpoints (`hetps run --resume`); default: a new id")
+                        help="the run id (names checkpoints); default: a new one, or the saved one on a restart")
+    parser.add_argument("--resume", action="store_true",
+                        help="a resumed run (`hetps run --resume`): new nodes, the stopped run's placement")
     parser.add_argument("--log-level", default=env("HETPS_LOG_LEVEL", "INFO"))
     parser.add_argument("--check", action="store_true",
                         help="validate flags, environment and config, print them, exit 0 without binding")
@@ -57,11 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     server = make_server(args.bind or cfg.cluster.scheduler, cfg.cluster.max_message_bytes)
     coordinator = Coordinator(server, cfg, run_dir, run_id=args.run_id)
     saved = state.read(run_dir)
-    if saved is not None and not saved["finished"] and args.run_id in (None, saved["run_id"]):
+    if saved is not None and not args.resume and not saved["finished"] and args.run_id in (None, saved["run_id"]):
         state.restore(coordinator, saved, Node)  # a restart: carry the unfinished run on
         log.info("carrying on run %s from %s (plan %s, %d nodes)", coordinator.run_id, state.STATE_FILE,
                  coordinator.plan.plan_id if coordinator.plan else None, len(coordinator.nodes))
-    elif saved is not None and saved["run_id"] == args.run_id and saved["plan"]:
+    elif args.resume and saved is not None and saved["run_id"] == args.run_id and saved["plan"]:
         coordinator.resumed_plan = ClusterPlan.from_dict(saved["plan"])  # resuming: keep its placement
     if run_dir:
         tmp = run_dir / "scheduler.addr.tmp"

@@ -50,13 +50,14 @@ def resume_command(args: argparse.Namespace) -> int:
     from hetps.proto.config import ConfigError
 
     from .launcher import run_local
-    from .resume import resume_point
+    from .resume import check_same_shards, resume_point
 
     run_dir = Path(args.resume)
     overrides = ([args.config] if args.config else []) + args.overrides  # all key=value here
     cfg = load_or_exit(str(run_dir / "config.yaml"), overrides)
     try:
         point = resume_point(run_dir, len(cfg.cluster.shards))
+        check_same_shards(run_dir, len(cfg.cluster.shards))
     except ConfigError as exc:
         print(f"hetps run: cannot resume: {exc}", file=sys.stderr)
         return 2

@@ -221,6 +221,7 @@ class Coordinator(Service):
         node.stats = env.msg.stats or node.stats
         node.left = True
         log.info("%s %d (node %d) left", node.role, node.rank, node.node_id)
+        state.save(self)
         if node.role == "worker" and self.stop_reason is None and self.plan is not None:
             self._replan(f"worker {node.rank} left")
         return Ack(stop=True)

@@ -25,6 +25,7 @@ from hetps.proto.security import keys_for_run
 from .faults import FaultInjector
 from .report import Progress, plot_run
 from .resume import ResumePoint, checkpoints_root
+from .state import STATE_FILE
 
 ADDR_WAIT_S = 60.0   # longest wait for the scheduler to publish its address
 REAP_WAIT_S = 15.0   # after the scheduler exits, how long the rest may take to leave
@@ -47,6 +48,19 @@ class Child:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def strip_resume(args: tuple) -> tuple:
+    """`args` without `--resume` and `--restore-version V`."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--restore-version":
+            skip = True
+        elif a != "--resume":
+            out.append(a)
+    return tuple(out)
 
 
 def client_names(cfg: RunConfig) -> list[str]:
@@ -97,7 +111,8 @@ class LocalCluster:
         """Start the process `name` again, bound to `address` (its old one)."""
         index = next(i for i, c in enumerate(self.children) if c.name == name)
         old = self.children.pop(index)
-        args = (*old.args, "--bind", address) if address else old.args
+        args = strip_resume(old.args)  # a restarted shard goes on from its own newest checkpoint
+        args = (*args, "--bind", address) if address else args
         self.spawn(name, old.module, *args)
         self.children.insert(index, self.children.pop())
 
@@ -107,8 +122,10 @@ class LocalCluster:
 
     def start(self) -> str:
         """Start every process; returns the scheduler address."""
-        run_id = ("--run-id", self.resume.run_id) if self.resume else ()
+        run_id = ("--run-id", self.resume.run_id, "--resume") if self.resume else ()
         (self.run_dir / "scheduler.addr").unlink(missing_ok=True)
+        if not self.resume:  # a new run in a reused directory must not carry an old one on
+            (self.run_dir / STATE_FILE).unlink(missing_ok=True)
         scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir), *run_id)
         addr = self._scheduler_address(scheduler)
         for rank in range(len(self.cfg.cluster.shards)):

@@ -42,5 +42,14 @@ def resume_point(run_dir: Path, n_shards: int) -> ResumePoint:
     return ResumePoint(saved["run_id"], {r: max(v) for r, v in found.items()}, False)
 
 
+def check_same_shards(run_dir: Path, n_shards: int) -> None:
+    """A resumed run keeps the stopped run's placement: same number of shards."""
+    plan = (state.read(run_dir) or {}).get("plan") or {}
+    before = len(plan.get("shards", []))
+    if before and before != n_shards:
+        raise ConfigError(f"cluster.shards: the stopped run had {before} shards, not {n_shards}; "
+                          "a resumed run keeps its shards (tensors do not move)")
+
+
 def checkpoints_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"

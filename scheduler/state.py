@@ -44,11 +44,16 @@ def save(coord, finished: bool = False) -> None:
         "plan": coord.plan.to_dict() if coord.plan else None,
         "specs": [s.to_wire() for s in coord.specs] if coord.specs else None,
         "schema": coord.schema,
-        "nodes": [{k: v for k, v in dataclasses.asdict(n).items() if k not in ("stats", "last_seen")}
-                  for n in coord.nodes.values()],
+        "nodes": [{**{k: v for k, v in dataclasses.asdict(n).items() if k not in ("stats", "last_seen")},
+                   "stats": numbers(n.stats)} for n in coord.nodes.values()],
         "evals": dataclasses.asdict(coord.evals),
         "failures": coord.failures,
     })
+
+
+def numbers(stats: dict) -> dict:
+    """The numeric entries of a node's stats (steps, bytes, ...): what the summary counts."""
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def restore(coord, data: dict, node_type) -> None:

@@ -123,19 +123,54 @@ def test_restored_shard_continues_exactly_like_the_original(harnesses, optimizer
 
 
 @pytest.mark.parametrize("algorithm", sorted(POLICIES))
-def test_every_policy_state_survives_a_checkpoint(harnesses, algorithm, tmp_path):
+def test_every_policy_serves_workers_that_are_ahead_of_its_restored_checkpoint(harnesses, algorithm, tmp_path):
+    """The shard is restored from a checkpoint written rounds ago; the workers
+    carry on from where they are. Their next round must close and their pulls
+    must be answered (no round waits for pushes the shard lost)."""
     model = tiny_model()
     h = harnesses(model, [], algorithm)
     h.init(values_of(model))
-    path = tmp_path / "ckpt.pt"
-    checkpoint.write_atomic(path, {"format": checkpoint.FORMAT, **h.shards[0].state_dict()})
-    state = checkpoint.load(path)
-    twin = restored_twin(h, model, state, algorithm=algorithm)
+    path, base = tmp_path / "ckpt.pt", 0
+    for clock in range(6):
+        for node in (A, B):
+            h.push(node, clock, grads(model, 10 * clock + node), base_version=base)
+        base = h.versions()[0]
+        if clock == 1:
+            checkpoint.write_atomic(path, {"format": checkpoint.FORMAT, **h.shards[0].state_dict()})
+    twin = restored_twin(h, model, checkpoint.load(path), algorithm=algorithm)
     try:
-        assert sorted(twin.shards[0].policy.state_dict()) == sorted(h.shards[0].policy.state_dict())
-        assert twin.shards[0].policy.name == algorithm
+        restored = twin.versions()[0]
+        assert 0 < restored < base
+        for node in (A, B):
+            twin.push(node, 6, grads(model, 60 + node), base_version=base)
+        reqs = {node: twin.client(node).send(Pull(plan_id=PLAN_ID, clock=7)) for node in (A, B)}
+        twin.serve()
+        for node, req in reqs.items():
+            assert isinstance(twin.client(node).wait(req, timeout_s=1.0), Params), (algorithm, node)
+        assert twin.versions()[0] > restored
     finally:
         twin.close()
+
+
+def test_restoring_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
+    folder = tmp_path / "ps0"
+    for v in (20, 30):
+        checkpoint.write_atomic(folder / f"v{v:012d}.pt", {"format": checkpoint.FORMAT, "version": v})
+    moved = checkpoint.abandon_after(folder, 20)
+    assert [p.name for p in moved] == ["v000000000030.pt.abandoned"]
+    cp = checkpoint.Checkpointer(CheckpointConfig(every_updates=1, keep=2), folder)
+    cp.last_version = 20
+    for v in (21, 22):
+        cp.write({"version": v})
+    assert [v for v, _ in checkpoint.checkpoints(folder)] == [21, 22]  # the new timeline, not v30
+    assert checkpoint.latest(folder).name == "v000000000022.pt"
+
+
+def test_a_restarted_process_does_not_resume_again():
+    from hetps.scheduler.launcher import strip_resume
+
+    assert strip_resume(("--rank", "1", "--resume", "--restore-version", "40", "--bind", "x")) == \
+        ("--rank", "1", "--bind", "x")
 
 
 def test_resumed_shard_keeps_values_but_starts_worker_clocks_afresh(harnesses, tmp_path):
