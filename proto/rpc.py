@@ -137,7 +137,7 @@ class RpcClient:
             self._await(req_id, op, timeout_s, deadline)
         finally:
             self._unanswered.pop(req_id, None)
-            self._ops.pop(req_id, None)  # a reply arriving after a timeout is dropped, not kept
+        self._ops.pop(req_id, None)  # after a timeout the caller may wait for it again
         reply = self._early.pop(req_id)
         if isinstance(reply, Error):
             status = Status(reply.status) if reply.status in Status._value2member_map_ else Status.UNSET
