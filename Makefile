@@ -25,7 +25,8 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(VENV)/.installed-test
-	$(PY) bench/bench_codec.py
+	$(PY) bench/transport.py --sizes lenet,4K,64K,1M,16M,64M
+	$(PY) bench/step.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
