@@ -147,7 +147,8 @@ def tiny_model() -> nn.Module:
 
 def shard_cases(plan_id: int, node_id: int, grads: dict) -> list[tuple[str, list, Status, int]]:
     """(name, frames, expected status, expected echoed req id) for each malformed class."""
-    push = encode(Push(plan_id=plan_id, clock=0, base_version=0, tensors=grads), req_id=1000, src=node_id)
+    push = encode(Push(plan_id=plan_id, clock=0, base_version=0, tensors=grads), req_id=1000, src=node_id,
+                  pack_below=0)  # one frame per tensor, so that each case can break one tensor's frame
     h, data = header(push), [bytes(memoryview(f)) for f in push[1:]]
     specs = h["tensors"]
     cases = []
@@ -330,4 +331,5 @@ def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
     assert data["not_left"] == []
     assert data["shard_versions"] == {"ps0": 1}
     assert data["global_steps"] == 1
-    assert data["per_node"]["evaluator0"] == {"sent": 0, "received": 0, "steps": 0}
+    assert {k: data["per_node"]["evaluator0"][k] for k in ("sent", "received", "steps")} == {
+        "sent": 0, "received": 0, "steps": 0}
