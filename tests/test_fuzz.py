@@ -395,13 +395,18 @@ def compressed_error(draw, h: dict, data: list) -> set[Status]:
     elif kind == "enc_kind":
         e[1] = draw(VALUES.filter(lambda k: k not in ("fp16", "topk")))
     elif kind == "enc_count":
-        numel = math.prod(specs[e[0]][2])
-        valid = {numel} if e[1] == "fp16" else {e[2]}  # another topk count changes the payload size
+        numel, dtype = math.prod(specs[e[0]][2]), DTYPES[specs[e[0]][1]]
+        slot = aligned(payload_nbytes(e[1], dtype, numel, e[2]))
+
+        def still_valid(c) -> bool:  # a topk count whose payload fills the same aligned slot is a valid message
+            return type(c) is int and 0 <= c <= numel and (
+                c == numel if e[1] == "fp16" else aligned(payload_nbytes("topk", dtype, numel, c)) == slot)
+
         e[2] = draw(st.one_of(st.integers(-2**63, 2**64 - 1), st.integers(-1, numel + 1), st.booleans(),
-                              st.floats(), TEXT).filter(lambda c: type(c) is not int or c not in valid))
+                              st.floats(), TEXT).filter(lambda c: not still_valid(c)))
     elif kind == "enc_index":
-        others = [j for j, sp in enumerate(specs) if sp[1] not in ("float32", "float64")]
-        e[0] = draw(st.sampled_from(others) | st.integers(n, 2**63 - 1) | st.integers(-2**63, -1)
+        not_float = [j for j, sp in enumerate(specs) if sp[1] not in ("float32", "float64")] or [n]
+        e[0] = draw(st.sampled_from(not_float) | st.integers(n, 2**63 - 1) | st.integers(-2**63, -1)
                     | st.booleans() | st.sampled_from([x[0] for x in enc if x is not e] or [-1]))
     elif kind == "enc_entry":
         enc[enc.index(e)] = draw(VALUES.filter(lambda v: not (isinstance(v, list) and len(v) == 3)) | st.just(e[:2]))
@@ -414,7 +419,7 @@ def compressed_error(draw, h: dict, data: list) -> set[Status]:
 
 def topk_index_error(draw, h: dict, data: list) -> set[Status]:
     """Corrupt the indices of a topk payload: out of range, repeated or decreasing."""
-    i, _, k = draw(st.sampled_from([e for e in h["enc"] if e[1] == "topk"]))
+    i, _, k = draw(st.sampled_from([e for e in h["enc"] if e[1] == "topk" and e[2] >= 2]))
     numel = math.prod(h["tensors"][i][2])
     frame, offset = payload_at(h, data, i)
     raw = bytearray(data[frame])
