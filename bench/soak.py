@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import contextlib
 import json
 import os
 import platform
@@ -34,11 +35,9 @@ STOP_GRACE_S = 30.0    # after SIGTERM, how long the launcher may take to stop i
 
 def machine() -> str:
     model = "unknown CPU"
-    try:
+    with contextlib.suppress(OSError, StopIteration):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     return f"{model}, {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}"
 
 
@@ -98,10 +97,8 @@ def stop_launcher(proc: subprocess.Popen, pids: dict[str, int]) -> None:
             proc.kill()
             proc.wait(timeout=10)
     for pid in pids.values():  # the children run in their own sessions
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 # ---------------------------------------------------------------- sampling

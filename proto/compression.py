@@ -29,6 +29,7 @@ before, against `payload_nbytes`.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 import threading
 from dataclasses import dataclass
 from typing import ClassVar, Container, Mapping
@@ -120,7 +121,7 @@ def topk_payload(index: torch.Tensor, values: torch.Tensor, numel: int) -> torch
     return payload
 
 
-class Compressor:
+class Compressor(ABC):
     """Replaces the gradients of a push by what travels. Keeps byte counts
     (`stats`). Thread-safe across tensor names: the overlap trainer pushes to
     different shards, whose tensors differ, from several threads."""
@@ -151,8 +152,9 @@ class Compressor:
             self.sent_bytes += sent
         return out
 
+    @abstractmethod
     def encode(self, name: str, grad: torch.Tensor) -> Compressed | torch.Tensor:
-        raise NotImplementedError
+        """One gradient as it travels (the subclass's encoding)."""
 
     def stats(self) -> dict:
         return {"compression": self.name, "grad_dense_bytes": self.dense_bytes,

@@ -25,7 +25,8 @@ from hetps.proto.plan import ClusterPlan
 from hetps.proto.transport import make_server
 
 from . import state
-from .coordinator import Coordinator, Node
+from .coordinator import Coordinator
+from .nodes import Node
 
 log = logging.getLogger("hetps.scheduler")
 

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from hetps.proto.codec import Envelope, ProtocolError
@@ -28,43 +27,12 @@ from .grouping import data_shares, drifted, form_groups
 from . import state, status
 from .status import ROLES
 from .placement import place
+from .nodes import EvalTrack, Node
 from .runlog import RunLog
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 20.0   # longest wait for workers/evaluator to leave before shards are stopped
 EXIT_GRACE_S = 40.0   # longest wait for everyone to leave after a stop began
-
-
-@dataclass
-class Node:
-    node_id: int
-    role: str
-    rank: int
-    address: str
-    last_seen: float
-    profiled_speed: float = 0.0
-    stats: dict = field(default_factory=dict)
-    left: bool = False    # said BYE
-    dead: bool = False    # silent for longer than cluster.dead_after_s
-
-    @property
-    def gone(self) -> bool:
-        return self.left or self.dead
-
-    @property
-    def speed(self) -> float:
-        """Latest measured speed: from heartbeats once training, else the profile."""
-        return float(self.stats.get("speed") or self.profiled_speed or 1.0)
-
-
-@dataclass
-class EvalTrack:
-    target: float | None
-    best: float = 0.0
-    final: float | None = None
-    final_loss: float | None = None
-    time_to_target_s: float | None = None
-    count: int = 0
 
 
 class Coordinator(Service):
