@@ -3,7 +3,7 @@ same model, batch, optimizer, process count and threads, measured in the
 same run.
 
     .venv/bin/python bench/step.py [--models lenet5,mlp10m] [--workers 2,4] [--steps 60]
-                                   [--warmup 15] [--repeats 3] [--shards 1] [--overlap off,on]
+                                   [--warmup 15] [--repeats 3] [--shards 2] [--overlap off,on]
 
 For each model and worker count P:
 - DDP: P processes (torch.multiprocessing, spawn), each with
@@ -88,6 +88,7 @@ def ddp_rank(rank: int, world: int, init_file: str, overrides: list[str], warmup
             optimizer.step()
             times.append(time.perf_counter() - started)
         results.put((rank, times[warmup:]))
+        dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
 
@@ -103,6 +104,8 @@ def ddp_step_s(overrides: list[str], world: int, warmup: int, steps: int) -> flo
             p.start()
         try:
             times = collect(results, procs)
+            for p in procs:
+                p.join(timeout=60)  # let every rank leave the group cleanly
         finally:
             reap(procs)
     return statistics.median(t for ts in times for t in ts)
@@ -213,7 +216,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="timed steps per worker")
     parser.add_argument("--warmup", type=int, default=15, help="untimed steps first")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shards", type=int, default=1, help="hetps shard processes")
+    parser.add_argument("--shards", type=int, default=2, help="hetps shard processes (configs/sync.yaml: 2)")
     parser.add_argument("--overlap", default="off", help="comm.overlap settings to run: off | on | off,on")
     args = parser.parse_args()
     args.overlap = [{"off": False, "on": True}[v] for v in args.overlap.split(",")]

@@ -178,6 +178,14 @@ def bench_row(row: str, args) -> dict:
             "update_s": upd_s, "ratio": raw_s / ours_s, "ratio_excl_update": raw_s / max(ours_s - upd_s, 1e-9)}
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="lenet,4K,64K,1M,16M,64M,256M")
@@ -189,7 +197,7 @@ def main() -> None:
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     torch.set_num_threads(1)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or '?'}, "
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {cpu_model()}, "
           f"Python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
           f"libzmq {zmq.zmq_version()}; medians of {args.repeats}, raw frames: {args.raw_frames}")
     print(f"{'row':>6} {'tensors':>7} {'bytes':>10} {'raw us':>9} {'hetps us':>9} {'update us':>9} "

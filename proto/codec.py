@@ -2,14 +2,16 @@
 
 TRUST BOUNDARY. `decode` is the only place bytes from a peer become Python
 objects. It checks everything once (version, op, field presence and types,
-dtype allow-list, frame count, byte length, optional tensor catalogue) and
-raises `ProtocolError` with a `Status`; it never allocates memory sized by an
-unchecked header value and never unpickles anything.
+dtype allow-list, frame layout and byte lengths, compressed payloads,
+optional tensor catalogue) and raises `ProtocolError` with a `Status`; it
+never allocates memory sized by an unchecked header value (a compressed
+tensor's dense size passed the same size limit as any tensor's) and never
+unpickles anything.
 
 Received tensors are read-only views of the frame buffers (zero-copy): callers
 must copy before writing into them. Small tensors travel together in one pack
-frame (layout.py); compressed gradients are decoded to dense tensors of their
-declared dtype and shape here (compression.py), so no caller sees either.
+frame (layout.py); compressed gradients are decoded to fresh dense tensors of
+their declared dtype and shape here (compression.py), so no caller sees either.
 """
 from __future__ import annotations
 

@@ -287,6 +287,8 @@ def _check_values(cfg: RunConfig) -> None:
     for path, v in fractions.items():
         if not 0.0 <= v <= 1.0:
             _fail(path, f"must be in [0, 1], got {v}")
+    if cfg.comm.compression == "topk" and cfg.comm.topk_ratio <= 0.0:
+        _fail("comm.topk_ratio", "must be > 0 with comm.compression: topk")
     if cfg.optimizer.schedule.name == "cosine" and cfg.optimizer.schedule.total_steps <= 0:
         _fail("optimizer.schedule.total_steps", "must be > 0 for the cosine schedule")
 

@@ -131,22 +131,36 @@ def _zmq_socket(kind: int, max_message_bytes: int | None) -> zmq.Socket:
     return sock
 
 
-def _tracked(frames: Sequence) -> tuple[list, zmq.MessageTracker | None]:
-    """Frames of ZERO_COPY_BYTES and more wrapped for a tracked zero-copy
-    send (smaller ones ZeroMQ copies), and one tracker for all of them."""
+def _zero_copy(frames: Sequence, track: bool) -> tuple[list, zmq.MessageTracker | None]:
+    """Frames of ZERO_COPY_BYTES and more wrapped for a zero-copy send (the
+    others ZeroMQ copies), and, with `track`, one tracker for all of them."""
     out, trackers = [], []
     for f in frames:
         if memoryview(f).nbytes >= ZERO_COPY_BYTES:
-            f = zmq.Frame(f, copy=False, track=True)
-            trackers.append(f.tracker)
+            f = zmq.Frame(f, copy=False, track=track)
+            if track:
+                trackers.append(f.tracker)
         out.append(f)
     return out, (zmq.MessageTracker(*trackers) if trackers else None)
 
 
+def _send_parts(sock: zmq.Socket, parts: Sequence) -> None:
+    """One multipart message: Frames as they are (zero-copy), anything else
+    copied by ZeroMQ directly, which for a small part is cheaper than the
+    Frame object `send_multipart(copy=False)` would make for it."""
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        sock.send(part, zmq.SNDMORE if i < last else 0, copy=not isinstance(part, zmq.Frame))
+
+
 def _recv_frames(sock: zmq.Socket, timeout_s: float) -> list | None:
-    if not sock.poll(max(0, int(timeout_s * 1000))):
-        return None
-    return [f.buffer for f in sock.recv_multipart(copy=False)]
+    try:  # a message already queued needs no poll (the common case under load)
+        parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        if not sock.poll(max(0, int(timeout_s * 1000))):
+            return None
+        parts = sock.recv_multipart(copy=False)
+    return [f.buffer for f in parts]
 
 
 class ZmqServer(ServerTransport):
@@ -172,8 +186,8 @@ class ZmqServer(ServerTransport):
 
     def send(self, peer: bytes, frames: Sequence) -> zmq.MessageTracker | None:
         _carry("out", frames)
-        parts, tracker = _tracked(frames)
-        self.sock.send_multipart([peer, *parts], copy=False)
+        parts, tracker = _zero_copy(frames, track=True)
+        _send_parts(self.sock, [peer, *parts])
         return tracker
 
     def close(self) -> None:
@@ -206,7 +220,7 @@ class ZmqClient(ClientTransport):
     def send(self, frames: Sequence) -> None:
         self.bytes_sent += frames_nbytes(frames)
         _carry("out", frames)
-        self.sock.send_multipart(list(frames), copy=False)
+        _send_parts(self.sock, _zero_copy(frames, track=False)[0])
 
     def recv(self, timeout_s: float):
         frames = _recv_frames(self.sock, timeout_s)

@@ -16,7 +16,7 @@ import torch
 from hetps.proto.codec import Envelope, ProtocolError, nonfinite_names
 from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.emulation import Slowdown, work_clock
-from hetps.proto.messages import Ack, Params, Status
+from hetps.proto.messages import Ack, Op, Params, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
@@ -57,6 +57,14 @@ class Shard(Service):
         self.restored_version: int | None = None
         self.counts = {"pushes": 0, "pulls": 0, "nonfinite": 0, "retried": 0, "checkpoint_errors": 0,
                        "busy_s": 0.0}
+        # pull replies leave zero-copy from the live tensors: whatever else may write them settles first
+        self.handlers = {op: h if op == Op.PULL else self._settled(h) for op, h in self.handlers.items()}
+
+    def _settled(self, handler):
+        def settle_then_handle(peer: bytes, env: Envelope):
+            self.store.settle()
+            return handler(peer, env)
+        return settle_then_handle
 
     # ------------------------------------------------------------ Service hooks
     def catalog(self):
@@ -71,7 +79,7 @@ class Shard(Service):
                   "checkpoint_version": self.checkpointer.last_version} if self.checkpointer else {})
         return {"version": self.store.version, "parked": len(self.parked), "plan_id": self.plan.plan_id,
                 "malformed": self.malformed, "tensors": len(self.store.specs),
-                "restored_version": self.restored_version,
+                "restored_version": self.restored_version, "snapshot_moves": self.store.snapshots.moves,
                 "lr": self.policy.updater.lr if self.policy else 0.0, **self.counts, **saved, **policy}
 
     def adopt(self, plan: ClusterPlan) -> None:
@@ -79,6 +87,7 @@ class Shard(Service):
         if plan.placement_id != self.plan.placement_id:
             raise ValueError(f"plan {plan.plan_id} moves tensors; live re-placement is not supported")
         log.info("adopting plan %d (groups %s)", plan.plan_id, plan.groups)
+        self.store.settle()  # closing rounds writes the tensors
         self.plan = plan
         if self.policy is not None:
             self.policy.adopt(plan)
@@ -154,6 +163,7 @@ class Shard(Service):
         for key, mine in (("algorithm", self.plan.algorithm), ("run_id", self.plan.run_id), ("rank", self.node_rank())):
             if state[key] != mine:
                 raise ValueError(f"checkpoint is of {key} {state[key]!r}, this shard's is {mine!r}")
+        self.store.settle()
         self.store.load_state_dict(state)
         self._make_policy()
         self.policy.updater.load_state_dict(state["updater"])

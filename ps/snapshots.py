@@ -1,14 +1,21 @@
-"""Copies of a shard's tensors for pull replies, one per version, with their
-buffers recycled.
+"""Pull replies without a copy per version: copy-on-write snapshots.
 
-Replies leave zero-copy, so a reply must carry a copy that no later in-place
-update touches. A fresh copy of a large tensor costs page faults on every
-allocation (about six times a copy into memory already mapped), so copies
-are made into the buffers of an older copy once it is free: every reply that
-carried it reported the transport done with its memory (a zmq
-MessageTracker; None when the transport copied the bytes itself), and it is
-not the current one. A copy handed out and never tracked (a handler called
-in-process, a test) is never reused. Not thread-safe: the shard's loop owns it.
+A pull reply carries the shard's tensors as they are when it is answered and
+leaves zero-copy: ZeroMQ reads the memory after the handler has returned.
+So the shard must not write that memory while such a reply is in flight.
+Rather than copying every tensor for every version, a reply carries aliases
+of the live tensors (`lend`), and whatever may write the live tensors first
+calls `settle`: if a reply may still read their memory (its transport's
+tracker is not `done`, or the aliases were handed out and never tracked at
+all, e.g. to an in-process caller), the live tensors move to other memory
+(a copy, into the memory of an older reply that has finished when there is
+one) and the replies keep the old memory, unchanged for good. In a worker's
+push-then-pull loop the previous reply has arrived before the next push, so
+no copy is made at all.
+
+The Shard calls `settle` before every handler other than PULL's and before a
+plan switch or a restore; any other code that writes a store's tensors must
+do the same. Not thread-safe: the shard's loop owns it.
 """
 from __future__ import annotations
 
@@ -17,54 +24,63 @@ from typing import Any, Mapping
 
 import torch
 
-KEEP = 2  # older copies remembered for reuse; more are left to the garbage collector
+KEEP = 2  # older memory remembered for reuse; more is left to the garbage collector
 
 
 @dataclass
-class _Copy:
-    tensors: dict[str, torch.Tensor]
-    lent: int = 0                                # handed out, not yet tracked
+class _Lend:
+    aliases: dict[str, torch.Tensor]              # views of one generation of the live memory
+    untracked: int = 0                            # handed out, no tracker heard of yet
     trackers: list = field(default_factory=list)
 
-    def free(self) -> bool:
-        return self.lent == 0 and all(t.done for t in self.trackers)
+    def in_flight(self) -> bool:
+        return self.untracked > 0 or not all(t.done for t in self.trackers)
 
-    def fits(self, tensors: Mapping[str, torch.Tensor]) -> bool:
-        return list(self.tensors) == list(tensors) and all(
-            c.shape == t.shape and c.dtype == t.dtype for c, t in zip(self.tensors.values(), tensors.values()))
+    def fits(self, live: Mapping[str, torch.Tensor]) -> bool:
+        return list(self.aliases) == list(live) and all(
+            a.shape == t.shape and a.dtype == t.dtype and a.stride() == t.stride()
+            for a, t in zip(self.aliases.values(), live.values()))
 
 
-class SnapshotCopies:
+class Snapshots:
     def __init__(self):
-        self.current: _Copy | None = None
-        self.older: list[_Copy] = []
+        self.current: _Lend | None = None  # aliases of the live memory, lent since the last settle
+        self.older: list[_Lend] = []       # memory the live tensors moved away from
+        self.moves = 0                     # settles that had to copy the live tensors
+        self.reused = 0                    # of which into older memory
 
-    def make(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A new current copy of `tensors` (into a free older copy when there is one)."""
-        if self.current is not None:
-            self.older.append(self.current)
-        spare = next((c for c in self.older if c.free() and c.fits(tensors)), None)
+    def lend(self, live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Aliases of `live` for a reply (the same dict until the next settle);
+        counted as in flight until `track` hears of it."""
+        if self.current is None:
+            self.current = _Lend({n: t.detach() for n, t in live.items()})
+        self.current.untracked += 1
+        return self.current.aliases
+
+    def track(self, aliases: dict, tracker: Any) -> None:
+        """`aliases` (lent) went out in a reply; `tracker.done` says when the
+        transport is done with their memory (None: done already)."""
+        for lend in (self.current, *self.older):
+            if lend is not None and lend.aliases is aliases and lend.untracked > 0:
+                lend.untracked -= 1
+                if tracker is not None:
+                    lend.trackers.append(tracker)
+                return
+
+    def settle(self, live: Mapping[str, torch.Tensor]) -> None:
+        """Call before writing `live` in place: afterwards no reply reads their memory."""
+        lend, self.current = self.current, None
+        if lend is None or not lend.in_flight():
+            return
+        spare = next((o for o in self.older if not o.in_flight() and o.fits(live)), None)
         if spare is None:
-            self.current = _Copy({n: t.clone() for n, t in tensors.items()})
+            targets = [torch.empty_like(t) for t in live.values()]
         else:
             self.older.remove(spare)
-            torch._foreach_copy_(list(spare.tensors.values()), list(tensors.values()))
-            self.current = _Copy(spare.tensors)
-        self.older = [c for c in self.older if c.lent == 0][-KEEP:]
-        return self.current.tensors
-
-    def lend(self) -> dict[str, torch.Tensor]:
-        """The current copy, counted as handed out until `track` hears of it."""
-        assert self.current is not None, "make() a copy first"
-        self.current.lent += 1
-        return self.current.tensors
-
-    def track(self, tensors: dict, tracker: Any) -> None:
-        """`tensors` (a lent copy) went out in a reply; `tracker.done` says when
-        the transport is done with their memory (None: done already)."""
-        for c in (self.current, *self.older):
-            if c is not None and c.tensors is tensors and c.lent > 0:
-                c.lent -= 1
-                if tracker is not None:
-                    c.trackers.append(tracker)
-                return
+            self.reused += 1
+            targets = list(spare.aliases.values())
+        torch._foreach_copy_(targets, list(live.values()))
+        for t, target in zip(live.values(), targets):
+            t.set_(target)  # the same tensor objects (the optimizer holds them), other memory
+        self.moves += 1
+        self.older = [o for o in (*self.older, lend) if o.untracked == 0][-KEEP:]

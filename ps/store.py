@@ -7,6 +7,7 @@ Not thread-safe: owned by the shard's single loop.
 """
 from __future__ import annotations
 
+import logging
 from typing import Mapping
 
 import torch
@@ -15,7 +16,9 @@ from hetps.proto.codec import ProtocolError, TensorCatalog
 from hetps.proto.messages import Status
 from hetps.proto.plan import TensorSpec
 
-from .snapshots import SnapshotCopies
+from .snapshots import Snapshots
+
+log = logging.getLogger(__name__)
 
 
 class TensorStore:
@@ -26,7 +29,7 @@ class TensorStore:
         self.versions: dict[str, int] = {s.name: 0 for s in specs}
         self.version = 0
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
-        self.copies = SnapshotCopies()
+        self.snapshots = Snapshots()
 
     @property
     def initialized(self) -> bool:
@@ -81,15 +84,21 @@ class TensorStore:
         self._snapshot = None
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """A copy of all tensors at the current version, shared by every pull
-        of that version: replies are sent zero-copy, so they must never see a
-        later in-place update. Hand the dict to `track` once it was sent;
-        until then (or if never) its buffers are not reused."""
-        if self._snapshot is None or self._snapshot[0] != self.version:
-            self._snapshot = (self.version, self.copies.make(self.tensors))
-        return self.copies.lend()
+        """The tensors as they are now, for a pull reply, shared by every pull
+        until the next write. Replies leave zero-copy, so these are aliases
+        that no later write will reach: writers call `settle` first (see
+        snapshots.py). Hand the dict to `track` once it was sent."""
+        if self._snapshot is None and self.snapshots.current is not None:
+            log.error("shard tensors were written without settle(): a reply in flight may have seen it")
+        self._snapshot = (self.version, self.snapshots.lend(self.tensors))
+        return self._snapshot[1]
 
     def track(self, snapshot: dict, tracker) -> None:
         """`snapshot` went out in a reply; the transport is done with its memory
-        once `tracker.done` (None: already). See snapshots.py."""
-        self.copies.track(snapshot, tracker)
+        once `tracker.done` (None: already)."""
+        self.snapshots.track(snapshot, tracker)
+
+    def settle(self) -> None:
+        """Call before writing the tensors in place: replies still reading
+        their memory keep it, the tensors move to other memory."""
+        self.snapshots.settle(self.tensors)

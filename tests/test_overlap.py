@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from cluster_util import log_tails, records, run_hetps, summary, wait_for
+from cluster_util import assert_reached_target, log_tails, records, run_hetps, summary, wait_for
 from hetps.proto.config import NodeConfig, load_config
 from hetps.proto.plan import NodeEntry, chunk_specs
 from hetps.proto.rpc import Aborted, RequestTimeout
@@ -135,9 +135,9 @@ def run_workers(trainers: list[Trainer], timeout_s: float = JOIN_S) -> list[Base
     return errors
 
 
-def train(make, overlap: bool, n_shards: int, chunk_bytes: int = 0):
+def train(make, overlap: bool, n_shards: int, chunk_bytes: int = 0, extra: tuple = ()):
     """STEPS sync steps of 2 workers; the shards' values and each worker's losses."""
-    cfg, data, harness, plan = setup(make, [f"comm.overlap={str(overlap).lower()}"], n_shards, chunk_bytes)
+    cfg, data, harness, plan = setup(make, [f"comm.overlap={str(overlap).lower()}", *extra], n_shards, chunk_bytes)
     trainers = make_trainers(cfg, data, plan, STEPS)
     assert all(type(t) is (OverlapTrainer if overlap else Trainer) for t in trainers)
     with serving(harness):
@@ -153,10 +153,13 @@ def assert_identical(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("n_shards,chunk_bytes", [(1, 0), (2, 0), (2, 4096)])
-def test_overlap_on_and_off_give_identical_parameters(harnesses, n_shards, chunk_bytes):
-    values_off, losses_off, plan = train(harnesses, False, n_shards, chunk_bytes)
-    values_on, losses_on, _ = train(harnesses, True, n_shards, chunk_bytes)
+@pytest.mark.parametrize("n_shards,chunk_bytes,extra", [
+    (1, 0, ()), (2, 0, ()), (2, 4096, ()),
+    (2, 4096, ("comm.compression=topk", "comm.topk_ratio=0.1")),  # the push hook, with per-tensor state
+])
+def test_overlap_on_and_off_give_identical_parameters(harnesses, n_shards, chunk_bytes, extra):
+    values_off, losses_off, plan = train(harnesses, False, n_shards, chunk_bytes, extra)
+    values_on, losses_on, _ = train(harnesses, True, n_shards, chunk_bytes, extra)
     assert all(len(ls) == STEPS for ls in losses_on + losses_off)
     assert losses_on == losses_off
     assert_identical(values_on, values_off)
@@ -206,7 +209,7 @@ def test_stop_during_an_overlapped_step_does_not_hang(harnesses):
         trainer.member.stop_requested.set()
         worker.join(timeout=JOIN_S)
     assert not worker.is_alive()
-    assert time.monotonic() - stopped_at < 5.0
+    assert time.monotonic() - stopped_at < 10.0  # waits poll the stop flag every 0.1 s
     assert len(errors) == 1 and isinstance(errors[0], Aborted)
     assert not link_threads(trainer)
 
@@ -235,7 +238,7 @@ def test_cluster_with_overlap_and_chunks_trains(run_dir):
                         "eval.every_s=1.0", "--out", str(run_dir), "--quiet"], timeout_s=200)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)
-    assert s["time_to_target_s"] is not None and s["final_accuracy"] >= 0.93, s
+    assert_reached_target(s, 0.94)
     assert s["failures"] == [] and s["not_left"] == []
     steps = records(run_dir, "step")
     assert {r["worker"] for r in steps} == {0, 1} and all("wait_s" in r for r in steps)

@@ -14,10 +14,15 @@ tensors waits for the replies of the shards up to the one holding that
 module's tensors (shards own contiguous ranges in forward order) and loads
 them, so the next forward starts as soon as the bottom shard has answered.
 A hook on the whole model loads whatever is left when its forward ends.
+Limit: a module that reads a tensor registered after it (weights tied
+backwards, on a later shard) would see it before its reply is loaded; when
+autograd saved that tensor, backward then fails loudly on the in-place load.
+Keep overlap off for such models.
 
 The wire and the shards' policies do not change: one PUSH and one PULL per
 shard per step, with the same clocks, so shards count rounds as before.
-Finer granularity comes from more shards or `cluster.chunk_bytes`.
+The pieces that overlap are the shards' ranges: more shards (with
+`cluster.chunk_bytes` to cut a large tensor between them) overlap more finely.
 
 Threads: one link thread per shard owns that shard's RpcClient exclusively
 from `Overlap(...)` to `close()`; the training thread (and autograd) hand it
@@ -69,12 +74,14 @@ class Exchange:
 
 class ShardLink:
     """A thread that owns one shard's RpcClient: for each queued Exchange it
-    sends the PUSH and the PULL back to back, waits for both replies and
-    marks the exchange done (errors included)."""
+    builds the PUSH with the client's `_push` (compression included; one
+    link at a time, under `build_lock`), sends it and the PULL back to back,
+    waits for both replies and marks the exchange done (errors included)."""
 
-    def __init__(self, client: PSClient, index: int):
+    def __init__(self, client: PSClient, index: int, build_lock: threading.Lock):
         self.client = client
         self.index = index
+        self.build_lock = build_lock
         self.jobs: queue.Queue[Exchange | None] = queue.Queue()
         self.leaving = threading.Event()
         self.thread = threading.Thread(target=self._serve, name=f"overlap-shard{index}", daemon=True)
@@ -102,8 +109,10 @@ class ShardLink:
         client, i = self.client, self.index
         rpc = client.shards[i]
         part = client._split(job.tensors)[i]
-        push_id = rpc.send(client._push(i, part, job.clock, job.n_samples, None))
-        pull_id = rpc.send(Pull(plan_id=client.plan.plan_id, clock=job.clock + 1))
+        with self.build_lock:  # `_push` may compress with state shared by all shards' pushes
+            push = client._push(i, part, job.clock, job.n_samples, None)
+        push_id = rpc.send(push)
+        pull_id = rpc.send(Pull(plan_id=client.plan.plan_id, clock=job.clock + 1), after=push_id)
         job.ack = rpc.wait(push_id)
         job.acked_at = time.monotonic()
         reply = rpc.wait(pull_id)
@@ -174,7 +183,8 @@ class Overlap:
         self.last_push_s = 0.0           # of that step: seconds its pushes were acked after finish()
         self.wait_s = 0.0                # seconds the training thread waited for replies since begin()
         self.finished_at = 0.0
-        self.links = [ShardLink(client, i) for i in range(n)]
+        build_lock = threading.Lock()
+        self.links = [ShardLink(client, i, build_lock) for i in range(n)]
         self.handles = self._install_hooks()
 
     # ------------------------------------------------------------ hooks
