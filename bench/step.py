@@ -4,6 +4,7 @@ same run.
 
     .venv/bin/python bench/step.py [--models lenet5,mlp10m] [--workers 2,4] [--steps 60]
                                    [--warmup 15] [--repeats 3] [--shards 2] [--overlap off,on]
+                                   [--fuse-pull on,off]
 
 For each model and worker count P:
 - DDP: P processes (torch.multiprocessing, spawn), each with
@@ -21,8 +22,10 @@ For each model and worker count P:
 Each figure is the median step over the timed steps of all workers, then the
 median over the repeats. The ratio is hetps / DDP (1.0 = as fast as DDP).
 `compute` is the hetps workers' median forward+backward thread CPU time.
-`--overlap off,on` runs hetps both ways (`comm.overlap`), against one DDP
-figure per model and P.
+`--overlap off,on` runs hetps both ways (`comm.overlap`), and
+`--fuse-pull on,off` with and without the fused push+pull (`comm.fuse_pull`;
+the overlapped trainer never fuses, so it runs once), against one DDP figure
+per model and P.
 """
 from __future__ import annotations
 
@@ -160,13 +163,13 @@ def step_records(run_dir: Path) -> dict[int, list[dict]]:
     return {w: sorted(rs, key=lambda r: r["step"]) for w, rs in by_worker.items()}
 
 
-def hetps_step_s(overrides: list[str], world: int, shards: int, overlap: bool, warmup: int, steps: int,
+def hetps_step_s(overrides: list[str], world: int, shards: int, setting: list[str], warmup: int, steps: int,
                  tmp: Path) -> tuple[float, float]:
     """(median step interval, median compute) in seconds over all workers' timed steps."""
     run_dir = tmp / f"run-{len(list(tmp.iterdir()))}"
     hetps_run([*overrides, f"cluster.workers={world}", f"cluster.shards={shards}", "eval.enabled=false",
                "stop.target_accuracy=null", f"stop.max_steps={world * (warmup + steps)}",
-               "stop.max_seconds=500", "cluster.profile_steps=2", f"comm.overlap={str(overlap).lower()}"],
+               "stop.max_seconds=500", "cluster.profile_steps=2", *setting],
               run_dir)
     intervals, compute = [], []
     for records in step_records(run_dir).values():
@@ -189,24 +192,34 @@ def machine() -> str:
 
 
 def bench_one(name: str, world: int, args, tmp: Path) -> list[str]:
-    """Table rows for one model and worker count: one per overlap setting.
+    """Table rows for one model and worker count: one per comm setting.
     Repeats are interleaved (DDP, then each hetps setting, again), so a
     change in the machine's load hits every column alike."""
     overrides = [*COMMON, *MODELS[name]]
-    ddp_runs, runs = [], {overlap: [] for overlap in args.overlap}
+    ddp_runs, runs = [], {label: [] for label in args.settings}
     for _ in range(args.repeats):
         ddp_runs.append(ddp_step_s(overrides, world, args.warmup, args.steps))
-        for overlap in args.overlap:
-            runs[overlap].append(hetps_step_s(overrides, world, args.shards, overlap, args.warmup, args.steps, tmp))
+        for label, setting in args.settings.items():
+            runs[label].append(hetps_step_s(overrides, world, args.shards, setting, args.warmup, args.steps, tmp))
     ddp = statistics.median(ddp_runs)
     rows = []
-    for overlap in args.overlap:
-        step = statistics.median(r[0] for r in runs[overlap])
-        compute = statistics.median(r[1] for r in runs[overlap])
-        rows.append(f"| {name} | {world} | {'on' if overlap else 'off'} | {step * 1e3:.1f} | "
+    for label in args.settings:
+        step = statistics.median(r[0] for r in runs[label])
+        compute = statistics.median(r[1] for r in runs[label])
+        rows.append(f"| {name} | {world} | {label} | {step * 1e3:.1f} | "
                     f"{compute * 1e3:.1f} | {ddp * 1e3:.1f} | {step / ddp:.2f} |")
         print(rows[-1], flush=True)
     return rows
+
+
+def comm_settings(overlap: list[str], fuse: list[str]) -> dict[str, list[str]]:
+    """Label -> overrides for each comm setting to time; overlap on never fuses, so it runs once."""
+    settings = {}
+    for o in overlap:
+        for f in (fuse if o == "off" else fuse[:1]):
+            label = f"{o}, {f}" if o == "off" else "on, -"
+            settings[label] = [f"comm.overlap={o == 'on'}".lower(), f"comm.fuse_pull={f == 'on'}".lower()]
+    return settings
 
 
 def main() -> None:
@@ -218,11 +231,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shards", type=int, default=2, help="hetps shard processes (configs/sync.yaml: 2)")
     parser.add_argument("--overlap", default="off", help="comm.overlap settings to run: off | on | off,on")
+    parser.add_argument("--fuse-pull", default="on", help="comm.fuse_pull settings to run: on | off | on,off")
     args = parser.parse_args()
-    args.overlap = [{"off": False, "on": True}[v] for v in args.overlap.split(",")]
+    args.settings = comm_settings(args.overlap.split(","), args.fuse_pull.split(","))
     os.environ["OMP_NUM_THREADS"] = "1"  # as `hetps run` gives its children
     print(f"machine: {machine()}; hetps: {args.shards} shard(s), scheduler, no evaluator")
-    print("| model | P | overlap | hetps sync ms | hetps compute ms | DDP-gloo ms | ratio |")
+    print("| model | P | overlap, fused push+pull | hetps sync ms | hetps compute ms | DDP-gloo ms | ratio |")
     print("|---|---|---|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory(prefix="hetps-step-") as tmp:
         for name in args.models.split(","):

@@ -2,7 +2,7 @@
 same bytes, measured in the same run on the same machine.
 
     .venv/bin/python bench/transport.py [--sizes lenet,4K,64K,1M,16M,64M,256M] [--seconds 1.5]
-        [--repeats 3] [--raw-frames one|per-tensor] [--profile DIR]
+        [--repeats 3] [--raw-frames one|per-tensor] [--fuse-pull on|off] [--profile DIR]
 
 Each row is a tensor set: SIZE is one float32 tensor of that many bytes;
 `lenet` is the real LeNet-5 parameter set (10 tensors, 61,706 floats).
@@ -11,7 +11,9 @@ Each row is a tensor set: SIZE is one float32 tensor of that many bytes;
   frame (`--raw-frames per-tensor`: one frame per tensor);
 - hetps: a real shard (async policy, plain SGD: momentum 0) over the hetps
   codec and transport, driven by the worker's PSClient doing push (the set's
-  bytes as gradients) + pull (the set's bytes back) per round trip.
+  bytes as gradients) + pull (the set's bytes back) per round trip: one PUSH
+  whose PARAMS reply carries the ACK (`comm.fuse_pull`, the default), or with
+  `--fuse-pull off` a PUSH and a PULL back to back.
 Both move the set's bytes each way per round trip. The shard's update (the
 SGD step, which the echo does not do) is timed inside the shard (thread CPU
 seconds per push); `excl. update` is the ratio with that time taken out of
@@ -127,7 +129,7 @@ def bench_raw(specs: list, seconds: float, per_tensor: bool) -> float:
     return elapsed / n
 
 
-def bench_hetps(row: str, seconds: float, profile: str) -> tuple[float, float]:
+def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True) -> tuple[float, float]:
     """(seconds per push+pull round trip, shard update seconds per push)."""
     from hetps.proto.config import ClusterConfig
     from hetps.worker.client import PSClient
@@ -137,7 +139,7 @@ def bench_hetps(row: str, seconds: float, profile: str) -> tuple[float, float]:
     stop = mp.Event()
     proc = mp.Process(target=hetps_shard_server, args=(row, q, stop, profile), daemon=True)
     proc.start()
-    client = PSClient(one_shard_plan(specs, q.get(timeout=60)), 2, ClusterConfig())
+    client = PSClient(one_shard_plan(specs, q.get(timeout=60)), 2, ClusterConfig(), fuse_pull=fuse_pull)
     try:
         client.init({s.name: torch.zeros(s.shape) for s in specs})
         grads = {s.name: torch.full(s.shape, 1e-6) for s in specs}
@@ -170,7 +172,8 @@ def bench_row(row: str, args) -> dict:
     raw, ours, update = [], [], []
     for r in range(args.repeats):
         raw.append(bench_raw(specs, args.seconds, args.raw_frames == "per-tensor"))
-        rt, upd = bench_hetps(row, args.seconds, args.profile if r == args.repeats - 1 else "")
+        rt, upd = bench_hetps(row, args.seconds, args.profile if r == args.repeats - 1 else "",
+                              args.fuse_pull == "on")
         ours.append(rt)
         update.append(upd)
     raw_s, ours_s, upd_s = statistics.median(raw), statistics.median(ours), statistics.median(update)
@@ -192,6 +195,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=1.5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--raw-frames", choices=["one", "per-tensor"], default="one")
+    parser.add_argument("--fuse-pull", choices=["on", "off"], default="on")
     parser.add_argument("--profile", default="", metavar="DIR")
     args = parser.parse_args()
     if args.profile:
@@ -199,7 +203,8 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {cpu_model()}, "
           f"Python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
-          f"libzmq {zmq.zmq_version()}; medians of {args.repeats}, raw frames: {args.raw_frames}")
+          f"libzmq {zmq.zmq_version()}; medians of {args.repeats}, raw frames: {args.raw_frames}, "
+          f"fused push+pull: {args.fuse_pull}")
     print(f"{'row':>6} {'tensors':>7} {'bytes':>10} {'raw us':>9} {'hetps us':>9} {'update us':>9} "
           f"{'raw MB/s':>9} {'hetps MB/s':>10} {'ratio':>6} {'excl. update':>12}")
     for row in args.sizes.split(","):

@@ -159,6 +159,7 @@ class CommConfig:
     overlap: bool = False      # push each gradient as backward produces it; wait per layer for the pull
     compression: str = "none"  # none | fp16 | topk  (worker -> shard gradients)
     topk_ratio: float = 0.01   # topk: fraction of each tensor's entries sent (error feedback keeps the rest)
+    fuse_pull: bool = True     # a push asks for the next values itself: one reply carries ACK and values
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,9 @@ class Push(Message):
     base_version: int             # shard version the gradient was computed on
     n_samples: int = 0
     info: dict = field(default_factory=dict)  # algorithm extras (e.g. local steps), string keys
+    # True: the reply is the PARAMS that a PULL with clock + 1 sent right behind this push
+    # would get (parked alike), carrying this push's ACK in `ack`: one round trip, two messages
+    pull: bool = False
     tensors: dict = field(default_factory=dict)
 
 
@@ -135,6 +138,9 @@ class Pull(Message):
 class Params(Message):
     OP: ClassVar[Op] = Op.PARAMS
     version: int
+    # a reply to a PUSH with `pull`: that push's ACK fields (version, staleness, plan_id, info),
+    # plus `held_s`, the seconds the values waited at the shard after the push was applied
+    ack: dict = field(default_factory=dict)
     tensors: dict = field(default_factory=dict)
 
 

@@ -9,6 +9,7 @@ values from the first INIT.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,8 @@ class ParkedPull:
     req_id: int
     worker: int
     clock: int
+    ack: Ack | None = None  # a push with `pull`: its ACK goes out with the values
+    since: float = 0.0      # monotonic time it was parked
 
 
 class Shard(Service):
@@ -114,6 +117,14 @@ class Shard(Service):
         if push.plan_id < self.plan.placement_id:  # made for a placement that no longer holds
             raise ProtocolError(Status.STALE_PLAN, f"plan {push.plan_id} predates placement of plan "
                                                    f"{self.plan.placement_id}")
+        ack = self._apply_push(env)
+        if not push.pull:
+            return ack
+        # the values a PULL with clock + 1 right behind this push would get, with the ACK
+        return self._answer_or_park(ParkedPull(peer, env.req_id, env.src, push.clock + 1, ack, time.monotonic()))
+
+    def _apply_push(self, env: Envelope) -> Ack:
+        push = env.msg
         last = self.recent_acks.get(env.src)
         if last is not None and last[0] == env.req_id:  # a retry of a push already applied
             self.counts["retried"] += 1
@@ -137,9 +148,11 @@ class Shard(Service):
         return ack
 
     def on_pull(self, peer: bytes, env: Envelope):
-        pull = ParkedPull(peer, env.req_id, env.src, env.msg.clock)
+        return self._answer_or_park(ParkedPull(peer, env.req_id, env.src, env.msg.clock, since=time.monotonic()))
+
+    def _answer_or_park(self, pull: ParkedPull) -> Params | None:
         if self._ready(pull):
-            return self._params()
+            return self._params(pull)
         # a retried pull replaces its parked original (its peer id may be new after a reconnect)
         self.parked = [p for p in self.parked if (p.worker, p.req_id) != (pull.worker, pull.req_id)]
         self.parked.append(pull)
@@ -221,9 +234,14 @@ class Shard(Service):
     def _ready(self, pull: ParkedPull) -> bool:
         return self.policy is not None and self.policy.pull_ready(pull.worker, pull.clock)
 
-    def _params(self) -> Params:
+    def _params(self, pull: ParkedPull | None = None) -> Params:
         self.counts["pulls"] += 1
-        return Params(version=self.store.version, tensors=self.store.snapshot())
+        ack = {}
+        if pull is not None and pull.ack is not None:
+            a = pull.ack
+            ack = {"version": a.version, "staleness": a.staleness, "plan_id": a.plan_id, "info": a.info,
+                   "held_s": round(time.monotonic() - pull.since, 6)}
+        return Params(version=self.store.version, ack=ack, tensors=self.store.snapshot())
 
     def reply(self, peer: bytes, req_id: int, msg):
         tracker = super().reply(peer, req_id, msg)
@@ -235,7 +253,7 @@ class Shard(Service):
         waiting = []
         for pull in self.parked:
             if self._ready(pull):
-                self.reply(pull.peer, pull.req_id, self._params())
+                self.reply(pull.peer, pull.req_id, self._params(pull))
             else:
                 waiting.append(pull)
         self.parked = waiting

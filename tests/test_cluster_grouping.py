@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster_util import log_tails, records, run_hetps, summary
+from cluster_util import assert_reached_target, log_tails, records, run_hetps, summary
 
 pytestmark = pytest.mark.cluster
 
@@ -33,7 +33,7 @@ def test_groups_update_independently(run_dir):
         assert shard["group_staleness"]["1"] > 1  # slow group's updates were damped
         assert shard["duplicates"] == 0
         assert shard["accepted"] == shard["contributions"] + shard["pending"]
-    assert s["final_accuracy"] >= 0.93, s
+    assert_reached_target(s, 0.94)
 
 
 def test_regrouping_when_a_worker_slows_down(run_dir):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from cluster_util import HETPS, REPO, processes_mentioning, records, summary
+from cluster_util import HETPS, assert_reached_target, REPO, processes_mentioning, records, summary
 from netns_util import NetDaemons, skip_reason, virtual_network
 
 pytestmark = pytest.mark.cluster
@@ -57,11 +57,11 @@ def test_cluster_trains_across_namespaces(run_dir, tmp_path):
         _start_cluster(net, daemons, config, run_dir, ["worker0", "worker1"])
         codes = daemons.wait(240)
         assert codes == {n: 0 for n in daemons.names}, f"exit codes {codes}\n{daemons.tails()}"
-        tails = daemons.tails()
+        print(daemons.tails())  # shown when the test fails
     print(f"namespace cluster: {time.monotonic() - started:.1f}s")
 
     s = summary(run_dir)
-    assert s["final_accuracy"] >= 0.93, f"{s}\n{tails}"
+    assert_reached_target(s, 0.94)
     assert s["failures"] == [], s
     plan = json.loads((run_dir / "plan.json").read_text())
     hosts = [s_["address"].removeprefix("tcp://").rsplit(":", 1)[0] for s_ in plan["shards"]]

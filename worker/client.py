@@ -1,7 +1,8 @@
 """The worker's client of the shards: sends each tensor to the shard that
 owns it (per the plan) and gathers values back. Requests to all shards are
-sent first and awaited after, so shards work in parallel; a push and the
-pull that follows it go back to back on one connection (one round trip).
+sent first and awaited after, so shards work in parallel. A step's push asks
+for the next values itself (`comm.fuse_pull`): one PUSH out, one PARAMS back
+per shard; unfused, a PUSH and a PULL go back to back on one connection.
 
 Blocking; every wait has the cluster's request timeout and is abandoned
 (Aborted) when `should_abort()` turns true. Not thread-safe.
@@ -13,22 +14,25 @@ from typing import Callable, Mapping
 
 import torch
 
-from hetps.proto.codec import DTYPE_NAMES
+from hetps.proto.codec import DTYPE_NAMES, ProtocolError
 from hetps.proto.compression import FLOATS, Compressor
 from hetps.proto.config import ClusterConfig
 from hetps.proto.emulation import WireFaults
-from hetps.proto.messages import Ack, Init, Params, Pull, Push
+from hetps.proto.messages import Ack, Init, Params, Pull, Push, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import RpcClient
 
 
 class PSClient:
     def __init__(self, plan: ClusterPlan, node_id: int, cluster: ClusterConfig,
-                 should_abort: Callable[[], bool] | None = None, compressor: Compressor | None = None):
+                 should_abort: Callable[[], bool] | None = None, compressor: Compressor | None = None,
+                 fuse_pull: bool = True):
         """`compressor`: applied to the gradients of float parameters in every
-        push (`comm.compression`; None: pushes travel exact)."""
+        push (`comm.compression`; None: pushes travel exact). `fuse_pull`
+        (`comm.fuse_pull`): push_pull asks for the values in the push itself."""
         self.plan = plan
         self.compressor = compressor
+        self.fuse_pull = fuse_pull
         floats = {DTYPE_NAMES[d] for d in FLOATS}
         self.compressible = {t.name for t in plan.tensors if t.kind == "param" and t.dtype in floats}
         self.faults = WireFaults(cluster.faults, seed=node_id)
@@ -92,11 +96,12 @@ class PSClient:
         ids = [c.send(Pull(plan_id=self.plan.plan_id, clock=clock)) for c in self.shards]
         return self._gather_params(ids)
 
-    def _push(self, i: int, part: dict, clock: int, n_samples: int, info: dict | None) -> Push:
+    def _push(self, i: int, part: dict, clock: int, n_samples: int, info: dict | None,
+              pull: bool = False) -> Push:
         if self.compressor is not None:
             part = self.compressor.compress(part, self.compressible)
         return Push(plan_id=self.plan.plan_id, clock=clock, base_version=self.versions[i],
-                    n_samples=n_samples, info=info or {}, tensors=part)
+                    n_samples=n_samples, info=info or {}, pull=pull, tensors=part)
 
     def compression_stats(self) -> dict:
         """Bytes the compressed gradients would have taken dense, and took."""
@@ -115,7 +120,10 @@ class PSClient:
         """Push this step's tensors (gradients and buffers; a model for the
         averaging algorithms; `info`: algorithm extras) made after `clock`
         pushes, then pull the values for the next step. Returns the push ACKs
-        and values."""
+        and values. Fused (the default): one PUSH with `pull` per shard, whose
+        PARAMS reply carries the ACK; otherwise a PUSH and a PULL back to back."""
+        if self.fuse_pull:
+            return self._fused_push_pull(tensors, clock, n_samples, info)
         push_ids, pull_ids = [], []
         started = time.perf_counter()
         for i, (c, part) in enumerate(zip(self.shards, self._split(tensors))):
@@ -125,15 +133,46 @@ class PSClient:
         self.last_push_s = time.perf_counter() - started
         return acks, self._gather_params(pull_ids)
 
+    def _fused_push_pull(self, tensors: Mapping[str, torch.Tensor], clock: int, n_samples: int,
+                         info: dict | None) -> tuple[list[Ack], dict[str, torch.Tensor]]:
+        started = time.perf_counter()
+        ids = [c.send(self._push(i, part, clock, n_samples, info, pull=True))
+               for i, (c, part) in enumerate(zip(self.shards, self._split(tensors)))]
+        values, acks, acked_after = {}, [], 0.0
+        for i, (c, req) in enumerate(zip(self.shards, ids)):
+            reply = self._params_reply(i, c.wait(req), fused=True)
+            ack, held_s = ack_of(reply)
+            acks.append(ack)
+            # the ACK was due when the push was applied, before the values waited at the shard
+            acked_after = max(acked_after, time.perf_counter() - started - held_s)
+            values.update(reply.tensors)
+        self.last_push_s = max(0.0, acked_after)
+        return acks, self._join(values)
+
     def _gather_params(self, ids: list[int]) -> dict[str, torch.Tensor]:
         values: dict[str, torch.Tensor] = {}
         for i, (c, req) in enumerate(zip(self.shards, ids)):
-            reply = c.wait(req)
-            assert isinstance(reply, Params)
-            self.versions[i] = reply.version
-            values.update(reply.tensors)
+            values.update(self._params_reply(i, c.wait(req)).tensors)
         return self._join(values)
+
+    def _params_reply(self, i: int, reply, fused: bool = False) -> Params:
+        if not isinstance(reply, Params) or (fused and not reply.ack):
+            raise ProtocolError(Status.MALFORMED, f"shard {i} answered with {type(reply).__name__}, "
+                                                  f"not the {'values and ACK' if fused else 'values'} asked for")
+        self.versions[i] = reply.version
+        return reply
 
     def close(self) -> None:
         for c in self.shards:
             c.close()
+
+
+def ack_of(reply: Params) -> tuple[Ack, float]:
+    """The ACK a fused PUSH+PULL reply carries, and the seconds its values waited at the shard."""
+    a = reply.ack
+    try:
+        ack = Ack(version=int(a.get("version", 0)), staleness=int(a.get("staleness", 0)),
+                  plan_id=int(a.get("plan_id", 0)), info=dict(a.get("info") or {}))
+        return ack, float(a.get("held_s", 0.0))
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(Status.MALFORMED, f"bad ACK in a PARAMS reply: {exc}") from None

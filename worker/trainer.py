@@ -80,7 +80,8 @@ class Trainer:
         self.slowdown = Slowdown(node)
         self.device = str(state.device)
         compressor = make_compressor(cfg.comm.compression, cfg.comm.topk_ratio) if self.pushes_gradients else None
-        self.client = PSClient(plan, member.node_id, cfg.cluster, self.should_abort, compressor)
+        self.client = PSClient(plan, member.node_id, cfg.cluster, self.should_abort, compressor,
+                               fuse_pull=cfg.comm.fuse_pull)
         self.timer = StepTimer()
         self.clock = 0
         self.staleness = 0   # the shards' staleness for our last push
