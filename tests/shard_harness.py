@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch import nn
 
 from hetps.proto.config import load_config
 from hetps.proto.messages import Ack, Init, Pull, Push
@@ -21,9 +22,27 @@ from hetps.proto.rpc import RequestTimeout, RpcClient
 from hetps.proto.transport import make_server
 from hetps.ps.shard import Shard
 from hetps.scheduler.placement import place
+from hetps.worker.state import model_tensors
 
 SHARD_IDS = (21, 22)      # shard node ids
 PLAN_ID = 3
+
+
+def tiny_model() -> nn.Module:
+    """A model with parameters and BatchNorm buffers (float and integer), seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2))
+
+
+def values_of(model: nn.Module) -> dict:
+    return {n: t.detach().clone() for n, (t, _) in model_tensors(model).items()}
+
+
+def grads(model: nn.Module, seed: int) -> dict:
+    """A push as a worker makes it: a seeded gradient per parameter, current values per buffer."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn(t.shape, generator=g) if kind == "param" else t.detach().clone())
+            for n, (t, kind) in model_tensors(model).items()}
 
 
 def make_plan(specs: list[TensorSpec], workers: Sequence[int], n_shards: int = 1, algorithm: str = "sync",

@@ -17,25 +17,10 @@ from hetps.proto.plan import ClusterPlan, NodeEntry
 from hetps.proto.transport import make_server
 from hetps.ps.shard import Shard
 from hetps.worker.client import PSClient
-from hetps.worker.state import model_specs, model_tensors
-from shard_harness import PLAN_ID, ShardHarness, closing_factory, not_answered
+from hetps.worker.state import model_specs
+from shard_harness import PLAN_ID, ShardHarness, closing_factory, grads, not_answered, tiny_model, values_of
 
 A, B = 11, 12
-
-
-def tiny_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2))
-
-
-def values_of(model: nn.Module) -> dict:
-    return {n: t.detach().clone() for n, (t, _) in model_tensors(model).items()}
-
-
-def grads(model: nn.Module, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {n: (torch.randn(t.shape, generator=g) if kind == "param" else t.detach().clone())
-            for n, (t, kind) in model_tensors(model).items()}
 
 
 class Harness(ShardHarness):
