@@ -2,7 +2,7 @@
 same bytes, measured in the same run on the same machine.
 
     .venv/bin/python bench/transport.py [--sizes lenet,4K,64K,1M,16M,64M,256M] [--seconds 1.5]
-        [--repeats 3] [--raw-frames one|per-tensor] [--fuse-pull on|off] [--profile DIR]
+        [--repeats 3] [--raw-frames one|per-tensor] [--fuse-pull on|off] [--curve] [--profile DIR]
 
 Each row is a tensor set: SIZE is one float32 tensor of that many bytes;
 `lenet` is the real LeNet-5 parameter set (10 tensors, 61,706 floats).
@@ -13,7 +13,9 @@ Each row is a tensor set: SIZE is one float32 tensor of that many bytes;
   codec and transport, driven by the worker's PSClient doing push (the set's
   bytes as gradients) + pull (the set's bytes back) per round trip: one PUSH
   whose PARAMS reply carries the ACK (`comm.fuse_pull`, the default), or with
-  `--fuse-pull off` a PUSH and a PULL back to back.
+  `--fuse-pull off` a PUSH and a PULL back to back. `--curve`: hetps with
+  CurveZMQ on both sockets (keys in a temporary directory), the raw echo
+  still plain, so the ratio includes what encryption costs.
 Both move the set's bytes each way per round trip. The shard's update (the
 SGD step, which the echo does not do) is timed inside the shard (thread CPU
 seconds per push); `excl. update` is the ratio with that time taken out of
@@ -28,12 +30,16 @@ import cProfile
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import zmq
 
+CURVE_CLIENT = "bench"
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
 
 
@@ -72,11 +78,23 @@ def raw_echo_server(port_queue: mp.Queue) -> None:
     sock.close(0)
 
 
-def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str) -> None:
+def use_curve(keys_dir: str, role: str) -> None:
+    """Curve on for this process's later hetps sockets (no-op without `keys_dir`)."""
+    if keys_dir:
+        from hetps.proto import security
+        from hetps.proto.config import load_config
+
+        cfg = load_config(None, ["security.curve=true", f"security.keys_dir={keys_dir}"])
+        security.configure(cfg, role, client_key=CURVE_CLIENT)
+
+
+def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str, keys_dir: str) -> None:
     torch.set_num_threads(1)
     from hetps.proto.config import load_config
     from hetps.proto.transport import make_server
     from hetps.ps.shard import Shard
+
+    use_curve(keys_dir, "ps")
 
     cfg = load_config(None, ["algorithm.name=async", "optimizer.momentum=0.0"])
     server = make_server("tcp://127.0.0.1:0")
@@ -129,7 +147,8 @@ def bench_raw(specs: list, seconds: float, per_tensor: bool) -> float:
     return elapsed / n
 
 
-def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True) -> tuple[float, float]:
+def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True,
+                keys_dir: str = "") -> tuple[float, float]:
     """(seconds per push+pull round trip, shard update seconds per push)."""
     from hetps.proto.config import ClusterConfig
     from hetps.worker.client import PSClient
@@ -137,8 +156,9 @@ def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True) 
     specs = tensor_set(row)
     q: mp.Queue = mp.Queue()
     stop = mp.Event()
-    proc = mp.Process(target=hetps_shard_server, args=(row, q, stop, profile), daemon=True)
+    proc = mp.Process(target=hetps_shard_server, args=(row, q, stop, profile, keys_dir), daemon=True)
     proc.start()
+    use_curve(keys_dir, "worker")
     client = PSClient(one_shard_plan(specs, q.get(timeout=60)), 2, ClusterConfig(), fuse_pull=fuse_pull)
     try:
         client.init({s.name: torch.zeros(s.shape) for s in specs})
@@ -159,6 +179,10 @@ def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True) 
     finally:
         client.close()
         stop.set()
+        if keys_dir:
+            from hetps.proto import security
+
+            security.reset()
     stats = q.get(timeout=60)
     proc.join(timeout=10)
     if proc.is_alive():
@@ -173,7 +197,7 @@ def bench_row(row: str, args) -> dict:
     for r in range(args.repeats):
         raw.append(bench_raw(specs, args.seconds, args.raw_frames == "per-tensor"))
         rt, upd = bench_hetps(row, args.seconds, args.profile if r == args.repeats - 1 else "",
-                              args.fuse_pull == "on")
+                              args.fuse_pull == "on", args.keys_dir)
         ours.append(rt)
         update.append(upd)
     raw_s, ours_s, upd_s = statistics.median(raw), statistics.median(ours), statistics.median(update)
@@ -196,23 +220,38 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--raw-frames", choices=["one", "per-tensor"], default="one")
     parser.add_argument("--fuse-pull", choices=["on", "off"], default="on")
+    parser.add_argument("--curve", action="store_true", help="hetps over CurveZMQ (raw stays plain)")
     parser.add_argument("--profile", default="", metavar="DIR")
     args = parser.parse_args()
+    args.keys_dir = ""
+    if args.curve:
+        from hetps.proto.security import write_keys
+
+        args.keys_dir = tempfile.mkdtemp(prefix="hetps-bench-keys-")
+        write_keys(Path(args.keys_dir) / "keys", [CURVE_CLIENT])
+        args.keys_dir = str(Path(args.keys_dir) / "keys")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     torch.set_num_threads(1)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {cpu_model()}, "
           f"Python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
           f"libzmq {zmq.zmq_version()}; medians of {args.repeats}, raw frames: {args.raw_frames}, "
-          f"fused push+pull: {args.fuse_pull}")
+          f"fused push+pull: {args.fuse_pull}, curve: {'on' if args.curve else 'off'}")
     print(f"{'row':>6} {'tensors':>7} {'bytes':>10} {'raw us':>9} {'hetps us':>9} {'update us':>9} "
           f"{'raw MB/s':>9} {'hetps MB/s':>10} {'ratio':>6} {'excl. update':>12}")
-    for row in args.sizes.split(","):
-        r = bench_row(row, args)
-        mb = 2 * r["bytes"] / 1e6
-        print(f"{row:>6} {r['tensors']:>7} {r['bytes']:>10} {r['raw_s'] * 1e6:9.0f} {r['hetps_s'] * 1e6:9.0f} "
-              f"{r['update_s'] * 1e6:9.0f} {mb / r['raw_s']:9.0f} {mb / r['hetps_s']:10.0f} {r['ratio']:6.2f} "
-              f"{r['ratio_excl_update']:12.2f}", flush=True)
+    try:
+        for row in args.sizes.split(","):
+            print_row(row, bench_row(row, args))
+    finally:
+        if args.keys_dir:
+            shutil.rmtree(Path(args.keys_dir).parent, ignore_errors=True)
+
+
+def print_row(row: str, r: dict) -> None:
+    mb = 2 * r["bytes"] / 1e6
+    print(f"{row:>6} {r['tensors']:>7} {r['bytes']:>10} {r['raw_s'] * 1e6:9.0f} {r['hetps_s'] * 1e6:9.0f} "
+          f"{r['update_s'] * 1e6:9.0f} {mb / r['raw_s']:9.0f} {mb / r['hetps_s']:10.0f} {r['ratio']:6.2f} "
+          f"{r['ratio_excl_update']:12.2f}", flush=True)
 
 
 if __name__ == "__main__":

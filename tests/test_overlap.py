@@ -156,6 +156,7 @@ def assert_identical(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("n_shards,chunk_bytes,extra", [
     (1, 0, ()), (2, 0, ()), (2, 4096, ()),
     (2, 4096, ("comm.compression=topk", "comm.topk_ratio=0.1")),  # the push hook, with per-tensor state
+    (2, 4096, ("comm.fuse_pull=false",)),                          # a PUSH and a PULL per shard
 ])
 def test_overlap_on_and_off_give_identical_parameters(harnesses, n_shards, chunk_bytes, extra):
     values_off, losses_off, plan = train(harnesses, False, n_shards, chunk_bytes, extra)

@@ -4,6 +4,7 @@ re-sent requests applied once, NaN/Inf handling modes, dropped messages
 recovered by retries, resume points."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -18,8 +19,9 @@ from hetps.proto.emulation import WireFaults
 from hetps.proto.messages import Ack, Params, Pull, Push, Status
 from hetps.proto.rpc import RemoteError, RpcClient
 from hetps.ps.shard import POLICIES
+from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs, model_tensors
-from shard_harness import PLAN_ID, ShardHarness, closing_factory, grads, tiny_model, values_of
+from shard_harness import PLAN_ID, ShardHarness, closing_factory, grads, make_plan, tiny_model, values_of
 
 A, B = 11, 12
 
@@ -240,6 +242,25 @@ def test_wire_faults_delay_and_count():
     started = time.monotonic()
     assert faults.admit()
     assert time.monotonic() - started >= 0.05 and faults.delayed == 1 and faults.dropped == 0
+
+
+def test_each_shard_connection_draws_its_own_repeatable_faults():
+    """With comm.overlap each shard's requests leave from their own thread: one
+    shared generator would make the drops depend on thread timing."""
+    cfg = load_config(None, ["cluster.faults.drop=0.5"])
+    plan = make_plan(model_specs(tiny_model()), [A], n_shards=2)
+    plan = dataclasses.replace(plan, shards=[dataclasses.replace(s, address=f"tcp://127.0.0.1:{9 + i}")
+                                             for i, s in enumerate(plan.shards)])
+    draws = []
+    for _ in range(2):
+        client = PSClient(plan, A, cfg.cluster)
+        try:
+            draws.append([[f.admit() for _ in range(40)] for f in client.faults])
+            assert client.fault_stats()["dropped"] == sum(not ok for d in draws[-1] for ok in d)
+        finally:
+            client.close()
+    assert draws[0] == draws[1]          # the same node draws the same drops on each connection
+    assert draws[0][0] != draws[0][1]    # and the connections draw independently
 
 
 # ---------------------------------------------------------------- NaN / Inf

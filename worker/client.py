@@ -35,11 +35,13 @@ class PSClient:
         self.fuse_pull = fuse_pull
         floats = {DTYPE_NAMES[d] for d in FLOATS}
         self.compressible = {t.name for t in plan.tensors if t.kind == "param" and t.dtype in floats}
-        self.faults = WireFaults(cluster.faults, seed=node_id)
+        # one seeded fault stream per shard connection: with comm.overlap each has its own
+        # thread, and a shared generator would make the drops depend on thread timing
+        self.faults = [WireFaults(cluster.faults, seed=node_id * 1009 + i) for i in range(len(plan.shards))]
         self.shards = [RpcClient(s.address, src=node_id, timeout_s=cluster.request_timeout_s,
                                  max_message_bytes=cluster.max_message_bytes, should_abort=should_abort,
-                                 retry_s=cluster.retry_s, faults=self.faults)
-                       for s in plan.shards]
+                                 retry_s=cluster.retry_s, faults=faults)
+                       for s, faults in zip(plan.shards, self.faults)]
         self.names = [[t.name for t in plan.owned(i)] for i in range(len(plan.shards))]
         self.versions = [0] * len(plan.shards)  # version of each shard's values we hold
         self.last_push_s = 0.0  # seconds from sending the last push_pull until its pushes were acked
@@ -62,8 +64,8 @@ class PSClient:
 
     def fault_stats(self) -> dict:
         """Requests re-sent (retries) and, under fault injection, dropped or delayed."""
-        return {"resent": sum(c.resent for c in self.shards), "dropped": self.faults.dropped,
-                "delayed": self.faults.delayed}
+        return {"resent": sum(c.resent for c in self.shards), "dropped": sum(f.dropped for f in self.faults),
+                "delayed": sum(f.delayed for f in self.faults)}
 
     def _split(self, tensors: Mapping[str, torch.Tensor]) -> list[dict]:
         """Per shard, the tensors it owns; chunked tensors become views of their parts."""

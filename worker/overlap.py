@@ -19,8 +19,9 @@ backwards, on a later shard) would see it before its reply is loaded; when
 autograd saved that tensor, backward then fails loudly on the in-place load.
 Keep overlap off for such models.
 
-The wire and the shards' policies do not change: one PUSH and one PULL per
-shard per step, with the same clocks, so shards count rounds as before.
+The wire and the shards' policies do not change: one PUSH per shard per step
+(with the PULL fused into it under `comm.fuse_pull`, else right behind it),
+with the same clocks, so shards count rounds as before.
 The pieces that overlap are the shards' ranges: more shards (with
 `cluster.chunk_bytes` to cut a large tensor between them) overlap more finely.
 
@@ -42,11 +43,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hetps.proto.messages import Ack, Params, Pull
+from hetps.proto.messages import Ack, Pull
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted, RequestTimeout
 
-from .client import PSClient
+from .client import PSClient, ack_of
 from .state import ModelState
 from .trainer import Trainer
 
@@ -75,8 +76,9 @@ class Exchange:
 class ShardLink:
     """A thread that owns one shard's RpcClient: for each queued Exchange it
     builds the PUSH with the client's `_push` (compression included; one
-    link at a time, under `build_lock`), sends it and the PULL back to back,
-    waits for both replies and marks the exchange done (errors included)."""
+    link at a time, under `build_lock`), sends it (asking for the values in
+    it with `comm.fuse_pull`, else with a PULL right behind it), waits for the
+    reply or replies and marks the exchange done (errors included)."""
 
     def __init__(self, client: PSClient, index: int, build_lock: threading.Lock):
         self.client = client
@@ -110,14 +112,17 @@ class ShardLink:
         rpc = client.shards[i]
         part = client._split(job.tensors)[i]
         with self.build_lock:  # `_push` may compress with state shared by all shards' pushes
-            push = client._push(i, part, job.clock, job.n_samples, None)
+            push = client._push(i, part, job.clock, job.n_samples, None, pull=client.fuse_pull)
         push_id = rpc.send(push)
-        pull_id = rpc.send(Pull(plan_id=client.plan.plan_id, clock=job.clock + 1), after=push_id)
-        job.ack = rpc.wait(push_id)
-        job.acked_at = time.monotonic()
-        reply = rpc.wait(pull_id)
-        assert isinstance(reply, Params)
-        client.versions[i] = reply.version
+        if client.fuse_pull:  # one reply: the values, carrying the ACK
+            reply = client._params_reply(i, rpc.wait(push_id), fused=True)
+            job.ack, held_s = ack_of(reply)
+            job.acked_at = time.monotonic() - held_s
+        else:
+            pull_id = rpc.send(Pull(plan_id=client.plan.plan_id, clock=job.clock + 1), after=push_id)
+            job.ack = rpc.wait(push_id)
+            job.acked_at = time.monotonic()
+            reply = client._params_reply(i, rpc.wait(pull_id))
         job.values = reply.tensors
 
     def stop(self) -> bool:

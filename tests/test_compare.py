@@ -1,0 +1,62 @@
+"""`hetps compare`: the table arithmetic (medians, speedups, repeats that
+missed the target) and a real comparison of two algorithms writing its three
+files, one row per algorithm."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster_util import log_tails, run_hetps, summary
+from hetps.scheduler.compare import aggregate, markdown
+
+
+def fake_summary(ttt, acc, steps=100, sent=1_000_000, versions=None, rounds=None) -> dict:
+    s = {"time_to_target_s": ttt, "final_accuracy": acc, "bytes_sent": sent, "bytes_received": sent,
+         "shard_versions": versions or {"ps0": 50, "ps1": 50}, "global_steps": steps, "run_dir": "x"}
+    if rounds is not None:
+        s["communication_rounds"] = rounds
+    return s
+
+
+def test_aggregate_takes_medians_and_counts_repeats_that_reached_the_target():
+    row = aggregate("sync", [fake_summary(4.0, 0.95), fake_summary(2.0, 0.97), fake_summary(3.0, 0.96)])
+    assert row["time_to_target_s"] == 3.0 and row["final_accuracy"] == 0.96
+    assert row["reached"] == 3 and row["repeats"] == 3
+    assert row["bytes"] == 2_000_000 and row["rounds"] == 50
+    missed = aggregate("async", [fake_summary(1.0, 0.95), fake_summary(None, 0.80)])
+    assert missed["time_to_target_s"] is None and missed["reached"] == 1  # no median over a miss
+    assert aggregate("cpsgd", [fake_summary(1.0, 0.9, rounds=7)])["rounds"] == 7
+
+
+def test_markdown_has_one_row_per_algorithm_with_speedup_over_the_first():
+    rows = [aggregate("sync", [fake_summary(4.0, 0.95)]), aggregate("async", [fake_summary(2.0, 0.96)]),
+            aggregate("ssp", [fake_summary(None, 0.90)])]
+    lines = markdown(rows, "configs/sync.yaml").splitlines()
+    table = [line for line in lines if line.startswith("| ") and not line.startswith("| algorithm")]
+    assert [line.split(" | ")[0] for line in table] == ["| sync", "| async", "| ssp"]
+    assert "| 1.00x |" in table[0] and "| 2.00x |" in table[1]
+    assert "| - | - |" in table[2] and table[2].endswith("| 0/1 |")
+
+
+@pytest.mark.cluster
+def test_compare_writes_its_three_files_with_one_row_per_algorithm(run_dir):
+    out = run_dir  # the fixture kills anything left mentioning it
+    result = run_hetps(["compare", "configs/sync.yaml", "--algorithms", "sync,async", "--repeats", "1",
+                        "--out", str(out), "cluster.workers=2", "stop.target_accuracy=0.8",
+                        "stop.max_seconds=60", "eval.every_s=0.5"], timeout_s=300)
+    assert result.returncode == 0, result.stderr[-3000:] + log_tails(out / "sync-0") + log_tails(out / "async-0")
+    assert "hetps compare: sync run 1/1" in result.stderr and "hetps compare: async run 1/1" in result.stderr
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["algorithm"] for r in rows] == ["sync", "async"]
+    for r in rows:
+        s = summary(out / f"{r['algorithm']}-0")
+        assert s["algorithm"] == r["algorithm"]
+        assert r["final_accuracy"] == s["final_accuracy"] and r["reached"] == 1
+        assert r["time_to_target_s"] == s["time_to_target_s"] is not None
+        assert r["bytes"] == s["bytes_sent"] + s["bytes_received"] > 0
+    table = [line for line in (out / "compare.md").read_text().splitlines()
+             if line.startswith("| ") and not line.startswith("| algorithm")]
+    assert [line.split(" | ")[0] for line in table] == ["| sync", "| async"]
+    png = (out / "compare.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
