@@ -23,9 +23,8 @@ Each figure is the median step over the timed steps of all workers, then the
 median over the repeats. The ratio is hetps / DDP (1.0 = as fast as DDP).
 `compute` is the hetps workers' median forward+backward thread CPU time.
 `--overlap off,on` runs hetps both ways (`comm.overlap`), and
-`--fuse-pull on,off` with and without the fused push+pull (`comm.fuse_pull`;
-the overlapped trainer never fuses, so it runs once), against one DDP figure
-per model and P.
+`--fuse-pull on,off` with and without the fused push+pull (`comm.fuse_pull`),
+every combination against one DDP figure per model and P.
 """
 from __future__ import annotations
 
@@ -213,13 +212,9 @@ def bench_one(name: str, world: int, args, tmp: Path) -> list[str]:
 
 
 def comm_settings(overlap: list[str], fuse: list[str]) -> dict[str, list[str]]:
-    """Label -> overrides for each comm setting to time; overlap on never fuses, so it runs once."""
-    settings = {}
-    for o in overlap:
-        for f in (fuse if o == "off" else fuse[:1]):
-            label = f"{o}, {f}" if o == "off" else "on, -"
-            settings[label] = [f"comm.overlap={o == 'on'}".lower(), f"comm.fuse_pull={f == 'on'}".lower()]
-    return settings
+    """Label ("overlap, fuse") -> overrides, for each combination to time."""
+    return {f"{o}, {f}": [f"comm.overlap={o == 'on'}".lower(), f"comm.fuse_pull={f == 'on'}".lower()]
+            for o in overlap for f in fuse}
 
 
 def main() -> None:
