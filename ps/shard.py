@@ -8,6 +8,7 @@ values from the first INIT.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -153,8 +154,12 @@ class Shard(Service):
     def _answer_or_park(self, pull: ParkedPull) -> Params | None:
         if self._ready(pull):
             return self._params(pull)
-        # a retried pull replaces its parked original (its peer id may be new after a reconnect)
-        self.parked = [p for p in self.parked if (p.worker, p.req_id) != (pull.worker, pull.req_id)]
+        # a retried pull replaces its parked original (its peer id may be new after a reconnect);
+        # it keeps the original's `since`, so `held_s` counts from the first arrival
+        original = next((p for p in self.parked if (p.worker, p.req_id) == (pull.worker, pull.req_id)), None)
+        if original is not None:
+            self.parked.remove(original)
+            pull = dataclasses.replace(pull, since=original.since)
         self.parked.append(pull)
         return None
 

@@ -5,12 +5,13 @@ and, for the worker's client, shards served on a thread over inproc://."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 from torch import nn
 
-from hetps.proto.codec import encode
+from hetps.proto.codec import decode, encode
 from hetps.proto.config import ClusterConfig, load_config
 from hetps.proto.messages import Ack, Params, Pull, Push
 from hetps.proto.plan import ClusterPlan, NodeEntry
@@ -100,6 +101,29 @@ def test_a_resent_fused_push_is_applied_once_and_answered_with_values(harnesses)
     replies = [client.transport.recv(1.0) for _ in range(3)]
     assert all(r is not None for r in replies)
     assert h.versions() == [1] and h.stats()[0]["retried"] == 2
+
+
+def test_a_resent_parked_fused_push_is_answered_once_and_keeps_its_wait(harnesses):
+    """A worker re-sends a push still parked for its round (cluster.retry_s): one
+    reply, and `held_s` counts from the first arrival, so the worker's push time
+    (its measured speed) does not grow with the wait."""
+    model = tiny_model()
+    h = harnesses(model, [])
+    h.init(values_of(model))
+    a = h.client(A)
+    frames = encode(fused(0, grads(model, 1)), 779, A)
+    a.transport.send(frames)
+    h.serve()
+    time.sleep(0.2)
+    a.transport.send(frames)  # the retry, same request id
+    h.serve()
+    assert h.stats()[0]["parked"] == 1 and h.versions() == [0]
+    h.call(B, fused(0, grads(model, 2)))
+    first = a.transport.recv(1.0)
+    assert first is not None and a.transport.recv(0.1) is None  # answered once
+    reply = decode(first).msg
+    assert isinstance(reply, Params) and reply.version == 1
+    assert reply.ack["held_s"] >= 0.2 and reply.ack["version"] == 0
 
 
 def test_a_refused_fused_push_gets_an_error_and_no_values(harnesses):

@@ -80,8 +80,10 @@ class Trainer:
         self.slowdown = Slowdown(node)
         self.device = str(state.device)
         compressor = make_compressor(cfg.comm.compression, cfg.comm.topk_ratio) if self.pushes_gradients else None
+        # averaging pushes wait for whole rounds: unfused, the model is acked at once and only the
+        # small PULL waits (and is re-sent after cluster.retry_s), not the whole model
         self.client = PSClient(plan, member.node_id, cfg.cluster, self.should_abort, compressor,
-                               fuse_pull=cfg.comm.fuse_pull)
+                               fuse_pull=cfg.comm.fuse_pull and self.pushes_gradients)
         self.timer = StepTimer()
         self.clock = 0
         self.staleness = 0   # the shards' staleness for our last push
