@@ -8,10 +8,9 @@ values from the first INIT.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -159,7 +158,7 @@ class Shard(Service):
         original = next((p for p in self.parked if (p.worker, p.req_id) == (pull.worker, pull.req_id)), None)
         if original is not None:
             self.parked.remove(original)
-            pull = dataclasses.replace(pull, since=original.since)
+            pull = replace(pull, since=original.since)
         self.parked.append(pull)
         return None
 

@@ -9,8 +9,9 @@ Blocking; every wait has the cluster's request timeout and is abandoned
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable, Mapping
+from typing import Callable, ContextManager, Mapping
 
 import torch
 
@@ -122,34 +123,45 @@ class PSClient:
         """Push this step's tensors (gradients and buffers; a model for the
         averaging algorithms; `info`: algorithm extras) made after `clock`
         pushes, then pull the values for the next step. Returns the push ACKs
-        and values. Fused (the default): one PUSH with `pull` per shard, whose
-        PARAMS reply carries the ACK; otherwise a PUSH and a PULL back to back."""
-        if self.fuse_pull:
-            return self._fused_push_pull(tensors, clock, n_samples, info)
-        push_ids, pull_ids = [], []
-        started = time.perf_counter()
-        for i, (c, part) in enumerate(zip(self.shards, self._split(tensors))):
-            push_ids.append(c.send(self._push(i, part, clock, n_samples, info)))
-            pull_ids.append(c.send(Pull(plan_id=self.plan.plan_id, clock=clock + 1), after=push_ids[-1]))
-        acks = [c.wait(req) for c, req in zip(self.shards, push_ids)]
-        self.last_push_s = time.perf_counter() - started
-        return acks, self._gather_params(pull_ids)
+        and values. Every shard's request goes out before any reply is awaited."""
+        started = time.monotonic()
+        steps = [self.send_step(i, part, clock, n_samples, info) for i, part in enumerate(self._split(tensors))]
+        acked = [self.await_ack(i, step) for i, step in enumerate(steps)]  # all ACKs first, then values
+        values: dict[str, torch.Tensor] = {}
+        for i, (step, (_, _, reply)) in enumerate(zip(steps, acked)):
+            values.update(self.await_values(i, step, reply).tensors)
+        self.last_push_s = max(0.0, max(at for _, at, _ in acked) - started) if acked else 0.0
+        return [ack for ack, _, _ in acked], self._join(values)
 
-    def _fused_push_pull(self, tensors: Mapping[str, torch.Tensor], clock: int, n_samples: int,
-                         info: dict | None) -> tuple[list[Ack], dict[str, torch.Tensor]]:
-        started = time.perf_counter()
-        ids = [c.send(self._push(i, part, clock, n_samples, info, pull=True))
-               for i, (c, part) in enumerate(zip(self.shards, self._split(tensors)))]
-        values, acks, acked_after = {}, [], 0.0
-        for i, (c, req) in enumerate(zip(self.shards, ids)):
-            reply = self._params_reply(i, c.wait(req), fused=True)
-            ack, held_s = ack_of(reply)
-            acks.append(ack)
-            # the ACK was due when the push was applied, before the values waited at the shard
-            acked_after = max(acked_after, time.perf_counter() - started - held_s)
-            values.update(reply.tensors)
-        self.last_push_s = max(0.0, acked_after)
-        return acks, self._join(values)
+    def send_step(self, i: int, part: dict, clock: int, n_samples: int, info: dict | None,
+                  build_lock: ContextManager = contextlib.nullcontext()) -> tuple[int, int | None]:
+        """Send shard `i`'s part of a step: a PUSH asking for the next values
+        (fused), or a PUSH and a PULL right behind it. Returns (push id, pull
+        id or None). `build_lock` is held while the push is built (compression
+        state shared between threads)."""
+        with build_lock:
+            push = self._push(i, part, clock, n_samples, info, pull=self.fuse_pull)
+        c = self.shards[i]
+        push_id = c.send(push)
+        if self.fuse_pull:
+            return push_id, None
+        return push_id, c.send(Pull(plan_id=self.plan.plan_id, clock=clock + 1), after=push_id)
+
+    def await_ack(self, i: int, step: tuple[int, int | None]) -> tuple[Ack, float, Params | None]:
+        """Shard `i`'s ACK of a sent step, the monotonic time it was due, and
+        the values when they came with it (fused: the ACK was due when the
+        push was applied, before the values waited at the shard for `held_s`)."""
+        push_id, pull_id = step
+        if pull_id is not None:
+            ack = self.shards[i].wait(push_id)
+            return ack, time.monotonic(), None
+        reply = self._params_reply(i, self.shards[i].wait(push_id), fused=True)
+        ack, held_s = ack_of(reply)
+        return ack, time.monotonic() - held_s, reply
+
+    def await_values(self, i: int, step: tuple[int, int | None], reply: Params | None) -> Params:
+        """Shard `i`'s values for the next step: `reply` if they came with the ACK."""
+        return reply if reply is not None else self._params_reply(i, self.shards[i].wait(step[1]))
 
     def _gather_params(self, ids: list[int]) -> dict[str, torch.Tensor]:
         values: dict[str, torch.Tensor] = {}

@@ -43,11 +43,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hetps.proto.messages import Ack, Pull
+from hetps.proto.messages import Ack
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted, RequestTimeout
 
-from .client import PSClient, ack_of
+from .client import PSClient
 from .state import ModelState
 from .trainer import Trainer
 
@@ -109,21 +109,10 @@ class ShardLink:
 
     def _exchange(self, job: Exchange) -> None:
         client, i = self.client, self.index
-        rpc = client.shards[i]
         part = client._split(job.tensors)[i]
-        with self.build_lock:  # `_push` may compress with state shared by all shards' pushes
-            push = client._push(i, part, job.clock, job.n_samples, None, pull=client.fuse_pull)
-        push_id = rpc.send(push)
-        if client.fuse_pull:  # one reply: the values, carrying the ACK
-            reply = client._params_reply(i, rpc.wait(push_id), fused=True)
-            job.ack, held_s = ack_of(reply)
-            job.acked_at = time.monotonic() - held_s
-        else:
-            pull_id = rpc.send(Pull(plan_id=client.plan.plan_id, clock=job.clock + 1), after=push_id)
-            job.ack = rpc.wait(push_id)
-            job.acked_at = time.monotonic()
-            reply = client._params_reply(i, rpc.wait(pull_id))
-        job.values = reply.tensors
+        step = client.send_step(i, part, job.clock, job.n_samples, None, self.build_lock)
+        job.ack, job.acked_at, reply = client.await_ack(i, step)
+        job.values = client.await_values(i, step, reply).tensors
 
     def stop(self) -> bool:
         """Ask the thread to leave once the exchanges queued so far are done
