@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from cluster_util import (REPO, Daemons, assert_reached_target, background_run, log_tails, processes_mentioning,
-                          records, run_hetps, summary, wait_for)
+from cluster_util import (FINAL_SLACK, REPO, Daemons, background_run, log_tails, processes_mentioning, records,
+                          run_hetps, summary, wait_for)
 
 pytestmark = pytest.mark.cluster
 DEAD_AFTER_S = 2.0
@@ -26,8 +26,10 @@ def worker_pid(run_dir, rank: int) -> int:
 
 @pytest.mark.parametrize("config", ["configs/sync.yaml", "configs/default.yaml"])
 def test_killed_worker_leaves_the_plan_and_the_run_reaches_target(config, run_dir):
-    with background_run([config, f"cluster.dead_after_s={DEAD_AFTER_S}", "stop.target_accuracy=0.96",
-                         "stop.max_seconds=150", "eval.every_s=1.0", "--out", str(run_dir), "--quiet"]) as proc:
+    # a fixed duration, not a target stop: the default config can reach 0.96 within a second of
+    # the kill, before the worker is declared dead, and the run would end without a re-plan
+    with background_run([config, f"cluster.dead_after_s={DEAD_AFTER_S}", "stop.target_accuracy=null",
+                         "stop.max_seconds=15", "eval.every_s=1.0", "--out", str(run_dir), "--quiet"]) as proc:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists()
                  and any(r["global_steps"] >= 40 for r in records(run_dir, "eval")), 90, "training under way")
         os.kill(worker_pid(run_dir, 1), signal.SIGKILL)
@@ -36,7 +38,7 @@ def test_killed_worker_leaves_the_plan_and_the_run_reaches_target(config, run_di
     s = summary(run_dir)
     dead = [f for f in s["failures"] if f["kind"] == "worker_dead"]
     assert [f["node"] for f in dead] == ["worker1"], s["failures"]
-    assert_reached_target(s, 0.96)
+    assert s["best_accuracy"] >= 0.96 and s["final_accuracy"] >= 0.96 - FINAL_SLACK, s
     # the re-plan came within 2x the dead-after timeout of the worker's last step
     last_step = max(r["t"] for r in records(run_dir, "step") if r["worker"] == 1)
     replans = [r for r in records(run_dir, "plan") if r["plan_id"] > 1 and r["t"] > last_step]
