@@ -221,11 +221,12 @@ def check_catalog(specs: Sequence[Spec], catalog: TensorCatalog, req_id: int = 0
 
 def _decode_tensors(header: dict, frames: Sequence, catalog: TensorCatalog | None, max_bytes: int,
                     req_id: int) -> dict[str, torch.Tensor]:
-    """Specs, then encodings, then frame layout and lengths, then the catalog;
+    """Field types, then specs, then encodings, then frame layout and lengths, then the catalog;
     only then are tensors made (views of the frames, or decompressed)."""
+    for key in ("tensors", "enc", "packed"):  # field types first, like every header field
+        if not isinstance(header.get(key, []), list):
+            raise ProtocolError(Status.MALFORMED, f"field {key!r} must be a list", req_id)
     raw_specs = header.get("tensors", [])
-    if not isinstance(raw_specs, list):
-        raise ProtocolError(Status.MALFORMED, "field 'tensors' must be a list", req_id)
     specs = [_read_spec(s, max_bytes, req_id) for s in raw_specs]
     if len({s.name for s in specs}) != len(specs):
         raise ProtocolError(Status.MALFORMED, "duplicate tensor names", req_id)

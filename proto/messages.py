@@ -15,7 +15,10 @@ import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 1
+# 2: PUSH gained `pull` (answer with PARAMS carrying the ACK) and PARAMS `ack`.
+# A version-1 peer would ignore `pull` and never answer with values, so the
+# bump turns a mixed deployment into a BAD_VERSION error instead of a stall.
+PROTOCOL_VERSION = 2
 # Frames at least this large are sent without a copy. A zero-copy send costs
 # pyzmq a Frame, a hand-off to its garbage-collector thread and a GIL round
 # trip when ZeroMQ lets go of the memory: measured on loopback (2-core EPYC),

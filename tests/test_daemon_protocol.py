@@ -35,7 +35,9 @@ pytestmark = pytest.mark.cluster
 START_S = 30.0    # daemon start-up (imports torch) and cluster formation
 REPLY_S = 5.0     # any single reply
 EXIT_S = 30.0     # both daemons gone after the stop
-CLUSTER = ["cluster.workers=1", "cluster.shards=1"]
+# the test is the worker and sends no heartbeats between its requests: it must not be declared dead
+# while a loaded machine runs the shard cases
+CLUSTER = ["cluster.workers=1", "cluster.shards=1", "cluster.dead_after_s=120"]
 
 
 # ---------------------------------------------------------------- processes
