@@ -211,6 +211,8 @@ class Coordinator(Service):
             shards.sort(key=lambda n: order.get(n.rank, len(order)))
             specs, chunks, placement = previous.tensors, previous.chunks, previous.placement
         self.started = time.monotonic()
+        for n in shards + workers:  # waiting for the plan is not silence: heartbeats start once it arrives
+            n.last_seen = self.started
         self._publish(ClusterPlan(
             plan_id=1, algorithm=self.cfg.algorithm.name,
             workers=[NodeEntry(n.node_id, n.rank) for n in workers],

@@ -89,7 +89,7 @@ def log_tails(run_dir: Path, lines: int = 20) -> str:
 
 def records(run_dir: Path, kind: str) -> list[dict]:
     """The records of one kind ("step", "eval", "plan", ...) in a run's metrics.jsonl."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]  # a last line lacking "\n" is being written
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 

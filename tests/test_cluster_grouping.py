@@ -13,7 +13,7 @@ pytestmark = pytest.mark.cluster
 
 def test_groups_update_independently(run_dir):
     result = run_hetps(["run", "configs/default.yaml", "algorithm.groups=2", "algorithm.regroup=false",
-                        "cluster.workers=[{slowdown: 1}, {slowdown: 1}, {slowdown: 5}, {slowdown: 5}]",
+                        "cluster.workers=[{slowdown: 1}, {slowdown: 1}, {slowdown: 10}, {slowdown: 10}]",
                         "stop.target_accuracy=0.94", "stop.max_seconds=120", "--out", str(run_dir), "--quiet"],
                        timeout_s=200)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
@@ -27,7 +27,8 @@ def test_groups_update_independently(run_dir):
     assert plan["shares"][str(fast[0])] > 2 * plan["shares"][str(slow[0])]
     for shard in s["shard_stats"].values():
         updates = shard["group_updates"]
-        # the fast group kept updating while the slow group's rounds were open
+        # the fast group kept updating while the slow group's rounds were open (a 10x compute gap, so
+        # the ratio stays above 2 even when communication takes much of a step on a loaded machine)
         assert updates["0"] >= 2 * updates["1"] > 0, shard
         assert updates["0"] + updates["1"] == shard["version"]
         assert shard["group_staleness"]["1"] > 1  # slow group's updates were damped
@@ -40,7 +41,8 @@ def test_regrouping_when_a_worker_slows_down(run_dir):
     result = run_hetps(["run", "configs/default.yaml",
                         "cluster.workers=[{slowdown: 1}, {slowdown: 1, schedule: [{at_s: 3, slowdown: 5}]},"
                         " {slowdown: 5}, {slowdown: 5}]", "cluster.shards=1",
-                        "stop.target_accuracy=null", "stop.max_seconds=14", "--out", str(run_dir), "--quiet"],
+                        "stop.target_accuracy=null", "stop.max_seconds=25", "algorithm.regroup_every_s=1",
+                        "--out", str(run_dir), "--quiet"],
                        timeout_s=200)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)

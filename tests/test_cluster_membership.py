@@ -29,7 +29,7 @@ def test_killed_worker_leaves_the_plan_and_the_run_reaches_target(config, run_di
     # a fixed duration, not a target stop: the default config can reach 0.96 within a second of
     # the kill, before the worker is declared dead, and the run would end without a re-plan
     with background_run([config, f"cluster.dead_after_s={DEAD_AFTER_S}", "stop.target_accuracy=null",
-                         "stop.max_seconds=15", "eval.every_s=1.0", "--out", str(run_dir), "--quiet"]) as proc:
+                         "stop.max_seconds=25", "eval.every_s=1.0", "--out", str(run_dir), "--quiet"]) as proc:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists()
                  and any(r["global_steps"] >= 40 for r in records(run_dir, "eval")), 90, "training under way")
         os.kill(worker_pid(run_dir, 1), signal.SIGKILL)
@@ -51,7 +51,7 @@ def test_killed_worker_leaves_the_plan_and_the_run_reaches_target(config, run_di
 
 def test_late_worker_joins_a_group_and_its_pushes_are_applied(tmp_path):
     run_dir = tmp_path / "join"
-    overrides = ["cluster.workers=2", "cluster.shards=1", "stop.target_accuracy=null", "stop.max_seconds=14",
+    overrides = ["cluster.workers=2", "cluster.shards=1", "stop.target_accuracy=null", "stop.max_seconds=30",
                  "eval.every_s=1.0"]
     config = str(REPO / "configs" / "default.yaml")
     daemons = Daemons(tmp_path, overrides)
@@ -83,7 +83,7 @@ def test_late_worker_joins_a_group_and_its_pushes_are_applied(tmp_path):
 def test_kill_fault_setting_kills_the_named_node(run_dir):
     # a fixed duration, not a target stop: sync can reach 0.96 before the killed worker is declared dead
     result = run_hetps(["run", "configs/sync.yaml", "cluster.kill=[{node: worker2, at_s: 2}]",
-                        f"cluster.dead_after_s={DEAD_AFTER_S}", "stop.target_accuracy=null", "stop.max_seconds=12",
+                        f"cluster.dead_after_s={DEAD_AFTER_S}", "stop.target_accuracy=null", "stop.max_seconds=20",
                         "eval.every_s=1.0", "--out", str(run_dir), "--quiet"], timeout_s=200)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     assert "fault injection: killing worker2" in result.stderr

@@ -731,7 +731,7 @@ def test_huge_shapes_refused_quickly_and_briefly():
         h = {**DECODER_TEMPLATES[Op.PUSH].header, "tensors": [["w", "float32", shape]]}
         started = time.monotonic()
         err = check_decode([pack(h), DECODER_TEMPLATES[Op.PUSH].data[0]])
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 5.0
         assert isinstance(err, ProtocolError) and err.status == Status.TOO_LARGE and len(err.message) < 300
 
 

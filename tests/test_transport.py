@@ -13,7 +13,7 @@ import zmq
 
 from hetps.proto import messages as m
 from hetps.proto.codec import ProtocolError, decode, encode
-from hetps.proto.messages import Status
+from hetps.proto.messages import PROTOCOL_VERSION, Status
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout, RpcClient, Service
 from hetps.proto.transport import (MemClient, MemServer, TransportError, ZmqServer, make_client,
                                    make_server)
@@ -210,7 +210,7 @@ def test_garbage_on_zmq_dealer_gets_malformed(zmq_address):
 
             # a readable header with a bad version: the request id is echoed
             bad = encode(m.Pull(plan_id=1), req_id=4242)
-            bad[0] = bad[0].replace(b"\xa1v\x01", b"\xa1v\x07")
+            bad[0] = bad[0].replace(b"\xa1v" + bytes([PROTOCOL_VERSION]), b"\xa1v\x07")
             sock.send_multipart(bad)
             assert sock.poll(5000)
             env = decode(sock.recv_multipart())
@@ -250,7 +250,7 @@ def test_wait_times_out_naming_the_address(address):
         with pytest.raises(RequestTimeout) as ei:
             c.wait(req, timeout_s=0.3)
         elapsed = time.monotonic() - t0
-        assert 0.25 <= elapsed < 1.5
+        assert 0.25 <= elapsed < 5.0
         assert svc.server.address in str(ei.value)
         assert ei.value.peer == svc.server.address
         assert ei.value.op == "BARRIER"
@@ -268,7 +268,7 @@ def test_wait_with_nobody_serving(tmp_path):
             t0 = time.monotonic()
             with pytest.raises(RequestTimeout) as ei:
                 c.call(m.Pull(plan_id=1), timeout_s=0.3)
-            assert time.monotonic() - t0 < 1.5
+            assert time.monotonic() - t0 < 5.0
             assert server.address in str(ei.value)
     finally:
         server.close()
@@ -281,7 +281,7 @@ def test_wait_aborted(address):
         t0 = time.monotonic()
         with pytest.raises(Aborted):
             c.wait(req, timeout_s=10.0)
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 5.0
 
 
 def test_byte_counters(address):
@@ -308,7 +308,7 @@ def test_max_message_bytes_drops_oversized(kind, tmp_path):
             with pytest.raises(RequestTimeout):
                 offender.call(m.Push(plan_id=1, clock=0, base_version=0, tensors={"g": big}),
                               timeout_s=0.3)
-            assert time.monotonic() - t0 < 1.5
+            assert time.monotonic() - t0 < 5.0
         assert svc.served == 0 and svc.malformed == 0  # dropped whole, never half-delivered
         with client(svc.server.address) as fresh:
             reply = fresh.call(m.Push(plan_id=1, clock=3, base_version=0,
