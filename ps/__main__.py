@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         member.join(address=args.advertise or server.address, speed=profile_update_speed(slowdown))
         plan = member.wait_plan()
+        # heartbeats from the moment the plan arrives (the scheduler counts silence from then on):
+        # restoring a large checkpoint may take a while
+        shard = None
+        member.start_heartbeats(lambda: shard.stats() if shard is not None else {})
         slowdown.start()
         shard = Shard(server, member.node_id, plan, cfg, slowdown)
         setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank, args.restore_version,
@@ -89,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
         shard.plan_source = newer_plan
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
                  len(shard.store.specs), server.address)
-        member.start_heartbeats(shard.stats)
         serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats)
         while not member.stop_requested.is_set():
             shard.serve_once(0.05)

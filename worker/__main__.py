@@ -86,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
                                                          cfg.cluster.profile_steps, Slowdown(node))
         member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=speed)
         plan = member.wait_plan()
+        # heartbeats from the moment the plan arrives: the scheduler counts silence from then on,
+        # and building the trainer may take seconds on a loaded machine
+        member.start_heartbeats(lambda: runner.stats() if runner is not None else {})
         runner = (Evaluator(cfg, member, plan, state, data.test) if args.evaluator
                   else trainer_class(cfg)(cfg, node, member, plan, state, data))
-        member.start_heartbeats(runner.stats)
         serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, role, args.rank, runner.stats)
         log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)
         with contextlib.suppress(Aborted):  # the run stopped while a request was waiting
