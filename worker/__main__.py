@@ -23,6 +23,7 @@ from hetps.proto.config import NodeConfig
 from hetps.proto.daemon import common_args, daemon_setup
 from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
+from hetps.proto.optim import build_optimizer
 from hetps.proto.plan import schema_hash
 from hetps.proto.transport import TransportError, set_link_cap
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
@@ -78,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.in_shape, data.num_classes).to(device)
     specs = model_specs(model)
+    if not args.evaluator and issubclass(trainer_class(cfg), LocalSgdTrainer):
+        # its first torch.optim optimizer imports torch._dynamo (~1 s): pay it before joining,
+        # not in the run's clock after the plan (the shards pay it while profiling)
+        build_optimizer(list(model.parameters()), cfg.optimizer)
     member = Membership(scheduler, role, args.rank, cfg.cluster)
     runner = None
     try:
