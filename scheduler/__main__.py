@@ -24,7 +24,7 @@ from hetps.proto.metrics import serve_metrics
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.transport import make_server
 
-from . import state
+from . import grouping, state
 from .coordinator import Coordinator
 from .nodes import Node
 
@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(server.address)
         os.replace(tmp, run_dir / "scheduler.addr")
     log.info("scheduler at %s, expecting %s", server.address, coordinator.expected)
+    if cfg.algorithm.name == "grouping":
+        grouping.preload()  # while the other daemons start (their registrations queue meanwhile)
     serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "scheduler", 0,
                   coordinator.metrics)
 

@@ -210,16 +210,17 @@ class Coordinator(Service):
             order = {s.rank: i for i, s in enumerate(previous.shards)}
             shards.sort(key=lambda n: order.get(n.rank, len(order)))
             specs, chunks, placement = previous.tensors, previous.chunks, previous.placement
-        self.started = time.monotonic()
-        for n in shards + workers:  # waiting for the plan is not silence: heartbeats start once it arrives
-            n.last_seen = self.started
-        self._publish(ClusterPlan(
+        plan = ClusterPlan(
             plan_id=1, algorithm=self.cfg.algorithm.name,
             workers=[NodeEntry(n.node_id, n.rank) for n in workers],
             shards=[NodeEntry(n.node_id, n.rank, n.address) for n in shards],
             tensors=specs, chunks=chunks, placement=placement, schema_hash=self.schema, run_id=self.run_id,
             speeds={str(n.node_id): round(n.speed, 3) for n in shards + workers},
-            **self._grouping({n.node_id: n.speed for n in workers})))
+            **self._grouping({n.node_id: n.speed for n in workers}))
+        self.started = time.monotonic()  # the run's clock starts when the plan goes out
+        for n in shards + workers:  # waiting for the plan is not silence: heartbeats start once it arrives
+            n.last_seen = self.started
+        self._publish(plan)
 
     def live_workers(self) -> list[Node]:
         return sorted((n for n in self.members("worker") if not n.gone), key=lambda n: (n.rank, n.node_id))

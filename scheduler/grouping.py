@@ -8,6 +8,7 @@ each worker's group, so a group's members finish an epoch together.
 """
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import numpy as np
@@ -39,6 +40,13 @@ def form_groups(speeds: dict[int, float], params: GroupingParams, seed: int = 0)
     labels = _kmeans(values, k, seed)
     groups = [[ids[j] for j in range(len(ids)) if labels[j] == c] for c in set(labels)]
     return sorted(groups, key=lambda g: -min(speeds[i] for i in g))
+
+
+def preload() -> None:
+    """Import scikit-learn's k-means now: the first import takes about a
+    second, which the first plan would otherwise wait for."""
+    for module in ("sklearn.cluster", "sklearn.metrics"):
+        importlib.import_module(module)
 
 
 def _kmeans(values: np.ndarray, k: int, seed: int) -> list[int]:
