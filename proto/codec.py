@@ -173,10 +173,9 @@ def _read_spec(spec: Any, max_bytes: int, req_id: int) -> Spec:
     return Spec(name, dtype, tuple(shape), math.prod(shape))
 
 
-def _read_encodings(raw: Any, specs: list[Spec], req_id: int) -> dict[int, tuple[str, int]]:
-    """The header's `enc` field, checked: tensor index -> (kind, count)."""
-    if not isinstance(raw, list):
-        raise ProtocolError(Status.MALFORMED, "field 'enc' must be a list", req_id)
+def _read_encodings(raw: list, specs: list[Spec], req_id: int) -> dict[int, tuple[str, int]]:
+    """The header's `enc` field (a list: `_decode_tensors` checked its type), checked entry by
+    entry: tensor index -> (kind, count)."""
     out: dict[int, tuple[str, int]] = {}
     for entry in raw:
         if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int
