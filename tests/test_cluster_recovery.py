@@ -22,13 +22,13 @@ def faults(run_dir) -> list[dict]:
 
 def test_killed_shard_restarts_from_its_checkpoint_and_the_run_reaches_target(run_dir):
     result = run_hetps(["run", "configs/sync.yaml", "--out", str(run_dir), "--quiet",
-                        "checkpoint.every_updates=10", "cluster.retry_s=0.5", "stop.target_accuracy=0.96",
+                        "checkpoint.every_updates=25", "cluster.retry_s=0.5", "stop.target_accuracy=0.96",
                         "stop.max_seconds=150", "cluster.kill=[{node: ps1, at_s: 1.5, restart_after_s: 1}]"],
                        timeout_s=240)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     kill, restart = faults(run_dir)
     assert (kill["action"], restart["action"]) == ("kill", "restart")
-    assert kill["checkpoint_version"] is not None and kill["checkpoint_version"] >= 10
+    assert kill["checkpoint_version"] is not None and kill["checkpoint_version"] >= 25
     s = summary(run_dir)
     ps1 = s["shard_stats"]["ps1"]
     assert ps1["restored_version"] == kill["checkpoint_version"]   # resumed at the version on disk
