@@ -1,5 +1,5 @@
 """The parameters of each algorithm, one frozen dataclass per algorithm,
-found by name in ALGORITHM_PARAMS. In YAML they sit beside the name:
+found by name through the algorithm table (algorithms.py). In YAML they sit beside the name:
 `algorithm: {name: ssp, staleness: 3}`. Each rejects a bad value at load
 with a ConfigError naming `algorithm.<key>` and the allowed values.
 """
@@ -119,11 +119,9 @@ class SimuParallelParams(WpsgdParams):
     weights: str = "equal"
 
 
-# Algorithm name -> its parameter dataclass. A new algorithm adds one line here.
-ALGORITHM_PARAMS: dict[str, type] = {"sync": SyncParams, "async": AsyncParams, "ssp": SspParams,
-                                     "grouping": GroupingParams,
-                                     "eager": EagerParams,
-                                     "cpsgd": CpsgdParams,
-                                     "adpsgd": AdpsgdParams,
-                                     "wpsgd": WpsgdParams,
-                                     "simuparallel": SimuParallelParams}
+def __getattr__(name: str):
+    # ALGORITHM_PARAMS lives beside the algorithm table (algorithms.py); still importable from here
+    if name == "ALGORITHM_PARAMS":
+        from .algorithms import ALGORITHM_PARAMS
+        return ALGORITHM_PARAMS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

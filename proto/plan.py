@@ -82,6 +82,7 @@ class ClusterPlan:
     chunks: dict[str, dict] = field(default_factory=dict)  # name -> {shape, parts}: tensors cut into 1-D parts
     info: dict = field(default_factory=dict)
     run_id: str = ""                 # names the run's checkpoints; kept by a resumed run
+    algorithm_params: dict = field(default_factory=dict)  # resolved; every node checks its config against them
 
     def shard_index(self, node_id: int) -> int:
         for i, s in enumerate(self.shards):
@@ -121,4 +122,5 @@ class ClusterPlan:
                    groups=[list(g) for g in data.get("groups", [])],
                    speeds=dict(data.get("speeds", {})), shares=dict(data.get("shares", {})),
                    placement_id=data.get("placement_id", 1), chunks=dict(data.get("chunks", {})),
-                   info=dict(data.get("info", {})), run_id=str(data.get("run_id", "")))
+                   info=dict(data.get("info", {})), run_id=str(data.get("run_id", "")),
+                   algorithm_params=dict(data.get("algorithm_params", {})))

@@ -1,0 +1,105 @@
+"""The algorithm table: one frozen record per algorithm, saying what it is
+made of in words every role understands. Each role maps these traits to its
+own classes through one registry (scheduler: `scheduler/grouping.py`
+FORMATIONS; shard: `ps/policies` POLICIES and `ps/shard.py` NEUTRAL_PUSH;
+worker: `worker/__main__.py` WORKER_LOOPS and `worker/local.py` PERIODS), so
+no role ever branches on an algorithm's name. A new algorithm is one line
+here, its parameter dataclass (`algorithm_params.py`), its shard policy (one
+file under `ps/policies/`) and a config; `tests/test_algorithm_table.py`
+checks that every line resolves in every role.
+
+The plan carries the algorithm's name and resolved parameters
+(`plan_algorithm`); every shard, worker and the evaluator compares them with
+its own config when the plan arrives (`check_plan_algorithm`) and refuses to
+run on a mismatch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .algorithm_params import (AdpsgdParams, AsyncParams, CpsgdParams, EagerParams, GroupingParams,
+                               SimuParallelParams, SspParams, SyncParams, WpsgdParams)
+from .errors import ConfigError
+
+GROUPS = ("all", "each", "by_speed")          # one group of every worker | each worker alone | k-means on speed
+WORKER_LOOPS = ("gradients", "local_steps")   # push a gradient per step | local optimizer steps, then the model
+PUSHES = ("gradients", "model")
+PERIODS = ("", "steps", "shard", "seconds")   # local_steps only: how a worker's averaging period is counted
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    params: type             # frozen dataclass of its parameters (algorithm_params.py)
+    groups: str              # GROUPS: how the scheduler forms the synchronous groups
+    worker_loop: str         # WORKER_LOOPS
+    pushes: str              # PUSHES: what a push carries (gradients are compressed, models travel exact)
+    policy: str              # the shard's consistency policy, by name (ps/policies POLICIES)
+    fuses_pull: bool = True  # a push may ask for the next values in itself (`comm.fuse_pull`)
+    needs_sklearn: bool = False  # the scheduler imports scikit-learn (k-means) before the run's clock starts
+    period: str = ""         # PERIODS: steps (`period`), shard (the shards' ACKs decide), seconds (`period_s`)
+
+    def __post_init__(self):
+        for key, allowed in (("groups", GROUPS), ("worker_loop", WORKER_LOOPS), ("pushes", PUSHES),
+                             ("period", PERIODS)):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"algorithm {self.name}: {key} {getattr(self, key)!r} not in {allowed}")
+
+
+_GRADIENTS = dict(worker_loop="gradients", pushes="gradients")
+# averaging pushes wait for whole rounds: unfused, the model is acked at once and only the small
+# PULL waits (and is re-sent after cluster.retry_s), not the whole model
+_MODELS = dict(worker_loop="local_steps", pushes="model", fuses_pull=False)
+
+# One line per algorithm (DESIGN §5).
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    Algorithm("sync", SyncParams, groups="all", policy="sync", **_GRADIENTS),
+    Algorithm("async", AsyncParams, groups="each", policy="async", **_GRADIENTS),
+    Algorithm("ssp", SspParams, groups="each", policy="ssp", **_GRADIENTS),
+    Algorithm("grouping", GroupingParams, groups="by_speed", policy="grouping", needs_sklearn=True, **_GRADIENTS),
+    Algorithm("eager", EagerParams, groups="all", policy="eager", **_GRADIENTS),
+    Algorithm("cpsgd", CpsgdParams, groups="all", policy="cpsgd", period="steps", **_MODELS),
+    Algorithm("adpsgd", AdpsgdParams, groups="all", policy="adpsgd", period="shard", **_MODELS),
+    Algorithm("wpsgd", WpsgdParams, groups="all", policy="wpsgd", period="seconds", **_MODELS),
+    Algorithm("simuparallel", SimuParallelParams, groups="all", policy="wpsgd", period="seconds", **_MODELS),
+)}
+
+# Algorithm name -> its parameter dataclass (what config loading needs).
+ALGORITHM_PARAMS: dict[str, type] = {name: a.params for name, a in ALGORITHMS.items()}
+
+
+def algorithm(name: str) -> Algorithm:
+    """The table's record for `name`; raises ConfigError naming the allowed names."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ConfigError(f"algorithm.name: unknown value {name!r}; allowed: {', '.join(ALGORITHMS)}") from None
+
+
+class AlgorithmMismatch(ConfigError):
+    """This node's config names another algorithm, or other parameters, than the plan."""
+
+
+def plan_algorithm(cfg_algorithm) -> dict:
+    """The resolved parameters of `cfg_algorithm` (an AlgorithmConfig) as the
+    plan carries them: plain data, every field present."""
+    return dataclasses.asdict(cfg_algorithm.params)
+
+
+def check_plan_algorithm(cfg_algorithm, plan) -> None:
+    """Refuse to run when this node's config disagrees with the plan's
+    algorithm: name, or (when the plan carries them) any resolved parameter.
+    Raises AlgorithmMismatch naming both values."""
+    mine = {"name": cfg_algorithm.name, **plan_algorithm(cfg_algorithm)}
+    theirs = {"name": plan.algorithm, **plan.algorithm_params}
+    if plan.algorithm != cfg_algorithm.name or (plan.algorithm_params and theirs != mine):
+        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        raise AlgorithmMismatch(
+            f"algorithm mismatch in {', '.join(differ)}: this node's config says {_brief(mine, differ)}, "
+            f"the plan (the scheduler's config) says {_brief(theirs, differ)}; start every node with the "
+            f"same algorithm block")
+
+
+def _brief(values: dict, keys: list[str]) -> str:
+    return "{" + ", ".join(f"{k}: {values.get(k, '<unset>')!r}" for k in keys) + "}"
