@@ -26,6 +26,7 @@ from hetps.proto.metrics import serve_metrics
 from hetps.proto.rpc import RequestTimeout
 from hetps.proto.transport import TransportError, make_server, set_link_cap
 
+from hetps.proto.algorithms import AlgorithmMismatch
 from hetps.proto.config import NodeConfig
 from hetps.proto.emulation import Slowdown
 
@@ -105,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SchedulerUnreachable, RequestTimeout) as exc:
         print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
         return 1
+    except AlgorithmMismatch as exc:
+        print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
+        return 2
     finally:
         member.close()
         server.close()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from hetps.proto.algorithms import algorithm, check_plan_algorithm
 from hetps.proto.codec import Envelope, ProtocolError, nonfinite_names
 from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.emulation import Slowdown, work_clock
@@ -22,14 +23,15 @@ from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 
-from . import averaging, eager, policies
 from hetps.proto.checkpoint import Checkpointer
 from .optim import Updater
-from .policies import ConsistencyPolicy
+from .policies import POLICIES, ConsistencyPolicy
 from .store import TensorStore
 
-# algorithm name -> consistency policy; each policy module exports its own POLICIES
-POLICIES: dict[str, type[ConsistencyPolicy]] = {**policies.POLICIES, **eager.POLICIES, **averaging.POLICIES}
+# what a push flagged NaN/Inf becomes under `cluster.nonfinite: skip`, by what the algorithm pushes
+# (the table's `pushes`): a neutral contribution, so the rounds it belongs to still close
+NEUTRAL_PUSH = {"gradients": lambda store, name, pushed: torch.zeros_like(pushed),
+                "model": lambda store, name, pushed: store.tensors[name].clone()}
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +49,11 @@ class ParkedPull:
 class Shard(Service):
     def __init__(self, server: ServerTransport, node_id: int, plan: ClusterPlan, cfg: RunConfig,
                  slowdown: Slowdown | None = None):
+        check_plan_algorithm(cfg.algorithm, plan)  # raises AlgorithmMismatch naming both
         super().__init__(server, node_id)
         self.cfg = cfg
         self.plan = plan
+        self.algorithm = algorithm(plan.algorithm)
         self.slowdown = slowdown or Slowdown(NodeConfig())
         self.store = TensorStore(plan.owned(plan.shard_index(node_id)))
         self.policy: ConsistencyPolicy | None = None
@@ -108,7 +112,7 @@ class Shard(Service):
 
     def _make_policy(self) -> None:
         updater = Updater(self.store.tensors, self.store.param_names(), self.cfg.optimizer)
-        self.policy = POLICIES[self.plan.algorithm](self.store, updater, self.plan, self.cfg.algorithm.params)
+        self.policy = POLICIES[self.algorithm.policy](self.store, updater, self.plan, self.cfg.algorithm.params)
 
     def on_push(self, peer: bytes, env: Envelope):
         push = env.msg
@@ -224,12 +228,12 @@ class Shard(Service):
             for n in bad:
                 tensors[n] = torch.nan_to_num(tensors[n], nan=0.0, posinf=clip, neginf=-clip)
             return
-        models = self.plan.algorithm in averaging.POLICIES
+        neutral = NEUTRAL_PUSH[self.algorithm.pushes]
         for n in list(tensors):
             if n in self.store.buffer_names():
                 del tensors[n]
             else:
-                tensors[n] = self.store.tensors[n].clone() if models else torch.zeros_like(tensors[n])
+                tensors[n] = neutral(self.store, n, tensors[n])
 
     def _stretch(self, busy_s: float) -> None:
         """Emulate a slower server: make this update take slowdown x its time."""

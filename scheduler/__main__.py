@@ -19,6 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
+from hetps.proto.algorithms import algorithm
 from hetps.proto.daemon import check_and_exit, load_or_exit, metrics_args, security_or_exit
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.plan import ClusterPlan
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(server.address)
         os.replace(tmp, run_dir / "scheduler.addr")
     log.info("scheduler at %s, expecting %s", server.address, coordinator.expected)
-    if cfg.algorithm.name == "grouping":
+    if algorithm(cfg.algorithm.name).needs_sklearn:
         grouping.preload()  # while the other daemons start (their registrations queue meanwhile)
     serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "scheduler", 0,
                   coordinator.metrics)

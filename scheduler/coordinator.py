@@ -16,6 +16,7 @@ import secrets
 import time
 from pathlib import Path
 
+from hetps.proto.algorithms import algorithm, plan_algorithm
 from hetps.proto.codec import Envelope, ProtocolError
 from hetps.proto.config import RunConfig
 from hetps.proto.messages import Ack, Plan, Status, Welcome
@@ -23,7 +24,8 @@ from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, chunk_specs
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 
-from .grouping import data_shares, drifted, form_groups
+from .formation import FORMATIONS
+from .grouping import drifted
 from . import state, status
 from .status import ROLES
 from .placement import place
@@ -40,6 +42,7 @@ class Coordinator(Service):
                  run_id: str | None = None):
         super().__init__(server, node_id=0)
         self.cfg = cfg
+        self.formation = FORMATIONS[algorithm(cfg.algorithm.name).groups]
         self.run_id = run_id or secrets.token_hex(6)  # names checkpoints; a resumed run keeps it
         self.state_saved = 0.0
         self.resumed_plan: ClusterPlan | None = None  # the stopped run's last plan, when resuming
@@ -211,7 +214,7 @@ class Coordinator(Service):
             shards.sort(key=lambda n: order.get(n.rank, len(order)))
             specs, chunks, placement = previous.tensors, previous.chunks, previous.placement
         plan = ClusterPlan(
-            plan_id=1, algorithm=self.cfg.algorithm.name,
+            plan_id=1, algorithm=self.cfg.algorithm.name, algorithm_params=plan_algorithm(self.cfg.algorithm),
             workers=[NodeEntry(n.node_id, n.rank) for n in workers],
             shards=[NodeEntry(n.node_id, n.rank, n.address) for n in shards],
             tensors=specs, chunks=chunks, placement=placement, schema_hash=self.schema, run_id=self.run_id,
@@ -260,13 +263,7 @@ class Coordinator(Service):
 
     def _grouping(self, speeds: dict[int, float]) -> dict:
         """Plan fields for the workers' groups and data shares under this algorithm."""
-        name = self.cfg.algorithm.name
-        if name == "grouping":
-            groups = form_groups(speeds, self.cfg.algorithm.params, self.cfg.seed)
-            return {"groups": groups, "shares": {str(w): s for w, s in data_shares(groups, speeds).items()}}
-        if name in ("async", "ssp"):
-            return {"groups": [[w] for w in sorted(speeds)], "shares": {}}
-        return {"groups": [sorted(speeds)], "shares": {}}
+        return self.formation.plan_fields(speeds, self.cfg.algorithm.params, self.cfg.seed)
 
     def _publish(self, plan: ClusterPlan) -> None:
         self.plan = plan
@@ -283,10 +280,10 @@ class Coordinator(Service):
         self.plan_waiters = [w for w in self.plan_waiters if w[2] >= plan.plan_id]
 
     def _maybe_regroup(self) -> None:
-        """Grouping-SGD: a new plan when measured worker speeds drifted beyond
-        the hysteresis and k-means now forms different groups."""
+        """Groups formed by speed: a new plan when measured worker speeds
+        drifted beyond the hysteresis and k-means now forms different groups."""
         params = self.cfg.algorithm.params
-        if (self.cfg.algorithm.name != "grouping" or not params.regroup or self.stop_reason
+        if (not self.formation.may_regroup(params) or self.stop_reason
                 or time.monotonic() - self.plan_checked < params.regroup_every_s):
             return
         self.plan_checked = time.monotonic()

@@ -11,6 +11,7 @@ import torch
 
 from cluster_util import log_tails, run_hetps, summary
 from hetps.proto import messages as m
+from hetps.proto.algorithms import ALGORITHMS
 from hetps.proto.codec import ProtocolError, decode, encode
 from hetps.proto.compression import (Compressed, Fp16Compressor, TopKCompressor, index_dtype, make_compressor,
                                      payload_nbytes)
@@ -19,8 +20,6 @@ from hetps.proto.messages import Status
 from hetps.proto.plan import TensorSpec
 from hetps.proto.rpc import RemoteError
 from hetps.worker.client import PSClient
-from hetps.worker.local import LocalSgdTrainer
-from hetps.worker.trainer import Trainer
 from shard_harness import ShardHarness, make_plan
 
 FP16_REL = 2.0 ** -11   # round to nearest, 11-bit significand
@@ -138,7 +137,9 @@ def test_ps_client_compresses_float_parameter_gradients_only():
     assert isinstance(push.tensors["w"], Compressed) and push.tensors["w"].kind == "fp16"
     assert not isinstance(push.tensors["bn.mean"], Compressed) and not isinstance(push.tensors["bn.n"], Compressed)
     assert client.compression_stats() == {"grad_dense_bytes": 64 * 64 * 4, "grad_sent_bytes": 64 * 64 * 2}
-    assert Trainer.pushes_gradients and not LocalSgdTrainer.pushes_gradients  # models travel exact
+    # compression applies to gradient pushes only: models travel exact
+    assert {a.worker_loop: a.pushes for a in ALGORITHMS.values()} == {"gradients": "gradients",
+                                                                      "local_steps": "model"}
 
 
 def test_large_topk_payload_has_its_own_frame_and_decodes():

@@ -18,7 +18,7 @@ from hetps.proto.config import CheckpointConfig, load_config
 from hetps.proto.emulation import WireFaults
 from hetps.proto.messages import Ack, Params, Pull, Push, Status
 from hetps.proto.rpc import RemoteError, RpcClient
-from hetps.ps.shard import POLICIES
+from hetps.proto.algorithms import ALGORITHMS
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs, model_tensors
 from shard_harness import PLAN_ID, ShardHarness, closing_factory, grads, make_plan, tiny_model, values_of
@@ -108,7 +108,7 @@ def test_restored_shard_continues_exactly_like_the_original(harnesses, optimizer
         twin.close()
 
 
-@pytest.mark.parametrize("algorithm", sorted(POLICIES))
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_every_policy_serves_workers_that_are_ahead_of_its_restored_checkpoint(harnesses, algorithm, tmp_path):
     """The shard is restored from a checkpoint written rounds ago; the workers
     carry on from where they are. Their next round must close and their pulls

@@ -8,7 +8,8 @@ The scheduler address comes from --scheduler, else $HETPS_SCHEDULER, else
 cluster.scheduler. The worker builds the model (seeded, so all workers start
 equal), registers its tensor list, waits for the plan, trains on its share of
 the data until the scheduler says stop, then says goodbye. Exit 0 on a clean
-stop, 1 when a shard or the scheduler cannot be reached in time.
+stop, 1 when a shard or the scheduler cannot be reached in time, 2 when the
+data set is missing or this node's algorithm block differs from the plan's.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import sys
 
 import torch
 
+from hetps.proto.algorithms import AlgorithmMismatch, algorithm, check_plan_algorithm
 from hetps.proto.config import NodeConfig
 from hetps.proto.daemon import common_args, daemon_setup
 from hetps.proto.membership import Membership, SchedulerUnreachable
@@ -39,17 +41,14 @@ from hetps.proto.emulation import Slowdown
 from .trainer import Trainer, profile_speed
 
 log = logging.getLogger("hetps.worker")
-# algorithm name -> the worker loop that runs it
-TRAINERS = {"sync": Trainer, "async": Trainer, "ssp": Trainer, "grouping": Trainer,
-            "eager": Trainer,
-            "cpsgd": LocalSgdTrainer, "adpsgd": LocalSgdTrainer,
-            "wpsgd": LocalSgdTrainer, "simuparallel": LocalSgdTrainer}
+# the table's `worker_loop` -> the loop that runs it
+WORKER_LOOPS = {"gradients": Trainer, "local_steps": LocalSgdTrainer}
 
 
 def trainer_class(cfg) -> type:
     """The worker loop for the configured algorithm; `comm.overlap` applies to
     the gradient-pushing loop only (model averaging has no backward to overlap)."""
-    cls = TRAINERS[cfg.algorithm.name]
+    cls = WORKER_LOOPS[algorithm(cfg.algorithm.name).worker_loop]
     return OverlapTrainer if cfg.comm.overlap and cls is Trainer else cls
 
 
@@ -91,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          cfg.cluster.profile_steps, Slowdown(node))
         member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=speed)
         plan = member.wait_plan()
+        check_plan_algorithm(cfg.algorithm, plan)  # this node's YAML must run the scheduler's algorithm
         # heartbeats from the moment the plan arrives: the scheduler counts silence from then on,
         # and building the trainer may take seconds on a loaded machine
         member.start_heartbeats(lambda: runner.stats() if runner is not None else {})
@@ -106,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RequestTimeout, RemoteError, SchedulerUnreachable, TransportError) as exc:
         print(f"hetps {role} {args.rank}: {exc}", file=sys.stderr)
         return 1
+    except AlgorithmMismatch as exc:
+        print(f"hetps {role} {args.rank}: {exc}", file=sys.stderr)
+        return 2
     finally:
         if runner is not None:
             runner.close()

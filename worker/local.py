@@ -21,9 +21,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from hetps.proto.algorithms import algorithm
 from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.optim import build_lr_scheduler, build_optimizer
 from hetps.proto.emulation import work_clock
@@ -40,18 +43,35 @@ from .trainer import Trainer
 log = logging.getLogger(__name__)
 
 
-class LocalSgdTrainer(Trainer):
-    pushes_gradients = False  # it pushes models, which travel exact whatever `comm.compression` says
+@dataclass(frozen=True)
+class Period:
+    """When a worker averages: every `seconds` (None: count steps instead;
+    0: never during the run) or every `steps` local steps; `final_average`:
+    one more push when the run stops."""
 
+    seconds: float | None = None
+    steps: int = 1
+    final_average: bool = False
+
+
+# the table's `period` -> how this worker reads its period from the algorithm's parameters
+PERIODS: dict[str, Callable[[object], Period]] = {
+    "steps": lambda p: Period(steps=p.period),
+    "shard": lambda p: Period(steps=1),  # starts at 1; the shards' ACKs propose the next ones
+    "seconds": lambda p: Period(seconds=p.period_s, final_average=p.final_average),
+}
+
+
+class LocalSgdTrainer(Trainer):
     def __init__(self, cfg: RunConfig, node: NodeConfig, member: Membership, plan: ClusterPlan,
                  state: ModelState, data: Datasets):
         super().__init__(cfg, node, member, plan, state, data)
         self.optimizer = build_optimizer(list(state.model.parameters()), cfg.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer.schedule)
-        params = cfg.algorithm.params
-        self.period_s: float | None = getattr(params, "period_s", None)  # time-based periods
-        self.period = getattr(params, "period", 1)                       # step-based periods
-        self.final_average = bool(getattr(params, "final_average", False))
+        period = PERIODS[algorithm(cfg.algorithm.name).period](cfg.algorithm.params)
+        self.period_s = period.seconds   # time-based periods
+        self.period = period.steps       # step-based periods
+        self.final_average = period.final_average
         self.round = 0            # averages this worker took part in (= its push clock)
         self.steps_in_round = 0
         self.round_started = time.monotonic()

@@ -12,6 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hetps.proto.algorithms import algorithm
 from hetps.proto.compression import make_compressor
 from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.emulation import Slowdown, work_clock
@@ -69,8 +70,6 @@ def profile_speed(state: ModelState, data: Datasets, batch_size: int, steps: int
 
 
 class Trainer:
-    pushes_gradients = True  # so `comm.compression` applies to its pushes
-
     def __init__(self, cfg: RunConfig, node: NodeConfig, member: Membership, plan: ClusterPlan,
                  state: ModelState, data: Datasets):
         self.cfg = cfg
@@ -79,11 +78,11 @@ class Trainer:
         self.data = data
         self.slowdown = Slowdown(node)
         self.device = str(state.device)
-        compressor = make_compressor(cfg.comm.compression, cfg.comm.topk_ratio) if self.pushes_gradients else None
-        # averaging pushes wait for whole rounds: unfused, the model is acked at once and only the
-        # small PULL waits (and is re-sent after cluster.retry_s), not the whole model
+        algo = algorithm(cfg.algorithm.name)
+        # `comm.compression` applies to gradients; models travel exact
+        compressor = make_compressor(cfg.comm.compression, cfg.comm.topk_ratio) if algo.pushes == "gradients" else None
         self.client = PSClient(plan, member.node_id, cfg.cluster, self.should_abort, compressor,
-                               fuse_pull=cfg.comm.fuse_pull and self.pushes_gradients)
+                               fuse_pull=cfg.comm.fuse_pull and algo.fuses_pull)
         self.timer = StepTimer()
         self.clock = 0
         self.staleness = 0   # the shards' staleness for our last push

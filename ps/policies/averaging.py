@@ -31,10 +31,10 @@ from hetps.proto.codec import ProtocolError
 from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
 
-from .averaging_rules import PERIOD_RULES, WEIGHT_RULES, ConstantPeriod
-from .optim import Updater
-from .policies import ConsistencyPolicy
-from .store import TensorStore
+from ..averaging_rules import PERIOD_RULES, WEIGHT_RULES, ConstantPeriod
+from ..optim import Updater
+from ..store import TensorStore
+from .base import ConsistencyPolicy
 
 
 INFO_KEYS = {"steps": int, "period": int, "lr": float, "weight_decay": float, "final": bool}
@@ -75,8 +75,7 @@ class ModelAveragingPolicy(ConsistencyPolicy):
 
     def __init__(self, store: TensorStore, updater: Updater, plan: ClusterPlan, params):
         super().__init__(store, updater, plan, params)
-        self.rounds: dict[int, ModelRound] = {}
-        self.pushed: dict[int, int] = {}   # worker -> round index of its next new push
+        self.rounds: dict[int, ModelRound] = {}   # (pushed: worker -> round index of its next new push)
         self.closed = 0
         self.last_weights: list[float] = []
         self.last_variance = 0.0
@@ -93,12 +92,22 @@ class ModelAveragingPolicy(ConsistencyPolicy):
 
     # ------------------------------------------------------------ policy
     def on_push(self, worker: int, push: Push) -> int:
-        self.check_member(worker)
-        params, buffers = self.split(push)
         info = checked_info(push.info)
-        staleness = self.store.version - push.base_version
-        if push.clock < self.pushed.get(worker, 0):
-            return staleness  # duplicate or replayed push: it was taken once already
+        got = self.accept(worker, push)
+        if got.duplicate:
+            return got.staleness
+        if push.clock not in self.rounds:
+            self.rounds[push.clock] = ModelRound()
+            self.on_first_push(push.clock, info)
+        rnd = self.rounds[push.clock]
+        rnd.params[worker] = {n: t.clone() for n, t in got.tensors.items()}
+        rnd.buffers[worker] = {n: t.clone() for n, t in got.buffers.items()}
+        rnd.info[worker] = info
+        while self.closed in self.rounds and set(self.rounds[self.closed].params) >= set(self.workers):
+            self.close(self.closed)
+        return got.staleness
+
+    def admit(self, worker: int, push: Push) -> None:
         if push.clock > self.closed and self.restored:
             # restored from a checkpoint: the workers are rounds ahead on a timeline this shard lost;
             # take up the round they are in
@@ -106,17 +115,6 @@ class ModelAveragingPolicy(ConsistencyPolicy):
             self.closed = push.clock
         if push.clock > self.closed:  # a worker pushes round r only after it pulled the mean of r-1
             raise ProtocolError(Status.BAD_STATE, f"round {push.clock} is not open (open: {self.closed})")
-        self.pushed[worker] = push.clock + 1
-        if push.clock not in self.rounds:
-            self.rounds[push.clock] = ModelRound()
-            self.on_first_push(push.clock, info)
-        rnd = self.rounds[push.clock]
-        rnd.params[worker] = {n: t.clone() for n, t in params.items()}
-        rnd.buffers[worker] = {n: t.clone() for n, t in buffers.items()}
-        rnd.info[worker] = info
-        while self.closed in self.rounds and set(self.rounds[self.closed].params) >= set(self.workers):
-            self.close(self.closed)
-        return staleness
 
     def close(self, index: int) -> None:
         rnd = self.rounds.pop(index)
@@ -163,7 +161,8 @@ class ModelAveragingPolicy(ConsistencyPolicy):
         return {"round": self.closed - 1, "weights": self.last_weights, "variance": self.last_variance}
 
     def stats(self) -> dict:
-        return {"rounds": self.closed, "variance": self.last_variance, "weights": self.last_weights}
+        return {**super().stats(), "rounds": self.closed, "variance": self.last_variance,
+                "weights": self.last_weights}
 
 
 class CpsgdPolicy(ModelAveragingPolicy):
@@ -222,7 +221,9 @@ class WpsgdPolicy(ModelAveragingPolicy):
     """Weighted averaging of unequal amounts of local work: W_i from the
     weight rule `algorithm.weights` (wpsgd: 1 - (1 - lr*wd)^T_i, falling back
     to T_i when wd is 0; steps: T_i; equal), T_i = the worker's local steps
-    since the last average, lr and wd as the worker reports them."""
+    since the last average, lr and wd as the worker reports them. Also runs
+    simuparallel (SimuParallel SGD, Zinkevich et al. 2010), whose parameters
+    default to equal weights."""
 
     name = "wpsgd"
 
@@ -234,10 +235,4 @@ class WpsgdPolicy(ModelAveragingPolicy):
         return WEIGHT_RULES[self.params.weights](steps, lr, wd)
 
 
-class SimuParallelPolicy(WpsgdPolicy):
-    """SimuParallel SGD (Zinkevich et al. 2010): equal weights by default."""
-
-    name = "simuparallel"
-
-
-POLICIES = {p.name: p for p in (CpsgdPolicy, AdpsgdPolicy, WpsgdPolicy, SimuParallelPolicy)}
+POLICIES = {p.name: p for p in (CpsgdPolicy, AdpsgdPolicy, WpsgdPolicy)}

@@ -34,9 +34,9 @@ import random
 from hetps.proto.messages import Push
 from hetps.proto.plan import ClusterPlan
 
-from .optim import Updater
-from .policies import ConsistencyPolicy, Round
-from .store import TensorStore
+from ..optim import Updater
+from ..store import TensorStore
+from .base import ConsistencyPolicy, Round
 
 
 class EagerPolicy(ConsistencyPolicy):
@@ -46,12 +46,10 @@ class EagerPolicy(ConsistencyPolicy):
         super().__init__(store, updater, plan, params)
         self.round = Round()
         self.fresh: set[int] = set()          # workers with a fresh push in the open round
-        self.pushed: dict[int, int] = {}      # worker -> clock of its next new push
         self.waits_for: dict[int, int] = {}   # worker -> version its next pull waits for
         self.rng = random.Random(params.seed)
         self.initiator = self._draw()
-        self.counts = {"rounds": 0, "fresh": 0, "late": 0, "folded": 0, "dropped": 0, "barriers": 0,
-                       "contributions": 0}
+        self.counts.update(rounds=0, fresh=0, late=0, folded=0, dropped=0, barriers=0, contributions=0)
 
     def _draw(self) -> int:
         return self.rng.choice(self.workers)
@@ -65,19 +63,17 @@ class EagerPolicy(ConsistencyPolicy):
         return self.params.limiter > 0 and (index + 1) % self.params.limiter == 0
 
     def on_push(self, worker: int, push: Push) -> int:
-        self.check_member(worker)
-        grads, buffers = self.split(push)
-        staleness = self.store.version - push.base_version
-        if push.clock < self.pushed.get(worker, 0):
-            return staleness  # duplicate or replayed push: it was taken once already
-        self.pushed[worker] = push.clock + 1
+        got = self.accept(worker, push)
+        staleness = got.staleness
+        if got.duplicate:
+            return staleness
         # (after a restore from a checkpoint, base versions can lie ahead of this shard's version)
         self.waits_for[worker] = min(push.base_version, self.store.version) + 1
         too_stale = self.bound > 0 and staleness > self.bound
         if too_stale and self.params.too_stale == "drop":
             self.counts["dropped"] += 1
             return staleness
-        self.round.add(worker, grads, buffers)
+        self.round.add(worker, got.tensors, got.buffers)
         self.counts["contributions"] += 1
         if staleness <= 0:
             self.fresh.add(worker)
@@ -103,12 +99,8 @@ class EagerPolicy(ConsistencyPolicy):
         rnd, p = self.round, len(self.workers)
         if self.is_barrier(self.store.version):
             self.counts["barriers"] += 1
-        grads = {n: s.div_(p) for n, s in rnd.grads.items()}
-        buffers = {n: s.div_(rnd.buffer_counts[n]) if s.is_floating_point() else s
-                   for n, s in rnd.buffers.items()}
-        self.updater.apply(grads)
-        self.store.mix_buffers(buffers, len(rnd.members) / p)
-        self.store.mark_updated(grads)
+        grads, buffers = rnd.means(over=p)
+        self.apply_update(grads, buffers, len(rnd.members) / p)
         self.counts["rounds"] += 1
         self.round, self.fresh = Round(), set()
         self.initiator = self._draw()

@@ -1,0 +1,25 @@
+"""Consistency policies: how a shard turns pushes into updates and when it
+may answer a pull. One file per family; POLICIES finds a class by the policy
+name the algorithm table (hetps.proto.algorithms) gives.
+
+- base.py: the interface, the shared push-acceptance path, gradient rounds;
+- sync.py: synchronous rounds per group (grouping, sync);
+- ssp.py: pushes applied as they come (async, ssp);
+- eager.py: rounds that close on a quorum (eager);
+- averaging.py: model averaging (cpsgd, adpsgd, wpsgd and simuparallel).
+"""
+from __future__ import annotations
+
+from . import averaging, eager
+from .base import Accepted, ConsistencyPolicy, Round
+from .eager import EagerPolicy
+from .ssp import AsyncPolicy, SspPolicy
+from .sync import GroupingPolicy, SyncPolicy
+
+# policy name -> class (the table's `policy` field)
+POLICIES: dict[str, type[ConsistencyPolicy]] = {
+    **{p.name: p for p in (SyncPolicy, AsyncPolicy, SspPolicy, GroupingPolicy)},
+    **eager.POLICIES, **averaging.POLICIES}
+
+__all__ = ["POLICIES", "Accepted", "AsyncPolicy", "ConsistencyPolicy", "EagerPolicy", "GroupingPolicy", "Round",
+           "SspPolicy", "SyncPolicy"]

@@ -1,0 +1,158 @@
+"""What every consistency policy shares: the push-acceptance path, the
+gradient round and the one way a mean gradient reaches the tensors.
+
+A policy is driven by the shard's single loop (not thread-safe). `on_push`
+returns the staleness of the push (shard updates since the version the
+gradient was computed on). `pull_ready(worker, clock)` says whether a pull
+from a worker that has made `clock` pushes may be answered now; clock -1
+(the evaluator) is always ready. Parked pulls are re-checked after every push
+and after a plan change. `adopt(plan)` switches to a new plan at a round
+boundary: rounds still open are closed with the contributions they have, so
+no pushed gradient is lost or applied twice.
+
+Buffers (BatchNorm statistics) are not gradients: each push carries the
+worker's current buffers and the shard keeps a running mean of them
+(`TensorStore.mix_buffers`): a round moves the buffers toward the round's mean
+with weight (members in the round) / P; async and ssp with weight 1/P.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from hetps.proto.codec import ProtocolError
+from hetps.proto.messages import Push, Status
+from hetps.proto.plan import ClusterPlan
+
+from ..optim import Updater
+from ..store import TensorStore
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A push that passed the shared checks: its tensors split in two."""
+
+    tensors: dict        # gradients (or a model's parameters), every parameter present
+    buffers: dict        # the buffers it carried (optional ones may be missing)
+    staleness: int       # shard version minus the version the push was computed on
+    duplicate: bool = False  # a re-sent or replayed push: it was taken once already
+
+
+class ConsistencyPolicy(ABC):
+    name: ClassVar[str]
+    restored = False  # set when restored from a checkpoint: workers may be ahead of this state
+
+    def __init__(self, store: TensorStore, updater: Updater, plan: ClusterPlan, params):
+        self.store = store
+        self.updater = updater
+        self.params = params
+        self.workers: list[int] = plan.worker_ids()
+        self.plan_id = plan.plan_id
+        self.pushed: dict[int, int] = {}   # worker -> clock of its next new push
+        self.counts = {"accepted": 0, "duplicates": 0}
+
+    # ------------------------------------------------------------ the shared acceptance path
+    def accept(self, worker: int, push: Push) -> Accepted:
+        """Every push goes through here first: the sender must be a worker of
+        the plan (BAD_STATE) and send every parameter (MALFORMED); a push whose
+        clock is below the worker's next clock is a duplicate (counted, nothing
+        else happens). Otherwise `admit` may still refuse it (raises
+        ProtocolError before any state changes), then the worker's clock moves
+        past it."""
+        self.check_member(worker)
+        tensors, buffers = self.split(push)
+        staleness = self.store.version - push.base_version
+        if push.clock < self.pushed.get(worker, 0):
+            self.counts["duplicates"] += 1
+            return Accepted(tensors, buffers, staleness, duplicate=True)
+        self.admit(worker, push)
+        self.pushed[worker] = push.clock + 1
+        self.counts["accepted"] += 1
+        return Accepted(tensors, buffers, staleness)
+
+    def admit(self, worker: int, push: Push) -> None:
+        """Hook: refuse a new push by raising ProtocolError (no state changed yet)."""
+
+    def split(self, push: Push) -> tuple[dict, dict]:
+        """The push's gradients (all parameters required) and buffers (optional)."""
+        grads = {n: push.tensors[n] for n in self.store.param_names() if n in push.tensors}
+        if len(grads) != len(self.store.param_names()):
+            missing = sorted(set(self.store.param_names()) - set(grads))
+            raise ProtocolError(Status.MALFORMED, f"PUSH lacks gradients for {missing[:5]}")
+        buffers = {n: push.tensors[n] for n in self.store.buffer_names() if n in push.tensors}
+        return grads, buffers
+
+    def check_member(self, worker: int) -> None:
+        if worker not in self.workers:
+            raise ProtocolError(Status.BAD_STATE, f"node {worker} is not a worker of this plan")
+
+    # ------------------------------------------------------------ the one update path for gradients
+    def apply_update(self, grads: dict, buffers: dict, buffer_weight: float, lr_scale: float = 1.0) -> None:
+        """One optimizer step on `grads` (lr times `lr_scale`), buffers moved
+        toward `buffers` with `buffer_weight`, the shard's version bumped."""
+        self.updater.apply(grads, lr_scale=lr_scale)
+        self.store.mix_buffers(buffers, buffer_weight)
+        self.store.mark_updated(grads)
+
+    # ------------------------------------------------------------ plan changes, stats, checkpoints
+    def adopt(self, plan: ClusterPlan) -> None:
+        """Switch to `plan` (new worker set or groups)."""
+        self.workers = plan.worker_ids()
+        self.plan_id = plan.plan_id
+
+    def stats(self) -> dict:
+        return dict(self.counts)
+
+    _NOT_STATE = ("store", "updater", "params")
+
+    def state_dict(self) -> dict:
+        """What the policy counts and holds (clocks, open rounds, ...), for a checkpoint."""
+        return {k: v for k, v in vars(self).items() if k not in self._NOT_STATE}
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)
+
+    def reply_info(self, worker: int) -> dict:
+        """Extras for the ACK of `worker`'s push (string keys), e.g. the next period."""
+        return {}
+
+    @abstractmethod
+    def on_push(self, worker: int, push: Push) -> int: ...
+
+    @abstractmethod
+    def pull_ready(self, worker: int, clock: int) -> bool: ...
+
+
+@dataclass
+class Round:
+    """Running sums of one round of gradient pushes."""
+
+    grads: dict = field(default_factory=dict)
+    buffers: dict = field(default_factory=dict)
+    members: set = field(default_factory=set)
+    buffer_counts: dict = field(default_factory=dict)  # buffers are optional: count who sent each
+
+    def add(self, worker: int, grads: dict, buffers: dict) -> None:
+        for target, values in ((self.grads, grads), (self.buffers, buffers)):
+            for n, t in values.items():
+                if n not in target:
+                    target[n] = t.clone()
+                elif t.is_floating_point():
+                    target[n].add_(t)
+                else:  # integer buffers (num_batches_tracked): keep the largest
+                    torch.maximum(target[n], t, out=target[n])
+        for n in buffers:
+            self.buffer_counts[n] = self.buffer_counts.get(n, 0) + 1
+        self.members.add(worker)
+
+    def means(self, over: int = 0) -> tuple[dict, dict]:
+        """The mean gradient (sum / `over`, default the members) and the mean
+        float buffers (over those who sent each); integer buffers stay the max.
+        Divides the sums in place: a round is closed once."""
+        k = over or len(self.members)
+        return ({n: s.div_(k) for n, s in self.grads.items()},
+                {n: s.div_(self.buffer_counts[n]) if s.is_floating_point() else s
+                 for n, s in self.buffers.items()})

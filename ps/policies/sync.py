@@ -1,0 +1,107 @@
+"""Synchronous rounds inside groups: Grouping-SGD and its one-group case,
+Sync-SGD (BSP). A group's round closes when every member pushed once; the
+mean gradient is applied with the shared update path (base.py).
+"""
+from __future__ import annotations
+
+from hetps.proto.messages import Push
+from hetps.proto.plan import ClusterPlan
+
+from ..optim import Updater
+from ..store import TensorStore
+from .base import ConsistencyPolicy, Round
+
+
+class GroupingPolicy(ConsistencyPolicy):
+    """Grouping-SGD: inside a group, a round closes when every member pushed
+    once, and the mean gradient is applied; groups never wait for each other.
+    A group's update uses lr / staleness, staleness = 1 + updates applied by
+    other groups since this group's last update (`scale_lr: false` turns the
+    scaling off). A pull after `clock` pushes waits until all of them were
+    applied."""
+
+    name = "grouping"
+
+    def __init__(self, store: TensorStore, updater: Updater, plan: ClusterPlan, params):
+        super().__init__(store, updater, plan, params)
+        self.rounds: dict[int, Round] = {}
+        self.applied: dict[int, int] = {}   # worker -> pushes applied in closed rounds
+        self.group_updates: dict[int, int] = {}
+        # group -> shard version right after its update (a resumed shard starts at its version)
+        self.last_update_at: dict[int, int] = {g: store.version for g in range(len(self.groups_of(plan)))}
+        self.staleness_sum: dict[int, int] = {}   # group -> sum of its updates' staleness
+        self.counts["contributions"] = 0  # pushes applied (accepted: pushes in)
+        self._set_groups(plan)
+
+    def groups_of(self, plan: ClusterPlan) -> list[list[int]]:
+        return [list(g) for g in plan.groups] or [plan.worker_ids()]
+
+    def _set_groups(self, plan: ClusterPlan) -> None:
+        self.groups = self.groups_of(plan)
+        self.group_of = {w: g for g, members in enumerate(self.groups) for w in members}
+        for w in self.group_of:
+            self.pushed.setdefault(w, 0)
+            self.applied.setdefault(w, self.pushed[w])
+
+    def adopt(self, plan: ClusterPlan) -> None:
+        for g in list(self.rounds):
+            self._close(g)  # flush: partial rounds are applied with the members they have
+        super().adopt(plan)
+        self._set_groups(plan)
+        self.last_update_at = {g: self.store.version for g in range(len(self.groups))}
+
+    def on_push(self, worker: int, push: Push) -> int:
+        got = self.accept(worker, push)
+        if got.duplicate:
+            return got.staleness
+        g = self.group_of[worker]
+        if push.plan_id < self.plan_id:
+            # made under a plan whose rounds this shard already closed: applied alone, as the
+            # flush would have; joining a new round would misalign rounds across shards
+            late = Round()
+            late.add(worker, got.tensors, got.buffers)
+            self._apply(g, late)
+            return got.staleness
+        self.rounds.setdefault(g, Round()).add(worker, got.tensors, got.buffers)
+        if self.rounds[g].members >= set(self.groups[g]):
+            self._close(g)
+        return got.staleness
+
+    def _close(self, g: int) -> None:
+        self._apply(g, self.rounds.pop(g))
+
+    def _apply(self, g: int, rnd: Round) -> None:
+        grads, buffers = rnd.means()
+        staleness = 1 + self.store.version - self.last_update_at.get(g, 0)
+        self.apply_update(grads, buffers, len(rnd.members) / max(1, len(self.workers)), self.lr_scale(staleness))
+        self.last_update_at[g] = self.store.version
+        self.group_updates[g] = self.group_updates.get(g, 0) + 1
+        self.staleness_sum[g] = self.staleness_sum.get(g, 0) + staleness
+        self.counts["contributions"] += len(rnd.members)
+        for w in rnd.members:
+            self.applied[w] = self.pushed[w]
+
+    def lr_scale(self, staleness: int) -> float:
+        """The group update's lr factor: 1 / staleness (`scale_lr`)."""
+        return 1.0 / staleness if self.params.scale_lr else 1.0
+
+    def pull_ready(self, worker: int, clock: int) -> bool:
+        return clock < 0 or self.applied.get(worker, 0) >= clock
+
+    def stats(self) -> dict:
+        return {"group_updates": {str(g): n for g, n in self.group_updates.items()},
+                "group_staleness": {str(g): round(s / self.group_updates[g], 3)
+                                    for g, s in self.staleness_sum.items()},  # mean per group
+                "pending": sum(len(r.members) for r in self.rounds.values()), **self.counts}
+
+
+class SyncPolicy(GroupingPolicy):
+    """BSP: one group of every worker; each round's mean is applied once."""
+
+    name = "sync"
+
+    def groups_of(self, plan: ClusterPlan) -> list[list[int]]:
+        return [plan.worker_ids()]
+
+    def lr_scale(self, staleness: int) -> float:
+        return 1.0  # one group: nobody else updates in between
