@@ -24,7 +24,7 @@ from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 
 from hetps.proto.checkpoint import Checkpointer
-from .optim import Updater
+from .updater import Updater
 from .policies import POLICIES, ConsistencyPolicy
 from .store import TensorStore
 

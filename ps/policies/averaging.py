@@ -32,7 +32,7 @@ from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
 
 from ..averaging_rules import PERIOD_RULES, WEIGHT_RULES, ConstantPeriod
-from ..optim import Updater
+from ..updater import Updater
 from ..store import TensorStore
 from .base import ConsistencyPolicy
 

@@ -27,7 +27,7 @@ from hetps.proto.codec import ProtocolError
 from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
 
-from ..optim import Updater
+from ..updater import Updater
 from ..store import TensorStore
 
 

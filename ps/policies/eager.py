@@ -34,7 +34,7 @@ import random
 from hetps.proto.messages import Push
 from hetps.proto.plan import ClusterPlan
 
-from ..optim import Updater
+from ..updater import Updater
 from ..store import TensorStore
 from .base import ConsistencyPolicy, Round
 

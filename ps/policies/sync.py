@@ -7,7 +7,7 @@ from __future__ import annotations
 from hetps.proto.messages import Push
 from hetps.proto.plan import ClusterPlan
 
-from ..optim import Updater
+from ..updater import Updater
 from ..store import TensorStore
 from .base import ConsistencyPolicy, Round
 
