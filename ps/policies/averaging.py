@@ -32,8 +32,8 @@ from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
 
 from ..averaging_rules import PERIOD_RULES, WEIGHT_RULES, ConstantPeriod
-from ..updater import Updater
 from ..store import TensorStore
+from ..updater import Updater
 from .base import ConsistencyPolicy
 
 
@@ -75,7 +75,7 @@ class ModelAveragingPolicy(ConsistencyPolicy):
 
     def __init__(self, store: TensorStore, updater: Updater, plan: ClusterPlan, params):
         super().__init__(store, updater, plan, params)
-        self.rounds: dict[int, ModelRound] = {}   # (pushed: worker -> round index of its next new push)
+        self.rounds: dict[int, ModelRound] = {}   # round index -> its models (pushed: round indexes)
         self.closed = 0
         self.last_weights: list[float] = []
         self.last_variance = 0.0

@@ -27,8 +27,8 @@ from hetps.proto.codec import ProtocolError
 from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
 
-from ..updater import Updater
 from ..store import TensorStore
+from ..updater import Updater
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ import random
 from hetps.proto.messages import Push
 from hetps.proto.plan import ClusterPlan
 
-from ..updater import Updater
 from ..store import TensorStore
+from ..updater import Updater
 from .base import ConsistencyPolicy, Round
 
 

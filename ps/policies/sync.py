@@ -7,8 +7,8 @@ from __future__ import annotations
 from hetps.proto.messages import Push
 from hetps.proto.plan import ClusterPlan
 
-from ..updater import Updater
 from ..store import TensorStore
+from ..updater import Updater
 from .base import ConsistencyPolicy, Round
 
 
