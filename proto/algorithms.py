@@ -9,7 +9,7 @@ file under `ps/policies/`) and a config; `tests/test_algorithm_table.py`
 checks that every line resolves in every role.
 
 The plan carries the algorithm's name and resolved parameters
-(`plan_algorithm`); every shard, worker and the evaluator compares them with
+(`resolved_params`); every shard, worker and the evaluator compares them with
 its own config when the plan arrives (`check_plan_algorithm`) and refuses to
 run on a mismatch.
 """
@@ -81,7 +81,7 @@ class AlgorithmMismatch(ConfigError):
     """This node's config names another algorithm, or other parameters, than the plan."""
 
 
-def plan_algorithm(cfg_algorithm) -> dict:
+def resolved_params(cfg_algorithm) -> dict:
     """The resolved parameters of `cfg_algorithm` (an AlgorithmConfig) as the
     plan carries them: plain data, every field present."""
     return dataclasses.asdict(cfg_algorithm.params)
@@ -91,7 +91,7 @@ def check_plan_algorithm(cfg_algorithm, plan) -> None:
     """Refuse to run when this node's config disagrees with the plan's
     algorithm: name, or (when the plan carries them) any resolved parameter.
     Raises AlgorithmMismatch naming both values."""
-    mine = {"name": cfg_algorithm.name, **plan_algorithm(cfg_algorithm)}
+    mine = {"name": cfg_algorithm.name, **resolved_params(cfg_algorithm)}
     theirs = {"name": plan.algorithm, **plan.algorithm_params}
     if plan.algorithm != cfg_algorithm.name or (plan.algorithm_params and theirs != mine):
         differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))

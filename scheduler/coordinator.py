@@ -16,7 +16,7 @@ import secrets
 import time
 from pathlib import Path
 
-from hetps.proto.algorithms import algorithm, plan_algorithm
+from hetps.proto.algorithms import algorithm, resolved_params
 from hetps.proto.codec import Envelope, ProtocolError
 from hetps.proto.config import RunConfig
 from hetps.proto.messages import Ack, Plan, Status, Welcome
@@ -214,7 +214,7 @@ class Coordinator(Service):
             shards.sort(key=lambda n: order.get(n.rank, len(order)))
             specs, chunks, placement = previous.tensors, previous.chunks, previous.placement
         plan = ClusterPlan(
-            plan_id=1, algorithm=self.cfg.algorithm.name, algorithm_params=plan_algorithm(self.cfg.algorithm),
+            plan_id=1, algorithm=self.cfg.algorithm.name, algorithm_params=resolved_params(self.cfg.algorithm),
             workers=[NodeEntry(n.node_id, n.rank) for n in workers],
             shards=[NodeEntry(n.node_id, n.rank, n.address) for n in shards],
             tensors=specs, chunks=chunks, placement=placement, schema_hash=self.schema, run_id=self.run_id,

@@ -14,7 +14,7 @@ import torch
 from cluster_util import REPO, Daemons
 from shard_harness import ShardHarness, grads, make_plan, tiny_model, values_of
 from hetps.proto.algorithms import (ALGORITHMS, AlgorithmMismatch, algorithm, check_plan_algorithm,
-                                    plan_algorithm)
+                                    resolved_params)
 from hetps.proto.codec import Envelope
 from hetps.proto.config import ConfigError, load_config
 from hetps.proto.messages import Params, Pull, Register
@@ -105,7 +105,7 @@ def plan_for(overrides: list[str]):
     cfg = load_config(None, overrides)
     specs = model_specs(tiny_model())
     plan = make_plan(specs, [A, B], algorithm=cfg.algorithm.name)
-    return dataclasses.replace(plan, algorithm_params=plan_algorithm(cfg.algorithm))
+    return dataclasses.replace(plan, algorithm_params=resolved_params(cfg.algorithm))
 
 
 def test_check_refuses_another_parameter_naming_both_values():
