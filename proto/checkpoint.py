@@ -23,7 +23,7 @@ import torch
 from .config import CheckpointConfig
 
 log = logging.getLogger(__name__)
-FORMAT = 1
+FORMAT = 2  # 2: policy state after ps/policies/ (one `pushed` clock map, shared counts)
 _NAME = re.compile(r"v(\d{12})\.pt")
 
 
