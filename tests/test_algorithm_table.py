@@ -5,6 +5,7 @@ differs from their own config, naming both values."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -163,3 +164,15 @@ def test_the_table_imports_no_role():
              "print(sorted(m for m in sys.modules if m.startswith(('hetps.ps', 'hetps.worker', 'hetps.scheduler'))))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_no_role_compares_an_algorithm_name():
+    """Behaviour follows the table's traits: a comparison with an algorithm's
+    name in role code (`== "grouping"`, `in ("async", "ssp")`) is a branch the
+    table should carry instead."""
+    names = "|".join(ALGORITHMS)
+    branch = re.compile(rf"""(?:[=!]=|\bin)\s*[(\[{{]?\s*["']({names})["']""")
+    found = [f"{path.relative_to(REPO)}:{i}: {line.strip()}"
+             for folder in ("proto", "ps", "worker", "scheduler") for path in sorted((REPO / folder).rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
+    assert found == []
