@@ -94,11 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
                  len(shard.store.specs), server.address)
         serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats)
+        refused_plan = [0]  # the newest plan this shard could not adopt: not fetched again
         while not member.stop_requested.is_set():
             shard.serve_once(0.05)
-            newer = member.newer_plan(shard.plan.plan_id)
-            if newer is not None:
-                shard.adopt(newer)
+            adopt_newer_plan(shard, member, refused_plan)
         log.info("stopping: %s", member.stop_reason)
         shard.maybe_checkpoint(force=True)  # workers have stopped: a consistent point to resume from
         member.bye(shard.stats())
@@ -109,6 +108,21 @@ def main(argv: list[str] | None = None) -> int:
         member.close()
         server.close()
     return 0
+
+
+def adopt_newer_plan(shard: Shard, member: Membership, refused: list[int]) -> None:
+    """The serve loop's plan timer, guarded like a handler: a plan that
+    cannot be fetched or adopted (e.g. one that moves tensors) is logged and
+    counted in the shard's `timer_errors`, and the shard keeps serving the
+    plan it has. Blocks while it fetches a plan a heartbeat announced."""
+    try:
+        newer = member.newer_plan(max(shard.plan.plan_id, refused[0]))
+        if newer is not None:
+            refused[0] = newer.plan_id
+            shard.adopt(newer)
+    except Exception:
+        shard.counts["timer_errors"] += 1
+        log.exception("could not adopt a newer plan; serving plan %d on", shard.plan.plan_id)
 
 
 def setup_checkpoints(shard: Shard, root: str | None, rank: int, version: int | None,

@@ -59,7 +59,7 @@ class Shard(Service):
         self.recent_acks: dict[int, tuple[int, Ack]] = {}  # worker -> (request id, ACK) of its last push
         self.restored_version: int | None = None
         self.counts = {"pushes": 0, "pulls": 0, "nonfinite": 0, "retried": 0, "checkpoint_errors": 0,
-                       "busy_s": 0.0}
+                       "timer_errors": 0, "busy_s": 0.0}
         # pull replies leave zero-copy from the live tensors: whatever else may write them settles first
         self.handlers = {op: h if op == Op.PULL else self._settled(h) for op, h in self.handlers.items()}
 
