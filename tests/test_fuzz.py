@@ -827,29 +827,32 @@ def shard_handler_case(draw, temps: dict[Op, Template], plan_id: int):
 def scheduler_handler_case(draw, known_ids: set[int], schema: str):
     """Well-formed requests the scheduler must refuse without a state change:
     unknown node ids with arbitrary stats, records and values; registrations
-    with an unknown role or another model schema."""
+    with an unknown role or another model schema. Arbitrary stats, records
+    and tensor specs may already fail their typed reading at decode
+    (MALFORMED, before the handler's BAD_STATE)."""
     rid = draw(st.integers(1, 2**63 - 1))
     node = draw(INTS.filter(lambda x: x not in known_ids and -2**63 <= x < 2**63))
     free_dict = st.dictionaries(st.text(max_size=8), VALUES, max_size=4)
     kind = draw(st.sampled_from(["heartbeat", "report", "bye", "role", "schema"]))
     if kind == "heartbeat":
-        msg = m.Heartbeat(node_id=node, stats=draw(free_dict), records=draw(st.lists(free_dict | VALUES, max_size=3)))
-        expected = {Status.BAD_STATE}
+        op, fields = Op.HEARTBEAT, dict(node_id=node, stats=draw(free_dict),
+                                        records=draw(st.lists(free_dict | VALUES, max_size=3)))
+        expected = {Status.BAD_STATE, M}
     elif kind == "report":
-        msg = m.Report(node_id=node, kind=draw(st.just("eval") | TEXT), values=draw(free_dict))
+        op, fields = Op.REPORT, dict(node_id=node, kind=draw(st.just("eval") | TEXT), values=draw(free_dict))
         expected = {Status.BAD_STATE}
     elif kind == "bye":
-        msg = m.Bye(node_id=node, stats=draw(free_dict))
-        expected = {Status.BAD_STATE}
+        op, fields = Op.BYE, dict(node_id=node, stats=draw(free_dict))
+        expected = {Status.BAD_STATE, M}
     elif kind == "role":
-        msg = m.Register(role=draw(TEXT.filter(lambda r: r not in ("ps", "worker", "evaluator"))),
-                         rank=draw(INTS), tensor_specs=draw(st.lists(VALUES, max_size=3)))
+        op, fields = Op.REGISTER, dict(role=draw(TEXT.filter(lambda r: r not in ("ps", "worker", "evaluator"))),
+                                       rank=draw(INTS), tensor_specs=draw(st.lists(VALUES, max_size=3)))
         expected = {M}
     else:
-        msg = m.Register(role="worker", rank=draw(INTS), tensor_specs=draw(st.lists(VALUES, max_size=3)),
-                         schema_hash=draw(TEXT.filter(lambda s: s != schema)), speed=draw(st.floats()))
-        expected = {Status.BAD_STATE}
-    frames = [bytes(memoryview(f)) for f in encode(msg, rid, node)]
+        op, fields = Op.REGISTER, dict(role="worker", rank=draw(INTS), tensor_specs=draw(st.lists(VALUES, max_size=3)),
+                                       schema_hash=draw(TEXT.filter(lambda s: s != schema)), speed=draw(st.floats()))
+        expected = {Status.BAD_STATE, M}
+    frames = [pack({"v": PROTOCOL_VERSION, "op": int(op), "id": rid, "src": node, **fields})]
     return frames, expected, rid
 
 
