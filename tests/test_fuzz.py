@@ -808,7 +808,8 @@ def shard_handler_case(draw, temps: dict[Op, Template], plan_id: int):
     add_noise(draw, t, h)
     for key in ("clock", "base_version", "n_samples"):
         h[key] = draw(INTS)
-    h["info"] = draw(st.dictionaries(st.text(max_size=6), VALUES, max_size=3))
+    h["info"] = draw(st.dictionaries(st.sampled_from(["steps", "period"]), st.integers(0, 2**40), max_size=2)
+                     | st.dictionaries(st.sampled_from(["lr", "weight_decay"]), st.floats(0, 10), max_size=2))
     if draw(st.booleans()):
         h["plan_id"] = draw(st.integers(-2**63, 0) | st.sampled_from([-2**63, -1, 0]))
         expected = {Status.STALE_PLAN}
