@@ -3,7 +3,8 @@
 TRUST BOUNDARY. `decode` is the only place bytes from a peer become Python
 objects. It checks everything once (version, op, field presence and types,
 dtype allow-list, frame layout and byte lengths, compressed payloads,
-optional tensor catalogue) and raises `ProtocolError` with a `Status`; it
+optional tensor catalogue, and -- through records.py -- the contents of the
+free-form fields: stats, info, ack, plan, tensor specs) and raises `ProtocolError` with a `Status`; it
 never allocates memory sized by an unchecked header value (a compressed
 tensor's dense size passed the same size limit as any tensor's) and never
 unpickles anything.
@@ -25,8 +26,10 @@ import numpy
 import torch
 
 from .compression import Compressed, check_encoding, decompress, payload_nbytes
+from .dtypes import DTYPE_NAMES, DTYPES, NUMPY_DTYPES  # noqa: F401  (re-exported)
 from .errors import ProtocolError
 from .layout import PACK_BELOW, build_pack, choose_packed, split_frames
+from .records import READERS, to_wire
 from .messages import (MESSAGES, PROTOCOL_VERSION, Error, Message, Op, Status,
                        has_tensors, header_fields)
 
@@ -34,13 +37,6 @@ from .messages import (MESSAGES, PROTOCOL_VERSION, Error, Message, Op, Status,
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
-    "uint8": torch.uint8, "bool": torch.bool,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-NUMPY_DTYPES = {d: numpy.dtype(n) for n, d in DTYPES.items() if n != "bfloat16"}  # numpy has no bfloat16
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30
 MAX_HEADER_BYTES = 1 << 20
 _TYPES = {"int": int, "str": str, "list": list, "dict": dict, "bool": bool, "float": (int, float)}
@@ -84,6 +80,8 @@ def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_B
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": int(msg.OP), "id": req_id, "src": src}
     for f in header_fields(type(msg)):
         header[f.name] = getattr(msg, f.name)
+    for name in READERS.get(type(msg), ()):  # typed records travel in their wire form
+        header[name] = to_wire(header[name])
     if not has_tensors(type(msg)):
         return [msgpack.packb(header, use_bin_type=True)]
     specs, payloads, encodings = [], [], []
@@ -257,7 +255,11 @@ def decode(frames: Sequence, catalog: TensorCatalog | None = None,
         values["tensors"] = _decode_tensors(header, frames[1:], catalog, max_tensor_bytes, req_id)
     elif len(frames) != 1:
         raise ProtocolError(Status.MALFORMED, f"{len(frames) - 1} tensor frames for 0 tensor specs", req_id)
-    return Envelope(cls(**values), req_id, src)
+    try:
+        msg = cls(**values)  # reads the free-form fields into typed records (records.py)
+    except ProtocolError as err:
+        raise ProtocolError(err.status, f"{cls.OP.name}: {err.message}", req_id) from None
+    return Envelope(msg, req_id, src)
 
 
 def nonfinite_names(tensors: Mapping[str, torch.Tensor]) -> list[str]:

@@ -1,14 +1,27 @@
-"""Exceptions shared across proto modules."""
+"""The project's exception family. Every exception hetps raises on purpose
+derives from `HetpsError`, so a caller embedding hetps can catch them all in
+one clause; each subsystem adds its own subclass (ConfigError, ProtocolError,
+TransportError, SecurityError, RemoteError, RequestTimeout, ...).
+
+Imports nothing of hetps, so every module may import it.
+"""
 from __future__ import annotations
 
-from .messages import Status
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .messages import Status
 
 
-class ConfigError(ValueError):
+class HetpsError(Exception):
+    """Base of every exception hetps raises on purpose."""
+
+
+class ConfigError(HetpsError, ValueError):
     """A configuration value is missing, unknown or of the wrong type."""
 
 
-class ProtocolError(Exception):
+class ProtocolError(HetpsError):
     """A message failed validation; `status` says why, `req_id` is echoed if known."""
 
     def __init__(self, status: Status, message: str, req_id: int = 0):
@@ -16,3 +29,14 @@ class ProtocolError(Exception):
         self.status = status
         self.message = message
         self.req_id = req_id
+
+
+class UnexpectedReply(HetpsError):
+    """A peer answered a request with a message of another kind than the
+    protocol prescribes (e.g. PARAMS to a REGISTER): a peer bug or a mix-up
+    of addresses, never an assertion."""
+
+    def __init__(self, peer: str, op: str, expected: str, got: object):
+        got_name = getattr(getattr(got, "OP", None), "name", type(got).__name__)
+        super().__init__(f"{peer} answered {op} with {got_name}, expected {expected}")
+        self.peer, self.op, self.expected = peer, op, expected

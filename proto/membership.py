@@ -16,6 +16,7 @@ import time
 from typing import Callable
 
 from .config import ClusterConfig
+from .errors import HetpsError, UnexpectedReply
 from .messages import Ack, Bye, GetPlan, Heartbeat, Plan, Register, Report, Status, Welcome
 from .plan import ClusterPlan
 from .rpc import RemoteError, RequestTimeout, RpcClient
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 MAX_QUEUED = 2000  # step records kept for the scheduler while it does not answer
 
 
-class SchedulerUnreachable(RuntimeError):
+class SchedulerUnreachable(HetpsError, RuntimeError):
     """The scheduler did not answer registration within the startup timeout."""
 
 
@@ -61,18 +62,21 @@ class Membership:
                 f"cannot reach the scheduler at {self.scheduler} within {self.cluster.startup_timeout_s}s "
                 "(cluster.startup_timeout_s): is it running, and is that address reachable from this "
                 "host?") from None
-        assert isinstance(welcome, Welcome)
+        if not isinstance(welcome, Welcome):
+            raise UnexpectedReply(self.scheduler, "REGISTER", "WELCOME", welcome)
         self.node_id = welcome.node_id
         self.rpc.src = self.node_id
         return self.node_id
 
     def wait_plan(self, after: int = 0, timeout_s: float | None = None) -> ClusterPlan:
         """Block until the scheduler has a plan newer than `after` (at most
-        `timeout_s`, default the startup timeout; RequestTimeout after)."""
+        `timeout_s`, default the startup timeout; RequestTimeout after;
+        UnexpectedReply if the scheduler answers with anything but a PLAN)."""
         reply = self.rpc.call(GetPlan(after=after), timeout_s=timeout_s or self.cluster.startup_timeout_s)
-        assert isinstance(reply, Plan)
+        if not isinstance(reply, Plan):
+            raise UnexpectedReply(self.scheduler, "GET_PLAN", "PLAN", reply)
         self.latest_plan_id = max(self.latest_plan_id, reply.plan_id)
-        return ClusterPlan.from_dict(reply.plan)
+        return reply.plan  # a ClusterPlan, checked at decode (records.read_plan)
 
     def newer_plan(self, current: int) -> ClusterPlan | None:
         """The scheduler's newer plan if a heartbeat announced one, else None."""

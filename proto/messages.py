@@ -63,9 +63,17 @@ class Status(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Message:
-    """Base: subclasses set OP and declare header fields."""
+    """Base: subclasses set OP and declare header fields, each with its wire
+    type. Free-form fields (stats, info, ack, plan, tensor specs) are read
+    into typed records when the message is made (records.py); a bad value
+    raises ProtocolError there, in the sender as in the decoder."""
 
     OP: ClassVar[Op]
+
+    def __post_init__(self):
+        from .records import READERS, read_fields  # records imports this module's classes
+        if type(self) in READERS:
+            read_fields(self)
 
 
 @dataclass(frozen=True)
@@ -74,7 +82,7 @@ class Register(Message):
     role: str                     # "ps" | "worker" | "evaluator"
     rank: int
     address: str = ""             # advertised server address (shards)
-    tensor_specs: list = field(default_factory=list)  # [[name, dtype, shape, kind]] forward order
+    tensor_specs: list = field(default_factory=list)  # [[name, dtype, shape, kind]] forward order -> [TensorSpec]
     schema_hash: str = ""
     speed: float = 0.0            # profiled speed: samples/s (workers), bytes/s updated (shards)
     node_id: int = 0              # the id this node already had, when it registers again
@@ -98,14 +106,14 @@ class GetPlan(Message):
 class Plan(Message):
     OP: ClassVar[Op] = Op.PLAN
     plan_id: int
-    plan: dict
+    plan: dict                    # read into a checked ClusterPlan
 
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
     OP: ClassVar[Op] = Op.HEARTBEAT
     node_id: int
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)    # read into records.NodeStats
     records: list = field(default_factory=list)  # step records, each with `ago` seconds
 
 
@@ -123,7 +131,7 @@ class Push(Message):
     clock: int                    # pushes this worker made before this one
     base_version: int             # shard version the gradient was computed on
     n_samples: int = 0
-    info: dict = field(default_factory=dict)  # algorithm extras (e.g. local steps), string keys
+    info: dict = field(default_factory=dict)  # algorithm extras (e.g. local steps): records.PushInfo
     # True: the reply is the PARAMS that a PULL with clock + 1 sent right behind this push
     # would get (parked alike), carrying this push's ACK in `ack`: one round trip, two messages
     pull: bool = False
@@ -143,7 +151,7 @@ class Params(Message):
     version: int
     # a reply to a PUSH with `pull`: that push's ACK fields (version, staleness, plan_id, info),
     # plus `held_s`, the seconds the values waited at the shard after the push was applied
-    ack: dict = field(default_factory=dict)
+    ack: dict = field(default_factory=dict)  # records.FusedAck, None when empty (a plain pull's reply)
     tensors: dict = field(default_factory=dict)
 
 
@@ -189,7 +197,7 @@ class Report(Message):
 class Bye(Message):
     OP: ClassVar[Op] = Op.BYE
     node_id: int
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)    # read into records.NodeStats
 
 
 MESSAGES: dict[Op, type[Message]] = {

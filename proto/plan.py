@@ -7,7 +7,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass, field
 
-from .codec import DTYPES
+from .dtypes import DTYPES
+from .errors import ProtocolError
+from .messages import Status
+
+TENSOR_KINDS = ("param", "buffer")
 
 
 @dataclass(frozen=True)
@@ -18,9 +22,18 @@ class TensorSpec:
     kind: str = "param"  # "param" (optimizer-updated) or "buffer" (e.g. BatchNorm statistics)
 
     @classmethod
-    def from_wire(cls, spec: list) -> "TensorSpec":
+    def from_wire(cls, spec) -> "TensorSpec":
+        """Read `[name, dtype, shape, kind]`. Raises ProtocolError: MALFORMED
+        for a bad layout, DTYPE_NOT_ALLOWED for a dtype outside the allow-list."""
+        if not (isinstance(spec, (list, tuple)) and len(spec) == 4 and type(spec[0]) is str
+                and type(spec[1]) is str and isinstance(spec[2], (list, tuple))
+                and all(type(d) is int and 0 <= d < 2**63 for d in spec[2]) and spec[3] in TENSOR_KINDS):
+            raise ProtocolError(Status.MALFORMED, f"bad tensor spec {spec!r:.80} (want [name, dtype, "
+                                                  f"[dims >= 0], kind in {TENSOR_KINDS}])")
         name, dtype, shape, kind = spec
-        return cls(str(name), str(dtype), tuple(int(d) for d in shape), str(kind))
+        if dtype not in DTYPES:
+            raise ProtocolError(Status.DTYPE_NOT_ALLOWED, f"tensor {name!r}: dtype {dtype!r} not in {sorted(DTYPES)}")
+        return cls(name, dtype, tuple(shape), kind)
 
     def to_wire(self) -> list:
         return [self.name, self.dtype, list(self.shape), self.kind]

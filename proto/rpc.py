@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .codec import ProtocolError, TensorCatalog, decode, encode, error_frames
+from .errors import HetpsError
 from .messages import Error, Message, Op, Status
 from .emulation import WireFaults
 from .transport import ServerTransport, make_client
@@ -22,7 +23,7 @@ from .transport import ServerTransport, make_client
 log = logging.getLogger(__name__)
 
 
-class RemoteError(Exception):
+class RemoteError(HetpsError):
     """The peer answered ERROR."""
 
     def __init__(self, status: Status, message: str, peer: str, op: str):
@@ -30,7 +31,7 @@ class RemoteError(Exception):
         self.status, self.message, self.peer, self.op = status, message, peer, op
 
 
-class RequestTimeout(Exception):
+class RequestTimeout(HetpsError):
     """No reply within the deadline."""
 
     def __init__(self, peer: str, op: str, timeout_s: float):
@@ -38,7 +39,7 @@ class RequestTimeout(Exception):
         self.peer, self.op, self.timeout_s = peer, op, timeout_s
 
 
-class Aborted(Exception):
+class Aborted(HetpsError):
     """A wait was abandoned because the caller's abort condition became true."""
 
 

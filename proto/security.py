@@ -37,6 +37,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from .config import RunConfig, SecurityConfig
+from .errors import HetpsError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ SERVER_ROLES = frozenset({"scheduler", "ps"})
 CLIENT_ROLES = frozenset({"ps", "worker", "evaluator"})
 
 
-class SecurityError(Exception):
+class SecurityError(HetpsError):
     """Curve is on but a key or the keys directory is missing or unusable; the
     message names the path."""
 

@@ -29,11 +29,12 @@ from typing import Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .errors import HetpsError
 from .messages import ZERO_COPY_BYTES
 from .security import SecurityError, secure_socket
 
 
-class TransportError(Exception):
+class TransportError(HetpsError):
     """Bind/connect failed or the peer is unknown."""
 
 

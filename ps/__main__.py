@@ -16,7 +16,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 
 import torch
 
@@ -34,6 +33,7 @@ from hetps.proto import checkpoint
 from .shard import Shard, profile_update_speed
 
 log = logging.getLogger("hetps.ps")
+PLAN_FETCH_S = 1.0  # longest wait for a plan a push names; the scheduler answers at once when it has it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,28 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank, args.restore_version,
                           args.resume)
 
-        refused_until = [0.0]
-
-        def newer_plan(after: int):
-            """A pushed plan id this shard has not seen: ask, briefly; after a
-            fruitless ask, not again for 5 s (a bogus id must not stall the shard)."""
-            if time.monotonic() < refused_until[0]:
-                return None
-            try:
-                return member.wait_plan(after, timeout_s=1.0)
-            except RequestTimeout:
-                refused_until[0] = time.monotonic() + 5.0
-                return None
-
-        shard.plan_source = newer_plan
+        shard.park_future_pushes = True  # adopt_newer_plan fetches the plans they wait for
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
                  len(shard.store.specs), server.address)
         serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats)
+        refused_plan = [0]  # the newest plan this shard could not adopt: not fetched again
         while not member.stop_requested.is_set():
             shard.serve_once(0.05)
-            newer = member.newer_plan(shard.plan.plan_id)
-            if newer is not None:
-                shard.adopt(newer)
+            adopt_newer_plan(shard, member, refused_plan)
         log.info("stopping: %s", member.stop_reason)
         shard.maybe_checkpoint(force=True)  # workers have stopped: a consistent point to resume from
         member.bye(shard.stats())
@@ -113,6 +99,31 @@ def main(argv: list[str] | None = None) -> int:
         member.close()
         server.close()
     return 0
+
+
+def adopt_newer_plan(shard: Shard, member: Membership, refused: list[int]) -> None:
+    """The serve loop's plan timer, guarded like a handler: fetch the plan a
+    heartbeat announced or a parked push was made under, and adopt it (which
+    answers the pushes waiting for it). A plan that cannot be fetched or
+    adopted (e.g. one that moves tensors) is logged and counted in the
+    shard's `timer_errors`; the shard keeps serving the plan it has and takes
+    the waiting pushes under it. Blocks while it fetches (at most
+    PLAN_FETCH_S for a plan id the scheduler has not published)."""
+    wanted = shard.future_pushes.wanted()
+    try:
+        if wanted > max(shard.plan.plan_id, refused[0]):  # the scheduler has it: a worker got it there
+            newer = member.wait_plan(shard.plan.plan_id, timeout_s=PLAN_FETCH_S)
+        else:
+            newer = member.newer_plan(max(shard.plan.plan_id, refused[0]))
+        if newer is not None:
+            refused[0] = newer.plan_id
+            shard.adopt(newer)
+    except Exception:
+        shard.counts["timer_errors"] += 1
+        refused[0] = max(refused[0], wanted, member.latest_plan_id)  # not fetched again
+        log.exception("could not adopt a newer plan; serving plan %d on", shard.plan.plan_id)
+    if shard.future_pushes.parked and shard.future_pushes.wanted() <= refused[0]:
+        shard.take_future_pushes()  # their plan will not come: take them under the plan this shard has
 
 
 def setup_checkpoints(shard: Shard, root: str | None, rank: int, version: int | None,

@@ -18,12 +18,13 @@ from hetps.proto.algorithms import algorithm, check_plan_algorithm
 from hetps.proto.codec import Envelope, ProtocolError, nonfinite_names
 from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.emulation import Slowdown, work_clock
-from hetps.proto.messages import Ack, Op, Params, Status
+from hetps.proto.messages import Ack, Error, Op, Params, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 
 from hetps.proto.checkpoint import Checkpointer
+from .future_pushes import FuturePushes
 from .updater import Updater
 from .policies import POLICIES, ConsistencyPolicy
 from .store import TensorStore
@@ -58,12 +59,14 @@ class Shard(Service):
         self.store = TensorStore(plan.owned(plan.shard_index(node_id)))
         self.policy: ConsistencyPolicy | None = None
         self.parked: list[ParkedPull] = []
-        self.plan_source = None  # callable(after) -> a newer plan or None, briefly blocking; set by the daemon
+        # pushes made under a plan not adopted yet wait for it (the daemon turns this on: it fetches plans)
+        self.park_future_pushes = False
+        self.future_pushes = FuturePushes()
         self.checkpointer: Checkpointer | None = None  # set by the daemon when checkpoints are on
         self.recent_acks: dict[int, tuple[int, Ack]] = {}  # worker -> (request id, ACK) of its last push
         self.restored_version: int | None = None
         self.counts = {"pushes": 0, "pulls": 0, "nonfinite": 0, "retried": 0, "checkpoint_errors": 0,
-                       "busy_s": 0.0}
+                       "timer_errors": 0, "busy_s": 0.0}
         # pull replies leave zero-copy from the live tensors: whatever else may write them settles first
         self.handlers = {op: h if op == Op.PULL else self._settled(h) for op, h in self.handlers.items()}
 
@@ -85,6 +88,7 @@ class Shard(Service):
         saved = ({"checkpoints": self.checkpointer.written, "checkpoint_s": round(self.checkpointer.seconds, 3),
                   "checkpoint_version": self.checkpointer.last_version} if self.checkpointer else {})
         return {"version": self.store.version, "parked": len(self.parked), "plan_id": self.plan.plan_id,
+                "pushes_awaiting_plan": self.future_pushes.count,
                 "malformed": self.malformed, "tensors": len(self.store.specs),
                 "restored_version": self.restored_version, "snapshot_moves": self.store.snapshots.moves,
                 "lr": self.policy.updater.lr if self.policy else 0.0, **self.counts, **saved, **policy}
@@ -99,6 +103,28 @@ class Shard(Service):
         if self.policy is not None:
             self.policy.adopt(plan)
         self._serve_parked()
+        self.take_future_pushes(plan.plan_id)
+
+    def take_future_pushes(self, plan_id: int | None = None) -> None:
+        """Handle, and answer, the parked pushes made under plans up to
+        `plan_id` (None: all, under the plan this shard has)."""
+        parking, self.park_future_pushes = self.park_future_pushes, False  # taken now, whatever plan they name
+        try:
+            for parked in self.future_pushes.take(plan_id):
+                self._answer_parked_push(parked)
+        finally:
+            self.park_future_pushes = parking
+
+    def _answer_parked_push(self, parked) -> None:
+        try:
+            answer = self.handlers[Op.PUSH](parked.peer, parked.env)
+        except ProtocolError as err:
+            answer = Error(status=int(err.status), message=err.message)
+        except Exception as exc:  # as in Service.serve_once: a bug must not kill the loop
+            log.exception("parked PUSH failed")
+            answer = Error(status=int(Status.INTERNAL), message=repr(exc)[:200])
+        if answer is not None:
+            self.reply(parked.peer, parked.env.req_id, answer)
 
     # ------------------------------------------------------------ handlers
     def on_init(self, peer: bytes, env: Envelope):
@@ -121,6 +147,11 @@ class Shard(Service):
         if push.plan_id < self.plan.placement_id:  # made for a placement that no longer holds
             raise ProtocolError(Status.STALE_PLAN, f"plan {push.plan_id} predates placement of plan "
                                                    f"{self.plan.placement_id}")
+        if self.park_future_pushes and push.plan_id > self.plan.plan_id:
+            # the sender already follows a newer plan: wait for it (the daemon's loop fetches it), so
+            # this push joins the new plan's rounds here as on every other shard
+            self.future_pushes.park(peer, env, time.monotonic())
+            return None
         ack = self._apply_push(env)
         if not push.pull:
             return ack
@@ -134,12 +165,6 @@ class Shard(Service):
             self.counts["retried"] += 1
             return last[1]
         self._screen_nonfinite(push)
-        if push.plan_id > self.plan.plan_id and self.plan_source is not None:
-            # the sender already follows a newer plan: switch first, so its push joins the
-            # new plan's rounds here as on every other shard
-            newer = self.plan_source(self.plan.plan_id)
-            if newer is not None:
-                self.adopt(newer)
         started = work_clock()
         staleness = self.policy.on_push(env.src, push)
         self._stretch(work_clock() - started)

@@ -62,6 +62,7 @@ class Coordinator(Service):
         self.stop_since = 0.0
         self.evals = EvalTrack(cfg.stop.target_accuracy)
         self.failures: list[dict] = []
+        self.timer_errors: dict[str, int] = {}  # timer name -> failures (see `_guarded`)
         self.finished_steps = 0
 
     # ------------------------------------------------------------ helpers
@@ -133,12 +134,9 @@ class Coordinator(Service):
         state.save(self)
         return Welcome(node_id=node.node_id, role=msg.role, rank=msg.rank)
 
-    def _check_schema(self, wire_specs: list, schema_hash: str) -> None:
+    def _check_schema(self, specs: list[TensorSpec], schema_hash: str) -> None:
         if self.specs is None:
-            try:
-                self.specs = [TensorSpec.from_wire(s) for s in wire_specs]
-            except (TypeError, ValueError) as exc:
-                raise ProtocolError(Status.MALFORMED, f"bad tensor_specs: {exc}") from None
+            self.specs = list(specs)  # checked at decode (records.read_tensor_specs)
             self.schema = schema_hash
         elif schema_hash != self.schema:
             raise ProtocolError(Status.BAD_STATE,
@@ -146,7 +144,7 @@ class Coordinator(Service):
 
     def on_get_plan(self, peer: bytes, env: Envelope):
         if self.plan is not None and self.plan.plan_id > env.msg.after:
-            return Plan(plan_id=self.plan.plan_id, plan=self.plan.to_dict())
+            return Plan(plan_id=self.plan.plan_id, plan=self.plan)
         self.plan_waiters.append((peer, env.req_id, env.msg.after))
         return None
 
@@ -160,10 +158,9 @@ class Coordinator(Service):
                        info={"reason": f"declared dead after {self.cfg.cluster.dead_after_s}s of silence"})
         node.stats = env.msg.stats
         now = self.elapsed()
-        for rec in env.msg.records:
-            if isinstance(rec, dict):
-                ago = rec.pop("ago", 0.0)
-                self.runlog.record("step", t=round(now - float(ago), 4), **rec)
+        for rec in env.msg.records:  # checked at decode: plain values, `ago` a finite number of seconds
+            ago = rec.pop("ago")
+            self.runlog.record("step", t=round(now - ago, 4), **rec)
         stop = self._tell_stop(node)
         return Ack(plan_id=self.plan.plan_id if self.plan else 0, stop=stop,
                    info={"reason": self.stop_reason} if stop else {})
@@ -276,7 +273,7 @@ class Coordinator(Service):
                  len(plan.workers), plan.groups, len(plan.shards), len(plan.tensors), plan.speeds)
         for peer, req, after in self.plan_waiters:
             if plan.plan_id > after:
-                self.reply(peer, req, Plan(plan_id=plan.plan_id, plan=plan.to_dict()))
+                self.reply(peer, req, Plan(plan_id=plan.plan_id, plan=plan))
         self.plan_waiters = [w for w in self.plan_waiters if w[2] >= plan.plan_id]
 
     def _maybe_regroup(self) -> None:
@@ -331,19 +328,42 @@ class Coordinator(Service):
         return others_gone or time.monotonic() - self.stop_since > STOP_GRACE_S
 
     def tick(self) -> None:
-        """Check the stop conditions; call between requests."""
-        stop = self.cfg.stop
-        if self.started is None:
-            if self.elapsed() > self.cfg.cluster.startup_timeout_s:
-                missing = {r: self.expected[r] - len(self.members(r)) for r in self.expected}
-                self.failures.append({"kind": "startup", "missing": missing})
-                self.begin_stop(f"cluster did not form within {self.cfg.cluster.startup_timeout_s}s: "
-                                f"still waiting for {missing}")
-            return
-        self._detect_dead()
-        self._maybe_regroup()
+        """Run the timers (startup timeout, failure detection, re-grouping,
+        state saving, stop limits); call between requests. Never raises: each
+        timer runs guarded like a handler (`_guarded`)."""
+        timers = ((self._check_startup,) if self.started is None else
+                  (self._detect_dead, self._maybe_regroup, self._save_when_due, self._check_limits))
+        for timer in timers:
+            self._guarded(timer)
+
+    def _guarded(self, timer) -> None:
+        """Run one timer; a failure is logged (with its traceback the first
+        time and every 100th), counted in `timer_errors` and recorded once per
+        timer in the run's failures, and the loop goes on."""
+        try:
+            timer()
+        except Exception as exc:
+            name = timer.__name__.lstrip("_")
+            count = self.timer_errors[name] = self.timer_errors.get(name, 0) + 1
+            if count == 1 or count % 100 == 0:
+                log.exception("timer %s failed (%d times so far)", name, count)
+            if count == 1:
+                self.failures.append({"kind": "timer_error", "timer": name, "error": repr(exc)[:200],
+                                      "t": round(self.elapsed(), 3)})
+
+    def _check_startup(self) -> None:
+        if self.elapsed() > self.cfg.cluster.startup_timeout_s:
+            missing = {r: self.expected[r] - len(self.members(r)) for r in self.expected}
+            self.failures.append({"kind": "startup", "missing": missing})
+            self.begin_stop(f"cluster did not form within {self.cfg.cluster.startup_timeout_s}s: "
+                            f"still waiting for {missing}")
+
+    def _save_when_due(self) -> None:
         if time.monotonic() - self.state_saved > state.SAVE_EVERY_S:
             state.save(self)
+
+    def _check_limits(self) -> None:
+        stop = self.cfg.stop
         if self.elapsed() >= stop.max_seconds:
             self.begin_stop(f"time limit {stop.max_seconds}s")
         if stop.max_steps and self.global_steps() >= stop.max_steps:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetps.proto.config import RunConfig, dump_config
+from hetps.proto.errors import HetpsError
 from hetps.proto.security import keys_for_run
 
 from .faults import FaultInjector
@@ -31,7 +32,7 @@ ADDR_WAIT_S = 60.0   # longest wait for the scheduler to publish its address
 REAP_WAIT_S = 15.0   # after the scheduler exits, how long the rest may take to leave
 
 
-class LaunchError(RuntimeError):
+class LaunchError(HetpsError, RuntimeError):
     """A process failed; the message names it and quotes its last log lines."""
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hetps.proto.records import NodeStats
+
 
 @dataclass
 class Node:
@@ -14,9 +16,12 @@ class Node:
     address: str
     last_seen: float
     profiled_speed: float = 0.0
-    stats: dict = field(default_factory=dict)
+    stats: NodeStats = field(default_factory=NodeStats)  # from its latest heartbeat (checked at decode)
     left: bool = False    # said BYE
     dead: bool = False    # silent for longer than cluster.dead_after_s
+
+    def __post_init__(self):
+        self.stats = NodeStats.read(self.stats)  # a restored state holds the plain map
 
     @property
     def gone(self) -> bool:
@@ -25,7 +30,7 @@ class Node:
     @property
     def speed(self) -> float:
         """Latest measured speed: from heartbeats once training, else the profile."""
-        return float(self.stats.get("speed") or self.profiled_speed or 1.0)
+        return self.stats.speed or self.profiled_speed or 1.0
 
 
 @dataclass

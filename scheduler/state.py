@@ -51,9 +51,9 @@ def save(coord, finished: bool = False) -> None:
     })
 
 
-def numbers(stats: dict) -> dict:
+def numbers(stats) -> dict:
     """The numeric entries of a node's stats (steps, bytes, ...): what the summary counts."""
-    return {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: v for k, v in stats.as_dict().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def restore(coord, data: dict, node_type) -> None:

@@ -10,8 +10,8 @@ ROLES = ("ps", "worker", "evaluator")
 
 
 def count(stats: dict, key: str) -> int:
-    """A count from a peer's stats; 0 when absent or not a finite number
-    (stats are free-form on the wire and must not break the summary)."""
+    """A count from a node's stats (a records.NodeStats); 0 when absent or
+    not a finite number."""
     value = stats.get(key, 0)
     return int(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0
 
@@ -39,7 +39,7 @@ def run_summary(coord) -> dict:
         "shard_versions": {f"ps{n.rank}": count(n.stats, "version") for n in coord.members("ps")},
         "communication_rounds": max((count(n.stats, "rounds") or count(n.stats, "version")
                                      for n in coord.members("ps")), default=0),
-        "shard_stats": {f"ps{n.rank}": n.stats for n in coord.members("ps")},
+        "shard_stats": {f"ps{n.rank}": n.stats.as_dict() for n in coord.members("ps")},
         "plan_id": coord.plan.plan_id if coord.plan else 0,
         "stop_reason": coord.stop_reason, "failures": coord.failures, "not_left": stragglers,
     }

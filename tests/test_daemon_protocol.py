@@ -203,9 +203,13 @@ def shard_cases(plan_id: int, node_id: int, grads: dict) -> list[tuple[str, list
     return cases
 
 
-def scheduler_cases(node_id: int) -> list[tuple[str, list, Status, int]]:
-    beat = {"v": PROTOCOL_VERSION, "op": int(Op.HEARTBEAT), "id": 2000, "src": node_id,
+def beat_header(node_id: int, req_id: int) -> dict:
+    return {"v": PROTOCOL_VERSION, "op": int(Op.HEARTBEAT), "id": req_id, "src": node_id,
             "node_id": node_id, "stats": {}, "records": []}
+
+
+def scheduler_cases(node_id: int) -> list[tuple[str, list, Status, int]]:
+    beat = beat_header(node_id, 2000)
     return [
         ("garbage bytes", [b"\xc1garbage\x00\xff"], Status.MALFORMED, 0),
         ("empty header", [b""], Status.MALFORMED, 0),
@@ -298,12 +302,16 @@ def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
             assert got_id == req_id, f"scheduler, {name}: reply id {got_id}"
             ack = member.rpc.call(Heartbeat(node_id=node_id, stats={"steps": 1}), timeout_s=REPLY_S)
             assert isinstance(ack, Ack) and ack.stop is False and ack.plan_id == plan.plan_id, name
-        # free-form stats that are not numbers must not break the scheduler's summary
+        # stats that are not counts are refused at decode (records.NodeStats), naming the field
         evaluator = Membership(sched_addr, "evaluator", 0, cfg.cluster)
         closers.append(evaluator.close)
         eval_id = evaluator.join()
-        odd_stats = {"steps": "many", "bytes_sent": float("inf"), "bytes_received": b"\x00", "version": None}
-        ack = evaluator.rpc.call(Heartbeat(node_id=eval_id, stats=odd_stats), timeout_s=REPLY_S)
+        for key, odd in (("steps", "many"), ("bytes_sent", float("inf")), ("bytes_received", b"\x00"),
+                         ("version", None)):
+            err, got_id = raw_sched.ask(with_header({**beat_header(eval_id, 2100), "stats": {key: odd}},
+                                                    []))
+            assert Status(err.status) == Status.MALFORMED and f"stats.{key}" in err.message, err.message
+        ack = evaluator.rpc.call(Heartbeat(node_id=eval_id, stats={"evals": 1}), timeout_s=REPLY_S)
         assert isinstance(ack, Ack)
         daemons.alive_or_fail()
 
@@ -312,7 +320,7 @@ def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
         closers.append(ctl.close)
         ack = ctl.call(Stop(reason="test done"))
         assert isinstance(ack, Ack) and ack.stop is True
-        evaluator.bye(odd_stats, timeout_s=REPLY_S)
+        evaluator.bye({"evals": 1}, timeout_s=REPLY_S)
         member.bye({"steps": 1}, timeout_s=REPLY_S)
     finally:
         for close in reversed(closers):

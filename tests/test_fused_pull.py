@@ -52,9 +52,9 @@ def test_sync_fused_push_waits_for_the_round_and_carries_its_ack(harnesses):
     for reply in (reply_a, reply_b):
         assert isinstance(reply, Params) and reply.version == 1
         torch.testing.assert_close(reply.tensors["0.weight"], h.values()["0.weight"], rtol=0, atol=0)
-    assert reply_a.ack["version"] == 0 and reply_b.ack["version"] == 1  # each push's own ACK
-    assert reply_a.ack["plan_id"] == PLAN_ID and reply_a.ack["staleness"] == 0
-    assert reply_a.ack["held_s"] >= 0.04 and reply_b.ack["held_s"] < reply_a.ack["held_s"]
+    assert reply_a.ack.version == 0 and reply_b.ack.version == 1  # each push's own ACK
+    assert reply_a.ack.plan_id == PLAN_ID and reply_a.ack.staleness == 0
+    assert reply_a.ack.held_s >= 0.04 and reply_b.ack.held_s < reply_a.ack.held_s
 
 
 @pytest.mark.parametrize("algorithm", ["sync", "async", "ssp", "eager", "cpsgd"])
@@ -123,7 +123,7 @@ def test_a_resent_parked_fused_push_is_answered_once_and_keeps_its_wait(harnesse
     assert first is not None and a.transport.recv(0.1) is None  # answered once
     reply = decode(first).msg
     assert isinstance(reply, Params) and reply.version == 1
-    assert reply.ack["held_s"] >= 0.2 and reply.ack["version"] == 0
+    assert reply.ack.held_s >= 0.2 and reply.ack.version == 0
 
 
 def test_a_refused_fused_push_gets_an_error_and_no_values(harnesses):

@@ -112,10 +112,11 @@ def sample_messages(tensors: dict, plan_id: int = 1, node_id: int = 1) -> dict[O
                                 tensor_specs=[["w", "float32", [3, 4], "param"]], schema_hash="abc", speed=2.5),
         Op.WELCOME: m.Welcome(node_id=node_id, role="ps", rank=0),
         Op.GET_PLAN: m.GetPlan(after=plan_id),
-        Op.PLAN: m.Plan(plan_id=plan_id, plan={"algorithm": "sync"}),
+        Op.PLAN: m.Plan(plan_id=plan_id, plan={"plan_id": plan_id, "algorithm": "sync", "workers": [], "shards": [],
+                                               "tensors": [], "placement": {}}),
         Op.HEARTBEAT: m.Heartbeat(node_id=node_id, stats={"steps": 1}, records=[{"step": 1, "ago": 0.5}]),
         Op.INIT: m.Init(plan_id=plan_id, tensors=tensors),
-        Op.PUSH: m.Push(plan_id=plan_id, clock=0, base_version=0, n_samples=4, info={"k": 1}, tensors=tensors),
+        Op.PUSH: m.Push(plan_id=plan_id, clock=0, base_version=0, n_samples=4, info={"steps": 1}, tensors=tensors),
         Op.PULL: m.Pull(plan_id=plan_id, clock=-1),
         Op.PARAMS: m.Params(version=3, tensors=tensors),
         Op.ACK: m.Ack(version=1, staleness=0, plan_id=plan_id, stop=False, info={"a": 1}),
@@ -807,7 +808,8 @@ def shard_handler_case(draw, temps: dict[Op, Template], plan_id: int):
     add_noise(draw, t, h)
     for key in ("clock", "base_version", "n_samples"):
         h[key] = draw(INTS)
-    h["info"] = draw(st.dictionaries(st.text(max_size=6), VALUES, max_size=3))
+    h["info"] = draw(st.dictionaries(st.sampled_from(["steps", "period"]), st.integers(0, 2**40), max_size=2)
+                     | st.dictionaries(st.sampled_from(["lr", "weight_decay"]), st.floats(0, 10), max_size=2))
     if draw(st.booleans()):
         h["plan_id"] = draw(st.integers(-2**63, 0) | st.sampled_from([-2**63, -1, 0]))
         expected = {Status.STALE_PLAN}
@@ -826,29 +828,32 @@ def shard_handler_case(draw, temps: dict[Op, Template], plan_id: int):
 def scheduler_handler_case(draw, known_ids: set[int], schema: str):
     """Well-formed requests the scheduler must refuse without a state change:
     unknown node ids with arbitrary stats, records and values; registrations
-    with an unknown role or another model schema."""
+    with an unknown role or another model schema. Arbitrary stats, records
+    and tensor specs may already fail their typed reading at decode
+    (MALFORMED, before the handler's BAD_STATE)."""
     rid = draw(st.integers(1, 2**63 - 1))
     node = draw(INTS.filter(lambda x: x not in known_ids and -2**63 <= x < 2**63))
     free_dict = st.dictionaries(st.text(max_size=8), VALUES, max_size=4)
     kind = draw(st.sampled_from(["heartbeat", "report", "bye", "role", "schema"]))
     if kind == "heartbeat":
-        msg = m.Heartbeat(node_id=node, stats=draw(free_dict), records=draw(st.lists(free_dict | VALUES, max_size=3)))
-        expected = {Status.BAD_STATE}
+        op, fields = Op.HEARTBEAT, dict(node_id=node, stats=draw(free_dict),
+                                        records=draw(st.lists(free_dict | VALUES, max_size=3)))
+        expected = {Status.BAD_STATE, M}
     elif kind == "report":
-        msg = m.Report(node_id=node, kind=draw(st.just("eval") | TEXT), values=draw(free_dict))
+        op, fields = Op.REPORT, dict(node_id=node, kind=draw(st.just("eval") | TEXT), values=draw(free_dict))
         expected = {Status.BAD_STATE}
     elif kind == "bye":
-        msg = m.Bye(node_id=node, stats=draw(free_dict))
-        expected = {Status.BAD_STATE}
+        op, fields = Op.BYE, dict(node_id=node, stats=draw(free_dict))
+        expected = {Status.BAD_STATE, M}
     elif kind == "role":
-        msg = m.Register(role=draw(TEXT.filter(lambda r: r not in ("ps", "worker", "evaluator"))),
-                         rank=draw(INTS), tensor_specs=draw(st.lists(VALUES, max_size=3)))
+        op, fields = Op.REGISTER, dict(role=draw(TEXT.filter(lambda r: r not in ("ps", "worker", "evaluator"))),
+                                       rank=draw(INTS), tensor_specs=draw(st.lists(VALUES, max_size=3)))
         expected = {M}
     else:
-        msg = m.Register(role="worker", rank=draw(INTS), tensor_specs=draw(st.lists(VALUES, max_size=3)),
-                         schema_hash=draw(TEXT.filter(lambda s: s != schema)), speed=draw(st.floats()))
-        expected = {Status.BAD_STATE}
-    frames = [bytes(memoryview(f)) for f in encode(msg, rid, node)]
+        op, fields = Op.REGISTER, dict(role="worker", rank=draw(INTS), tensor_specs=draw(st.lists(VALUES, max_size=3)),
+                                       schema_hash=draw(TEXT.filter(lambda s: s != schema)), speed=draw(st.floats()))
+        expected = {Status.BAD_STATE, M}
+    frames = [pack({"v": PROTOCOL_VERSION, "op": int(op), "id": rid, "src": node, **fields})]
     return frames, expected, rid
 
 

@@ -183,10 +183,4 @@ class PSClient:
 
 def ack_of(reply: Params) -> tuple[Ack, float]:
     """The ACK a fused PUSH+PULL reply carries, and the seconds its values waited at the shard."""
-    a = reply.ack
-    try:
-        ack = Ack(version=int(a.get("version", 0)), staleness=int(a.get("staleness", 0)),
-                  plan_id=int(a.get("plan_id", 0)), info=dict(a.get("info") or {}))
-        return ack, float(a.get("held_s", 0.0))
-    except (TypeError, ValueError) as exc:
-        raise ProtocolError(Status.MALFORMED, f"bad ACK in a PARAMS reply: {exc}") from None
+    return reply.ack.ack(), reply.ack.held_s  # typed and checked at decode (records.FusedAck)

@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from hetps.proto.config import DataConfig
+from hetps.proto.errors import HetpsError
 
 
-class DatasetUnavailable(RuntimeError):
+class DatasetUnavailable(HetpsError, RuntimeError):
     """The dataset's files or the package that provides them are not available."""
 
 

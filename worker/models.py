@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetps.proto.config import ModelConfig
+from hetps.proto.errors import HetpsError
 
 
-class ModelError(ValueError):
+class ModelError(HetpsError, ValueError):
     """The configured model name cannot be resolved to a constructor."""
 
 

@@ -22,7 +22,6 @@ the workers report).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -35,27 +34,6 @@ from ..averaging_rules import PERIOD_RULES, WEIGHT_RULES, ConstantPeriod
 from ..store import TensorStore
 from ..updater import Updater
 from .base import ConsistencyPolicy
-
-
-INFO_KEYS = {"steps": int, "period": int, "lr": float, "weight_decay": float, "final": bool}
-
-
-def checked_info(info: dict) -> dict:
-    """The push's `info`, checked before it may touch any state (a trust
-    boundary): known keys only, non-negative finite numbers."""
-    out = {}
-    for key, value in info.items():
-        kind = INFO_KEYS.get(key)
-        if kind is None:
-            raise ProtocolError(Status.MALFORMED,
-                                f"PUSH info key {key!r} unknown; allowed: {', '.join(INFO_KEYS)}")
-        ok = isinstance(value, bool) if kind is bool else (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and value >= 0 and (kind is float or value == int(value)))
-        if not ok:
-            raise ProtocolError(Status.MALFORMED, f"PUSH info {key}={value!r}: expected a {kind.__name__} >= 0")
-        out[key] = kind(value)
-    return out
 
 
 @dataclass
@@ -92,7 +70,7 @@ class ModelAveragingPolicy(ConsistencyPolicy):
 
     # ------------------------------------------------------------ policy
     def on_push(self, worker: int, push: Push) -> int:
-        info = checked_info(push.info)
+        info = push.info.as_dict()  # checked at decode (records.PushInfo)
         got = self.accept(worker, push)
         if got.duplicate:
             return got.staleness

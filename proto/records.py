@@ -1,0 +1,341 @@
+"""Typed records for the free-form fields of messages.
+
+TRUST BOUNDARY. A message's header fields are declared with their wire types
+(`dict`, `list`, ...) in messages.py and checked by the codec; the fields
+below carry structure of their own, which is read here into typed records
+whenever a message is made -- by `decode` from a peer's bytes, or by a sender
+in this process -- so both ends see the same checked types:
+
+    HEARTBEAT.stats, BYE.stats  -> NodeStats (counts and speed: finite, bounded)
+    HEARTBEAT.records           -> list of step records (plain values, `ago` in seconds)
+    REGISTER.tensor_specs       -> list[TensorSpec] (dtype allow-list, unique names)
+    REGISTER.speed              -> a finite, bounded float
+    PUSH.info                   -> PushInfo (known keys only)
+    PARAMS.ack                  -> FusedAck, or None when the reply carries no ACK
+    PLAN.plan                   -> ClusterPlan (placement and groups consistent)
+
+A bad value raises ProtocolError(MALFORMED, or DTYPE_NOT_ALLOWED) naming the
+field; the codec adds the request id. Numbers the scheduler computes with are
+bounded well below overflow, so one node's heartbeat cannot make placement or
+grouping produce inf or NaN.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
+
+from . import messages as m
+from .errors import ProtocolError
+from .messages import Status
+from .plan import ClusterPlan, NodeEntry, TensorSpec
+
+MAX_COUNT = 2**62       # steps, bytes, versions: far above any run, far below int64 overflow
+MAX_RATE = 1e15         # samples/s or bytes/s: far above any machine, far below float overflow in sums
+MAX_SECONDS = 1e9
+MAX_DEPTH = 4           # nesting of plain values (lists and maps) in extras and step records
+MAX_TEXT = 4096         # characters of a string in a plain value
+RESERVED_RECORD_KEYS = ("kind", "t")  # the run log's own keys for a step record
+
+
+def _bad(where: str, message: str, status: Status = Status.MALFORMED):
+    raise ProtocolError(status, f"{where}: {message}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_count(where: str, value: Any) -> int:
+    """An int in [0, MAX_COUNT] (a bool is no count)."""
+    if not _is_int(value) or not 0 <= value <= MAX_COUNT:
+        _bad(where, f"must be an int in [0, {MAX_COUNT}], got {value!r:.40}")
+    return int(value)
+
+
+def read_int(where: str, value: Any) -> int:
+    """Any int64 (ids, clocks); a bool is no int."""
+    if not _is_int(value) or not -2**63 <= value < 2**63:
+        _bad(where, f"must be a 64-bit int, got {value!r:.40}")
+    return int(value)
+
+
+def read_number(where: str, value: Any, high: float) -> float:
+    """A finite float in [0, high]; ints are accepted and made floats."""
+    if not (_is_int(value) or isinstance(value, float)) or not (math.isfinite(value) and 0 <= value <= high):
+        _bad(where, f"must be a finite number in [0, {high:g}], got {value!r:.40}")
+    return float(value)
+
+
+def read_plain(where: str, value: Any, depth: int = 0) -> Any:
+    """Plain data a node reports and nobody computes with: None, bool, int64,
+    any float (a diverged loss is NaN, and worth reporting), short strings,
+    and lists and string-keyed maps of these, nested at most MAX_DEPTH deep."""
+    kind = type(value)
+    if value is None or kind is bool:
+        return value
+    if isinstance(value, float):
+        return float(value)
+    if _is_int(value):
+        return read_int(where, value)
+    if kind is str:
+        if len(value) > MAX_TEXT:
+            _bad(where, f"string of {len(value)} characters, at most {MAX_TEXT}")
+        return value
+    if depth >= MAX_DEPTH or kind not in (list, dict):
+        _bad(where, f"not a plain value (or nested deeper than {MAX_DEPTH}): {type(value).__name__}")
+    if kind is list:
+        return [read_plain(where, v, depth + 1) for v in value]
+    if not all(type(k) is str for k in value):
+        _bad(where, "map keys must be strings")
+    return {k: read_plain(f"{where}.{k}", v, depth + 1) for k, v in value.items()}
+
+
+def read_map(where: str, value: Any) -> dict:
+    if type(value) is not dict:
+        _bad(where, f"must be a map, got {type(value).__name__}")
+    return read_plain(where, value)
+
+
+# ---------------------------------------------------------------- heartbeat statistics
+
+_STAT_COUNTS = ("steps", "bytes_sent", "bytes_received", "version", "rounds", "resent", "dropped", "delayed",
+                "grad_dense_bytes", "grad_sent_bytes")
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    """A node's statistics as its heartbeats and BYE carry them. The fields
+    the scheduler counts or plans with are typed (None: not reported); the
+    rest is role-specific plain data kept for the summary (`extra`)."""
+
+    steps: int | None = None              # training steps done (workers)
+    bytes_sent: int | None = None
+    bytes_received: int | None = None
+    version: int | None = None            # updates applied (shards)
+    rounds: int | None = None             # communication rounds (averaging algorithms)
+    resent: int | None = None             # requests re-sent after a timeout
+    dropped: int | None = None            # emulated wire faults
+    delayed: int | None = None
+    grad_dense_bytes: int | None = None   # gradient bytes before compression
+    grad_sent_bytes: int | None = None    # ... and after
+    speed: float | None = None            # samples/s (workers), measured while training
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, value: Any) -> "NodeStats":
+        if isinstance(value, cls):
+            return value
+        stats = read_map("stats", value)
+        typed = {k: read_count(f"stats.{k}", stats.pop(k)) for k in _STAT_COUNTS if k in stats}
+        if "speed" in stats:
+            typed["speed"] = read_number("stats.speed", stats.pop("speed"), MAX_RATE)
+        return cls(**typed, extra=stats)
+
+    def as_dict(self) -> dict:
+        """The wire form: reported fields and extras, in one map."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self)
+                   if f.name != "extra" and getattr(self, f.name) is not None}, **self.extra}
+
+    to_wire = as_dict
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A statistic by its wire name, `default` when not reported."""
+        if key in _STAT_COUNTS or key == "speed":
+            value = getattr(self, key)
+            return default if value is None else value
+        return self.extra.get(key, default)
+
+    def __bool__(self) -> bool:
+        return bool(self.as_dict())
+
+
+def read_step_records(value: Any) -> list[dict]:
+    """Step records: maps of plain values, each with `ago` (seconds before the heartbeat)."""
+    if type(value) is not list:
+        _bad("records", f"must be a list, got {type(value).__name__}")
+    out = []
+    for i, rec in enumerate(value):
+        rec = read_map(f"records[{i}]", rec)
+        clash = [k for k in RESERVED_RECORD_KEYS if k in rec]
+        if clash:
+            _bad(f"records[{i}]", f"keys {clash} are reserved")
+        rec["ago"] = read_number(f"records[{i}].ago", rec.get("ago", 0.0), MAX_SECONDS)
+        out.append(rec)
+    return out
+
+
+# ---------------------------------------------------------------- worker -> shard extras
+
+@dataclass(frozen=True)
+class PushInfo:
+    """What a model-averaging worker reports with its model (None: not sent)."""
+
+    steps: int | None = None           # local steps since the last average
+    period: int | None = None          # the period it used
+    lr: float | None = None
+    weight_decay: float | None = None
+    final: bool | None = None          # the last push of the run
+
+    _COUNTS = ("steps", "period")
+    _RATES = ("lr", "weight_decay")
+
+    @classmethod
+    def read(cls, value: Any) -> "PushInfo":
+        if isinstance(value, cls):
+            return value
+        if type(value) is not dict:
+            _bad("info", f"must be a map, got {type(value).__name__}")
+        allowed = [f.name for f in fields(cls)]
+        unknown = [k for k in value if k not in allowed]
+        if unknown:
+            _bad("info", f"unknown keys {unknown!r:.60}; allowed: {', '.join(allowed)}")
+        out: dict[str, Any] = {}
+        for key, v in value.items():
+            if key == "final":
+                if type(v) is not bool:
+                    _bad("info.final", f"must be a bool, got {v!r:.40}")
+                out[key] = v
+            elif key in cls._COUNTS:  # an integral float (e.g. 3.0) counts too
+                out[key] = read_count(f"info.{key}", int(v) if type(v) is float and v.is_integer() else v)
+            else:
+                out[key] = read_number(f"info.{key}", v, MAX_RATE)
+        return cls(**out)
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    to_wire = as_dict
+
+
+# ---------------------------------------------------------------- shard -> worker: the ACK in a fused reply
+
+@dataclass(frozen=True)
+class FusedAck:
+    """The ACK a PARAMS reply to a PUSH with `pull` carries."""
+
+    version: int
+    staleness: int = 0
+    plan_id: int = 0
+    info: dict = field(default_factory=dict)   # the policy's reply extras (e.g. the next period)
+    held_s: float = 0.0                        # seconds the values waited at the shard after the push
+
+    @classmethod
+    def read(cls, value: Any) -> "FusedAck | None":
+        if value is None or isinstance(value, cls):
+            return value
+        ack = read_map("ack", value)
+        if not ack:
+            return None  # a plain pull's reply
+        if "version" not in ack:
+            _bad("ack", "missing 'version'")
+        return cls(version=read_count("ack.version", ack["version"]),
+                   staleness=read_count("ack.staleness", ack.get("staleness", 0)),
+                   plan_id=read_int("ack.plan_id", ack.get("plan_id", 0)),
+                   info=read_map("ack.info", ack.get("info", {})),
+                   held_s=read_number("ack.held_s", ack.get("held_s", 0.0), MAX_SECONDS))
+
+    def to_wire(self) -> dict:
+        return {"version": self.version, "staleness": self.staleness, "plan_id": self.plan_id,
+                "info": self.info, "held_s": self.held_s}
+
+    def ack(self) -> m.Ack:
+        return m.Ack(version=self.version, staleness=self.staleness, plan_id=self.plan_id, info=self.info)
+
+
+# ---------------------------------------------------------------- registration and plan
+
+def read_tensor_specs(value: Any) -> list[TensorSpec]:
+    if type(value) not in (list, tuple):
+        _bad("tensor_specs", f"must be a list, got {type(value).__name__}")
+    specs = [s if isinstance(s, TensorSpec) else TensorSpec.from_wire(s) for s in value]
+    if len({s.name for s in specs}) != len(specs):
+        _bad("tensor_specs", "duplicate tensor names")
+    return specs
+
+
+def read_speed(value: Any) -> float:
+    return read_number("speed", value, MAX_RATE)
+
+
+def _entries(where: str, value: Any) -> list[NodeEntry]:
+    if type(value) is not list:
+        _bad(where, "must be a list")
+    out = []
+    for i, e in enumerate(value):
+        e = read_map(f"{where}[{i}]", e)
+        if set(e) - {"node_id", "rank", "address"} or type(e.get("address", "")) is not str:
+            _bad(f"{where}[{i}]", f"want {{node_id, rank, address}}, got {e!r:.60}")
+        out.append(NodeEntry(read_int(f"{where}[{i}].node_id", e.get("node_id")),
+                             read_int(f"{where}[{i}].rank", e.get("rank")), e.get("address", "")))
+    return out
+
+
+def _str_keyed_numbers(where: str, value: Any) -> dict[str, float]:
+    value = read_map(where, value)
+    return {k: read_number(f"{where}.{k}", v, MAX_RATE) for k, v in value.items()}
+
+
+def read_plan(value: Any) -> ClusterPlan:
+    """A plan as the scheduler sends it, checked for consistency: every tensor
+    placed on an existing shard, groups made of the plan's workers, finite
+    speeds and shares."""
+    if isinstance(value, ClusterPlan):
+        return value
+    d = read_map("plan", value)
+    for key in ("plan_id", "algorithm", "workers", "shards", "tensors", "placement"):
+        if key not in d:
+            _bad("plan", f"missing {key!r}")
+    if type(d["algorithm"]) is not str or type(d.get("schema_hash", "")) is not str \
+            or type(d.get("run_id", "")) is not str:
+        _bad("plan", "algorithm, schema_hash and run_id must be strings")
+    workers, shards = _entries("plan.workers", d["workers"]), _entries("plan.shards", d["shards"])
+    tensors = read_tensor_specs(d["tensors"])
+    placement = read_map("plan.placement", d["placement"])
+    if set(placement) != {t.name for t in tensors} or not all(
+            type(i) is int and 0 <= i < len(shards) for i in placement.values()):
+        _bad("plan.placement", "must map every tensor, and only those, to a shard index")
+    groups = d.get("groups", [])
+    ids = {w.node_id for w in workers}
+    if type(groups) is not list or not all(type(g) is list and all(type(w) is int and w in ids for w in g)
+                                           for g in groups):
+        _bad("plan.groups", "must be lists of the plan's worker ids")
+    return ClusterPlan(plan_id=read_int("plan.plan_id", d["plan_id"]), algorithm=d["algorithm"],
+                       workers=workers, shards=shards, tensors=tensors, placement=placement,
+                       schema_hash=d.get("schema_hash", ""), groups=[list(g) for g in groups],
+                       speeds=_str_keyed_numbers("plan.speeds", d.get("speeds", {})),
+                       shares=_str_keyed_numbers("plan.shares", d.get("shares", {})),
+                       placement_id=read_int("plan.placement_id", d.get("placement_id", 1)),
+                       chunks=read_map("plan.chunks", d.get("chunks", {})),
+                       info=read_map("plan.info", d.get("info", {})), run_id=d.get("run_id", ""))
+
+
+# ---------------------------------------------------------------- which field is read how
+
+READERS: dict[type, dict[str, Callable[[Any], Any]]] = {
+    m.Heartbeat: {"stats": NodeStats.read, "records": read_step_records},
+    m.Bye: {"stats": NodeStats.read},
+    m.Register: {"tensor_specs": read_tensor_specs, "speed": read_speed},
+    m.Push: {"info": PushInfo.read},
+    m.Params: {"ack": FusedAck.read},
+    m.Plan: {"plan": read_plan},
+}
+
+
+def read_fields(msg: m.Message) -> None:
+    """Replace `msg`'s free-form fields by their typed records, in place
+    (called once, when the message is made). Raises ProtocolError."""
+    for name, read in READERS.get(type(msg), {}).items():
+        object.__setattr__(msg, name, read(getattr(msg, name)))
+
+
+def to_wire(value: Any) -> Any:
+    """A field's value as it travels: records by their wire form."""
+    if isinstance(value, list) and value and isinstance(value[0], TensorSpec):
+        return [s.to_wire() for s in value]
+    if isinstance(value, ClusterPlan):
+        return value.to_dict()
+    if value is None:  # Params.ack without an ACK
+        return {}
+    wire = getattr(value, "to_wire", None)
+    return wire() if wire is not None else value
