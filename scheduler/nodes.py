@@ -17,6 +17,7 @@ class Node:
     stats: dict = field(default_factory=dict)
     left: bool = False    # said BYE
     dead: bool = False    # silent for longer than cluster.dead_after_s
+    host: str = ""        # as the node reported it when it registered
 
     @property
     def gone(self) -> bool:
