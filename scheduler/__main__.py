@@ -25,7 +25,7 @@ from hetps.proto.metrics import serve_metrics
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.transport import make_server
 
-from . import grouping, state
+from . import grouping, state, tensorboard
 from .coordinator import Coordinator
 from .nodes import Node
 from .outcome import EXIT_CODES, INTERRUPTED
@@ -57,10 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         check_and_exit("scheduler", bind=args.bind or cfg.cluster.scheduler, run_dir=args.run_dir,
                        config=args.config)
     run_dir = Path(args.run_dir) if args.run_dir else None
+    if cfg.log.tensorboard and (problem := tensorboard.missing()):
+        print(f"hetps scheduler: {problem}", file=sys.stderr)
+        return 2
     if run_dir:
         run_dir.mkdir(parents=True, exist_ok=True)
     server = make_server(args.bind or cfg.cluster.scheduler, cfg.cluster.max_message_bytes)
     coordinator = Coordinator(server, cfg, run_dir, run_id=args.run_id)
+    if cfg.log.tensorboard and run_dir:
+        coordinator.runlog.sink = tensorboard.TensorBoardSink(run_dir / "tensorboard")
     saved = state.read(run_dir)
     if saved is not None and not args.resume and not saved["finished"] and args.run_id in (None, saved["run_id"]):
         state.restore(coordinator, saved, Node)  # a restart: carry the unfinished run on
