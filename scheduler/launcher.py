@@ -228,11 +228,11 @@ class LocalCluster:
         for child in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):  # the caller kills what is left
                 child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-        failed = [c for c in self.children if c.popen.returncode not in (0, None)
+        failed = [c for c in self.children[1:] if c.popen.returncode not in (0, None)  # [0]: checked by watch
                   and c.name not in tolerated | faults_killed]
         if failed:
             c = failed[0]
-            raise LaunchError(f"{c.name} exited with {c.popen.returncode}; last log lines:\n{c.tail()}")
+            raise LaunchError(self.failure(c.name, f"{c.name} exited with {c.popen.returncode}"))
 
     def stop_scheduler(self, signum: int = signal.SIGTERM) -> None:
         if self.children and self.children[0].popen.poll() is None:
