@@ -111,6 +111,7 @@ class LocalCluster:
         self.config_path = run_dir / "config.yaml"
         dump_config(self.cfg, self.config_path)
         self.interrupted = 0
+        self.failed_as: tuple[str, str] | None = None  # (node, error) once a process failed
 
     # ------------------------------------------------------------ processes
     def spawn(self, name: str, module: str, *args: str) -> Child:
@@ -219,6 +220,7 @@ class LocalCluster:
         node = summary.get("failed_node") or name
         detail = summary.get("detail") if summary.get("failed_node") else what
         child = next((c for c in self.children if c.name == node), None)
+        self.failed_as = (node, detail)
         mark_failed(self.run_dir, summary, node, detail)
         tail = f"; last log lines of {node}:\n{child.tail()}" if child else ""
         return f"{node} failed: {detail}{tail}"
@@ -285,18 +287,21 @@ def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool 
     cluster = LocalCluster(cfg, run_dir, quiet, metrics, resume)
     previous = signal.signal(signal.SIGINT, cluster.on_interrupt)
     previous_term = signal.signal(signal.SIGTERM, cluster.on_interrupt)
+    error = None
     try:
         cluster.start()
         cluster.watch()
     except LaunchError as exc:
-        if cluster.interrupted:
-            return EXIT_CODES[INTERRUPTED]
-        print(f"hetps run: {exc}\nrun directory: {run_dir}", file=sys.stderr)
-        return EXIT_CODES["failed"]
+        error = exc
     finally:
         cluster.kill_all()
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, previous_term)
+    if error is not None and not cluster.interrupted:
+        if cluster.failed_as:  # again: a scheduler stopped late may have written its own summary since
+            mark_failed(run_dir, read_summary(run_dir) or {}, *cluster.failed_as)
+        print(f"hetps run: {error}\nrun directory: {run_dir}", file=sys.stderr)
+        return EXIT_CODES["failed"]
     summary = read_summary(run_dir) or {}
     if cluster.interrupted and summary.get("status") != "failed":
         mark_interrupted(run_dir, summary)

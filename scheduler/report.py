@@ -58,8 +58,10 @@ class Progress:
                 self.steps[rec["worker"]] = max(self.steps.get(rec["worker"], 0), rec["step"])
             elif rec["kind"] == "eval":
                 self.accuracy = rec["accuracy"]
-            elif rec["kind"] == "register" and rec.get("node") not in self.registered:
-                self.registered.append(rec.get("node"))
+            elif rec["kind"] == "register":
+                node = "evaluator" if str(rec.get("node")).startswith("evaluator") else rec.get("node")
+                if node not in self.registered:  # (the scheduler's evaluator0 is hetps run's evaluator)
+                    self.registered.append(node)
             elif rec["kind"] == "plan":
                 self.planned = True
         total = sum(self.steps.values())

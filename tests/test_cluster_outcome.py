@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from cluster_util import HETPS, REPO, log_tails, records, run_hetps, summary
+from cluster_util import HETPS, REPO, Daemons, log_tails, records, run_hetps, summary, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -37,6 +37,28 @@ def test_a_worker_without_its_device_ends_the_run_naming_it(run_dir):
     assert result.returncode == 1, result.stderr + log_tails(run_dir)
     assert "worker1 failed" in result.stderr and "cuda:99" in result.stderr, result.stderr
     assert_failed_fast(summary(run_dir), "worker1", "cluster.workers.1.device: cuda:99")
+
+
+def test_across_hosts_the_scheduler_itself_names_the_failed_worker(tmp_path):
+    """The multi-host path: daemons started one by one; the failure travels as a message."""
+    run_dir = tmp_path / "byhand"
+    config = str(REPO / "configs" / "sync.yaml")
+    common = [*SMALL, "cluster.startup_timeout_s=20"]
+    daemons = Daemons(tmp_path, [])
+    try:
+        daemons.start(["scheduler", "--config", config, "--bind", "tcp://127.0.0.1:0", "--run-dir", str(run_dir),
+                       *common])
+        addr_file = run_dir / "scheduler.addr"
+        addr = wait_for(lambda: addr_file.exists() and addr_file.read_text(), 60, "the scheduler address")
+        daemons.start(["ps", "--config", config, "--rank", "0", "--scheduler", addr, *common])
+        daemons.start(["worker", "--config", config, "--rank", "0", "--scheduler", addr, *common])
+        daemons.start(["worker", "--config", config, "--rank", "1", "--scheduler", addr, *common,
+                       "cluster.workers.1.device=cuda:99"])  # this host's own setting: a GPU it lacks
+        codes = daemons.wait(120)  # the others: answered at once if they registered, else startup_timeout_s
+    finally:
+        daemons.close()
+    assert codes[0] == 1 and codes[3] == 1, (codes, daemons.tails())
+    assert_failed_fast(summary(run_dir), "worker1", "cuda:99")
 
 
 def test_a_model_factory_that_raises_ends_the_run_quoting_it(run_dir, tmp_path):

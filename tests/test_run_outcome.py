@@ -146,7 +146,7 @@ def test_progress_says_what_start_up_waits_for_then_shows_target_and_limits(tmp_
     progress.poll()
     assert "starting 5 processes" in progress.line()
     with open(path, "w") as f:
-        for node in ("worker0", "ps0", "evaluator"):
+        for node in ("worker0", "ps0", "evaluator0"):
             f.write(json.dumps({"kind": "register", "t": 12.0, "node": node, "host": "h"}) + "\n")
     progress.poll()
     assert "registered 3/5 — waiting for ps1, worker1" in progress.line()
