@@ -48,3 +48,11 @@ def pick_device(name: str, where: str = "device") -> torch.device:
                                 f"visible to torch{'' if torch.cuda.is_available() else ' (CUDA not available)'}; "
                                 "use auto or cpu")
     return device
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` this process's current CUDA device (no-op on the CPU), so
+    that calls without a device (synchronize, pinned allocations) act on it
+    and no other GPU gets a context of this process."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

@@ -23,7 +23,7 @@ import torch
 
 from hetps.proto.config import NodeConfig
 from hetps.proto.daemon import common_args, daemon_setup
-from hetps.proto.devices import pick_device
+from hetps.proto.devices import pick_device, use_device
 from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.optim import build_optimizer
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         with member.starting({DatasetUnavailable: 2}):
             where = "evaluator device" if args.evaluator else f"cluster.workers.{args.rank}.device"
             device = pick_device(node.device, where)
+            use_device(device)
             data = load_datasets(cfg.data, cfg.seed)
             torch.manual_seed(cfg.seed)
             model = build_model(cfg.model, data.in_shape, data.num_classes).to(device)
