@@ -226,13 +226,15 @@ class LocalCluster:
         return f"{node} failed: {detail}{tail}"
 
     def _wait_rest(self, tolerated: set[str], faults_killed: set[str]) -> None:
-        deadline = time.monotonic() + REAP_WAIT_S
+        # before any plan there is nothing to flush: nodes still starting are terminated soon
+        trained = (self.run_dir / "plan.json").exists()
+        deadline = time.monotonic() + (REAP_WAIT_S if trained else 2.0)
         for child in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):  # the caller kills what is left
                 child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
         failed = [c for c in self.children[1:] if c.popen.returncode not in (0, None)  # [0]: checked by watch
                   and c.name not in tolerated | faults_killed]
-        if failed:
+        if failed and not self.interrupted:  # stopped before the plan, nodes exit with "run stopped"
             c = failed[0]
             raise LaunchError(self.failure(c.name, f"{c.name} exited with {c.popen.returncode}"))
 
