@@ -4,14 +4,15 @@ run at once, named, with a failed summary; a diverging run stops with exit
 package). Real processes on loopback, the real mnist-5k digits."""
 from __future__ import annotations
 
-import json
+import signal
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from cluster_util import HETPS, REPO, Daemons, log_tails, records, run_hetps, summary, wait_for
+from cluster_util import (HETPS, REPO, Daemons, background_run, log_tails, records, run_hetps, summary,
+                          wait_for)
 
 pytestmark = pytest.mark.cluster
 
@@ -131,3 +132,16 @@ def test_tensorboard_without_the_package_is_one_clear_line(tmp_path):
     assert len(lines) == 1 and "pip install 'hetps[tensorboard]'" in lines[0], result.stderr
     assert "Traceback" not in result.stderr and not out.exists()
     assert HETPS  # the same entry point the other tests run
+
+
+def test_ctrl_c_while_the_cluster_forms_exits_130_with_an_interrupted_summary(run_dir):
+    with background_run(["configs/sync.yaml", *SMALL, "--out", str(run_dir), "--quiet"]) as proc:
+        metrics = run_dir / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and '"register"' in metrics.read_text(), 120, "a first registration")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err + log_tails(run_dir)
+    s = summary(run_dir)
+    # nodes told that the run stopped exit with an error: that is not a failure of the run
+    assert s["status"] == "interrupted" and s["stop_reason"] == "interrupted" and s["failed_node"] is None, s
+    assert s["global_steps"] == 0
