@@ -390,9 +390,8 @@ class Coordinator(Service):
         return status.operator_metrics(self)
 
     def close(self) -> None:
-        for peer, req, _ in self.plan_waiters:  # nodes waiting for a plan that will never come
+        for peer, req, _ in self.plan_waiters if self.plan is None else ():  # a first plan that never comes
             self.reply(peer, req, Error(status=int(Status.BAD_STATE), message=f"run stopped: {self.stop_reason}"))
-        self.plan_waiters = []
         state.save(self, finished=True)
         self.runlog.write_summary(self.summary())
         self.runlog.close()
