@@ -218,7 +218,8 @@ class LocalCluster:
             self.children[0].popen.wait(timeout=REAP_WAIT_S)
         summary = read_summary(self.run_dir) or {}
         node = summary.get("failed_node") or name
-        detail = summary.get("detail") if summary.get("failed_node") else what
+        # the scheduler's own words when it failed the run (a node's report, or the cluster never formed)
+        detail = summary.get("detail") if summary.get("status") == "failed" and summary.get("detail") else what
         child = next((c for c in self.children if c.name == node), None)
         self.failed_as = (node, detail)
         mark_failed(self.run_dir, summary, node, detail)

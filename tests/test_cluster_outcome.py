@@ -82,7 +82,9 @@ def test_a_model_factory_that_raises_ends_the_run_quoting_it(run_dir, tmp_path):
 
 def test_a_diverging_run_stops_with_exit_3_and_names_the_learning_rate(run_dir):
     every_s, after, warmup_s = 1.0, 3, 5.0
+    # dead_after_s: workers whose NaN pushes the shards refuse exit, and must not end the run first
     result = run_hetps(["run", "configs/async.yaml", *SMALL, "optimizer.lr=10000", "stop.max_seconds=120",
+                        "cluster.dead_after_s=60",
                         f"eval.every_s={every_s}", f"stop.diverged_after={after}",
                         f"stop.diverge_warmup_s={warmup_s}", "--out", str(run_dir), "--quiet"], timeout_s=240)
     assert result.returncode == 3, result.stderr + log_tails(run_dir)
@@ -90,15 +92,17 @@ def test_a_diverging_run_stops_with_exit_3_and_names_the_learning_rate(run_dir):
     assert s["status"] == "diverged" and s["stop_reason"] == "diverged", s
     assert "optimizer.lr" in s["detail"] and "10000" in s["detail"], s
     assert "optimizer.lr" in result.stderr
-    # stopped by the guard, within its window (the last evaluation it needs, plus one), not by the limit
+    # stopped by the guard within its window (the warm-up and `after` evaluations, which a loaded
+    # machine may stretch up to 3x), long before the time limit
     (stop,) = records(run_dir, "stop")
-    assert stop["reason"] == "diverged" and stop["t"] <= warmup_s + (after + 1) * every_s, stop
+    assert stop["reason"] == "diverged" and stop["t"] <= warmup_s + 3 * after * every_s + 5, stop
 
 
 def tensorboard_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    # no purging: two evaluations at one global step (the final one, after the workers stopped) both stay
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0}, purge_orphaned_data=False)
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
