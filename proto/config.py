@@ -132,12 +132,20 @@ class StopConfig:
     target_accuracy: float | None = 0.95   # stop when the evaluator reaches it; null = never
     max_seconds: float = 300.0             # wall-clock limit of training
     max_steps: int = 0                     # limit on the sum of all workers' steps; 0 = none
+    diverged_after: int = 5                # stop as diverged after this many evaluations in a row at
+                                           # chance accuracy (after diverge_warmup_s); 0 = never
+    diverge_warmup_s: float = 20.0         # evaluations in the first seconds of training do not count
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     enabled: bool = True
     every_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    tensorboard: bool = False  # TensorBoard event files in RUN_DIR/tensorboard (needs hetps[tensorboard])
 
 
 @dataclass(frozen=True)
@@ -177,6 +185,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -280,6 +289,8 @@ def _check_values(cfg: RunConfig) -> None:
         for i, node in enumerate(getattr(cfg.cluster, kind)):
             if node.slowdown < 1.0:
                 _fail(f"cluster.{kind}.{i}.slowdown", f"must be >= 1.0, got {node.slowdown}")
+            if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", node.device):  # as proto/devices.py
+                _fail(f"cluster.{kind}.{i}.device", f"unknown value {node.device!r}; allowed: auto, cpu, cuda, cuda:N")
             for j, change in enumerate(node.schedule):
                 if change.slowdown < 1.0 or change.at_s < 0:
                     _fail(f"cluster.{kind}.{i}.schedule.{j}", "needs at_s >= 0 and slowdown >= 1.0")
@@ -290,6 +301,8 @@ def _check_values(cfg: RunConfig) -> None:
             _fail(path, f"must be in [0, 1], got {v}")
     if cfg.comm.compression == "topk" and cfg.comm.topk_ratio <= 0.0:
         _fail("comm.topk_ratio", "must be > 0 with comm.compression: topk")
+    if cfg.stop.diverged_after < 0 or cfg.stop.diverge_warmup_s < 0:
+        _fail("stop.diverged_after" if cfg.stop.diverged_after < 0 else "stop.diverge_warmup_s", "must be >= 0")
     if cfg.optimizer.schedule.name == "cosine" and cfg.optimizer.schedule.total_steps <= 0:
         _fail("optimizer.schedule.total_steps", "must be > 0 for the cosine schedule")
 

@@ -48,7 +48,7 @@ def work_clock(device: str = "cpu") -> float:
     if device.startswith("cuda"):
         import torch
 
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)  # this worker's GPU (cuda:1 is not the current device by default)
         return time.perf_counter()
     return time.thread_time()
 

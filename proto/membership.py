@@ -9,15 +9,19 @@ this node to stop or stops answering for `dead_after_s`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import socket
+import sys
 import threading
 import time
-from typing import Callable
+import traceback
+from typing import Callable, Iterator
 
 from .config import ClusterConfig
 from .errors import HetpsError, UnexpectedReply
-from .messages import Ack, Bye, GetPlan, Heartbeat, Plan, Register, Report, Status, Welcome
+from .messages import Ack, Bye, Failed, GetPlan, Heartbeat, Plan, Register, Report, Status, Welcome
 from .plan import ClusterPlan
 from .rpc import RemoteError, RequestTimeout, RpcClient
 
@@ -25,6 +29,7 @@ log = logging.getLogger(__name__)
 
 
 MAX_QUEUED = 2000  # step records kept for the scheduler while it does not answer
+FAIL_REPORT_S = 10.0  # longest wait for the scheduler to take a start-up failure report
 
 
 class SchedulerUnreachable(HetpsError, RuntimeError):
@@ -54,7 +59,8 @@ class Membership:
         """Register; returns this node's id. Raises SchedulerUnreachable, naming
         the address and the timeout, if the scheduler does not answer in time."""
         self._registration = Register(role=self.role, rank=self.rank, address=address,
-                                      tensor_specs=tensor_specs or [], schema_hash=schema_hash, speed=speed)
+                                      tensor_specs=tensor_specs or [], schema_hash=schema_hash, speed=speed,
+                                      host=socket.gethostname())
         try:
             welcome = self.rpc.call(self._registration, timeout_s=self.cluster.startup_timeout_s)
         except RequestTimeout:
@@ -163,6 +169,33 @@ class Membership:
             self.stop_reason = reason
             self.stop_requested.set()
 
+    @contextlib.contextmanager
+    def starting(self, exit_codes: dict[type, int] | None = None) -> Iterator[None]:
+        """Wrap a start-up step: an exception in it is printed, reported to the
+        scheduler (which ends the run at once, naming this node and quoting the
+        error) and ends the process: SystemExit with 1, or with `exit_codes`'
+        value for the exception's type."""
+        try:
+            yield
+        except Exception as exc:
+            error = describe_failure(exc)
+            log.debug("start-up failed", exc_info=True)
+            print(f"hetps {self.role} {self.rank}: failed at start-up: {error}", file=sys.stderr, flush=True)
+            self.fail(error)
+            codes = exit_codes or {}
+            raise SystemExit(next((c for t, c in codes.items() if isinstance(exc, t)), 1)) from None
+
+    def fail(self, error: str) -> bool:
+        """Tell the scheduler this node cannot start (FAILED). Best effort, blocks
+        at most FAIL_REPORT_S; returns whether the scheduler took it."""
+        msg = Failed(role=self.role, rank=self.rank, error=error, host=socket.gethostname(), node_id=self.node_id)
+        try:
+            self.rpc.call(msg, timeout_s=min(FAIL_REPORT_S, self.cluster.startup_timeout_s))
+            return True
+        except (RequestTimeout, RemoteError) as exc:
+            log.warning("could not report the failure to the scheduler: %s", exc)
+            return False
+
     def report(self, kind: str, values: dict) -> None:
         self.rpc.call(Report(node_id=self.node_id, kind=kind, values=values))
 
@@ -182,3 +215,10 @@ class Membership:
     def close(self) -> None:
         self._closing.set()
         self.rpc.close()
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for a start-up failure: the exception and where it was raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"

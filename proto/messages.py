@@ -42,6 +42,7 @@ class Op(enum.IntEnum):
     ERROR = 13     # reply: a Status and a message
     REPORT = 14    # evaluator -> scheduler: one evaluation result
     BYE = 15       # node -> scheduler: leaving cleanly
+    FAILED = 16    # node -> scheduler: it cannot start (the run ends at once, naming it)
 
 
 class Status(enum.IntEnum):
@@ -86,6 +87,7 @@ class Register(Message):
     schema_hash: str = ""
     speed: float = 0.0            # profiled speed: samples/s (workers), bytes/s updated (shards)
     node_id: int = 0              # the id this node already had, when it registers again
+    host: str = ""                # the node's host name (recorded in the run directory)
 
 
 @dataclass(frozen=True)
@@ -200,10 +202,20 @@ class Bye(Message):
     stats: dict = field(default_factory=dict)    # read into records.NodeStats
 
 
+@dataclass(frozen=True)
+class Failed(Message):
+    OP: ClassVar[Op] = Op.FAILED
+    role: str                     # "ps" | "worker" | "evaluator"
+    rank: int
+    error: str                    # what failed, one line or a short traceback tail
+    host: str = ""
+    node_id: int = 0              # 0 when it failed before registering
+
+
 MESSAGES: dict[Op, type[Message]] = {
     cls.OP: cls
     for cls in (Register, Welcome, GetPlan, Plan, Heartbeat, Init, Push, Pull,
-                Params, Ack, Barrier, Stop, Error, Report, Bye)
+                Params, Ack, Barrier, Stop, Error, Report, Bye, Failed)
 }
 
 

@@ -22,7 +22,7 @@ import torch
 from hetps.proto.daemon import check_and_exit, common_args, daemon_setup
 from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
-from hetps.proto.rpc import RequestTimeout
+from hetps.proto.rpc import RemoteError, RequestTimeout
 from hetps.proto.transport import TransportError, make_server, set_link_cap
 
 from hetps.proto.algorithms import AlgorithmMismatch
@@ -67,16 +67,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
         return 1
     try:
-        member.join(address=args.advertise or server.address, speed=profile_update_speed(slowdown))
+        with member.starting():  # reported to the scheduler, which ends the run naming this shard
+            speed = profile_update_speed(slowdown)
+        member.join(address=args.advertise or server.address, speed=speed)
         plan = member.wait_plan()
         # heartbeats from the moment the plan arrives (the scheduler counts silence from then on):
         # restoring a large checkpoint may take a while
         shard = None
         member.start_heartbeats(lambda: shard.stats() if shard is not None else {})
         slowdown.start()
-        shard = Shard(server, member.node_id, plan, cfg, slowdown)
-        setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank, args.restore_version,
-                          args.resume)
+        with member.starting():
+            shard = Shard(server, member.node_id, plan, cfg, slowdown)
+            setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank, args.restore_version,
+                              args.resume)
 
         shard.park_future_pushes = True  # adopt_newer_plan fetches the plans they wait for
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("stopping: %s", member.stop_reason)
         shard.maybe_checkpoint(force=True)  # workers have stopped: a consistent point to resume from
         member.bye(shard.stats())
-    except (SchedulerUnreachable, RequestTimeout) as exc:
+    except (SchedulerUnreachable, RequestTimeout, RemoteError) as exc:
         print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
         return 1
     except AlgorithmMismatch as exc:

@@ -8,7 +8,8 @@ bound address is written to RUN_DIR/scheduler.addr), waits for the shards
 and workers the config lists, sends the plan, and stops the cluster on target
 accuracy, time or step limit, a STOP request, SIGINT or SIGTERM. Writes
 metrics.jsonl, plan.json and summary.json into --run-dir when given.
-Exit 0 after a clean stop, 1 when the cluster never formed.
+Exit 0 after a clean stop (also on SIGINT/SIGTERM), 1 when a node failed at
+start-up or the cluster never formed, 3 when training diverged (see outcome.py).
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ from hetps.proto.metrics import serve_metrics
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.transport import make_server
 
-from . import grouping, state
+from . import grouping, state, tensorboard
 from .coordinator import Coordinator
 from .nodes import Node
+from .outcome import EXIT_CODES, INTERRUPTED
 
 log = logging.getLogger("hetps.scheduler")
 
@@ -56,10 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         check_and_exit("scheduler", bind=args.bind or cfg.cluster.scheduler, run_dir=args.run_dir,
                        config=args.config)
     run_dir = Path(args.run_dir) if args.run_dir else None
+    if cfg.log.tensorboard and (problem := tensorboard.missing()):
+        print(f"hetps scheduler: {problem}", file=sys.stderr)
+        return 2
     if run_dir:
         run_dir.mkdir(parents=True, exist_ok=True)
     server = make_server(args.bind or cfg.cluster.scheduler, cfg.cluster.max_message_bytes)
     coordinator = Coordinator(server, cfg, run_dir, run_id=args.run_id)
+    if cfg.log.tensorboard and run_dir:
+        coordinator.runlog.sink = tensorboard.TensorBoardSink(run_dir / "tensorboard")
     saved = state.read(run_dir)
     if saved is not None and not args.resume and not saved["finished"] and args.run_id in (None, saved["run_id"]):
         state.restore(coordinator, saved, Node)  # a restart: carry the unfinished run on
@@ -78,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                   coordinator.metrics)
 
     def on_signal(signum, frame):
-        coordinator.begin_stop(f"signal {signal.Signals(signum).name}")
+        log.info("%s: stopping the run", signal.Signals(signum).name)
+        coordinator.begin_stop(INTERRUPTED)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -89,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         coordinator.close()
         server.close()
-    log.info("stopped: %s", coordinator.stop_reason)
-    return 1 if any(f["kind"] == "startup" for f in coordinator.failures) else 0
+    summary = coordinator.summary()
+    log.info("stopped: %s (%s)", coordinator.stop_reason, summary["status"])
+    # interrupted is a clean stop for the daemon (e.g. SIGTERM from the orchestrator); `hetps run`
+    # turns its own Ctrl-C into 130
+    return 0 if summary["status"] == INTERRUPTED else EXIT_CODES[summary["status"]]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The `hetps` command.
 
-    hetps run CONFIG [key=value ...] [--out DIR] [--quiet] [--metrics]   a whole local cluster
+    hetps run CONFIG [key=value ...] [--out DIR] [--quiet] [--metrics] [--tensorboard]   a whole local cluster
     hetps run --resume RUN_DIR [key=value ...]                          continue a stopped run
     hetps compare CONFIG --algorithms a,b,c [--repeats N] [--with ALGO key=value] [--out DIR]
     hetps scheduler --config CONFIG [--bind ADDR] [--run-dir DIR]
@@ -10,7 +10,8 @@
 
 With no command, $HETPS_ROLE names it (containers). `ps` and `worker` hand over to `python -m hetps.ps` / `python -m hetps.worker`
 (the roles never import each other). Exit status 2 means a bad config or
-command line.
+command line; `hetps run` also exits 1 when a node failed, 3 when training
+diverged and 130 when interrupted (scheduler/outcome.py).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ ROLE_MODULES = {"ps": "hetps.ps", "worker": "hetps.worker"}
 
 def run_command(argv: list[str]) -> int:
     from .launcher import default_run_dir, run_local
+    from .tensorboard import missing as tensorboard_missing
 
     parser = argparse.ArgumentParser(prog="hetps run", description="train one experiment on a local cluster")
     parser.add_argument("config", nargs="?", help="YAML experiment, e.g. configs/default.yaml "
@@ -36,12 +38,19 @@ def run_command(argv: list[str]) -> int:
     parser.add_argument("--metrics", action="store_true",
                         help="every daemon serves Prometheus /metrics on a free port (its log says where)")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its checkpoints")
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="TensorBoard event files in RUN_DIR/tensorboard (log.tensorboard=true)")
     args = parser.parse_intermixed_args(argv)
+    if args.tensorboard:
+        args.overrides.append("log.tensorboard=true")
     if args.resume:
         return resume_command(args)
     if args.config is None or "=" in args.config:
         parser.error("the config file is required (or --resume RUN_DIR)")
     cfg = load_or_exit(args.config, args.overrides)
+    if cfg.log.tensorboard and (problem := tensorboard_missing()):
+        print(f"hetps run: {problem}", file=sys.stderr)
+        return 2
     run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     return run_local(cfg, run_dir, quiet=args.quiet, metrics=args.metrics)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from hetps.proto.algorithms import algorithm, resolved_params
 from hetps.proto.codec import Envelope, ProtocolError
 from hetps.proto.config import RunConfig
-from hetps.proto.messages import Ack, Plan, Status, Welcome
+from hetps.proto.messages import Ack, Error, Plan, Status, Welcome
 from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, chunk_specs
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
@@ -27,6 +27,7 @@ from hetps.proto.transport import ServerTransport
 from .formation import FORMATIONS
 from .grouping import drifted
 from . import state, status
+from .outcome import DIVERGED, DivergenceGuard, startup_failure
 from .status import ROLES
 from .placement import place
 from .nodes import EvalTrack, Node
@@ -63,6 +64,8 @@ class Coordinator(Service):
         self.evals = EvalTrack(cfg.stop.target_accuracy)
         self.failures: list[dict] = []
         self.timer_errors: dict[str, int] = {}  # timer name -> failures (see `_guarded`)
+        self.failed: dict | None = None   # the node failure that ended the run: node, error, host
+        self.guard = DivergenceGuard(cfg.stop.diverged_after, cfg.stop.diverge_warmup_s, cfg.optimizer.lr)
         self.finished_steps = 0
 
     # ------------------------------------------------------------ helpers
@@ -101,8 +104,9 @@ class Coordinator(Service):
             return self._readmit(known, msg)
         node_id = len(self.nodes) + 1
         self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, time.monotonic(),
-                                   profiled_speed=msg.speed)
+                                   profiled_speed=msg.speed, host=msg.host)
         log.info("registered %s %d as node %d %s", msg.role, msg.rank, node_id, msg.address)
+        self.runlog.record("register", t=round(self.elapsed(), 4), node=f"{msg.role}{msg.rank}", host=msg.host)
         self._maybe_plan()
         if msg.role == "worker" and self.plan is not None and node_id not in self.plan.worker_ids():
             self._replan(f"worker {msg.rank} joined as node {node_id}")
@@ -161,6 +165,8 @@ class Coordinator(Service):
         for rec in env.msg.records:  # checked at decode: plain values, `ago` a finite number of seconds
             ago = rec.pop("ago")
             self.runlog.record("step", t=round(now - ago, 4), **rec)
+            if self.guard.loss(rec.get("loss"), f"{node.role}{node.rank} at step {rec.get('step')}"):
+                self.begin_stop(DIVERGED)
         stop = self._tell_stop(node)
         return Ack(plan_id=self.plan.plan_id if self.plan else 0, stop=stop,
                    info={"reason": self.stop_reason} if stop else {})
@@ -179,6 +185,17 @@ class Coordinator(Service):
             for p, req in self.barriers.pop(env.msg.name):
                 self.reply(p, req, Ack(info={"barrier": env.msg.name}))
         return None
+
+    def on_failed(self, peer: bytes, env: Envelope):
+        """A node could not start: end the run now, naming it (nobody waits for it)."""
+        if env.msg.node_id:
+            self.node(env.msg.node_id)  # a registered node names itself by id
+        failure = startup_failure(env.msg, round(self.elapsed(), 3))
+        log.error("%s failed at start-up: %s", failure["node"], failure["error"])
+        self.failures.append(failure)
+        self.failed = self.failed or failure
+        self.begin_stop(failure["reason"])
+        return Ack(stop=True)
 
     def on_stop(self, peer: bytes, env: Envelope):
         self.begin_stop(env.msg.reason)
@@ -313,6 +330,10 @@ class Coordinator(Service):
         t = self.elapsed()
         self.runlog.record("eval", t=round(t, 4), accuracy=accuracy, loss=loss,
                            global_steps=self.global_steps(), final=bool(values.get("final", False)))
+        classes = values.get("num_classes")
+        if (self.guard.loss(loss, "the evaluator (test loss)")
+                or self.guard.evaluation(accuracy, classes if isinstance(classes, int) else None, t)):
+            self.begin_stop(DIVERGED)
         if ev.target is not None and ev.time_to_target_s is None and accuracy >= ev.target:
             ev.time_to_target_s = round(t, 3)
             self.begin_stop(f"target accuracy {ev.target} reached ({accuracy:.4f})")
@@ -373,6 +394,8 @@ class Coordinator(Service):
         """True once a stop began and every node left (or EXIT_GRACE_S passed)."""
         if self.stop_reason is None:
             return False
+        if self.plan is None:  # stopped before training began: nothing to wait for
+            return True
         everyone_left = all(n.gone for n in self.nodes.values())
         return everyone_left or time.monotonic() - self.stop_since > EXIT_GRACE_S
 
@@ -384,6 +407,8 @@ class Coordinator(Service):
         return status.operator_metrics(self)
 
     def close(self) -> None:
+        for peer, req, _ in self.plan_waiters if self.plan is None else ():  # a first plan that never comes
+            self.reply(peer, req, Error(status=int(Status.BAD_STATE), message=f"run stopped: {self.stop_reason}"))
         state.save(self, finished=True)
         self.runlog.write_summary(self.summary())
         self.runlog.close()

@@ -10,6 +10,7 @@ path. Child output goes to RUN_DIR/logs/<name>.log.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -21,10 +22,13 @@ from pathlib import Path
 
 from hetps.proto.config import RunConfig, dump_config
 from hetps.proto.errors import HetpsError
+from hetps.proto.devices import assign_devices
 from hetps.proto.security import keys_for_run
 
 from .faults import FaultInjector
+from .outcome import EXIT_CODES, INTERRUPTED
 from .report import Progress, plot_run
+from .runlog import write_json_atomic
 from .resume import ResumePoint, checkpoints_root
 from .state import STATE_FILE
 
@@ -71,6 +75,19 @@ def client_names(cfg: RunConfig) -> list[str]:
     return names + ["evaluator"] if cfg.eval.enabled else names
 
 
+def with_local_devices(cfg: RunConfig) -> RunConfig:
+    """`cfg` with each `auto` worker device resolved for this machine: round-robin
+    over its visible GPUs (proto/devices.py), so config.yaml says where each ran."""
+    requested = [n.device for n in cfg.cluster.workers]
+    if "auto" not in requested:
+        return cfg
+    import torch  # here, not at import: only `hetps run` counts GPUs
+
+    devices = assign_devices(requested, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    workers = [dataclasses.replace(n, device=d) for n, d in zip(cfg.cluster.workers, devices)]
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, workers=workers))
+
+
 def default_run_dir(cfg: RunConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path(cfg.out_dir) / f"{cfg.name}-{cfg.algorithm.name}-{stamp}"
@@ -90,10 +107,12 @@ class LocalCluster:
         self.children: list[Child] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         # security.curve without a keys directory: fresh keys in RUN_DIR/keys, one client key per process
-        self.cfg, self.own_keys = keys_for_run(self.cfg, run_dir / "keys", client_names(self.cfg))
+        self.cfg, self.own_keys = keys_for_run(with_local_devices(self.cfg), run_dir / "keys",
+                                               client_names(self.cfg))
         self.config_path = run_dir / "config.yaml"
         dump_config(self.cfg, self.config_path)
         self.interrupted = 0
+        self.failed_as: tuple[str, str] | None = None  # (node, error) once a process failed
 
     # ------------------------------------------------------------ processes
     def spawn(self, name: str, module: str, *args: str) -> Child:
@@ -156,7 +175,9 @@ class LocalCluster:
     def watch(self) -> None:
         """Show progress until the scheduler exits. Raises LaunchError when a
         process fails (after asking the scheduler to stop the others)."""
-        progress = Progress(self.run_dir / "metrics.jsonl")
+        stop = self.cfg.stop
+        progress = Progress(self.run_dir / "metrics.jsonl", expected=client_names(self.cfg),
+                            target=stop.target_accuracy, max_seconds=stop.max_seconds, max_steps=stop.max_steps)
         last_print = 0.0
         tolerated: set[str] = set()
         faults = FaultInjector(self.cfg.cluster.kill, self.run_dir, self.checkpoint_root, self.respawn)
@@ -165,7 +186,8 @@ class LocalCluster:
             faults.fire(self.children)
             for child in self.children[1:]:
                 code = child.popen.poll()
-                if code in (None, 0) or child.name in tolerated or child.name in faults.killed:
+                if (code in (None, 0) or child.name in tolerated or child.name in faults.killed
+                        or self.interrupted):  # after Ctrl-C, nodes waiting for a plan exit with an error
                     continue
                 if child.name.startswith("worker") and (self.run_dir / "plan.json").exists():
                     # training began: the scheduler notices the silence and re-plans without it
@@ -173,8 +195,7 @@ class LocalCluster:
                     print(f"\nhetps run: {child.name} exited with {code}; the cluster goes on without it",
                           file=sys.stderr)
                     continue
-                self.stop_scheduler()
-                raise LaunchError(f"{child.name} exited with {code}; last log lines:\n{child.tail()}")
+                raise LaunchError(self.failure(child.name, f"{child.name} exited with {code}"))
             progress.poll()
             if not self.quiet and time.monotonic() - last_print > (0.5 if sys.stderr.isatty() else 5.0):
                 end = "\r" if sys.stderr.isatty() else "\n"
@@ -184,32 +205,52 @@ class LocalCluster:
             progress.poll()
             print(progress.line(), file=sys.stderr)
         scheduler = self.children[0]
-        if scheduler.popen.returncode != 0:
-            raise LaunchError(f"scheduler exited with {scheduler.popen.returncode}; last log lines:\n"
-                              f"{scheduler.tail()}")
+        if scheduler.popen.returncode not in (0, EXIT_CODES["diverged"]):
+            raise LaunchError(self.failure("scheduler", f"scheduler exited with {scheduler.popen.returncode}"))
         self._wait_rest(tolerated, faults.killed)
 
+    def failure(self, name: str, what: str) -> str:
+        """Stop the run after the process `name` failed (`what`); returns the error
+        message for the user. The scheduler's summary, when it names the node that
+        failed (reported by that node), wins over the first exit the launcher saw.
+        summary.json says `status: failed` whatever the scheduler managed to write."""
+        self.stop_scheduler()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # it stops at once before training began
+            self.children[0].popen.wait(timeout=REAP_WAIT_S)
+        summary = read_summary(self.run_dir) or {}
+        node = summary.get("failed_node") or name
+        # the scheduler's own words when it failed the run (a node's report, or the cluster never formed)
+        detail = summary.get("detail") if summary.get("status") == "failed" and summary.get("detail") else what
+        child = next((c for c in self.children if c.name == node), None)
+        self.failed_as = (node, detail)
+        mark_failed(self.run_dir, summary, node, detail)
+        tail = f"; last log lines of {node}:\n{child.tail()}" if child else ""
+        return f"{node} failed: {detail}{tail}"
+
     def _wait_rest(self, tolerated: set[str], faults_killed: set[str]) -> None:
-        deadline = time.monotonic() + REAP_WAIT_S
+        # before any plan there is nothing to flush: nodes still starting are terminated soon
+        trained = (self.run_dir / "plan.json").exists()
+        deadline = time.monotonic() + (REAP_WAIT_S if trained else 2.0)
         for child in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):  # the caller kills what is left
                 child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-        failed = [c for c in self.children if c.popen.returncode not in (0, None)
+        failed = [c for c in self.children[1:] if c.popen.returncode not in (0, None)  # [0]: checked by watch
                   and c.name not in tolerated | faults_killed]
-        if failed:
+        if failed and not self.interrupted:  # stopped before the plan, nodes exit with "run stopped"
             c = failed[0]
-            raise LaunchError(f"{c.name} exited with {c.popen.returncode}; last log lines:\n{c.tail()}")
+            raise LaunchError(self.failure(c.name, f"{c.name} exited with {c.popen.returncode}"))
 
-    def stop_scheduler(self) -> None:
+    def stop_scheduler(self, signum: int = signal.SIGTERM) -> None:
         if self.children and self.children[0].popen.poll() is None:
-            self.children[0].popen.send_signal(signal.SIGTERM)
+            self.children[0].popen.send_signal(signum)
 
     def on_interrupt(self, signum, frame) -> None:
-        """First Ctrl-C: clean stop through the scheduler. Second: kill everything."""
+        """First Ctrl-C: clean stop through the scheduler (the summary says
+        `interrupted`, the exit status is 130). Second: kill everything."""
         self.interrupted += 1
         if self.interrupted == 1:
             print("\nhetps run: stopping (Ctrl-C again to kill)", file=sys.stderr)
-            self.stop_scheduler()
+            self.stop_scheduler(signal.SIGINT)
         else:
             self.kill_all()
 
@@ -227,35 +268,67 @@ class LocalCluster:
                 child.popen.wait(timeout=5.0)
 
 
+def read_summary(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def mark_failed(run_dir: Path, summary: dict, node: str, detail: str) -> None:
+    """Write summary.json as a failed run's (the scheduler's own summary, if any, kept)."""
+    write_json_atomic(run_dir / "summary.json", {**summary, "status": "failed", "failed_node": node,
+                                                  "detail": detail,
+                                                  "stop_reason": summary.get("stop_reason") or detail})
+
+
 def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool = False,
               resume: ResumePoint | None = None) -> int:
-    """Run one experiment end to end; returns the process exit status.
+    """Run one experiment end to end; returns the process exit status:
+    0 completed, 1 failed, 3 diverged, 130 interrupted (see outcome.py).
     `metrics`: every daemon serves Prometheus /metrics on a free port;
     `resume`: continue the stopped run in `run_dir` from its checkpoints."""
     cluster = LocalCluster(cfg, run_dir, quiet, metrics, resume)
     previous = signal.signal(signal.SIGINT, cluster.on_interrupt)
     previous_term = signal.signal(signal.SIGTERM, cluster.on_interrupt)
+    error = None
     try:
         cluster.start()
         cluster.watch()
     except LaunchError as exc:
-        print(f"hetps run: {exc}", file=sys.stderr)
-        return 1
+        error = exc
     finally:
         cluster.kill_all()
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, previous_term)
-    plot_run(run_dir, title=f"{cfg.name}: {cfg.algorithm.name}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    if not quiet:
+    if error is not None and not cluster.interrupted:
+        if cluster.failed_as:  # again: a scheduler stopped late may have written its own summary since
+            mark_failed(run_dir, read_summary(run_dir) or {}, *cluster.failed_as)
+        print(f"hetps run: {error}\nrun directory: {run_dir}", file=sys.stderr)
+        return EXIT_CODES["failed"]
+    summary = read_summary(run_dir) or {}
+    if cluster.interrupted and summary.get("status") != "failed":
+        mark_interrupted(run_dir, summary)
+    status = "interrupted" if cluster.interrupted else summary.get("status", "completed")
+    if summary.get("evals") or summary.get("global_steps"):
+        plot_run(run_dir, title=f"{cfg.name}: {cfg.algorithm.name}")
+    if not quiet and summary:
         print(format_summary(summary, run_dir))
-    return 0
+    if status == "diverged":
+        print(f"hetps run: training diverged: {summary.get('detail')}", file=sys.stderr)
+    return EXIT_CODES.get(status, EXIT_CODES["failed"])
+
+
+def mark_interrupted(run_dir: Path, summary: dict) -> None:
+    """Ctrl-C: the summary says so, even if the scheduler saw the stop another way."""
+    if summary.get("stop_reason") != INTERRUPTED or summary.get("status") != INTERRUPTED:
+        write_json_atomic(run_dir / "summary.json", {**summary, "status": INTERRUPTED, "stop_reason": INTERRUPTED})
 
 
 def format_summary(summary: dict, run_dir: Path) -> str:
     acc = summary.get("final_accuracy")
     ttt = summary.get("time_to_target_s")
-    return (f"{summary['algorithm']}: final accuracy {acc if acc is None else round(acc, 4)}, "
-            f"best {summary.get('best_accuracy')}, time to target "
-            f"{'not reached' if ttt is None else f'{ttt:.1f}s'}, {summary['global_steps']} steps in "
-            f"{summary['wall_s']:.1f}s ({summary['stop_reason']})\nrun directory: {run_dir}")
+    return (f"{summary.get('algorithm')}: {summary.get('status', 'completed')}, final accuracy "
+            f"{acc if acc is None else round(acc, 4)}, best {summary.get('best_accuracy')}, time to target "
+            f"{'not reached' if ttt is None else f'{ttt:.1f}s'}, {summary.get('global_steps', 0)} steps in "
+            f"{summary.get('wall_s', 0.0):.1f}s ({summary.get('stop_reason')})\nrun directory: {run_dir}")

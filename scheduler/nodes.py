@@ -19,6 +19,7 @@ class Node:
     stats: NodeStats = field(default_factory=NodeStats)  # from its latest heartbeat (checked at decode)
     left: bool = False    # said BYE
     dead: bool = False    # silent for longer than cluster.dead_after_s
+    host: str = ""        # as the node reported it when it registered
 
     def __post_init__(self):
         self.stats = NodeStats.read(self.stats)  # a restored state holds the plain map

@@ -3,6 +3,7 @@ accuracy/loss-versus-wall-clock plot."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,9 +23,18 @@ def read_metrics(path: Path) -> list[dict]:
 
 @dataclass
 class Progress:
-    """Follows metrics.jsonl as it grows and renders one status line."""
+    """Follows metrics.jsonl as it grows and renders one status line: while
+    the cluster forms, who registered and who it still waits for; then the
+    training line with the target and the limits."""
 
     path: Path
+    expected: list = field(default_factory=list)  # node names the run starts, e.g. ps0, worker3, evaluator
+    target: float | None = None
+    max_seconds: float = 0.0
+    max_steps: int = 0
+    registered: list = field(default_factory=list)
+    planned: bool = False
+    launched: float = field(default_factory=time.monotonic)
     offset: int = 0
     steps: dict = field(default_factory=dict)   # worker index -> latest step
     accuracy: float | None = None
@@ -42,11 +52,18 @@ class Progress:
         self.offset += len(complete.encode())
         for line in complete.splitlines():
             rec = json.loads(line)
-            self.t = max(self.t, rec.get("t", 0.0))
+            if rec["kind"] != "register":  # its t counts from the scheduler's start, not training's
+                self.t = max(self.t, rec.get("t", 0.0))
             if rec["kind"] == "step":
                 self.steps[rec["worker"]] = max(self.steps.get(rec["worker"], 0), rec["step"])
             elif rec["kind"] == "eval":
                 self.accuracy = rec["accuracy"]
+            elif rec["kind"] == "register":
+                node = "evaluator" if str(rec.get("node")).startswith("evaluator") else rec.get("node")
+                if node not in self.registered:  # (the scheduler's evaluator0 is hetps run's evaluator)
+                    self.registered.append(node)
+            elif rec["kind"] == "plan":
+                self.planned = True
         total = sum(self.steps.values())
         self._samples = [s for s in self._samples if s[0] >= self.t - 3.0] + [(self.t, total)]
         t0, total0 = self._samples[0]
@@ -54,9 +71,25 @@ class Progress:
             self.rate = (total - total0) / (self.t - t0)
 
     def line(self) -> str:
+        if not self.planned:
+            return self.startup_line()
         acc = f"{self.accuracy:.4f}" if self.accuracy is not None else "  -   "
-        return (f"[{self.t:7.1f}s] steps {sum(self.steps.values()):7d}  test acc {acc}  "
-                f"{self.rate:7.1f} steps/s")
+        target = f" (target {self.target})" if self.target is not None else ""
+        steps = f"/{self.max_steps}" if self.max_steps else ""
+        return (f"[{self.t:7.1f}s/{self.max_seconds:g}s] steps {sum(self.steps.values()):7d}{steps}  "
+                f"test acc {acc}{target}  {self.rate:7.1f} steps/s")
+
+    def startup_line(self) -> str:
+        """E.g. `registered 5/7 — waiting for ps1, worker3 (loading data, profiling)`."""
+        clock = f"[{time.monotonic() - self.launched:7.1f}s]"
+        waiting = [n for n in self.expected if n not in self.registered]
+        if not self.registered:
+            return f"{clock} starting {len(self.expected)} processes (loading data, building the model, profiling)"
+        if not waiting:
+            return f"{clock} registered {len(self.registered)}/{len(self.expected)} — planning"
+        names = ", ".join(waiting[:6]) + (f" and {len(waiting) - 6} more" if len(waiting) > 6 else "")
+        return (f"{clock} registered {len(self.registered)}/{len(self.expected)} — waiting for {names} "
+                "(loading data, profiling)")
 
 
 def plot_run(run_dir: Path, title: str = "") -> Path:

@@ -25,10 +25,13 @@ class RunLog:
     def __init__(self, run_dir: Path | None):
         self.run_dir = run_dir
         self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1) if run_dir else None
+        self.sink = None   # also given every record when set: e.g. a TensorBoardSink
 
     def record(self, kind: str, **values: Any) -> None:
         if self._metrics:
             self._metrics.write(json.dumps({"kind": kind, **values}) + "\n")
+        if self.sink is not None:
+            self.sink.record(kind, values)
 
     def write_plan(self, plan: dict) -> None:
         if self.run_dir:
@@ -42,3 +45,5 @@ class RunLog:
     def close(self) -> None:
         if self._metrics:
             self._metrics.close()
+        if self.sink is not None:
+            self.sink.close()

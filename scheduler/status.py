@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from .outcome import environment, run_status
+
 ROLES = ("ps", "worker", "evaluator")
 
 
@@ -26,7 +28,11 @@ def run_summary(coord) -> dict:
                                                                         "grad_dense_bytes", "grad_sent_bytes")}}
                 for n in workers}
     stragglers = [f"{n.role}{n.rank}" for n in coord.nodes.values() if not n.gone]
+    failed = coord.failed or next((f for f in coord.failures if f["kind"] == "startup"), None)
     return {
+        "status": run_status(coord.stop_reason, failed is not None),
+        "failed_node": failed.get("node") if failed else None,
+        "detail": failed.get("error") or coord.stop_reason if failed else coord.guard.verdict,
         "name": coord.cfg.name, "algorithm": coord.cfg.algorithm.name,
         "final_accuracy": coord.evals.final, "final_loss": coord.evals.final_loss,
         "best_accuracy": coord.evals.best if coord.evals.count else None,
@@ -42,6 +48,8 @@ def run_summary(coord) -> dict:
         "shard_stats": {f"ps{n.rank}": n.stats.as_dict() for n in coord.members("ps")},
         "plan_id": coord.plan.plan_id if coord.plan else 0,
         "stop_reason": coord.stop_reason, "failures": coord.failures, "not_left": stragglers,
+        "hosts": {f"{n.role}{n.rank}": n.host for n in sorted(coord.nodes.values(), key=lambda n: n.node_id)},
+        "environment": environment(),
     }
 
 

@@ -72,8 +72,11 @@ def test_failed_process_is_named_and_nothing_left(run_dir):
                         f"data.root={run_dir}-nodata", "cluster.startup_timeout_s=30",
                         "--out", str(run_dir), "--quiet"], timeout_s=120)
     assert result.returncode == 1
-    assert "exited with 2" in result.stderr and "data.download" in result.stderr, result.stderr
+    assert "failed" in result.stderr and "data.download" in result.stderr, result.stderr
     assert any(f"{role}" in result.stderr for role in ("worker", "evaluator"))
+    s = summary(run_dir)
+    assert s["status"] == "failed" and s["failed_node"].startswith(("worker", "evaluator")), s
+    assert "data.download" in s["detail"], s
 
 
 def test_sigint_stops_cleanly(run_dir):
@@ -83,9 +86,10 @@ def test_sigint_stops_cleanly(run_dir):
         wait_for(lambda: metrics.exists() and '"eval"' in metrics.read_text(), 90, "a first evaluation")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err + log_tails(run_dir)
+    assert proc.returncode == 130, err + log_tails(run_dir)
     s = summary(run_dir)
-    assert "signal" in s["stop_reason"] and s["global_steps"] > 0 and s["not_left"] == []
+    assert s["stop_reason"] == "interrupted" and s["status"] == "interrupted", s
+    assert s["global_steps"] > 0 and s["not_left"] == [] and s["evals"] >= 1
 
 
 def test_daemons_by_hand_across_hosts_style(tmp_path):

@@ -51,6 +51,7 @@ SAMPLES: dict[Op, m.Message] = {
     Op.ERROR: m.Error(status=int(Status.NOT_READY), message="no INIT yet"),
     Op.REPORT: m.Report(node_id=9, kind="eval", values={"accuracy": 0.93, "loss": 0.2}),
     Op.BYE: m.Bye(node_id=11, stats={"pushes": 100}),
+    Op.FAILED: m.Failed(role="worker", rank=3, error="ValueError: no data (at data.py:12 in load)", host="h1"),
 }
 
 

@@ -36,11 +36,12 @@ PACKAGE_DIRS = ("proto", "ps", "worker", "scheduler")   # pyproject's package-di
 RANK_FROM_ADDRESS_MIN = 1000   # the scaled workers' entrypoint: 1000 + low 16 bits of the IP
 
 COMPOSE_SERVICES = {"scheduler", "ps0", "ps1", "worker0", "worker1", "worker2", "worker3", "worker",
-                    "evaluator", "worker-gpu"}
+                    "evaluator", "worker-gpu0", "worker-gpu1"}
 K8S_OBJECTS = {("ConfigMap", "hetps-config"), ("PersistentVolumeClaim", "hetps-runs"),
                ("Service", "hetps-scheduler"), ("StatefulSet", "hetps-scheduler"),
                ("Service", "hetps-ps"), ("StatefulSet", "hetps-ps"),
-               ("Deployment", "hetps-worker"), ("Deployment", "hetps-evaluator")}
+               ("Deployment", "hetps-worker"), ("Deployment", "hetps-evaluator"),
+               ("Deployment", "hetps-worker-gpu")}
 
 
 # ---------------------------------------------------------------- helpers
@@ -255,11 +256,16 @@ def test_compose_structure(compose):
                      "worker": [f"worker{i}" for i in range(len(cfg.cluster.workers))]}
     # the scalable services: none by default; GPU workers only with the gpu profile
     assert int(services["worker"].get("scale", 1)) == 0
-    gpu = services["worker-gpu"]
-    assert "gpu" in gpu.get("profiles", [])
-    assert gpu["build"]["dockerfile"].endswith("Dockerfile.cuda")
-    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
-    assert any("gpu" in d.get("capabilities", []) for d in devices)
+    # GPU workers: the gpu profile, the CUDA image, one distinct GPU each
+    gpu_ids = []
+    for name in sorted(n for n in services if n.startswith("worker-gpu")):
+        gpu = services[name]
+        assert "gpu" in gpu.get("profiles", []), name
+        assert gpu["build"]["dockerfile"].endswith("Dockerfile.cuda"), name
+        (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+        assert "gpu" in device.get("capabilities", []) and "count" not in device, name
+        gpu_ids += device["device_ids"]
+    assert len(gpu_ids) == 2 and len(set(gpu_ids)) == len(gpu_ids), gpu_ids
     for name, svc in services.items():
         assert service_dockerfile(svc) in (CPU_DOCKERFILE, CUDA_DOCKERFILE), name
 
@@ -293,7 +299,7 @@ def test_compose_service_command_passes_check(name, compose, shim_path):
     expected = compose_expectations(name)
     assert {k: resolved.get(k) for k in expected} == expected, resolved
     assert resolved["config"] == str(ROOT / "configs" / "default.yaml")
-    if name in ("worker", "worker-gpu"):
+    if name == "worker" or name.startswith("worker-gpu"):
         assert int(resolved["rank"]) >= RANK_FROM_ADDRESS_MIN, resolved
 
 
@@ -351,7 +357,8 @@ def test_k8s_workloads_are_consistent(k8s):
     assert replicas == {("StatefulSet", "hetps-scheduler"): 1,
                         ("StatefulSet", "hetps-ps"): len(cfg.cluster.shards),
                         ("Deployment", "hetps-worker"): len(cfg.cluster.workers),
-                        ("Deployment", "hetps-evaluator"): 1}
+                        ("Deployment", "hetps-evaluator"): 1,
+                        ("Deployment", "hetps-worker-gpu"): 0}  # scaled up where GPU nodes exist
     for (kind, name), obj in workloads(k8s).items():
         spec = obj["spec"]
         labels = spec["template"]["metadata"]["labels"]
@@ -399,6 +406,7 @@ def k8s_pods():
             "role": "ps", "rank": str(i), "bind": "tcp://0.0.0.0:7100",
             "advertise": f"tcp://hetps-ps-{i}.hetps-ps:7100", "scheduler": scheduler}))
     pods.append(("hetps-worker", "hetps-worker-5d8f7c9b4-x2x7q", {"role": "worker", "scheduler": scheduler}))
+    pods.append(("hetps-worker-gpu", "hetps-worker-gpu-6c4b8d9f7-k9d2m", {"role": "worker", "scheduler": scheduler}))
     pods.append(("hetps-evaluator", "hetps-evaluator-7b9c6d5f8-q4kzt",
                  {"role": "evaluator", "scheduler": scheduler}))
     return [pytest.param(*pod, id=pod[1]) for pod in pods]
@@ -423,5 +431,7 @@ def test_k8s_container_command_passes_check(workload, hostname, expected, k8s, t
     assert resolved["config"] == str(config_dir / "default.yaml")
     if workload == "hetps-scheduler":
         assert resolved["run_dir"] == "/runs/default", resolved  # stable: a restarted pod carries the run on
-    if workload == "hetps-worker":
+    if workload in ("hetps-worker", "hetps-worker-gpu"):
         assert int(resolved["rank"]) >= RANK_FROM_ADDRESS_MIN, resolved
+    if workload == "hetps-worker-gpu":  # one whole GPU per pod, from the CUDA image
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1 and container["image"] == "hetps:cuda"

@@ -125,6 +125,7 @@ def sample_messages(tensors: dict, plan_id: int = 1, node_id: int = 1) -> dict[O
         Op.ERROR: m.Error(status=int(Status.MALFORMED), message="x"),
         Op.REPORT: m.Report(node_id=node_id, kind="eval", values={"accuracy": 0.5}),
         Op.BYE: m.Bye(node_id=node_id, stats={}),
+        Op.FAILED: m.Failed(role="worker", rank=0, error="RuntimeError: x", host="h", node_id=node_id),
     }
     assert set(out) == set(MESSAGES), "a new message type needs a fuzz template"
     return out

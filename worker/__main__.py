@@ -8,8 +8,9 @@ The scheduler address comes from --scheduler, else $HETPS_SCHEDULER, else
 cluster.scheduler. The worker builds the model (seeded, so all workers start
 equal), registers its tensor list, waits for the plan, trains on its share of
 the data until the scheduler says stop, then says goodbye. Exit 0 on a clean
-stop, 1 when a shard or the scheduler cannot be reached in time, 2 when the
-data set is missing or this node's algorithm block differs from the plan's.
+stop, 1 when a shard or the scheduler cannot be reached in time or the worker
+fails at start-up (reported to the scheduler, which then ends the run), 2 when
+its dataset is not there or this node's algorithm block differs from the plan's.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from hetps.proto.algorithms import AlgorithmMismatch, algorithm, check_plan_algorithm
 from hetps.proto.config import NodeConfig
 from hetps.proto.daemon import common_args, daemon_setup
+from hetps.proto.devices import pick_device, use_device
 from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.optim import build_optimizer
@@ -52,12 +54,6 @@ def trainer_class(cfg) -> type:
     return OverlapTrainer if cfg.comm.overlap and cls is Trainer else cls
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetps worker", description="training worker daemon")
     common_args(parser)
@@ -69,34 +65,36 @@ def main(argv: list[str] | None = None) -> int:
     node = workers[args.rank] if not args.evaluator and args.rank < len(workers) else NodeConfig()
     torch.set_num_threads(node.threads)
     set_link_cap(node.link_mbps)
-    device = pick_device(node.device)
-    try:
-        data = load_datasets(cfg.data, cfg.seed)
-    except DatasetUnavailable as exc:
-        print(f"hetps {role}: {exc}", file=sys.stderr)
-        return 2
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, data.in_shape, data.num_classes).to(device)
-    specs = model_specs(model)
-    if not args.evaluator and issubclass(trainer_class(cfg), LocalSgdTrainer):
-        # its first torch.optim optimizer imports torch._dynamo (~1 s): pay it before joining,
-        # not in the run's clock after the plan (the shards pay it while profiling)
-        build_optimizer(list(model.parameters()), cfg.optimizer)
     member = Membership(scheduler, role, args.rank, cfg.cluster)
     runner = None
     try:
-        state = ModelState(model, device)
-        speed = 0.0 if args.evaluator else profile_speed(state, data, cfg.data.batch_size,
-                                                         cfg.cluster.profile_steps, Slowdown(node))
+        # a failure from here to the first step is reported to the scheduler, which ends the run
+        with member.starting({DatasetUnavailable: 2}):
+            where = "evaluator device" if args.evaluator else f"cluster.workers.{args.rank}.device"
+            device = pick_device(node.device, where)
+            use_device(device)
+            data = load_datasets(cfg.data, cfg.seed)
+            torch.manual_seed(cfg.seed)
+            model = build_model(cfg.model, data.in_shape, data.num_classes).to(device)
+            specs = model_specs(model)
+            if not args.evaluator and issubclass(trainer_class(cfg), LocalSgdTrainer):
+                # its first torch.optim optimizer imports torch._dynamo (~1 s): pay it before joining,
+                # not in the run's clock after the plan (the shards pay it while profiling)
+                build_optimizer(list(model.parameters()), cfg.optimizer)
+            state = ModelState(model, device)
+            speed = 0.0 if args.evaluator else profile_speed(state, data, cfg.data.batch_size,
+                                                             cfg.cluster.profile_steps, Slowdown(node))
         member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=speed)
         plan = member.wait_plan()
         check_plan_algorithm(cfg.algorithm, plan)  # this node's YAML must run the scheduler's algorithm
         # heartbeats from the moment the plan arrives: the scheduler counts silence from then on,
         # and building the trainer may take seconds on a loaded machine
         member.start_heartbeats(lambda: runner.stats() if runner is not None else {})
-        runner = (Evaluator(cfg, member, plan, state, data.test) if args.evaluator
-                  else trainer_class(cfg)(cfg, node, member, plan, state, data))
-        serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, role, args.rank, runner.stats)
+        with member.starting():
+            runner = (Evaluator(cfg, member, plan, state, data.test, data.num_classes) if args.evaluator
+                      else trainer_class(cfg)(cfg, node, member, plan, state, data))
+            serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, role, args.rank,
+                          runner.stats)
         log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)
         with contextlib.suppress(Aborted):  # the run stopped while a request was waiting
             runner.run()

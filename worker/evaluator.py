@@ -42,11 +42,12 @@ def evaluate(model: torch.nn.Module, data: ArrayDataset, batch_size: int,
 
 class Evaluator:
     def __init__(self, cfg: RunConfig, member: Membership, plan: ClusterPlan, state: ModelState,
-                 test: ArrayDataset):
+                 test: ArrayDataset, num_classes: int | None = None):
         self.cfg = cfg
         self.member = member
         self.state = state
         self.test = test
+        self.num_classes = num_classes  # sent with each result: the scheduler's divergence guard knows chance
         self.client = PSClient(plan, member.node_id, cfg.cluster, member.stop_requested.is_set)
         # the final evaluation must still reach the shards after stop is requested
         self.final_client = PSClient(plan, member.node_id, cfg.cluster)
@@ -68,7 +69,7 @@ class Evaluator:
         self.accuracy, self.loss = accuracy, loss
         self.member.report("eval", {"accuracy": accuracy, "loss": loss, "final": final,
                                     "versions": list(client.versions),
-                                    "eval_s": time.perf_counter() - started})
+                                    "eval_s": time.perf_counter() - started, "num_classes": self.num_classes})
 
     def run(self) -> None:
         stop = self.member.stop_requested

@@ -1,0 +1,111 @@
+"""How a run ended, in words a user acts on: the divergence guard, the
+run's status and exit code, and the software it ran on.
+
+Statuses (summary.json `status`) and the exit codes of `hetps run`:
+
+    completed    0    target accuracy, time or step limit reached, or a STOP request
+    failed       1    a node failed (at start-up: the summary names it and quotes its error)
+    diverged     3    non-finite loss, or accuracy at chance level for stop.diverged_after evaluations
+    interrupted  130  Ctrl-C / SIGINT or SIGTERM
+
+(2, a bad config or command line, happens before any run exists.)
+"""
+from __future__ import annotations
+
+import math
+import platform
+import subprocess
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+EXIT_CODES = {"completed": 0, "failed": 1, "diverged": 3, "interrupted": 130}
+INTERRUPTED = "interrupted"
+DIVERGED = "diverged"
+# accuracy below this multiple of 1/num_classes counts as chance level: a model that
+# predicts one class scores about 1/num_classes; one that learns anything climbs well past 1.5x
+CHANCE_FACTOR = 1.5
+
+
+@dataclass
+class DivergenceGuard:
+    """Decides that training diverged: a non-finite loss (at once), or
+    `after` evaluations in a row below chance level once `warmup_s` seconds
+    of training have passed. `after` = 0 turns the chance-level rule off.
+    Pure: fed values and times (seconds of training), no clock of its own."""
+
+    after: int
+    warmup_s: float
+    lr: float
+    at_chance: int = 0
+    verdict: str | None = None   # set once: why the run diverged
+
+    def loss(self, value, source: str) -> str | None:
+        """A training or test loss from `source` (e.g. 'worker2 at step 14');
+        returns the verdict when it is not finite."""
+        if self.verdict is None and isinstance(value, (int, float)) and not math.isfinite(value):
+            self.verdict = f"loss {value} from {source}; {self.hint()}"
+        return self.verdict
+
+    def evaluation(self, accuracy: float, num_classes: int | None, t: float) -> str | None:
+        """One evaluation at `t` seconds of training; returns the verdict once diverged."""
+        if self.verdict is not None or not self.after or not num_classes or t < self.warmup_s:
+            return self.verdict
+        chance = 1.0 / num_classes
+        self.at_chance = self.at_chance + 1 if accuracy < CHANCE_FACTOR * chance else 0
+        if self.at_chance >= self.after:
+            self.verdict = (f"test accuracy at chance level ({accuracy:.4f}, chance {chance:.4f}) for "
+                            f"{self.at_chance} evaluations in a row (stop.diverged_after); {self.hint()}")
+        return self.verdict
+
+    def hint(self) -> str:
+        return (f"the learning rate is likely too large: lower optimizer.lr (now {self.lr:g}), "
+                "e.g. 10x, or the momentum")
+
+
+def startup_failure(msg, t: float) -> dict:
+    """The failures entry for a FAILED message (raises ProtocolError MALFORMED for an unknown role)."""
+    from hetps.proto.codec import ProtocolError
+    from hetps.proto.messages import Status
+
+    from .status import ROLES
+
+    if msg.role not in ROLES:
+        raise ProtocolError(Status.MALFORMED, f"role {msg.role!r} not in {ROLES}")
+    name = f"{msg.role}{msg.rank}"
+    last_line = (msg.error.strip().splitlines() or [""])[-1]
+    return {"kind": "startup_failed", "node": name, "host": msg.host, "error": msg.error, "t": t,
+            "reason": f"{name}{f' on {msg.host}' if msg.host else ''} failed at start-up: {last_line}"}
+
+
+def run_status(stop_reason: str | None, failed: bool) -> str:
+    """summary.json `status` for a run that stopped for `stop_reason`."""
+    if failed:
+        return "failed"
+    if stop_reason in (INTERRUPTED, DIVERGED):
+        return stop_reason
+    return "completed"
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit(path: Path) -> str | None:
+    """The commit checked out where hetps' code lives (an editable install), else None."""
+    try:
+        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def environment() -> dict:
+    """What this run ran on (recorded in summary.json): versions, commit, scheduler host."""
+    return {"hetps": package_version("hetps"), "torch": package_version("torch"),
+            "python": platform.python_version(), "git_commit": git_commit(Path(__file__).resolve().parent),
+            "scheduler_host": platform.node()}
