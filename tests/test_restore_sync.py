@@ -20,11 +20,13 @@ import pytest
 
 from hetps.proto import checkpoint
 from hetps.proto.config import CheckpointConfig, ClusterConfig, load_config
+from hetps.proto.messages import Ack, Params, Pull, Push
+from hetps.proto.rpc import RpcClient
 from hetps.proto.transport import MemServer, make_server
 from hetps.ps.shard import Shard
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs
-from shard_harness import SHARD_IDS, grads, make_plan, tiny_model, values_of
+from shard_harness import PLAN_ID, SHARD_IDS, ShardHarness, grads, make_plan, tiny_model, values_of
 
 A, B = 11, 12
 KILL_ROUND = 5          # the round whose reply to B is lost
@@ -142,3 +144,44 @@ def test_sync_trains_on_after_a_shard_is_restored_rounds_behind(tmp_path, behind
     for shard in (s0, s1):  # every push of both workers is in, no round left open
         assert shard.policy.applied == {A: STEPS, B: STEPS} and not shard.policy.rounds
     assert not s1.policy.restored  # rounds are whole again
+
+
+def test_a_lower_version_from_a_shard_resends_what_it_lost_at_once(tmp_path):
+    """Unfused: A's push was acknowledged and its pull parked when the shard
+    died; the shard comes back from an older checkpoint. The first PARAMS
+    with a lower version than A saw before makes A re-send its unanswered
+    pull, and the push it depends on, at once (not after the 30 s retry)."""
+    model = tiny_model()
+    h = ShardHarness(model_specs(model), ["optimizer.momentum=0"], [A, B])
+    a = RpcClient(h.addresses[0], src=A, timeout_s=5.0, retry_s=30.0)
+    try:
+        h.init(values_of(model))
+        saved = tmp_path / "v0.pt"
+        checkpoint.write_atomic(saved, {"format": checkpoint.FORMAT, **h.shards[0].state_dict()})
+        h.push(A, 0, grads(model, 1))
+        h.push(B, 0, grads(model, 2))
+        seen = a.send(Pull(plan_id=PLAN_ID, clock=-1))
+        h.serve()
+        assert a.wait(seen, timeout_s=1.0).version == 1
+        push = a.send(Push(plan_id=PLAN_ID, clock=1, base_version=1, tensors=grads(model, 3)))
+        pull = a.send(Pull(plan_id=PLAN_ID, clock=2), after=push)   # as PSClient sends them unfused
+        h.serve()
+        assert isinstance(a.wait(push, timeout_s=1.0), Ack)
+        assert h.stats()[0]["parked"] == 1   # B has not pushed clock 1
+        # the shard dies; a new one at its address restores the checkpoint made after INIT
+        old = h.shards[0]
+        h.shards[0] = Shard(MemServer(h.addresses[0], take_over=True), SHARD_IDS[0], h.plan, h.cfg)
+        old.server.close()
+        h.shards[0].restore(checkpoint.load(saved))
+        latest = a.send(Pull(plan_id=PLAN_ID, clock=-1))
+        h.serve()
+        assert a.wait(latest, timeout_s=1.0).version == 0   # lower than the 1 A saw: state was lost
+        a.tend()                                            # re-sends the push, then the pull
+        h.serve()
+        h.push(B, 1, grads(model, 4))                       # closes the round A's re-sent push opened
+        reply = a.wait(pull, timeout_s=1.0)
+        assert isinstance(reply, Params) and reply.version == 1 and h.versions() == [1]
+        assert a.resent == 1 and h.shards[0].policy.applied == {A: 2, B: 2}
+    finally:
+        a.close()
+        h.close()
