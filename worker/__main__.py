@@ -8,7 +8,8 @@ The scheduler address comes from --scheduler, else $HETPS_SCHEDULER, else
 cluster.scheduler. The worker builds the model (seeded, so all workers start
 equal), registers its tensor list, waits for the plan, trains on its share of
 the data until the scheduler says stop, then says goodbye. Exit 0 on a clean
-stop, 1 when a shard or the scheduler cannot be reached in time.
+stop, 1 when a shard or the scheduler cannot be reached in time, 3 when the
+scheduler went silent for cluster.scheduler_grace_s (the message names it).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import sys
 import torch
 
 from hetps.proto.config import NodeConfig
-from hetps.proto.daemon import common_args, daemon_setup
+from hetps.proto.daemon import common_args, daemon_setup, scheduler_lost_exit
 from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.optim import build_optimizer
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(Aborted):  # the run stopped while a request was waiting
             runner.run()
         log.info("stopping: %s", member.stop_reason)
+        if member.scheduler_lost:
+            return scheduler_lost_exit(role, args.rank, member.stop_reason)
         member.bye(runner.stats())
         return 0
     except (RequestTimeout, RemoteError, SchedulerUnreachable, TransportError) as exc:
