@@ -16,6 +16,7 @@ their declared dtype and shape here (compression.py), so no caller sees either.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from dataclasses import MISSING, dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -41,6 +42,11 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 NUMPY_DTYPES = {d: numpy.dtype(n) for n, d in DTYPES.items() if n != "bfloat16"}  # numpy has no bfloat16
+# Tensor frames are the tensors' raw memory, so the wire's byte order is the host's: the
+# protocol defines it as little-endian (docs/protocol.md) and refuses other hosts.
+BYTE_ORDER = "little"
+if sys.byteorder != BYTE_ORDER:
+    raise ImportError(f"hetps needs a {BYTE_ORDER}-endian host: tensor frames are raw {BYTE_ORDER}-endian memory")
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30
 MAX_HEADER_BYTES = 1 << 20
 _TYPES = {"int": int, "str": str, "list": list, "dict": dict, "bool": bool, "float": (int, float)}
