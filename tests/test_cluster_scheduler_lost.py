@@ -15,7 +15,7 @@ from hetps.proto import checkpoint
 
 pytestmark = pytest.mark.cluster
 
-GRACE_S = 2.0
+GRACE_S = 4.0
 
 
 def test_daemons_exit_3_naming_the_scheduler_once_it_is_lost(tmp_path):
