@@ -17,6 +17,7 @@ import dataclasses
 import threading
 
 import pytest
+import torch
 
 from hetps.proto import checkpoint
 from hetps.proto.config import CheckpointConfig, ClusterConfig, load_config
@@ -32,7 +33,14 @@ A, B = 11, 12
 KILL_ROUND = 5          # the round whose reply to B is lost
 STEPS = 10              # clocks each worker trains
 RETRY_S = 0.05
-TIMEOUT_S = 8.0         # request timeout: a deadlock fails the step after this
+TIMEOUT_S = 15.0        # request timeout: a deadlock fails the step after this
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_optimizer():
+    """The first torch.optim optimizer imports torch._dynamo, seconds on a loaded
+    machine: paid here, not inside a request's timeout (a shard makes one at INIT)."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
 
 
 class DyingShard(Shard):
