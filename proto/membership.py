@@ -22,7 +22,7 @@ from typing import Callable
 from .config import ClusterConfig
 from .messages import Ack, Bye, GetPlan, Heartbeat, Plan, Register, Report, Status, Welcome
 from .plan import ClusterPlan
-from .rpc import Aborted, RemoteError, RequestTimeout, RpcClient
+from .rpc import RemoteError, RequestTimeout, RpcClient
 
 log = logging.getLogger(__name__)
 
