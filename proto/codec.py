@@ -17,6 +17,7 @@ their declared dtype and shape here (compression.py), so no caller sees either.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from dataclasses import MISSING, dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -37,6 +38,11 @@ from .messages import (MESSAGES, PROTOCOL_VERSION, Error, Message, Op, Status,
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
+# Tensor frames are the tensors' raw memory, so the wire's byte order is the host's: the
+# protocol defines it as little-endian (docs/protocol.md) and refuses other hosts.
+BYTE_ORDER = "little"
+if sys.byteorder != BYTE_ORDER:
+    raise ImportError(f"hetps needs a {BYTE_ORDER}-endian host: tensor frames are raw {BYTE_ORDER}-endian memory")
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30
 MAX_HEADER_BYTES = 1 << 20
 _TYPES = {"int": int, "str": str, "list": list, "dict": dict, "bool": bool, "float": (int, float)}

@@ -114,6 +114,7 @@ class ClusterConfig:
     workers: list[NodeConfig] = field(default_factory=lambda: [NodeConfig() for _ in range(4)])
     heartbeat_s: float = 0.5
     dead_after_s: float = 5.0              # a worker silent this long leaves the plan
+    scheduler_grace_s: float = 30.0        # a shard/worker/evaluator whose scheduler is silent this long exits 3
     kill: list[KillFault] = field(default_factory=list)  # fault injection: SIGKILL these nodes at these times
     straggler: float = 0.0                 # every step one seeded-random worker computes 1+this x as long
     profile_steps: int = 20                # steps timed on the real model before joining (speed)

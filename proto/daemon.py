@@ -14,6 +14,11 @@ import sys
 from .config import ConfigError, RunConfig, load_config
 from .security import SecurityError, configure
 
+# exit statuses of the shard, worker and evaluator daemons (and the scheduler's 1 when the
+# cluster never formed): 0 a clean stop the scheduler asked for; 1 a peer unreachable in time;
+# 2 a bad config, flag or key; 3 the scheduler went silent for cluster.scheduler_grace_s
+EXIT_SCHEDULER_LOST = 3
+
 
 def common_args(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
@@ -83,3 +88,10 @@ def daemon_setup(args: argparse.Namespace, role: str) -> tuple[RunConfig, str]:
     if args.check and role != "ps":  # the shard adds its own addresses
         check_and_exit(role, rank=args.rank, scheduler=scheduler, config=args.config)
     return cfg, scheduler
+
+
+def scheduler_lost_exit(role: str, rank: int, reason: str) -> int:
+    """Print why a daemon gives up on its scheduler (naming its address) and
+    return the exit status for it: a supervisor must see a failure, not a clean stop."""
+    print(f"hetps {role} {rank}: {reason}; exiting with status {EXIT_SCHEDULER_LOST}", file=sys.stderr)
+    return EXIT_SCHEDULER_LOST

@@ -5,7 +5,11 @@ thread, report results, say goodbye.
 Thread-safety: `join`, `wait_plan`, `report` and `bye` use the caller's
 socket and must be called from one thread; the heartbeat thread has its own
 socket. `stop_requested` (a threading.Event) is set when the scheduler asks
-this node to stop or stops answering for `dead_after_s`.
+this node to stop, or when it has not answered a heartbeat for
+`cluster.scheduler_grace_s`: then `scheduler_lost` is true too, the calls on
+the caller's socket raise `Aborted` instead of waiting out their timeouts,
+and the daemon exits with `EXIT_SCHEDULER_LOST` (proto/daemon.py) so that a
+supervisor sees a failure.
 """
 from __future__ import annotations
 
@@ -43,8 +47,10 @@ class Membership:
         self.rank = rank
         self.cluster = cluster
         self.node_id = 0
+        self.scheduler_lost = False  # set (with stop_requested) once the scheduler is silent for the grace period
         self.rpc = RpcClient(scheduler, timeout_s=cluster.request_timeout_s,
-                             max_message_bytes=cluster.max_message_bytes)
+                             max_message_bytes=cluster.max_message_bytes,
+                             should_abort=lambda: self.scheduler_lost)
         self.stop_requested = threading.Event()
         self.stop_reason = ""
         self.latest_plan_id = 0
@@ -115,10 +121,10 @@ class Membership:
         self._beat_thread.start()
 
     def _beat_loop(self, stats: Callable[[], dict]) -> None:
-        rpc = RpcClient(self.scheduler, src=self.node_id, timeout_s=self.cluster.heartbeat_s * 4,
+        grace = self.cluster.scheduler_grace_s
+        rpc = RpcClient(self.scheduler, src=self.node_id, timeout_s=min(self.cluster.heartbeat_s * 4, grace),
                         max_message_bytes=self.cluster.max_message_bytes)
         last_answer = time.monotonic()
-        dead_after = max(10 * self.cluster.heartbeat_s, 10.0)
         try:
             while not self._closing.is_set():
                 records = self._take_records()
@@ -128,17 +134,29 @@ class Membership:
                     self._on_ack(ack)
                 except RequestTimeout:
                     self._requeue(records)
-                    if time.monotonic() - last_answer > dead_after:
-                        self._request_stop(f"scheduler silent for {dead_after:.0f}s")
                 except RemoteError as exc:
                     self._requeue(records)
+                    last_answer = time.monotonic()  # it answered: alive, if forgetful
                     if exc.status == Status.BAD_STATE:  # a restarted scheduler that lost us: register again
                         self._register_again(rpc)
                 except Exception as exc:  # keep beating; the scheduler may come back
                     log.warning("heartbeat failed: %s", exc)
+                if time.monotonic() - last_answer > grace:
+                    self._lose_scheduler(time.monotonic() - last_answer)
+                    return
                 self._closing.wait(self.cluster.heartbeat_s)
         finally:
             rpc.close()
+
+    def _lose_scheduler(self, silent_s: float) -> None:
+        """Give up on a scheduler that stopped answering: the run cannot end
+        cleanly without it, so the daemon stops and exits non-zero."""
+        reason = (f"lost the scheduler at {self.scheduler}: no answer for {silent_s:.1f}s "
+                  f"(cluster.scheduler_grace_s={self.cluster.scheduler_grace_s:g})")
+        log.error("%s", reason)
+        self.scheduler_lost = True
+        self.stop_reason = reason
+        self.stop_requested.set()
 
     def _requeue(self, records: list[dict]) -> None:
         """Records of a heartbeat that got no answer go out with the next one
@@ -197,11 +215,15 @@ class Membership:
             return False
 
     def report(self, kind: str, values: dict) -> None:
+        """Blocking; raises Aborted once the scheduler is lost."""
         self.rpc.call(Report(node_id=self.node_id, kind=kind, values=values))
 
     def bye(self, stats: dict, timeout_s: float = 5.0) -> None:
-        """Stop heartbeats, flush records in a last heartbeat, say goodbye (best effort)."""
+        """Stop heartbeats, flush records in a last heartbeat, say goodbye
+        (best effort; nothing is sent to a lost scheduler)."""
         self._closing.set()
+        if self.scheduler_lost:
+            return
         if self._beat_thread is not None:
             self._beat_thread.join(timeout=self.cluster.heartbeat_s * 5 + 1)
         try:

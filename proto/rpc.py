@@ -12,15 +12,16 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from .codec import ProtocolError, TensorCatalog, decode, encode, error_frames
 from .errors import HetpsError
-from .messages import Error, Message, Op, Status
+from .messages import Error, Message, Op, Params, Status
 from .emulation import WireFaults
 from .transport import ServerTransport, make_client
 
 log = logging.getLogger(__name__)
+TEND_EVERY_S = 0.02  # while other servers' requests are tended, the longest block on one socket
 
 
 class RemoteError(HetpsError):
@@ -65,6 +66,14 @@ class RpcClient:
     message that was lost, does not cost the whole timeout. The server must
     make a re-sent request harmless (shards answer a re-sent push with the
     first one's ACK). `faults` injects drops and delays on every send.
+
+    A server that lost what it had is recognised two ways: the transport
+    reconnected, or a PARAMS reply carries a lower version than an earlier
+    one (a shard restored from an older checkpoint; one shard's replies never
+    go back otherwise). Either way every unanswered request is re-sent at
+    once, each after the request it depends on (`send(after=)`).
+    Requests to several servers are awaited together with `wait_all`, so a
+    request to one server is re-sent while the caller waits on another.
     """
 
     # request ids start at a random point, so a restarted process does not reuse its old ids
@@ -84,6 +93,8 @@ class RpcClient:
         self._early: dict[int, Message] = {}
         self._ops: dict[int, str] = {}
         self._unanswered: dict[int, Unanswered] = {}
+        self._served_version = -1   # highest PARAMS version seen since the server last (re)started
+        self._lost_state = False    # a reply showed the server went back: re-send everything at once
         self.resent = 0
 
     @property
@@ -119,7 +130,8 @@ class RpcClient:
         restarted and lost what it had) re-send everything unanswered at once,
         each with the request it depends on."""
         now = time.monotonic()
-        restarted = self.transport.reconnected()
+        restarted = self.transport.reconnected() or self._lost_state
+        self._lost_state = False
         for kept in self._unanswered.values():
             if restarted or now >= kept.resend_at:
                 kept.interval = min(kept.interval * 2, self.retry_s * 8)
@@ -129,13 +141,17 @@ class RpcClient:
                     self._transmit(kept.before)
                 self._transmit(kept.frames)
 
-    def wait(self, req_id: int, timeout_s: float | None = None) -> Message:
-        """Block until the reply to `req_id` arrives. Raises RemoteError, RequestTimeout, Aborted."""
+    def wait(self, req_id: int, timeout_s: float | None = None,
+             tend: Sequence["RpcClient"] = ()) -> Message:
+        """Block until the reply to `req_id` arrives. While waiting, the
+        clients in `tend` (other servers' requests of the same step) re-send
+        what is due and take in their replies (`tend()`). Raises RemoteError,
+        RequestTimeout, Aborted."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         op = self._ops.get(req_id, "?")
         deadline = time.monotonic() + timeout_s
         try:
-            self._await(req_id, op, timeout_s, deadline)
+            self._await(req_id, op, timeout_s, deadline, tend)
         finally:
             self._unanswered.pop(req_id, None)
         self._ops.pop(req_id, None)  # after a timeout the caller may wait for it again
@@ -145,27 +161,58 @@ class RpcClient:
             raise RemoteError(status, reply.message, self.address, op)
         return reply
 
-    def _await(self, req_id: int, op: str, timeout_s: float, deadline: float) -> None:
+    def _await(self, req_id: int, op: str, timeout_s: float, deadline: float,
+               tend: Sequence["RpcClient"]) -> None:
         while req_id not in self._early:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RequestTimeout(self.address, op, timeout_s)
             if self.should_abort is not None and self.should_abort():
                 raise Aborted(f"{op} to {self.address} abandoned")
+            for other in tend:
+                other.tend()
             if self._unanswered:
                 self._resend_due()
-            frames = self.transport.recv(min(left, 0.1))
-            if frames is not None:
-                env = decode(frames)
-                if env.req_id in self._ops:
-                    self._early[env.req_id] = env.msg
-                    self._unanswered.pop(env.req_id, None)
+            self._take_reply(min(left, 0.1 if not tend else TEND_EVERY_S))
+
+    def tend(self) -> None:
+        """Without blocking: re-send what is due and keep the replies that
+        have arrived (for a later `wait`)."""
+        if self._unanswered:
+            self._resend_due()
+        while self._take_reply(0.0):
+            pass
+
+    def _take_reply(self, timeout_s: float) -> bool:
+        """Receive one reply (waiting at most `timeout_s`); False if none came."""
+        frames = self.transport.recv(timeout_s)
+        if frames is None:
+            return False
+        env = decode(frames)
+        if isinstance(env.msg, Params):
+            if env.msg.version < self._served_version:
+                self._lost_state = True  # restored from an older checkpoint: it may lack our requests
+            self._served_version = env.msg.version
+        if env.req_id in self._ops:
+            self._early[env.req_id] = env.msg
+            self._unanswered.pop(env.req_id, None)
+        return True
 
     def call(self, msg: Message, timeout_s: float | None = None) -> Message:
         return self.wait(self.send(msg), timeout_s)
 
     def close(self) -> None:
         self.transport.close()
+
+
+def wait_all(requests: Sequence[tuple[RpcClient, int]], timeout_s: float | None = None) -> list[Message]:
+    """The replies to requests sent to several servers, in the given order.
+    Blocking: while one reply is awaited, every other client re-sends its due
+    requests and takes in its replies, so a server that restarted (and lost
+    a request) gets it again even while the caller waits on another server.
+    Raises what `RpcClient.wait` raises, for the first failing request."""
+    clients = [c for c, _ in requests]
+    return [c.wait(req, timeout_s, tend=[o for o in clients if o is not c]) for c, req in requests]
 
 
 class Service:

@@ -243,12 +243,15 @@ _MEM_IDS = itertools.count(1)
 
 
 class MemServer(ServerTransport):
-    def __init__(self, address: str):
+    def __init__(self, address: str, take_over: bool = False):
+        """`take_over`: replace the server bound at `address` in one step (a
+        restarted process at a dead one's address, in tests); what was queued
+        for the old one stays with it, as a killed process's input would."""
         self.address = address
         self.inbox: queue.Queue = queue.Queue()
         self.clients: dict[bytes, "MemClient"] = {}
         with _MEM_LOCK:
-            if address in _MEM_SERVERS:
+            if address in _MEM_SERVERS and not take_over:
                 raise TransportError(f"cannot bind {address}: address in use")
             _MEM_SERVERS[address] = self
 
@@ -265,7 +268,8 @@ class MemServer(ServerTransport):
 
     def close(self) -> None:
         with _MEM_LOCK:
-            _MEM_SERVERS.pop(self.address, None)
+            if _MEM_SERVERS.get(self.address) is self:  # not a server that took the address over
+                del _MEM_SERVERS[self.address]
 
 
 class MemClient(ClientTransport):

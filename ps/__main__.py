@@ -8,21 +8,24 @@ The scheduler address comes from --scheduler, else $HETPS_SCHEDULER, else
 cluster.scheduler in the config. The shard binds --bind (default: a random
 port on cluster.host) and tells the scheduler --advertise (default: the bound
 address). It registers, waits for the plan, serves until the scheduler says
-stop, then says goodbye.
+stop, then says goodbye. A scheduler silent for cluster.scheduler_grace_s is
+given up on: the shard writes a last checkpoint (when checkpoints are on) and
+exits with status 3, naming the scheduler's address.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 
 import torch
 
-from hetps.proto.daemon import check_and_exit, common_args, daemon_setup
+from hetps.proto.daemon import check_and_exit, common_args, daemon_setup, scheduler_lost_exit
 from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
-from hetps.proto.rpc import RemoteError, RequestTimeout
+from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.transport import TransportError, make_server, set_link_cap
 
 from hetps.proto.algorithms import AlgorithmMismatch
@@ -85,12 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
                  len(shard.store.specs), server.address)
         serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats)
-        refused_plan = [0]  # the newest plan this shard could not adopt: not fetched again
-        while not member.stop_requested.is_set():
-            shard.serve_once(0.05)
-            adopt_newer_plan(shard, member, refused_plan)
+        serve(shard, member)
         log.info("stopping: %s", member.stop_reason)
-        shard.maybe_checkpoint(force=True)  # workers have stopped: a consistent point to resume from
+        # workers have stopped (or, the scheduler lost, will): a point to resume from
+        shard.maybe_checkpoint(force=True)
+        if member.scheduler_lost:
+            return scheduler_lost_exit("ps", args.rank, member.stop_reason)
         member.bye(shard.stats())
     except (SchedulerUnreachable, RequestTimeout, RemoteError) as exc:
         print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
@@ -102,6 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         member.close()
         server.close()
     return 0
+
+
+def serve(shard: Shard, member: Membership) -> None:
+    """Serve until the scheduler says stop (or is lost), adopting newer plans."""
+    refused_plan = [0]  # the newest plan this shard could not adopt: not fetched again
+    with contextlib.suppress(Aborted):  # the scheduler was lost while a newer plan was fetched
+        while not member.stop_requested.is_set():
+            shard.serve_once(0.05)
+            adopt_newer_plan(shard, member, refused_plan)
 
 
 def adopt_newer_plan(shard: Shard, member: Membership, refused: list[int]) -> None:
@@ -121,6 +133,8 @@ def adopt_newer_plan(shard: Shard, member: Membership, refused: list[int]) -> No
         if newer is not None:
             refused[0] = newer.plan_id
             shard.adopt(newer)
+    except Aborted:
+        raise
     except Exception:
         shard.counts["timer_errors"] += 1
         refused[0] = max(refused[0], wanted, member.latest_plan_id)  # not fetched again

@@ -7,6 +7,12 @@ and registration and every SAVE_EVERY_S while training.
 Nodes restored from it count as alive from the moment of the restart; the
 ones that do not come back are declared dead after cluster.dead_after_s as
 usual.
+
+The run's clock survives a restart: the state holds when training began on
+the wall clock (`started_unix`), so evaluation times, `time_to_target_s` and
+`wall_s` go on counting through the restart and the time the scheduler was
+down, never back (a wall clock stepped back by NTP cannot make them go below
+the `elapsed_s` last saved).
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ def save(coord, finished: bool = False) -> None:
         "run_id": coord.run_id,
         "finished": finished,
         "elapsed_s": coord.elapsed() if coord.started else None,
+        "started_unix": time.time() - coord.elapsed() if coord.started else None,
         "plan": coord.plan.to_dict() if coord.plan else None,
         "specs": [s.to_wire() for s in coord.specs] if coord.specs else None,
         "schema": coord.schema,
@@ -65,6 +72,7 @@ def restore(coord, data: dict, node_type) -> None:
     coord.plan = ClusterPlan.from_dict(data["plan"]) if data["plan"] else None
     coord.nodes = {n["node_id"]: node_type(**n, last_seen=now) for n in data["nodes"]}
     if data["elapsed_s"] is not None:
-        coord.started = now - data["elapsed_s"]
+        since_start = time.time() - data.get("started_unix", time.time() - data["elapsed_s"])
+        coord.started = now - max(data["elapsed_s"], since_start)
     coord.evals = dataclasses.replace(coord.evals, **data["evals"])
     coord.failures = list(data["failures"])

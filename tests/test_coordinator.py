@@ -6,7 +6,7 @@ import time
 
 from hetps.proto.codec import Envelope
 from hetps.proto.config import load_config
-from hetps.proto.messages import Register
+from hetps.proto.messages import Register, Report
 from hetps.proto.plan import TensorSpec
 from hetps.proto.transport import MemServer
 from hetps.scheduler.coordinator import Coordinator
@@ -39,3 +39,68 @@ def test_nodes_that_registered_long_before_the_plan_are_not_declared_dead(tmp_pa
         assert sorted(f["node"] for f in coord.failures) == ["ps0", "worker0", "worker1"]
     finally:
         server.close()
+
+
+class SchedulerClock:
+    """Stands in for the `time` module the scheduler reads: a monotonic clock
+    and a wall clock that only the test moves (both by the same seconds)."""
+
+    def __init__(self):
+        self.mono, self.wall = 1000.0, 1_700_000_000.0
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def time(self) -> float:
+        return self.wall
+
+    def advance(self, seconds: float) -> None:
+        self.mono += seconds
+        self.wall += seconds
+
+
+def test_a_restarted_scheduler_keeps_the_runs_clock(tmp_path, monkeypatch):
+    """The scheduler dies 1.45 s into training (its state last saved when the
+    plan went out) and is back 1.0 s later: evaluation times, time to target
+    and wall time count from the run's start, through the restart."""
+    import json
+
+    from hetps.scheduler import coordinator as coordinator_module, state
+    from hetps.scheduler.nodes import Node
+
+    clock = SchedulerClock()
+    monkeypatch.setattr(coordinator_module, "time", clock)
+    monkeypatch.setattr(state, "time", clock)
+    cfg = load_config(None, ["cluster.workers=1", "cluster.shards=1", "stop.target_accuracy=0.9"])
+
+    def evaluation(coord: Coordinator, evaluator: int, accuracy: float) -> None:
+        coord.on_report(b"peer", Envelope(Report(node_id=evaluator, kind="eval", values={"accuracy": accuracy}),
+                                          req_id=2, src=evaluator))
+
+    first = MemServer("mem://coordinator-clock-1")
+    try:
+        coord = Coordinator(first, cfg, run_dir=tmp_path)
+        register(coord, "ps", 0)
+        register(coord, "worker", 0)
+        evaluator = register(coord, "evaluator", 0)
+        assert coord.plan is not None
+        clock.advance(1.15)
+        evaluation(coord, evaluator, 0.5)
+        clock.advance(0.3)   # killed here: nothing saved since the plan
+    finally:
+        first.close()
+    clock.advance(1.0)       # down for a second
+    second = MemServer("mem://coordinator-clock-2")
+    try:
+        again = Coordinator(second, cfg, run_dir=tmp_path)
+        state.restore(again, state.read(tmp_path), Node)
+        clock.advance(0.2)
+        evaluation(again, evaluator, 0.95)
+        summary = again.summary()
+        again.runlog.close()
+    finally:
+        second.close()
+    times = [r["t"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "eval"]
+    assert times == [1.15, 2.65]
+    assert summary["time_to_target_s"] == 2.65 and summary["wall_s"] >= 2.65

@@ -10,7 +10,8 @@ equal), registers its tensor list, waits for the plan, trains on its share of
 the data until the scheduler says stop, then says goodbye. Exit 0 on a clean
 stop, 1 when a shard or the scheduler cannot be reached in time or the worker
 fails at start-up (reported to the scheduler, which then ends the run), 2 when
-its dataset is not there or this node's algorithm block differs from the plan's.
+its dataset is not there or this node's algorithm block differs from the plan's,
+3 when the scheduler went silent for cluster.scheduler_grace_s (the message names it).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 
 from hetps.proto.algorithms import AlgorithmMismatch, algorithm, check_plan_algorithm
 from hetps.proto.config import NodeConfig
-from hetps.proto.daemon import common_args, daemon_setup
+from hetps.proto.daemon import common_args, daemon_setup, scheduler_lost_exit
 from hetps.proto.devices import pick_device, use_device
 from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(Aborted):  # the run stopped while a request was waiting
             runner.run()
         log.info("stopping: %s", member.stop_reason)
+        if member.scheduler_lost:
+            return scheduler_lost_exit(role, args.rank, member.stop_reason)
         member.bye(runner.stats())
         return 0
     except (RequestTimeout, RemoteError, SchedulerUnreachable, TransportError) as exc:

@@ -1,6 +1,8 @@
 """The worker's client of the shards: sends each tensor to the shard that
 owns it (per the plan) and gathers values back. Requests to all shards are
-sent first and awaited after, so shards work in parallel. A step's push asks
+sent first and awaited together (`wait_all`), so shards work in parallel and
+a request lost by one shard (restarted from a checkpoint) is re-sent while
+the worker waits on another. A step's push asks
 for the next values itself (`comm.fuse_pull`): one PUSH out, one PARAMS back
 per shard; unfused, a PUSH and a PULL go back to back on one connection.
 
@@ -21,7 +23,7 @@ from hetps.proto.config import ClusterConfig
 from hetps.proto.emulation import WireFaults
 from hetps.proto.messages import Ack, Init, Params, Pull, Push, Status
 from hetps.proto.plan import ClusterPlan
-from hetps.proto.rpc import RpcClient
+from hetps.proto.rpc import RpcClient, wait_all
 
 
 class PSClient:
@@ -90,8 +92,7 @@ class PSClient:
         """Offer initial values to every shard; the first offer a shard gets wins."""
         ids = [c.send(Init(plan_id=self.plan.plan_id, tensors=part))
                for c, part in zip(self.shards, self._split(values))]
-        for c, req in zip(self.shards, ids):
-            c.wait(req)
+        wait_all(list(zip(self.shards, ids)))
 
     def pull(self, clock: int) -> dict[str, torch.Tensor]:
         """Current values from every shard (may wait, per the algorithm).
@@ -116,7 +117,7 @@ class PSClient:
         """Push without pulling (e.g. a last model when the run stops); returns the ACKs."""
         ids = [c.send(self._push(i, part, clock, n_samples, info))
                for i, (c, part) in enumerate(zip(self.shards, self._split(tensors)))]
-        return [c.wait(req) for c, req in zip(self.shards, ids)]
+        return wait_all(list(zip(self.shards, ids)))
 
     def push_pull(self, tensors: Mapping[str, torch.Tensor], clock: int, n_samples: int,
                   info: dict | None = None) -> tuple[list[Ack], dict[str, torch.Tensor]]:
@@ -126,10 +127,11 @@ class PSClient:
         and values. Every shard's request goes out before any reply is awaited."""
         started = time.monotonic()
         steps = [self.send_step(i, part, clock, n_samples, info) for i, part in enumerate(self._split(tensors))]
-        acked = [self.await_ack(i, step) for i, step in enumerate(steps)]  # all ACKs first, then values
+        # all ACKs first, then values; while one shard is awaited the others' requests are tended
+        acked = [self.await_ack(i, step, self._others(i)) for i, step in enumerate(steps)]
         values: dict[str, torch.Tensor] = {}
         for i, (step, (_, _, reply)) in enumerate(zip(steps, acked)):
-            values.update(self.await_values(i, step, reply).tensors)
+            values.update(self.await_values(i, step, reply, self._others(i)).tensors)
         self.last_push_s = max(0.0, max(at for _, at, _ in acked) - started) if acked else 0.0
         return [ack for ack, _, _ in acked], self._join(values)
 
@@ -147,26 +149,32 @@ class PSClient:
             return push_id, None
         return push_id, c.send(Pull(plan_id=self.plan.plan_id, clock=clock + 1), after=push_id)
 
-    def await_ack(self, i: int, step: tuple[int, int | None]) -> tuple[Ack, float, Params | None]:
+    def _others(self, i: int) -> list[RpcClient]:
+        return [c for j, c in enumerate(self.shards) if j != i]
+
+    def await_ack(self, i: int, step: tuple[int, int | None],
+                  tend: list[RpcClient] = ()) -> tuple[Ack, float, Params | None]:
         """Shard `i`'s ACK of a sent step, the monotonic time it was due, and
         the values when they came with it (fused: the ACK was due when the
-        push was applied, before the values waited at the shard for `held_s`)."""
+        push was applied, before the values waited at the shard for `held_s`).
+        `tend`: other shards' clients kept re-sending meanwhile (see `RpcClient.wait`)."""
         push_id, pull_id = step
         if pull_id is not None:
-            ack = self.shards[i].wait(push_id)
+            ack = self.shards[i].wait(push_id, tend=tend)
             return ack, time.monotonic(), None
-        reply = self._params_reply(i, self.shards[i].wait(push_id), fused=True)
+        reply = self._params_reply(i, self.shards[i].wait(push_id, tend=tend), fused=True)
         ack, held_s = ack_of(reply)
         return ack, time.monotonic() - held_s, reply
 
-    def await_values(self, i: int, step: tuple[int, int | None], reply: Params | None) -> Params:
+    def await_values(self, i: int, step: tuple[int, int | None], reply: Params | None,
+                     tend: list[RpcClient] = ()) -> Params:
         """Shard `i`'s values for the next step: `reply` if they came with the ACK."""
-        return reply if reply is not None else self._params_reply(i, self.shards[i].wait(step[1]))
+        return reply if reply is not None else self._params_reply(i, self.shards[i].wait(step[1], tend=tend))
 
     def _gather_params(self, ids: list[int]) -> dict[str, torch.Tensor]:
         values: dict[str, torch.Tensor] = {}
-        for i, (c, req) in enumerate(zip(self.shards, ids)):
-            values.update(self._params_reply(i, c.wait(req)).tensors)
+        for i, reply in enumerate(wait_all(list(zip(self.shards, ids)))):
+            values.update(self._params_reply(i, reply).tensors)
         return self._join(values)
 
     def _params_reply(self, i: int, reply, fused: bool = False) -> Params:

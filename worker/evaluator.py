@@ -2,7 +2,7 @@
 `eval.every_s` seconds, measures test loss and accuracy, and reports them to
 the scheduler, so every algorithm gets the same accuracy-versus-time curve.
 When the run stops it evaluates once more, so the final numbers describe the
-final model. Blocking.
+final model (not when the scheduler was lost: nobody would record them). Blocking.
 """
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ class Evaluator:
                 next_at = time.monotonic() + self.cfg.eval.every_s
                 self.evaluate_once(self.client)
                 stop.wait(max(0.0, next_at - time.monotonic()))
-        self.evaluate_once(self.final_client, final=True)
+        if not self.member.scheduler_lost:
+            self.evaluate_once(self.final_client, final=True)
 
     def close(self) -> None:
         self.client.close()

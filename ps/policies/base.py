@@ -134,6 +134,7 @@ class Round:
     buffers: dict = field(default_factory=dict)
     members: set = field(default_factory=set)
     buffer_counts: dict = field(default_factory=dict)  # buffers are optional: count who sent each
+    clock: int = -1   # clock of the push that opened it (used while a restored shard realigns)
 
     def add(self, worker: int, grads: dict, buffers: dict) -> None:
         for target, values in ((self.grads, grads), (self.buffers, buffers)):

@@ -47,6 +47,7 @@ class GroupingPolicy(ConsistencyPolicy):
         for g in list(self.rounds):
             self._close(g)  # flush: partial rounds are applied with the members they have
         super().adopt(plan)
+        self.restored = False  # a new worker set: clocks need not line up any more
         self._set_groups(plan)
         self.last_update_at = {g: self.store.version for g in range(len(self.groups))}
 
@@ -55,16 +56,23 @@ class GroupingPolicy(ConsistencyPolicy):
         if got.duplicate:
             return got.staleness
         g = self.group_of[worker]
-        if push.plan_id < self.plan_id:
-            # made under a plan whose rounds this shard already closed: applied alone, as the
-            # flush would have; joining a new round would misalign rounds across shards
+        open_round = self.rounds.get(g)
+        realigning = (self.restored and open_round is not None and open_round.clock >= 0
+                      and worker not in open_round.members)
+        if push.plan_id < self.plan_id or (realigning and push.clock < open_round.clock):
+            # made under a plan whose rounds this shard already closed (or, restored, for a
+            # round the others' pushes already left): applied alone, as the flush would have;
+            # joining a new round would misalign rounds across shards
             late = Round()
             late.add(worker, got.tensors, got.buffers)
             self._apply(g, late)
             return got.staleness
-        self.rounds.setdefault(g, Round()).add(worker, got.tensors, got.buffers)
+        if realigning and push.clock > open_round.clock:
+            self._close(g)  # restored: this worker's push for the open round was lost
+        self.rounds.setdefault(g, Round(clock=push.clock)).add(worker, got.tensors, got.buffers)
         if self.rounds[g].members >= set(self.groups[g]):
             self._close(g)
+            self.restored = False  # a full round again: pushes pair by arrival as before
         return got.staleness
 
     def _close(self, g: int) -> None:
