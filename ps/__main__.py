@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank, args.restore_version,
                               args.resume)
 
-        shard.park_future_pushes = True  # adopt_newer_plan fetches the plans they wait for
+        shard.park_future_pushes = True  # PlanFollower fetches the plans they wait for
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
                  len(shard.store.specs), server.address)
         serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats)
@@ -109,38 +109,59 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(shard: Shard, member: Membership) -> None:
     """Serve until the scheduler says stop (or is lost), adopting newer plans."""
-    refused_plan = [0]  # the newest plan this shard could not adopt: not fetched again
+    plans = PlanFollower(shard, member)
     with contextlib.suppress(Aborted):  # the scheduler was lost while a newer plan was fetched
         while not member.stop_requested.is_set():
             shard.serve_once(0.05)
-            adopt_newer_plan(shard, member, refused_plan)
+            plans.tick()
 
 
-def adopt_newer_plan(shard: Shard, member: Membership, refused: list[int]) -> None:
-    """The serve loop's plan timer, guarded like a handler: fetch the plan a
-    heartbeat announced or a parked push was made under, and adopt it (which
-    answers the pushes waiting for it). A plan that cannot be fetched or
-    adopted (e.g. one that moves tensors) is logged and counted in the
-    shard's `timer_errors`; the shard keeps serving the plan it has and takes
-    the waiting pushes under it. Blocks while it fetches (at most
-    PLAN_FETCH_S for a plan id the scheduler has not published)."""
-    wanted = shard.future_pushes.wanted()
-    try:
-        if wanted > max(shard.plan.plan_id, refused[0]):  # the scheduler has it: a worker got it there
-            newer = member.wait_plan(shard.plan.plan_id, timeout_s=PLAN_FETCH_S)
-        else:
-            newer = member.newer_plan(max(shard.plan.plan_id, refused[0]))
-        if newer is not None:
-            refused[0] = newer.plan_id
-            shard.adopt(newer)
-    except Aborted:
-        raise
-    except Exception:
-        shard.counts["timer_errors"] += 1
-        refused[0] = max(refused[0], wanted, member.latest_plan_id)  # not fetched again
-        log.exception("could not adopt a newer plan; serving plan %d on", shard.plan.plan_id)
-    if shard.future_pushes.parked and shard.future_pushes.wanted() <= refused[0]:
-        shard.take_future_pushes()  # their plan will not come: take them under the plan this shard has
+class PlanFollower:
+    """The serve loop's plan timer: fetch the plan a heartbeat announced, or
+    the one a parked push was made under, and adopt it (which answers the
+    pushes waiting for it). Guarded like a handler: a plan that cannot be
+    fetched or adopted (e.g. one that moves tensors) is logged and counted in
+    the shard's `timer_errors`, and the shard keeps serving the plan it has.
+    `tick` blocks while it fetches: at once when the scheduler has the plan
+    (it gave it to the worker that pushed), at most PLAN_FETCH_S when it does
+    not (a bogus id); the pushes of such a plan are then taken under the
+    shard's plan, and later ones naming it are taken without waiting."""
+
+    def __init__(self, shard: Shard, member: Membership):
+        self.shard, self.member = shard, member
+        self.refused = 0  # newest plan id that could not be adopted: not fetched again
+        self.gave_up = 0  # pushes naming plans up to this id do not wait for them
+
+    def tick(self) -> None:
+        shard, member = self.shard, self.member
+        wanted = shard.future_pushes.wanted()
+        try:
+            if wanted > max(shard.plan.plan_id, self.gave_up):
+                try:
+                    self._adopt(member.wait_plan(shard.plan.plan_id, timeout_s=PLAN_FETCH_S))
+                except RequestTimeout:
+                    self.gave_up = wanted
+                    log.warning("plan %d, named by a push, did not come within %ss: taking its pushes under "
+                                "plan %d", wanted, PLAN_FETCH_S, shard.plan.plan_id)
+            elif member.latest_plan_id > max(shard.plan.plan_id, self.refused):
+                newer = member.newer_plan(shard.plan.plan_id)
+                if newer is not None:
+                    self._adopt(newer)
+        except Aborted:
+            raise
+        except Exception:
+            shard.counts["timer_errors"] += 1
+            self.gave_up = max(self.gave_up, wanted)
+            log.exception("could not adopt a newer plan; serving plan %d on", shard.plan.plan_id)
+        if shard.future_pushes.parked and shard.future_pushes.wanted() <= max(self.gave_up, shard.plan.plan_id):
+            shard.take_future_pushes()
+
+    def _adopt(self, plan) -> None:
+        try:
+            self.shard.adopt(plan)
+        except Exception:
+            self.refused = max(self.refused, plan.plan_id)
+            raise
 
 
 def setup_checkpoints(shard: Shard, root: str | None, rank: int, version: int | None,
