@@ -28,11 +28,10 @@ from hetps.proto.plan import schema_hash
 from hetps.proto.transport import TransportError, set_link_cap
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 
-from .data import DatasetUnavailable, load_datasets
 from .evaluator import Evaluator
 from .local import LocalSgdTrainer
-from .models import build_model
 from .overlap import OverlapTrainer
+from .preflight import PreflightError, build_checked
 from .state import ModelState, model_specs
 from hetps.proto.emulation import Slowdown
 
@@ -71,13 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(node.threads)
     set_link_cap(node.link_mbps)
     device = pick_device(node.device)
-    try:
-        data = load_datasets(cfg.data, cfg.seed)
-    except DatasetUnavailable as exc:
+    try:  # the model and data, and one dry step of them, before registering (preflight.py)
+        data, model = build_checked(cfg, device)
+    except PreflightError as exc:
         print(f"hetps {role}: {exc}", file=sys.stderr)
         return 2
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, data.in_shape, data.num_classes).to(device)
     specs = model_specs(model)
     if not args.evaluator and issubclass(trainer_class(cfg), LocalSgdTrainer):
         # its first torch.optim optimizer imports torch._dynamo (~1 s): pay it before joining,
