@@ -34,6 +34,7 @@ from hetps.proto.plan import ClusterPlan
 from .averaging_rules import PERIOD_RULES, WEIGHT_RULES, ConstantPeriod
 from .optim import Updater
 from .policies import ConsistencyPolicy
+from .policy_state import storable
 from .store import TensorStore
 
 
@@ -58,6 +59,7 @@ def checked_info(info: dict) -> dict:
     return out
 
 
+@storable
 @dataclass
 class ModelRound:
     """The models pushed for one round, by worker node id."""
