@@ -35,6 +35,13 @@ class LaunchError(RuntimeError):
     """A process failed; the message names it and quotes its last log lines."""
 
 
+class CheckFailed(LaunchError):
+    """The model does not fit the dataset (the dry step before training); one line."""
+
+
+CHECK_WAIT_S = 600.0  # the dry step loads the dataset: a generous upper bound
+
+
 @dataclass
 class Child:
     name: str
@@ -93,6 +100,7 @@ class LocalCluster:
         self.config_path = run_dir / "config.yaml"
         dump_config(self.cfg, self.config_path)
         self.interrupted = 0
+        self.check: subprocess.Popen | None = None
 
     # ------------------------------------------------------------ processes
     def spawn(self, name: str, module: str, *args: str) -> Child:
@@ -120,14 +128,40 @@ class LocalCluster:
         """With keys made for this run, every process but the scheduler uses its own client key."""
         return ("--client-key", name) if self.own_keys and name != "scheduler" else ()
 
+    def start_check(self) -> subprocess.Popen:
+        """Start the dry forward+backward of the model on one batch (hetps.worker.preflight)."""
+        log_path = self.run_dir / "logs" / "check.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with open(log_path, "w") as log_file:
+            self.check = subprocess.Popen([sys.executable, "-m", "hetps.worker.preflight", "--config",
+                                           str(self.config_path)], stdout=log_file, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        return self.check
+
+    def wait_check(self) -> None:
+        """Raises CheckFailed with the check's own line when the model does not fit the data."""
+        try:
+            code = self.check.wait(timeout=CHECK_WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise LaunchError(f"the model check did not finish within {CHECK_WAIT_S}s") from None
+        lines = (self.run_dir / "logs" / "check.log").read_text(errors="replace").strip().splitlines()
+        if code == 2 and lines:
+            raise CheckFailed("\n".join(lines[-1:] if lines[-1].startswith("hetps: check") else lines[-5:]))
+        if code != 0:
+            raise LaunchError(f"the model check exited with {code}:\n" + "\n".join(lines[-15:]))
+
     def start(self) -> str:
-        """Start every process; returns the scheduler address."""
+        """Start every process; returns the scheduler address. The scheduler
+        starts while the model is checked; shards and workers only after the
+        check passed (raises CheckFailed, LaunchError)."""
+        self.start_check()
         run_id = ("--run-id", self.resume.run_id, "--resume") if self.resume else ()
         (self.run_dir / "scheduler.addr").unlink(missing_ok=True)
         if not self.resume:  # a new run in a reused directory must not carry an old one on
             (self.run_dir / STATE_FILE).unlink(missing_ok=True)
         scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir), *run_id)
         addr = self._scheduler_address(scheduler)
+        self.wait_check()
         for rank in range(len(self.cfg.cluster.shards)):
             restore = (("--resume", "--restore-version", str(self.resume.versions[rank]))
                        if self.resume else ())
@@ -136,7 +170,9 @@ class LocalCluster:
         for rank in range(len(self.cfg.cluster.workers)):
             self.spawn(f"worker{rank}", "hetps.worker", "--rank", str(rank), "--scheduler", addr)
         if self.cfg.eval.enabled:
-            self.spawn("evaluator", "hetps.worker", "--evaluator", "--scheduler", addr)
+            # the evaluator writes the final model it measured: RUN_DIR/model.safetensors, model.json
+            self.spawn("evaluator", "hetps.worker", "--evaluator", "--scheduler", addr,
+                       "--model-out", str(self.run_dir))
         return addr
 
     def _scheduler_address(self, scheduler: Child) -> str:
@@ -214,6 +250,9 @@ class LocalCluster:
 
     def kill_all(self) -> None:
         """Terminate, then kill, then reap every child that is still running."""
+        if self.check is not None and self.check.poll() is None:
+            self.check.kill()
+            self.check.wait(timeout=5.0)
         for child in self.children:
             if child.popen.poll() is None:
                 child.popen.terminate()
@@ -237,6 +276,9 @@ def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool 
     try:
         cluster.start()
         cluster.watch()
+    except CheckFailed as exc:
+        print(exc, file=sys.stderr)
+        return 2
     except LaunchError as exc:
         print(f"hetps run: {exc}", file=sys.stderr)
         return 1

@@ -42,10 +42,12 @@ def kill_leftovers(text: str) -> list[int]:
     return pids
 
 
-def run_hetps(args: list[str], timeout_s: float, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run `hetps ARGS` to completion; on timeout kill its whole session and fail."""
+def run_hetps(args: list[str], timeout_s: float, cwd: Path = REPO,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `hetps ARGS` to completion (`env`: extra environment variables); on
+    timeout kill its whole session and fail."""
     proc = subprocess.Popen([*HETPS, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -132,11 +134,11 @@ class Daemons:
 
 
 @contextlib.contextmanager
-def background_run(args: list[str]):
+def background_run(args: list[str], env: dict | None = None):
     """`hetps run ARGS` in its own session, for tests that act on it while it
     trains (signals, kills); its whole session is killed and reaped on exit."""
     proc = subprocess.Popen([*HETPS, "run", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
     try:
         yield proc
     finally:

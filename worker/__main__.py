@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetps worker", description="training worker daemon")
     common_args(parser)
     parser.add_argument("--evaluator", action="store_true", help="run as the evaluator")
+    parser.add_argument("--model-out", default=None, help="evaluator: write the final model to "
+                        "MODEL_OUT/model.safetensors and model.json ($HETPS_MODEL_OUT; default: not written)")
     args = parser.parse_intermixed_args(argv)
     role = "evaluator" if args.evaluator else "worker"
     cfg, scheduler = daemon_setup(args, role)
@@ -91,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         # heartbeats from the moment the plan arrives: the scheduler counts silence from then on,
         # and building the trainer may take seconds on a loaded machine
         member.start_heartbeats(lambda: runner.stats() if runner is not None else {})
-        runner = (Evaluator(cfg, member, plan, state, data.test) if args.evaluator
+        model_out = args.model_out or os.environ.get("HETPS_MODEL_OUT")
+        runner = (Evaluator(cfg, member, plan, state, data.test, Path(model_out) if model_out else None,
+                            (data.in_shape, data.num_classes)) if args.evaluator
                   else trainer_class(cfg)(cfg, node, member, plan, state, data))
         serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, role, args.rank, runner.stats)
         log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)
