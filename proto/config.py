@@ -8,9 +8,6 @@ builds frozen dataclasses. Unknown keys, wrong types and unknown names raise
 from __future__ import annotations
 
 import dataclasses
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +16,7 @@ import yaml
 
 
 from .algorithm_params import ALGORITHM_PARAMS, SyncParams
+from .config_build import BAD, Problems, build_dataclass, fail, node_list
 from .errors import ConfigError  # noqa: F401  (re-exported: callers catch hetps.proto.config.ConfigError)
 
 BUILTIN_MODELS = ("mlp", "lenet5", "resnet20")
@@ -191,93 +189,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 # ------------------------------------------------------------ typed building
 
-class Problems(list):
-    """Config errors found so far, one `key: what is wrong` line each. Building
-    goes on past a bad value (the field keeps its default), so a config with
-    several mistakes reports them all at once."""
-
-    def add(self, path: str, message: str) -> None:
-        self.append(f"{path or '<root>'}: {message}")
-
-
-def _fail(path: str, message: str) -> None:
-    raise ConfigError(f"{path or '<root>'}: {message}")
-
-
-_BAD = object()  # a value that failed to build (already reported)
-_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-def _build(tp: Any, value: Any, path: str, problems: Problems) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        return _build(next(a for a in args if a is not type(None)), value, path, problems)
-    if dataclasses.is_dataclass(tp):
-        return _build_dataclass(tp, value, path, problems)
-    if origin is list:
-        if not isinstance(value, list):
-            problems.add(path, f"expected a list, got {type(value).__name__} {value!r}")
-            return _BAD
-        (item,) = typing.get_args(tp)
-        items = [_build(item, v, f"{path}.{i}", problems) for i, v in enumerate(value)]
-        return _BAD if any(v is _BAD for v in items) else items
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
-        return float(value)  # PyYAML (YAML 1.1) leaves `1e-4` (no dot) a string
-    if tp in (int, float, str, bool, dict, list) and (
-            not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
-        problems.add(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
-        return _BAD
-    return value
-
-
-def _required(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-
-
-def _build_dataclass(cls: type, value: Any, path: str, problems: Problems) -> Any:
-    """`cls` from a mapping; bad fields are reported and left out, so the
-    instance (if it can be made at all) holds defaults there."""
-    if value is None:
-        value = {}
-    if not isinstance(value, dict):
-        problems.add(path, f"expected a mapping, got {type(value).__name__} {value!r}")
-        return _BAD
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, v in value.items():
-        sub = f"{path}.{key}".lstrip(".")
-        if key not in names:
-            problems.add(sub, f"unknown key; allowed: {', '.join(names) or '(none)'}")
-        elif (built := _build(hints[key], v, sub, problems)) is not _BAD:
-            kwargs[key] = built
-    for key in _required(cls):
-        if key not in value:
-            problems.add(f"{path}.{key}".lstrip("."), "required (it has no default)")
-    if any(key not in kwargs for key in _required(cls)):
-        return _BAD
-    try:
-        return cls(**kwargs)
-    except ConfigError as exc:  # algorithm parameters check their own ranges
-        problems.extend(exc.errors)
-        return _BAD
-
-
-def _node_list(value: Any, path: str) -> Any:
-    """`workers: 4` is shorthand for four default nodes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            _fail(path, f"need at least 1, got {value}")
-        return [{} for _ in range(value)]
-    return value
-
-
 def _algorithm_fields(name: str) -> list[str]:
     return [f.name for f in dataclasses.fields(ALGORITHM_PARAMS[name])]
 
@@ -300,8 +211,8 @@ def _build_algorithm(value: Any, problems: Problems) -> AlgorithmConfig:
                  if owners else "unknown key")
         problems.add(f"algorithm.{key}", f"{where}; allowed: {', '.join(own) or '(none)'}")
         del value[key]
-    params = _build_dataclass(ALGORITHM_PARAMS[name], value, "algorithm", problems)
-    return AlgorithmConfig(name=name, params=ALGORITHM_PARAMS[name]() if params is _BAD else params)
+    params = build_dataclass(ALGORITHM_PARAMS[name], value, "algorithm", problems)
+    return AlgorithmConfig(name=name, params=ALGORITHM_PARAMS[name]() if params is BAD else params)
 
 
 def config_from_dict(raw: dict, import_targets: bool = False) -> RunConfig:
@@ -315,7 +226,7 @@ def _config_from_dict(raw: Any, import_targets: bool, problems: Problems) -> Run
     from .config_checks import check_targets, check_values  # the checks need the dataclasses above
 
     if not isinstance(raw, dict):
-        _fail("", "the config file must hold a mapping")
+        fail("", "the config file must hold a mapping")
     raw = dict(raw)
     algorithm = _build_algorithm(raw.pop("algorithm", None), problems)
     cluster = raw.get("cluster")
@@ -324,12 +235,12 @@ def _config_from_dict(raw: Any, import_targets: bool, problems: Problems) -> Run
         for kind in ("shards", "workers"):
             if kind in cluster:
                 try:
-                    cluster[kind] = _node_list(cluster[kind], f"cluster.{kind}")
+                    cluster[kind] = node_list(cluster[kind], f"cluster.{kind}")
                 except ConfigError as exc:
                     problems.extend(exc.errors)
                     del cluster[kind]
         raw["cluster"] = cluster
-    cfg = dataclasses.replace(_build_dataclass(RunConfig, raw, "", problems), algorithm=algorithm)
+    cfg = dataclasses.replace(build_dataclass(RunConfig, raw, "", problems), algorithm=algorithm)
     problems.extend(check_values(cfg))
     if import_targets and not problems:  # a config with other errors is not worth importing code for
         problems.extend(check_targets(cfg))
@@ -340,12 +251,19 @@ def _config_from_dict(raw: Any, import_targets: bool, problems: Problems) -> Run
 
 # ------------------------------------------------------------ overrides and files
 
-def apply_override(raw: dict, assignment: str) -> None:
-    """Apply one `dotted.key=value` (value parsed as YAML) to the raw mapping, in place."""
+def apply_override(raw: dict, assignment: str, keep_algorithm_keys: set[str] | None = None) -> None:
+    """Apply one `dotted.key=value` (value parsed as YAML) to the raw mapping, in place.
+    With `keep_algorithm_keys` (a set), `algorithm.name=X` first drops the
+    previous algorithm's keys that X does not take, except those."""
     if "=" not in assignment:
-        _fail(assignment, "override must look like key=value")
+        fail(assignment, "override must look like key=value")
     key, text = assignment.split("=", 1)
-    value = yaml.safe_load(text) if text != "" else ""
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        fail(key.strip(), f"value is not valid YAML ({str(exc).splitlines()[0]}): {text!r}")
+    if keep_algorithm_keys is not None and key.strip() == "algorithm.name":
+        switch_algorithm(raw, value, keep_algorithm_keys)
     parts = key.strip().split(".")
     node: Any = raw
     for i, part in enumerate(parts[:-1]):
@@ -356,23 +274,23 @@ def apply_override(raw: dict, assignment: str) -> None:
             child = node.get(part)
             if here in ("cluster.workers", "cluster.shards"):
                 default = len(getattr(ClusterConfig(), part))
-                child = _node_list(default if child is None else child, here)
+                child = node_list(default if child is None else child, here)
             node[part] = child = {} if child is None else child
             node = child
         else:
-            _fail(here, f"cannot set a key inside {type(node).__name__}")
+            fail(here, f"cannot set a key inside {type(node).__name__}")
     last = parts[-1]
     if isinstance(node, list):
         node[_list_index(node, last, key)] = value
     elif isinstance(node, dict):
         node[last] = value
     else:
-        _fail(key, f"cannot set a key inside {type(node).__name__}")
+        fail(key, f"cannot set a key inside {type(node).__name__}")
 
 
 def _list_index(node: list, part: str, path: str) -> int:
     if not part.isdigit() or int(part) >= len(node):
-        _fail(path, f"index must be 0..{len(node) - 1}")
+        fail(path, f"index must be 0..{len(node) - 1}")
     return int(part)
 
 
@@ -399,9 +317,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), import_targe
     for assignment in overrides:
         key = assignment.split("=", 1)[0].strip()
         try:
-            if key == "algorithm.name" and "=" in assignment:
-                switch_algorithm(raw, yaml.safe_load(assignment.split("=", 1)[1]), typed)
-            apply_override(raw, assignment)
+            apply_override(raw, assignment, typed if key == "algorithm.name" else None)
         except ConfigError as exc:
             problems.extend(exc.errors)
         if key.startswith("algorithm."):
