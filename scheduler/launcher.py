@@ -287,10 +287,30 @@ def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool 
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, previous_term)
     plot_run(run_dir, title=f"{cfg.name}: {cfg.algorithm.name}")
+    if not (run_dir / "model.safetensors").exists():
+        export_model(cluster, quiet)
     summary = json.loads((run_dir / "summary.json").read_text())
     if not quiet:
         print(format_summary(summary, run_dir))
     return 0
+
+
+def export_model(cluster: LocalCluster, quiet: bool) -> None:
+    """Without an evaluator (eval.enabled: false) nobody wrote the final model:
+    build RUN_DIR/model.safetensors from the shards' last checkpoints
+    (`hetps export`, which evaluates it once). Best effort: a failure is reported, not fatal."""
+    out = cluster.run_dir / "model.safetensors"
+    cmd = [sys.executable, "-m", "hetps.worker.export", str(cluster.checkpoint_root), "--out", str(out),
+           "--config", str(cluster.config_path)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHECK_WAIT_S)
+    except subprocess.TimeoutExpired:
+        print(f"hetps run: {out} not written: the export took longer than {CHECK_WAIT_S}s", file=sys.stderr)
+        return
+    if done.returncode != 0:
+        print(f"hetps run: {out} not written: {done.stderr.strip()}", file=sys.stderr)
+    elif not quiet:
+        print(done.stdout.strip(), file=sys.stderr)
 
 
 def format_summary(summary: dict, run_dir: Path) -> str:

@@ -213,3 +213,15 @@ def test_export_builds_the_model_from_a_killed_runs_checkpoints(user_pkg, on_pat
     assert meta["source"] == "checkpoints" and min(meta["checkpoint_versions"].values()) >= 30
     assert meta["final_accuracy"] > 0.5  # trained, not chance (0.1)
     assert fresh_accuracy(out, user_pkg, on_path) == pytest.approx(meta["final_accuracy"], abs=0.005)
+
+
+@pytest.mark.cluster
+def test_without_an_evaluator_the_model_comes_from_the_last_checkpoints(user_pkg, on_path, run_dir, tmp_path):
+    result = run_hetps(["run", str(write_config(tmp_path / "own.yaml", user_pkg)), "eval.enabled=false",
+                        "stop.target_accuracy=null", "stop.max_steps=150", "--out", str(run_dir), "--quiet"],
+                       timeout_s=180, env=on_path)
+    assert result.returncode == 0, result.stderr + log_tails(run_dir)
+    meta = json.loads((run_dir / "model.json").read_text())
+    assert meta["source"] == "checkpoints" and meta["final_accuracy"] > 0.5
+    assert fresh_accuracy(run_dir / "model.safetensors", user_pkg, on_path) == pytest.approx(
+        meta["final_accuracy"], abs=0.005)
