@@ -225,3 +225,20 @@ def test_without_an_evaluator_the_model_comes_from_the_last_checkpoints(user_pkg
     assert meta["source"] == "checkpoints" and meta["final_accuracy"] > 0.5
     assert fresh_accuracy(run_dir / "model.safetensors", user_pkg, on_path) == pytest.approx(
         meta["final_accuracy"], abs=0.005)
+
+
+def test_export_joins_chunked_tensors_and_names_a_missing_one():
+    from hetps.worker.export import ExportError, assemble
+
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))
+    tensors = {k: v.clone() for k, v in source.state_dict().items()}
+    weight = tensors.pop("0.weight").reshape(-1)
+    tensors.update({"0.weight#0": weight[:13], "0.weight#1": weight[13:21], "0.weight#2": weight[21:]})
+    target = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))
+    assemble(target, tensors)
+    for name, value in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], value), name
+    del tensors["1.running_var"]
+    with pytest.raises(ExportError, match="1.running_var"):
+        assemble(target, tensors)
