@@ -6,6 +6,7 @@ step's one-line errors; `hetps export` from a killed run's checkpoints."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -126,6 +127,53 @@ def test_workers_read_only_their_share(user_pkg, on_path, tmp_path):
     assert len(reads) == 96 and set(reads) <= set(share.tolist())  # nothing outside the share, nothing whole
 
 
+BROKEN_PY = '''
+import torch
+
+
+class Items(torch.utils.data.Dataset):
+    def __init__(self, items, **attrs):
+        self.items = items
+        vars(self).update(attrs)
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def no_classes():
+    return Items([(torch.zeros(3), 1)]), Items([(torch.zeros(3), 0)])
+
+
+def uint8_images():
+    return Items([(torch.zeros(1, 2, 2, dtype=torch.uint8), 1)], num_classes=2), Items([(torch.zeros(3), 0)])
+
+
+def one_split():
+    return Items([(torch.zeros(3), 1)], num_classes=2)
+
+
+def classes_list():
+    return Items([(torch.zeros(3), torch.tensor(1))], classes=["a", "b", "c"]), Items([(torch.zeros(3), 0)])
+'''
+
+
+def test_a_dataset_that_breaks_the_contract_says_how(tmp_path, monkeypatch):
+    from hetps.worker.user_data import DatasetContractError, load_factory_datasets
+
+    (tmp_path / "tests_broken_data.py").write_text(BROKEN_PY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for factory, words in (("no_classes", "num_classes"), ("uint8_images", "float tensor, got torch.uint8"),
+                           ("one_split", "(train, test)")):
+        with pytest.raises(DatasetContractError, match=re.escape(words)):
+            load_factory_datasets(f"tests_broken_data:{factory}", {})
+    data = load_factory_datasets("tests_broken_data:classes_list", {})
+    assert (data.num_classes, data.in_shape) == (3, (3,))
+    assert data.train.batch(torch.tensor([0]))[1].tolist() == [1]
+
+
 @pytest.mark.parametrize("override, words", [
     ("model.kwargs={out: 7}", ["outputs of shape (32, 7)", "must give (32, 10)", "num_classes"]),
     ("model.kwargs={channels: 3}", ["takes 3 input channels", "have 1", "input_shape"]),
@@ -201,8 +249,8 @@ def test_export_builds_the_model_from_a_killed_runs_checkpoints(user_pkg, on_pat
     with background_run([str(config), "stop.target_accuracy=null", "--out", str(run_dir), "--quiet"],
                         env=on_path) as proc:
         folders = lambda: [d for d in run_dir.glob("checkpoints/*/ps*") if checkpoint.checkpoints(d)]  # noqa: E731
-        wait_for(lambda: len(folders()) == 2 and all(checkpoint.checkpoints(d)[-1][0] >= 30 for d in folders()),
-                 120, "checkpoints at version 30 of both shards")
+        wait_for(lambda: len(folders()) == 2 and all(checkpoint.checkpoints(d)[-1][0] >= 40 for d in folders()),
+                 120, "checkpoints at version 40 of both shards")
         assert kill_leftovers(str(run_dir))  # kill -9 the launcher and every process of the run
         proc.wait(timeout=10)
     assert not (run_dir / "model.safetensors").exists()
