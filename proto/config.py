@@ -2,8 +2,9 @@
 
 `load_config(path, overrides)` reads YAML, applies `key=value` overrides
 (dotted paths, list indices allowed: `cluster.workers.0.slowdown=3`), and
-builds frozen dataclasses. Unknown keys, wrong types and unknown names raise
-`ConfigError` whose message names the key path and the allowed values.
+builds frozen dataclasses. Unknown keys, wrong types, unknown names and
+numbers out of range (config_checks.py) raise one `ConfigError` listing every
+problem, each naming the key path and the allowed values or range.
 """
 from __future__ import annotations
 
