@@ -202,7 +202,7 @@ def _build_algorithm(value: Any, problems: Problems) -> AlgorithmConfig:
         return AlgorithmConfig()
     value = dict(value or {})
     name = value.pop("name", "sync")
-    if name not in ALGORITHM_PARAMS:
+    if not isinstance(name, str) or name not in ALGORITHM_PARAMS:
         problems.add("algorithm.name", f"unknown value {name!r}; allowed: {', '.join(ALGORITHM_PARAMS)}")
         return AlgorithmConfig()
     own = _algorithm_fields(name)
@@ -334,7 +334,8 @@ def switch_algorithm(raw: dict, name: Any, keep: set[str] = frozenset()) -> None
     previous algorithm that `name` does not take are dropped (except `keep`).
     An unknown `name` changes nothing here (it is reported when building)."""
     algorithm = raw.get("algorithm")
-    if not isinstance(algorithm, dict) or name not in ALGORITHM_PARAMS or algorithm.get("name", "sync") == name:
+    if (not isinstance(algorithm, dict) or not isinstance(name, str) or name not in ALGORITHM_PARAMS
+            or algorithm.get("name", "sync") == name):
         return
     own = set(_algorithm_fields(name)) | set(keep) | {"name"}
     raw["algorithm"] = {k: v for k, v in algorithm.items() if k in own}
