@@ -15,13 +15,16 @@ def _fail(path: str, message: str) -> None:
 
 
 def _check_params(prefix: str, params, choices: dict, at_least: dict) -> None:
-    """Reject a bad algorithm parameter at load, naming its key."""
+    """Reject bad algorithm parameters at load, naming each key (all of them at once)."""
+    problems = []
     for key, allowed in choices.items():
         if getattr(params, key) not in allowed:
-            _fail(f"{prefix}.{key}", f"unknown value {getattr(params, key)!r}; allowed: {', '.join(allowed)}")
+            problems.append(f"{prefix}.{key}: unknown value {getattr(params, key)!r}; allowed: {', '.join(allowed)}")
     for key, low in at_least.items():
-        if getattr(params, key) < low:
-            _fail(f"{prefix}.{key}", f"must be >= {low}, got {getattr(params, key)}")
+        if not getattr(params, key) >= low:  # `not >=`: NaN fails too
+            problems.append(f"{prefix}.{key}: must be >= {low}, got {getattr(params, key)}")
+    if problems:
+        raise ConfigError(problems)
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ experiment. A checkpoint is written to a temporary file in the same folder,
 flushed and fsync'ed, renamed into place, and the folder fsync'ed: a crash
 leaves either the old set or the new file complete, never half a file.
 
-The files are torch pickles of the shard's own state (tensors, optimizer and
-lr-schedule state, versions, the policy's clocks and open rounds, recent
-push ACKs): load only checkpoints your cluster wrote.
+The files hold the shard's own state (tensors, optimizer and lr-schedule
+state, versions, the policy's clocks and open rounds as plain data, recent
+push ACKs) in torch's format, and load with `torch.load(weights_only=True)`:
+tensors and plain containers only, no pickled class is ever loaded.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def latest(folder: Path, version: int | None = None) -> Path | None:
 
 
 def load(path: Path) -> dict:
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a hetps shard checkpoint of format {FORMAT}")
     return state

@@ -2,15 +2,13 @@
 
 `load_config(path, overrides)` reads YAML, applies `key=value` overrides
 (dotted paths, list indices allowed: `cluster.workers.0.slowdown=3`), and
-builds frozen dataclasses. Unknown keys, wrong types and unknown names raise
-`ConfigError` whose message names the key path and the allowed values.
+builds frozen dataclasses. Unknown keys, wrong types, unknown names and
+numbers out of range (config_checks.py) raise one `ConfigError` listing every
+problem, each naming the key path and the allowed values or range.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import yaml
 
 
 from .algorithm_params import ALGORITHM_PARAMS, SyncParams
+from .config_build import BAD, Problems, build_dataclass, fail, node_list
 from .errors import ConfigError  # noqa: F401  (re-exported: callers catch hetps.proto.config.ConfigError)
 
 BUILTIN_MODELS = ("mlp", "lenet5", "resnet20")
@@ -41,11 +40,13 @@ class SyntheticConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str = "mnist-5k"
+    dataset: str = "mnist-5k"  # a builtin name (DATASETS) or pkg.module:factory (docs/own-model.md)
+    kwargs: dict = field(default_factory=dict)  # pkg.module:factory datasets: passed to the factory
     batch_size: int = 32       # per worker
     eval_batch_size: int = 500
     root: str = "~/.cache/hetps/data"  # torchvision datasets and imagefolder
     download: bool = False
+    resize: list[int] | None = None  # imagefolder: [H, W] to resize every image to; null = keep their size
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
@@ -190,7 +191,6 @@ class RunConfig:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "data.dataset": DATASETS,
     "optimizer.name": ("sgd", "adam"),
     "optimizer.schedule.name": ("constant", "step", "cosine"),
     "cluster.nonfinite": ("reject", "skip", "clip"),
@@ -200,138 +200,81 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 # ------------------------------------------------------------ typed building
 
-def _fail(path: str, message: str) -> None:
-    raise ConfigError(f"{path or '<root>'}: {message}")
+def _algorithm_fields(name: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(ALGORITHM_PARAMS[name])]
 
 
-_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-def _build(tp: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        return _build(next(a for a in args if a is not type(None)), value, path)
-    if dataclasses.is_dataclass(tp):
-        return _build_dataclass(tp, value, path)
-    if origin is list:
-        if not isinstance(value, list):
-            _fail(path, f"expected a list, got {type(value).__name__} {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_build(item, v, f"{path}.{i}") for i, v in enumerate(value)]
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
-        return float(value)  # PyYAML (YAML 1.1) leaves `1e-4` (no dot) a string
-    if tp in (int, float, str, bool, dict, list) and (
-            not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
-        _fail(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _build_dataclass(cls: type, value: Any, path: str) -> Any:
-    if value is None:
-        value = {}
-    if not isinstance(value, dict):
-        _fail(path, f"expected a mapping, got {type(value).__name__} {value!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in value:
-        if key not in names:
-            _fail(f"{path}.{key}".lstrip("."), f"unknown key; allowed: {', '.join(names) or '(none)'}")
-    kwargs = {k: _build(hints[k], v, f"{path}.{k}".lstrip(".")) for k, v in value.items()}
-    return cls(**kwargs)
-
-
-def _node_list(value: Any, path: str) -> Any:
-    """`workers: 4` is shorthand for four default nodes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            _fail(path, f"need at least 1, got {value}")
-        return [{} for _ in range(value)]
-    return value
-
-
-def _build_algorithm(value: Any) -> AlgorithmConfig:
+def _build_algorithm(value: Any, problems: Problems) -> AlgorithmConfig:
+    """The algorithm's name and its own parameters. A key that belongs to
+    another algorithm says which one."""
+    if value is not None and not isinstance(value, dict):
+        problems.add("algorithm", f"expected a mapping, got {type(value).__name__} {value!r}")
+        return AlgorithmConfig()
     value = dict(value or {})
     name = value.pop("name", "sync")
-    if name not in ALGORITHM_PARAMS:
-        _fail("algorithm.name", f"unknown value {name!r}; allowed: {', '.join(ALGORITHM_PARAMS)}")
-    return AlgorithmConfig(name=name, params=_build_dataclass(ALGORITHM_PARAMS[name], value, "algorithm"))
+    if not isinstance(name, str) or name not in ALGORITHM_PARAMS:
+        problems.add("algorithm.name", f"unknown value {name!r}; allowed: {', '.join(ALGORITHM_PARAMS)}")
+        return AlgorithmConfig()
+    own = _algorithm_fields(name)
+    for key in [k for k in value if k not in own]:
+        owners = [a for a in ALGORITHM_PARAMS if key in _algorithm_fields(a)]
+        where = (f"belongs to {' or '.join(owners)}, not to {name} (algorithm.name={owners[0]} takes it)"
+                 if owners else "unknown key")
+        problems.add(f"algorithm.{key}", f"{where}; allowed: {', '.join(own) or '(none)'}")
+        del value[key]
+    params = build_dataclass(ALGORITHM_PARAMS[name], value, "algorithm", problems)
+    return AlgorithmConfig(name=name, params=ALGORITHM_PARAMS[name]() if params is BAD else params)
 
 
-def _check_model_name(name: str) -> None:
-    if name in BUILTIN_MODELS or re.fullmatch(r"[\w.]+:\w+", name):
-        return
-    import torchvision  # deferred: only needed for non-builtin names
-
-    if name not in torchvision.models.list_models():
-        _fail("model.name", f"unknown value {name!r}; allowed: {', '.join(BUILTIN_MODELS)}, "
-                            "a torchvision.models name, or package.module:factory")
+def config_from_dict(raw: dict, import_targets: bool = False) -> RunConfig:
+    """Build and check a RunConfig from plain data. Raises ConfigError listing
+    every problem found. `import_targets`: also import `pkg.module:factory`
+    model and dataset names (where they will be built: `hetps run`, workers)."""
+    return _config_from_dict(raw, import_targets, Problems())
 
 
-def _check_values(cfg: RunConfig) -> None:
-    for path, allowed in CHOICES.items():
-        obj: Any = cfg
-        for part in path.split("."):
-            obj = getattr(obj, part)
-        if obj not in allowed:
-            _fail(path, f"unknown value {obj!r}; allowed: {', '.join(allowed)}")
-    _check_model_name(cfg.model.name)
-    positive = {"data.batch_size": cfg.data.batch_size, "optimizer.lr": cfg.optimizer.lr,
-                "cluster.heartbeat_s": cfg.cluster.heartbeat_s, "eval.every_s": cfg.eval.every_s,
-                "stop.max_seconds": cfg.stop.max_seconds}
-    for path, v in positive.items():
-        if v <= 0:
-            _fail(path, f"must be > 0, got {v}")
-    for kind in ("shards", "workers"):
-        for i, node in enumerate(getattr(cfg.cluster, kind)):
-            if node.slowdown < 1.0:
-                _fail(f"cluster.{kind}.{i}.slowdown", f"must be >= 1.0, got {node.slowdown}")
-            if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", node.device):  # as proto/devices.py
-                _fail(f"cluster.{kind}.{i}.device", f"unknown value {node.device!r}; allowed: auto, cpu, cuda, cuda:N")
-            for j, change in enumerate(node.schedule):
-                if change.slowdown < 1.0 or change.at_s < 0:
-                    _fail(f"cluster.{kind}.{i}.schedule.{j}", "needs at_s >= 0 and slowdown >= 1.0")
-    fractions = {"cluster.faults.drop": cfg.cluster.faults.drop, "cluster.faults.delay": cfg.cluster.faults.delay,
-                 "comm.topk_ratio": cfg.comm.topk_ratio}
-    for path, v in fractions.items():
-        if not 0.0 <= v <= 1.0:
-            _fail(path, f"must be in [0, 1], got {v}")
-    if cfg.comm.compression == "topk" and cfg.comm.topk_ratio <= 0.0:
-        _fail("comm.topk_ratio", "must be > 0 with comm.compression: topk")
-    if cfg.stop.diverged_after < 0 or cfg.stop.diverge_warmup_s < 0:
-        _fail("stop.diverged_after" if cfg.stop.diverged_after < 0 else "stop.diverge_warmup_s", "must be >= 0")
-    if cfg.optimizer.schedule.name == "cosine" and cfg.optimizer.schedule.total_steps <= 0:
-        _fail("optimizer.schedule.total_steps", "must be > 0 for the cosine schedule")
+def _config_from_dict(raw: Any, import_targets: bool, problems: Problems) -> RunConfig:
+    from .config_checks import check_targets, check_values  # the checks need the dataclasses above
 
-
-def config_from_dict(raw: dict) -> RunConfig:
-    """Build and check a RunConfig from plain data. Raises ConfigError."""
     if not isinstance(raw, dict):
-        _fail("", "the config file must hold a mapping")
+        fail("", "the config file must hold a mapping")
     raw = dict(raw)
-    algorithm = _build_algorithm(raw.pop("algorithm", None))
-    cluster = dict(raw.get("cluster") or {})
-    for kind in ("shards", "workers"):
-        if kind in cluster:
-            cluster[kind] = _node_list(cluster[kind], f"cluster.{kind}")
-    raw["cluster"] = cluster
-    cfg = dataclasses.replace(_build_dataclass(RunConfig, raw, ""), algorithm=algorithm)
-    _check_values(cfg)
+    algorithm = _build_algorithm(raw.pop("algorithm", None), problems)
+    cluster = raw.get("cluster")
+    if isinstance(cluster, dict):
+        cluster = dict(cluster)
+        for kind in ("shards", "workers"):
+            if kind in cluster:
+                try:
+                    cluster[kind] = node_list(cluster[kind], f"cluster.{kind}")
+                except ConfigError as exc:
+                    problems.extend(exc.errors)
+                    del cluster[kind]
+        raw["cluster"] = cluster
+    cfg = dataclasses.replace(build_dataclass(RunConfig, raw, "", problems), algorithm=algorithm)
+    problems.extend(check_values(cfg))
+    if import_targets and not problems:  # a config with other errors is not worth importing code for
+        problems.extend(check_targets(cfg))
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 
 # ------------------------------------------------------------ overrides and files
 
-def apply_override(raw: dict, assignment: str) -> None:
-    """Apply one `dotted.key=value` (value parsed as YAML) to the raw mapping, in place."""
+def apply_override(raw: dict, assignment: str, keep_algorithm_keys: set[str] | None = None) -> None:
+    """Apply one `dotted.key=value` (value parsed as YAML) to the raw mapping, in place.
+    With `keep_algorithm_keys` (a set), `algorithm.name=X` first drops the
+    previous algorithm's keys that X does not take, except those."""
     if "=" not in assignment:
-        _fail(assignment, "override must look like key=value")
+        fail(assignment, "override must look like key=value")
     key, text = assignment.split("=", 1)
-    value = yaml.safe_load(text) if text != "" else ""
+    try:
+        value = yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        fail(key.strip(), f"value is not valid YAML ({str(exc).splitlines()[0]}): {text!r}")
+    if keep_algorithm_keys is not None and key.strip() == "algorithm.name":
+        switch_algorithm(raw, value, keep_algorithm_keys)
     parts = key.strip().split(".")
     node: Any = raw
     for i, part in enumerate(parts[:-1]):
@@ -342,23 +285,23 @@ def apply_override(raw: dict, assignment: str) -> None:
             child = node.get(part)
             if here in ("cluster.workers", "cluster.shards"):
                 default = len(getattr(ClusterConfig(), part))
-                child = _node_list(default if child is None else child, here)
+                child = node_list(default if child is None else child, here)
             node[part] = child = {} if child is None else child
             node = child
         else:
-            _fail(here, f"cannot set a key inside {type(node).__name__}")
+            fail(here, f"cannot set a key inside {type(node).__name__}")
     last = parts[-1]
     if isinstance(node, list):
         node[_list_index(node, last, key)] = value
     elif isinstance(node, dict):
         node[last] = value
     else:
-        _fail(key, f"cannot set a key inside {type(node).__name__}")
+        fail(key, f"cannot set a key inside {type(node).__name__}")
 
 
 def _list_index(node: list, part: str, path: str) -> int:
     if not part.isdigit() or int(part) >= len(node):
-        _fail(path, f"index must be 0..{len(node) - 1}")
+        fail(path, f"index must be 0..{len(node) - 1}")
     return int(part)
 
 
@@ -372,12 +315,40 @@ def load_raw(path: str | Path) -> dict:
     return raw or {}
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """Load a YAML file (None: all defaults), apply overrides, validate."""
+def load_config(path: str | Path | None, overrides: list[str] = (), import_targets: bool = False) -> RunConfig:
+    """Load a YAML file (None: all defaults), apply overrides, validate.
+
+    `algorithm.name=X` among the overrides drops the keys of the previous
+    algorithm that X does not take (unless an override set them).
+    `import_targets`: see `config_from_dict`. Raises ConfigError listing every
+    problem found (an unreadable file: only that)."""
     raw = load_raw(path) if path else {}
+    problems = Problems()
+    typed: set[str] = set()  # algorithm keys the command line set: never dropped
     for assignment in overrides:
-        apply_override(raw, assignment)
-    return config_from_dict(raw)
+        key = assignment.split("=", 1)[0].strip()
+        try:
+            apply_override(raw, assignment, typed if key == "algorithm.name" else None)
+        except ConfigError as exc:
+            problems.extend(exc.errors)
+        if key.startswith("algorithm."):
+            typed.add(key.split(".", 1)[1])
+    try:
+        return _config_from_dict(raw, import_targets, problems)
+    except ConfigError as exc:
+        raise ConfigError(list(dict.fromkeys(exc.errors))) from None
+
+
+def switch_algorithm(raw: dict, name: Any, keep: set[str] = frozenset()) -> None:
+    """In place: the raw config's algorithm becomes `name`; the keys of the
+    previous algorithm that `name` does not take are dropped (except `keep`).
+    An unknown `name` changes nothing here (it is reported when building)."""
+    algorithm = raw.get("algorithm")
+    if (not isinstance(algorithm, dict) or not isinstance(name, str) or name not in ALGORITHM_PARAMS
+            or algorithm.get("name", "sync") == name):
+        return
+    own = set(_algorithm_fields(name)) | set(keep) | {"name"}
+    raw["algorithm"] = {k: v for k, v in algorithm.items() if k in own}
 
 
 def config_to_dict(cfg: RunConfig) -> dict:

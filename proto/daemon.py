@@ -53,12 +53,14 @@ def check_and_exit(role: str, **resolved) -> None:
     raise SystemExit(0)
 
 
-def load_or_exit(path: str | None, overrides: list[str]) -> RunConfig:
-    """Load the config; on error print one line and exit with status 2."""
+def load_or_exit(path: str | None, overrides: list[str], import_targets: bool = False) -> RunConfig:
+    """Load the config; on errors print one line per problem and exit with status 2.
+    `import_targets`: also import `package.module:factory` models and datasets."""
     try:
-        return load_config(path, overrides)
+        return load_config(path, overrides, import_targets)
     except ConfigError as exc:
-        print(f"hetps: config error: {exc}", file=sys.stderr)
+        for line in exc.errors:
+            print(f"hetps: config error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
@@ -77,7 +79,8 @@ def daemon_setup(args: argparse.Namespace, role: str) -> tuple[RunConfig, str]:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {role}{args.rank} %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
-    cfg = load_or_exit(args.config, args.overrides)
+    # the roles that build the model and the data import their factories now, not at first use
+    cfg = load_or_exit(args.config, args.overrides, import_targets=role in ("worker", "evaluator"))
     security_or_exit(cfg, role, args.client_key)
     scheduler = args.scheduler or cfg.cluster.scheduler
     if scheduler.endswith(":0"):

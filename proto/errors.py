@@ -18,7 +18,13 @@ class HetpsError(Exception):
 
 
 class ConfigError(HetpsError, ValueError):
-    """A configuration value is missing, unknown or of the wrong type."""
+    """One or more configuration values are missing, unknown, of the wrong type
+    or out of range. `errors` holds one line per problem (`key: what is wrong`);
+    str() joins them with newlines."""
+
+    def __init__(self, errors: str | list[str]):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__("\n".join(self.errors))
 
 
 class ProtocolError(HetpsError):

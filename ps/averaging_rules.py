@@ -13,7 +13,10 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from .policy_state import storable
 
+
+@storable
 class ConstantPeriod:
     """cpsgd: every round runs `period` local steps."""
 
@@ -28,6 +31,7 @@ class ConstantPeriod:
         return self.period
 
 
+@storable
 class VariancePeriod:
     """adpsgd: the period grows as the workers' models stop drifting apart.
 

@@ -8,6 +8,8 @@ values from the first INIT.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -197,7 +199,8 @@ class Shard(Service):
         return {"run_id": self.plan.run_id, "rank": self.node_rank(), "plan_id": self.plan.plan_id,
                 "algorithm": self.plan.algorithm, **self.store.state_dict(),
                 "updater": self.policy.updater.state_dict(), "policy": self.policy.state_dict(),
-                "recent_acks": self.recent_acks, "counts": self.counts}
+                "recent_acks": {w: (req, dataclasses.asdict(ack)) for w, (req, ack) in self.recent_acks.items()},
+                "counts": self.counts}
 
     def node_rank(self) -> int:
         return self.plan.shards[self.plan.shard_index(self.node_id)].rank
@@ -216,7 +219,7 @@ class Shard(Service):
         if not new_workers:
             self.policy.load_state_dict(state["policy"])
             self.policy.restored = True
-            self.recent_acks = dict(state["recent_acks"])
+            self.recent_acks = {w: (req, Ack(**ack)) for w, (req, ack) in state["recent_acks"].items()}
             self.counts.update(state["counts"])
         self.restored_version = self.store.version
         if state["plan_id"] != self.plan.plan_id and not new_workers:

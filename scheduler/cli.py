@@ -7,6 +7,9 @@
     hetps ps        --config CONFIG --rank N [--scheduler ADDR]
     hetps worker    --config CONFIG --rank N [--scheduler ADDR] [--evaluator]
     hetps keys      DIR [--clients N]      CurveZMQ key pairs and allow-list (security.curve)
+    hetps config    CONFIG [key=value ...]  print the resolved config (every error at once, exit 2)
+    hetps export    RUN_DIR_OR_CHECKPOINT_DIR --out FILE.safetensors [--config CONFIG]
+                                           the trained model from shard checkpoints
 
 With no command, $HETPS_ROLE names it (containers). `ps` and `worker` hand over to `python -m hetps.ps` / `python -m hetps.worker`
 (the roles never import each other). Exit status 2 means a bad config or
@@ -22,7 +25,7 @@ from pathlib import Path
 
 from hetps.proto.daemon import load_or_exit
 
-ROLE_MODULES = {"ps": "hetps.ps", "worker": "hetps.worker"}
+ROLE_MODULES = {"ps": "hetps.ps", "worker": "hetps.worker", "export": "hetps.worker.export"}
 
 
 def run_command(argv: list[str]) -> int:
@@ -47,7 +50,7 @@ def run_command(argv: list[str]) -> int:
         return resume_command(args)
     if args.config is None or "=" in args.config:
         parser.error("the config file is required (or --resume RUN_DIR)")
-    cfg = load_or_exit(args.config, args.overrides)
+    cfg = load_or_exit(args.config, args.overrides, import_targets=True)
     if cfg.log.tensorboard and (problem := tensorboard_missing()):
         print(f"hetps run: {problem}", file=sys.stderr)
         return 2
@@ -76,6 +79,20 @@ def resume_command(args: argparse.Namespace) -> int:
     return run_local(cfg, run_dir, quiet=args.quiet, metrics=args.metrics, resume=point)
 
 
+def config_command(argv: list[str]) -> int:
+    import yaml
+
+    from hetps.proto.config import config_to_dict
+
+    parser = argparse.ArgumentParser(prog="hetps config", description="print the resolved config as YAML")
+    parser.add_argument("config", help="YAML experiment")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    args = parser.parse_intermixed_args(argv)
+    cfg = load_or_exit(args.config, args.overrides, import_targets=True)
+    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
 def keys_command(argv: list[str]) -> int:
     from hetps.proto.security import SecurityError, write_keys
 
@@ -98,7 +115,7 @@ def keys_command(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("run", "compare", "scheduler", "ps", "worker", "keys")
+    commands = ("run", "compare", "scheduler", "ps", "worker", "keys", "config", "export")
     if (not argv or argv[0] not in commands) and os.environ.get("HETPS_ROLE") in commands:
         argv = [os.environ["HETPS_ROLE"], *argv]  # containers: the role from the environment
     if not argv or argv[0] not in commands:
@@ -109,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(rest)
     if command == "keys":
         return keys_command(rest)
+    if command == "config":
+        return config_command(rest)
     if command == "compare":
         from .compare import compare_command
 

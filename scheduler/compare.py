@@ -34,7 +34,7 @@ def algorithm_config(raw: dict, algorithm: str, common: list[str], extra: list[s
         raw["algorithm"] = {"name": algorithm}  # the config's parameters belong to another algorithm
     for assignment in [*common, *extra, f"seed={seed}"]:
         apply_override(raw, assignment)
-    return config_from_dict(raw)
+    return config_from_dict(raw, import_targets=True)
 
 
 def median_or_none(values: list) -> float | None:

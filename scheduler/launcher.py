@@ -40,6 +40,13 @@ class LaunchError(HetpsError, RuntimeError):
     """A process failed; the message names it and quotes its last log lines."""
 
 
+class CheckFailed(LaunchError):
+    """The model does not fit the dataset (the dry step before training); one line."""
+
+
+CHECK_WAIT_S = 600.0  # the dry step loads the dataset: a generous upper bound
+
+
 @dataclass
 class Child:
     name: str
@@ -113,6 +120,7 @@ class LocalCluster:
         dump_config(self.cfg, self.config_path)
         self.interrupted = 0
         self.failed_as: tuple[str, str] | None = None  # (node, error) once a process failed
+        self.check: subprocess.Popen | None = None
 
     # ------------------------------------------------------------ processes
     def spawn(self, name: str, module: str, *args: str) -> Child:
@@ -140,14 +148,40 @@ class LocalCluster:
         """With keys made for this run, every process but the scheduler uses its own client key."""
         return ("--client-key", name) if self.own_keys and name != "scheduler" else ()
 
+    def start_check(self) -> subprocess.Popen:
+        """Start the dry forward+backward of the model on one batch (hetps.worker.preflight)."""
+        log_path = self.run_dir / "logs" / "check.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with open(log_path, "w") as log_file:
+            self.check = subprocess.Popen([sys.executable, "-m", "hetps.worker.preflight", "--config",
+                                           str(self.config_path)], stdout=log_file, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        return self.check
+
+    def wait_check(self) -> None:
+        """Raises CheckFailed with the check's own line when the model does not fit the data."""
+        try:
+            code = self.check.wait(timeout=CHECK_WAIT_S)
+        except subprocess.TimeoutExpired:
+            raise LaunchError(f"the model check did not finish within {CHECK_WAIT_S}s") from None
+        lines = (self.run_dir / "logs" / "check.log").read_text(errors="replace").strip().splitlines()
+        if code == 2 and lines:
+            raise CheckFailed("\n".join(lines[-1:] if lines[-1].startswith("hetps: check") else lines[-5:]))
+        if code != 0:
+            raise LaunchError(f"the model check exited with {code}:\n" + "\n".join(lines[-15:]))
+
     def start(self) -> str:
-        """Start every process; returns the scheduler address."""
+        """Start every process; returns the scheduler address. The scheduler
+        starts while the model is checked; shards and workers only after the
+        check passed (raises CheckFailed, LaunchError)."""
+        self.start_check()
         run_id = ("--run-id", self.resume.run_id, "--resume") if self.resume else ()
         (self.run_dir / "scheduler.addr").unlink(missing_ok=True)
         if not self.resume:  # a new run in a reused directory must not carry an old one on
             (self.run_dir / STATE_FILE).unlink(missing_ok=True)
         scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir), *run_id)
         addr = self._scheduler_address(scheduler)
+        self.wait_check()
         for rank in range(len(self.cfg.cluster.shards)):
             restore = (("--resume", "--restore-version", str(self.resume.versions[rank]))
                        if self.resume else ())
@@ -156,7 +190,9 @@ class LocalCluster:
         for rank in range(len(self.cfg.cluster.workers)):
             self.spawn(f"worker{rank}", "hetps.worker", "--rank", str(rank), "--scheduler", addr)
         if self.cfg.eval.enabled:
-            self.spawn("evaluator", "hetps.worker", "--evaluator", "--scheduler", addr)
+            # the evaluator writes the final model it measured: RUN_DIR/model.safetensors, model.json
+            self.spawn("evaluator", "hetps.worker", "--evaluator", "--scheduler", addr,
+                       "--model-out", str(self.run_dir))
         return addr
 
     def _scheduler_address(self, scheduler: Child) -> str:
@@ -256,6 +292,9 @@ class LocalCluster:
 
     def kill_all(self) -> None:
         """Terminate, then kill, then reap every child that is still running."""
+        if self.check is not None and self.check.poll() is None:
+            self.check.kill()
+            self.check.wait(timeout=5.0)
         for child in self.children:
             if child.popen.poll() is None:
                 child.popen.terminate()
@@ -295,6 +334,9 @@ def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool 
     try:
         cluster.start()
         cluster.watch()
+    except CheckFailed as exc:
+        print(exc, file=sys.stderr)
+        return 2
     except LaunchError as exc:
         error = exc
     finally:
@@ -312,6 +354,9 @@ def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool 
     status = "interrupted" if cluster.interrupted else summary.get("status", "completed")
     if summary.get("evals") or summary.get("global_steps"):
         plot_run(run_dir, title=f"{cfg.name}: {cfg.algorithm.name}")
+    if status in ("completed", "interrupted") and summary.get("global_steps") \
+            and not (run_dir / "model.safetensors").exists():
+        export_model(cluster, quiet)
     if not quiet and summary:
         print(format_summary(summary, run_dir))
     if status == "diverged":
@@ -323,6 +368,24 @@ def mark_interrupted(run_dir: Path, summary: dict) -> None:
     """Ctrl-C: the summary says so, even if the scheduler saw the stop another way."""
     if summary.get("stop_reason") != INTERRUPTED or summary.get("status") != INTERRUPTED:
         write_json_atomic(run_dir / "summary.json", {**summary, "status": INTERRUPTED, "stop_reason": INTERRUPTED})
+
+
+def export_model(cluster: LocalCluster, quiet: bool) -> None:
+    """Without an evaluator (eval.enabled: false) nobody wrote the final model:
+    build RUN_DIR/model.safetensors from the shards' last checkpoints
+    (`hetps export`, which evaluates it once). Best effort: a failure is reported, not fatal."""
+    out = cluster.run_dir / "model.safetensors"
+    cmd = [sys.executable, "-m", "hetps.worker.export", str(cluster.checkpoint_root), "--out", str(out),
+           "--config", str(cluster.config_path)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHECK_WAIT_S)
+    except subprocess.TimeoutExpired:
+        print(f"hetps run: {out} not written: the export took longer than {CHECK_WAIT_S}s", file=sys.stderr)
+        return
+    if done.returncode != 0:
+        print(f"hetps run: {out} not written: {done.stderr.strip()}", file=sys.stderr)
+    elif not quiet:
+        print(done.stdout.strip(), file=sys.stderr)
 
 
 def format_summary(summary: dict, run_dir: Path) -> str:

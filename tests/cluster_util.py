@@ -134,11 +134,11 @@ class Daemons:
 
 
 @contextlib.contextmanager
-def background_run(args: list[str]):
+def background_run(args: list[str], env: dict | None = None):
     """`hetps run ARGS` in its own session, for tests that act on it while it
     trains (signals, kills); its whole session is killed and reaped on exit."""
     proc = subprocess.Popen([*HETPS, "run", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
     try:
         yield proc
     finally:

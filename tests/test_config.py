@@ -262,6 +262,10 @@ def test_bad_override_paths(override, path):
     assert path in error(overrides=[override])
 
 
+def test_override_value_that_is_not_yaml():
+    assert error(overrides=["cluster.kill=[{node: ps0"]).startswith("cluster.kill: value is not valid YAML")
+
+
 def test_override_without_equals():
     assert "key=value" in error(overrides=["data.batch_size"])
 
@@ -290,3 +294,110 @@ def test_dump_load_round_trip(tmp_path, overrides):
     assert again == cfg
     assert config_to_dict(again) == config_to_dict(cfg)
     assert yaml.safe_load(path.read_text())["algorithm"]["name"] == cfg.algorithm.name
+
+
+# ------------------------------------------------------------ all errors at once, ranges, algorithms
+
+
+def test_every_error_is_reported_at_once(tmp_path):
+    path = write(tmp_path, {"stop": {"target_accuracy": 95}, "optimizer": {"momentum": -0.5, "lr": 0},
+                            "data": {"bogus": 1, "batch_size": "x"}, "cluster": {"dead_after_s": 0}})
+    with pytest.raises(ConfigError) as ei:
+        load_config(path, ["algorithm.staleness=3", "cluster.workers=[]", "nope.deeper=1"])
+    keys = [line.split(":", 1)[0] for line in ei.value.errors]
+    assert sorted(keys) == sorted(["stop.target_accuracy", "optimizer.momentum", "optimizer.lr", "data.bogus",
+                                   "data.batch_size", "cluster.dead_after_s", "algorithm.staleness",
+                                   "cluster.workers", "nope"])
+    assert str(ei.value).count("\n") == len(keys) - 1
+    assert "must be in (0, 1]" in str(ei.value) and "got 95.0" in str(ei.value)
+
+
+@pytest.mark.parametrize("override, key, allowed", [
+    ("stop.target_accuracy=95", "stop.target_accuracy", "(0, 1]"),
+    ("stop.target_accuracy=0", "stop.target_accuracy", "(0, 1]"),
+    ("cluster.dead_after_s=0", "cluster.dead_after_s", "> 0"),
+    ("optimizer.momentum=-0.1", "optimizer.momentum", ">= 0"),
+    ("optimizer.weight_decay=-1", "optimizer.weight_decay", ">= 0"),
+    ("cluster.workers=[]", "cluster.workers", "at least 1"),
+    ("cluster.shards=[]", "cluster.shards", "at least 1"),
+    ("cluster.heartbeat_s=6", "cluster.heartbeat_s", "< cluster.dead_after_s"),
+    ("cluster.kill=[{node: ps0}]", "cluster.kill.0.at_s", "required"),
+    ("cluster.kill=[{node: worker7, at_s: 1}]", "cluster.kill.0.node", "worker3"),
+    ("cluster.kill=[{node: ps0, at_s: -1}]", "cluster.kill.0.at_s", ">= 0"),
+    ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
+    ("cluster.workers.1.threads=0", "cluster.workers.1.threads", ">= 1"),
+    ("cluster.faults.drop=1.5", "cluster.faults.drop", "[0, 1]"),
+    ("optimizer.betas=[0.9, 1.0]", "optimizer.betas", "[0, 1)"),
+    ("optimizer.momentum=0;optimizer.nesterov=true", "optimizer.nesterov", "momentum > 0"),
+    ("data.eval_batch_size=0", "data.eval_batch_size", ">= 1"),
+    ("data.resize=[32]", "data.resize", "[height, width]"),
+    ("data.kwargs={a: 1}", "data.kwargs", "package.module:factory"),
+    ("seed=-1", "seed", ">= 0"),
+])
+def test_numbers_out_of_range_name_the_key_and_the_range(override, key, allowed):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, override.split(";"))
+    assert len(ei.value.errors) == 1, ei.value.errors
+    assert ei.value.errors[0].startswith(key + ":") and allowed in ei.value.errors[0]
+
+
+def test_every_shipped_config_loads():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+    assert len(configs) >= 9
+    for path in configs:
+        load_config(path, import_targets=True)
+
+
+def test_a_key_of_another_algorithm_says_whose_it_is():
+    msg = error(overrides=["algorithm.name=sync", "algorithm.staleness=3"])
+    assert msg.startswith("algorithm.staleness: belongs to ssp, not to sync")
+    assert error(overrides=["algorithm.name=ssp", "algorithm.period=3"]).startswith(
+        "algorithm.period: belongs to cpsgd, not to ssp")
+
+
+def test_algorithm_name_on_the_command_line_drops_the_files_algorithm_keys(tmp_path):
+    path = write(tmp_path, {"algorithm": {"name": "grouping", "groups": 2, "scale_lr": False}})
+    cfg = load_config(path, ["algorithm.name=ssp"])
+    assert cfg.algorithm.name == "ssp" and cfg.algorithm.params == SspParams()
+    cfg = load_config(path, ["algorithm.name=ssp", "algorithm.staleness=4"])
+    assert cfg.algorithm.params == SspParams(staleness=4)
+    # what the command line itself set is never dropped silently
+    assert error(path, ["algorithm.groups=3", "algorithm.name=ssp"]).startswith("algorithm.groups: belongs to grouping")
+    # the same name keeps the file's keys
+    assert load_config(path, ["algorithm.name=grouping"]).algorithm.params.groups == 2
+
+
+def test_factory_targets_are_imported_only_when_asked(tmp_path, monkeypatch):
+    (tmp_path / "cfg_targets_mod.py").write_text("def make(**kw):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    overrides = ["model.name=cfg_targets_mod:make", "data.dataset=cfg_targets_mod:make", "data.kwargs={root: x}"]
+    assert load_config(None, overrides, import_targets=True).data.kwargs == {"root": "x"}
+    typos = ["model.name=cfg_targets_mdo:make", "data.dataset=cfg_targets_mod:mkae"]
+    assert load_config(None, typos).model.name == "cfg_targets_mdo:make"  # the scheduler and shards never import it
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, typos, import_targets=True)
+    assert [e.split(":", 1)[0] for e in ei.value.errors] == ["model.name", "data.dataset"]
+    assert "cannot import 'cfg_targets_mdo'" in ei.value.errors[0] and "importable on every host" in ei.value.errors[0]
+    assert "no callable 'mkae'" in ei.value.errors[1]
+
+
+def test_hetps_config_prints_the_resolved_config_or_every_error(tmp_path):
+    import subprocess
+
+    from hetps.proto.config import config_from_dict
+
+    hetps = [sys.executable, "-m", "hetps.scheduler.cli", "config"]
+    path = write(tmp_path, {"algorithm": {"name": "grouping", "groups": 2}, "data": {"batch_size": 8}})
+    out = subprocess.run([*hetps, str(path), "algorithm.name=ssp", "cluster.workers=3"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    cfg = config_from_dict(yaml.safe_load(out.stdout))
+    assert cfg == load_config(path, ["algorithm.name=ssp", "cluster.workers=3"])
+    assert cfg.data.batch_size == 8 and len(cfg.cluster.workers) == 3 and cfg.algorithm.name == "ssp"
+    bad = subprocess.run([*hetps, str(path), "stop.target_accuracy=95", "cluster.dead_after_s=0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert sorted(line.split(":")[2].strip() for line in bad.stderr.splitlines()) == ["cluster.dead_after_s",
+                                                                                      "stop.target_accuracy"]

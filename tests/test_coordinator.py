@@ -22,7 +22,8 @@ def register(coord: Coordinator, role: str, rank: int) -> int:
 
 
 def test_nodes_that_registered_long_before_the_plan_are_not_declared_dead(tmp_path):
-    cfg = load_config(None, ["cluster.workers=2", "cluster.shards=1", f"cluster.dead_after_s={DEAD_AFTER_S}"])
+    cfg = load_config(None, ["cluster.workers=2", "cluster.shards=1", f"cluster.dead_after_s={DEAD_AFTER_S}",
+                             "cluster.heartbeat_s=0.05"])  # heartbeats must be more frequent than dead_after_s
     server = MemServer("mem://coordinator-liveness")
     try:
         coord = Coordinator(server, cfg, run_dir=tmp_path)

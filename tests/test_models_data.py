@@ -101,6 +101,22 @@ def test_factory_string_imports_and_calls_the_factory(tmp_path, monkeypatch):
         build_model(ModelConfig(name="tests_factory_mod:missing"), (4,), 3)
 
 
+def test_factory_gets_input_shape_and_num_classes_only_if_it_takes_them(tmp_path, monkeypatch):
+    (tmp_path / "tests_factory_shape.py").write_text(
+        "import math, torch\n"
+        "def by_name(input_shape, num_classes):\n"
+        "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), num_classes))\n"
+        "def by_kwargs(**kw):\n"
+        "    return by_name(kw['input_shape'], kw['num_classes'])\n"
+        "def neither(width=3):\n"
+        "    return torch.nn.Linear(6, width)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("by_name", "by_kwargs"):
+        model = build_model(ModelConfig(name=f"tests_factory_shape:{name}"), (2, 3), 4)
+        assert model(torch.randn(5, 2, 3)).shape == (5, 4)
+    assert build_model(ModelConfig(name="tests_factory_shape:neither"), (6,), 4).out_features == 3
+
+
 @pytest.mark.parametrize("name", ["lenet5", "resnet20"])
 def test_image_models_reject_flat_inputs(name):
     with pytest.raises(ModelError, match="C, H, W"):
@@ -161,20 +177,34 @@ def test_missing_image_folder_is_unavailable(tmp_path):
         load_datasets(DataConfig(dataset="imagefolder", root=str(tmp_path)), seed=0)
 
 
-def test_image_folder_loads_resized_rgb(tmp_path):
+def _image_folder(root, sizes=((40, 20),)):
+    """root/{train,test}/{cat,dog}/N.png; image i has size sizes[i % len(sizes)] (W, H)."""
     from PIL import Image
 
     for split, count in (("train", 3), ("test", 1)):
         for label, colour in (("cat", (255, 0, 0)), ("dog", (0, 0, 255))):
-            folder = tmp_path / split / label
+            folder = root / split / label
             folder.mkdir(parents=True)
             for i in range(count):
-                Image.new("L" if i else "RGB", (40, 20), colour[0]).save(folder / f"{i}.png")
+                Image.new("L" if i else "RGB", sizes[i % len(sizes)], colour[0]).save(folder / f"{i}.png")
+
+
+def test_image_folder_loads_rgb_at_its_own_size(tmp_path):
+    _image_folder(tmp_path)
     data = load_datasets(DataConfig(dataset="imagefolder", root=str(tmp_path)), seed=0)
     assert (len(data.train), len(data.test), data.num_classes) == (6, 2, 2)
-    assert data.in_shape == (3, 32, 32)
+    assert data.in_shape == (3, 20, 40)  # (C, H, W) of 40x20 (W x H) images
     x, y = data.train.batch(torch.arange(6))
-    assert x.shape == (6, 3, 32, 32) and sorted(y.tolist()) == [0, 0, 0, 1, 1, 1]
+    assert x.shape == (6, 3, 20, 40) and sorted(y.tolist()) == [0, 0, 0, 1, 1, 1]
+
+
+def test_image_folder_resize(tmp_path):
+    _image_folder(tmp_path, sizes=((40, 20), (10, 12)))
+    with pytest.raises(DatasetUnavailable, match="data.resize"):
+        load_datasets(DataConfig(dataset="imagefolder", root=str(tmp_path)), seed=0)
+    data = load_datasets(DataConfig(dataset="imagefolder", root=str(tmp_path), resize=[16, 24]), seed=0)
+    assert data.in_shape == (3, 16, 24)
+    assert data.train.batch(torch.arange(6))[0].shape == (6, 3, 16, 24)
 
 
 def _synthetic_cfg(**kwargs) -> DataConfig:

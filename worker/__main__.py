@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -33,11 +35,11 @@ from hetps.proto.plan import schema_hash
 from hetps.proto.transport import TransportError, set_link_cap
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 
-from .data import DatasetUnavailable, load_datasets
+from .data import DatasetUnavailable
 from .evaluator import Evaluator
 from .local import LocalSgdTrainer
-from .models import build_model
 from .overlap import OverlapTrainer
+from .preflight import PreflightError, build_checked
 from .state import ModelState, model_specs
 from hetps.proto.emulation import Slowdown
 
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetps worker", description="training worker daemon")
     common_args(parser)
     parser.add_argument("--evaluator", action="store_true", help="run as the evaluator")
+    parser.add_argument("--model-out", default=None, help="evaluator: write the final model to "
+                        "MODEL_OUT/model.safetensors and model.json ($HETPS_MODEL_OUT; default: not written)")
     args = parser.parse_intermixed_args(argv)
     role = "evaluator" if args.evaluator else "worker"
     cfg, scheduler = daemon_setup(args, role)
@@ -70,13 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     runner = None
     try:
         # a failure from here to the first step is reported to the scheduler, which ends the run
-        with member.starting({DatasetUnavailable: 2}):
+        with member.starting({DatasetUnavailable: 2, PreflightError: 2}):
             where = "evaluator device" if args.evaluator else f"cluster.workers.{args.rank}.device"
             device = pick_device(node.device, where)
             use_device(device)
-            data = load_datasets(cfg.data, cfg.seed)
-            torch.manual_seed(cfg.seed)
-            model = build_model(cfg.model, data.in_shape, data.num_classes).to(device)
+            # the model and data, and one dry step of them, before registering (preflight.py)
+            data, model = build_checked(cfg, device)
             specs = model_specs(model)
             if not args.evaluator and issubclass(trainer_class(cfg), LocalSgdTrainer):
                 # its first torch.optim optimizer imports torch._dynamo (~1 s): pay it before joining,
@@ -92,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         # and building the trainer may take seconds on a loaded machine
         member.start_heartbeats(lambda: runner.stats() if runner is not None else {})
         with member.starting():
-            runner = (Evaluator(cfg, member, plan, state, data.test, data.num_classes) if args.evaluator
+            model_out = args.model_out or os.environ.get("HETPS_MODEL_OUT")
+            runner = (Evaluator(cfg, member, plan, state, data.test, Path(model_out) if model_out else None,
+                                (data.in_shape, data.num_classes)) if args.evaluator
                       else trainer_class(cfg)(cfg, node, member, plan, state, data))
             serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, role, args.rank,
                           runner.stats)

@@ -1,8 +1,9 @@
 """Datasets held in memory as tensors, their partition among workers, and batch streams.
 
 `load_datasets(cfg, seed)` returns a train and a test `ArrayDataset` plus the
-input shape and class count. Every dataset is loaded whole into memory once per
-process (cached); images may stay uint8 and are normalised per batch.
+input shape and class count. Every builtin dataset is loaded whole into memory
+once per process (cached); images may stay uint8 and are normalised per batch.
+A `package.module:factory` dataset is read lazily by index (user_data.py).
 `partition` gives each worker rank a disjoint share of the training indices,
 and `BatchStream` turns a share into an endless sequence of shuffled batches.
 """
@@ -65,7 +66,9 @@ class ArrayDataset:
 
 @dataclass(frozen=True, eq=False)
 class Datasets:
-    """What a worker or the evaluator needs: both splits, the input shape, the class count."""
+    """What a worker or the evaluator needs: both splits, the input shape, the
+    class count. A split is an ArrayDataset or, for a package.module:factory
+    dataset, a user_data.MapDataset: both have `len` and `batch(indices)`."""
 
     train: ArrayDataset
     test: ArrayDataset
@@ -80,12 +83,16 @@ def load_datasets(cfg: DataConfig, seed: int) -> Datasets:
     Results are cached per process: repeated calls return the same tensors.
     """
     name = cfg.dataset
+    if ":" in name:  # package.module:factory, read lazily by index (user_data.py)
+        from .user_data import load_factory_datasets
+
+        return load_factory_datasets(name, cfg.kwargs)
     if name == "mnist-5k":
         return _mnist_5k()
     if name in TORCHVISION_STATS:
         return _torchvision_dataset(name, os.path.expanduser(cfg.root), cfg.download)
     if name == "imagefolder":
-        return _image_folder(os.path.expanduser(cfg.root))
+        return _image_folder(os.path.expanduser(cfg.root), tuple(cfg.resize) if cfg.resize else None)
     if name == "synthetic":
         s = cfg.synthetic
         return _synthetic(tuple(s.shape), s.classes, s.train_size, s.test_size, seed)
@@ -158,19 +165,17 @@ def _as_uint8_nchw(data: torch.Tensor | np.ndarray) -> torch.Tensor:
 
 # ------------------------------------------------------------ image folders
 
-IMAGE_FOLDER_SIZE = (32, 32)
-
-
 @functools.lru_cache(maxsize=None)
-def _image_folder(root: str) -> Datasets:
-    """root/train/<class>/* and root/test/<class>/*, resized to 32x32 RGB, as uint8.
+def _image_folder(root: str, resize: tuple[int, int] | None) -> Datasets:
+    """root/train/<class>/* and root/test/<class>/* as RGB uint8, at their own
+    size (all images must share it) or resized to `resize` (H, W).
 
     Normalised with the per-channel mean and std of the training images.
     """
     from torchvision.datasets import ImageFolder
     from torchvision.transforms import Compose, PILToTensor, Resize
 
-    transform = Compose([Resize(IMAGE_FOLDER_SIZE), PILToTensor()])
+    transform = Compose([Resize(resize), PILToTensor()] if resize else [PILToTensor()])
     try:
         train, test = (ImageFolder(str(Path(root) / split), transform=transform)
                        for split in ("train", "test"))
@@ -184,13 +189,20 @@ def _image_folder(root: str) -> Datasets:
     x_test, y_test = _load_all(test)
     pixels = x_train.float().div_(255).transpose(0, 1).reshape(3, -1)
     mean, std = tuple(pixels.mean(1).tolist()), tuple(pixels.std(1).clamp_min(1e-3).tolist())
+    if x_train.shape[1:] != x_test.shape[1:]:
+        raise DatasetUnavailable(f"imagefolder {root}: train images are {tuple(x_train.shape[2:])}, test images "
+                                 f"{tuple(x_test.shape[2:])}; set data.resize: [H, W] to resize all of them")
     return Datasets(train=ArrayDataset(x_train, y_train, mean, std),
                     test=ArrayDataset(x_test, y_test, mean, std),
-                    in_shape=(3, *IMAGE_FOLDER_SIZE), num_classes=len(train.classes))
+                    in_shape=tuple(x_train.shape[1:]), num_classes=len(train.classes))
 
 
 def _load_all(folder) -> tuple[torch.Tensor, torch.Tensor]:
     images, labels = zip(*(folder[i] for i in range(len(folder))))
+    sizes = sorted({tuple(image.shape[1:]) for image in images})
+    if len(sizes) > 1:
+        raise DatasetUnavailable(f"imagefolder {folder.root}: images of different sizes ({sizes[0]} and "
+                                 f"{sizes[-1]}, H x W); set data.resize: [H, W] to resize all of them")
     return torch.stack(images), torch.tensor(labels, dtype=torch.long)
 
 

@@ -2,13 +2,16 @@
 `eval.every_s` seconds, measures test loss and accuracy, and reports them to
 the scheduler, so every algorithm gets the same accuracy-versus-time curve.
 When the run stops it evaluates once more, so the final numbers describe the
-final model (not when the scheduler was lost: nobody would record them). Blocking.
+final model (not when the scheduler was lost: nobody would record them), and
+(given `model_out`) writes exactly that model to MODEL_OUT/model.safetensors and
+MODEL_OUT/model.json (export.py). Blocking.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,12 +45,14 @@ def evaluate(model: torch.nn.Module, data: ArrayDataset, batch_size: int,
 
 class Evaluator:
     def __init__(self, cfg: RunConfig, member: Membership, plan: ClusterPlan, state: ModelState,
-                 test: ArrayDataset, num_classes: int | None = None):
+                 test: ArrayDataset, model_out: Path | None = None, shape: tuple = ((), 0)):
         self.cfg = cfg
+        self.model_out = model_out
+        self.shape = shape       # (input shape, num_classes), for model.json
         self.member = member
         self.state = state
         self.test = test
-        self.num_classes = num_classes  # sent with each result: the scheduler's divergence guard knows chance
+        self.num_classes = shape[1] or None  # sent with each result: the scheduler's divergence guard knows chance
         self.client = PSClient(plan, member.node_id, cfg.cluster, member.stop_requested.is_set)
         # the final evaluation must still reach the shards after stop is requested
         self.final_client = PSClient(plan, member.node_id, cfg.cluster)
@@ -80,6 +85,17 @@ class Evaluator:
                 stop.wait(max(0.0, next_at - time.monotonic()))
         if not self.member.scheduler_lost:
             self.evaluate_once(self.final_client, final=True)
+        if self.model_out is not None:
+            self.save_model(self.model_out)
+
+    def save_model(self, folder: Path) -> None:
+        """The model of the last evaluation -> folder/model.safetensors and model.json."""
+        from .export import describe, write_model
+
+        in_shape, num_classes = self.shape
+        path, _ = write_model(self.state.model, folder / "model.safetensors",
+                              describe(self.cfg, in_shape, num_classes, self.accuracy, self.loss, "evaluator"))
+        log.info("model written to %s (test accuracy %.4f)", path, self.accuracy)
 
     def close(self) -> None:
         self.client.close()

@@ -10,7 +10,9 @@ shape `(B, num_classes)`. `cfg.name` selects the model:
   `weights=None` (torchvision models take the channel count they were designed
   for, usually 3, and ignore `in_shape`);
 * "package.module:factory" imports the module and calls
-  `factory(num_classes=num_classes, **cfg.kwargs)`.
+  `factory(num_classes=..., input_shape=(C, H, W), **cfg.kwargs)`, passing
+  each of `num_classes` and `input_shape` only if the factory takes it (by
+  name, or through **kwargs); `cfg.kwargs` win over both.
 
 `cfg.kwargs` go to the constructor in every case; a keyword the model does not
 take raises `TypeError` naming the model. Unknown names and failed imports
@@ -153,7 +155,7 @@ def build_model(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -
     if cfg.name in BUILTINS:
         return _build_builtin(cfg.name, tuple(in_shape), num_classes, cfg.kwargs)
     if ":" in cfg.name:
-        return _build_from_factory(cfg.name, num_classes, cfg.kwargs)
+        return _build_from_factory(cfg.name, tuple(in_shape), num_classes, cfg.kwargs)
     return _build_torchvision(cfg.name, num_classes, cfg.kwargs)
 
 
@@ -182,7 +184,18 @@ def _build_torchvision(name: str, num_classes: int, kwargs: dict) -> nn.Module:
         raise TypeError(f"model {name!r}: {exc}") from exc
 
 
-def _build_from_factory(spec: str, num_classes: int, kwargs: dict) -> nn.Module:
+def _offered(factory: Callable, offers: dict) -> dict:
+    """The entries of `offers` that `factory` accepts by name or through **kwargs."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature (some builtins): offer everything
+        return dict(offers)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(offers)
+    return {k: v for k, v in offers.items() if k in params}
+
+
+def _build_from_factory(spec: str, in_shape: tuple[int, ...], num_classes: int, kwargs: dict) -> nn.Module:
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -192,7 +205,8 @@ def _build_from_factory(spec: str, num_classes: int, kwargs: dict) -> nn.Module:
     if not callable(factory):
         raise ModelError(f"model {spec!r}: module {module_name!r} has no callable {attr!r}")
     try:
-        model = factory(num_classes=num_classes, **kwargs)
+        offers = _offered(factory, {"num_classes": num_classes, "input_shape": in_shape})
+        model = factory(**{**offers, **kwargs})
     except TypeError as exc:
         raise TypeError(f"model {spec!r}: {exc}") from exc
     if not isinstance(model, nn.Module):

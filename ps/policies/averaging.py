@@ -32,10 +32,12 @@ from hetps.proto.plan import ClusterPlan
 
 from ..averaging_rules import PERIOD_RULES, WEIGHT_RULES, ConstantPeriod
 from ..store import TensorStore
+from ..policy_state import storable
 from ..updater import Updater
 from .base import ConsistencyPolicy
 
 
+@storable
 @dataclass
 class ModelRound:
     """The models pushed for one round, by worker node id."""

@@ -27,6 +27,7 @@ from hetps.proto.codec import ProtocolError
 from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
 
+from ..policy_state import from_plain, storable, to_plain
 from ..store import TensorStore
 from ..updater import Updater
 
@@ -109,11 +110,12 @@ class ConsistencyPolicy(ABC):
     _NOT_STATE = ("store", "updater", "params")
 
     def state_dict(self) -> dict:
-        """What the policy counts and holds (clocks, open rounds, ...), for a checkpoint."""
-        return {k: v for k, v in vars(self).items() if k not in self._NOT_STATE}
+        """What the policy counts and holds (clocks, open rounds, ...), for a
+        checkpoint, as plain data (policy_state.py)."""
+        return to_plain({k: v for k, v in vars(self).items() if k not in self._NOT_STATE})
 
     def load_state_dict(self, state: dict) -> None:
-        vars(self).update(state)
+        vars(self).update(from_plain(state))
 
     def reply_info(self, worker: int) -> dict:
         """Extras for the ACK of `worker`'s push (string keys), e.g. the next period."""
@@ -126,6 +128,7 @@ class ConsistencyPolicy(ABC):
     def pull_ready(self, worker: int, clock: int) -> bool: ...
 
 
+@storable
 @dataclass
 class Round:
     """Running sums of one round of gradient pushes."""

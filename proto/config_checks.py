@@ -1,0 +1,193 @@
+"""Value checks of a built RunConfig: allowed names, the range of every
+number, cross-field constraints, and (where models and datasets will be
+built) that `pkg.module:factory` names import. Each check returns its
+problems as `key: what is wrong` lines, so that all are reported at once.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any, Callable
+
+from .config import BUILTIN_MODELS, CHOICES, DATASETS, RunConfig
+
+FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:factory
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # as proto/devices.py
+
+# a rule: (test, allowed range as a user reads it)
+Rule = tuple[Callable[[Any], bool], str]
+POSITIVE: Rule = (lambda v: v > 0, "must be > 0")
+NON_NEGATIVE: Rule = (lambda v: v >= 0, "must be >= 0")
+AT_LEAST_1: Rule = (lambda v: v >= 1, "must be >= 1")
+FRACTION: Rule = (lambda v: 0 <= v <= 1, "must be in [0, 1]")
+
+# every number of the config (algorithm parameters check themselves, algorithm_params.py)
+NUMBER_RULES: dict[str, Rule] = {
+    "seed": NON_NEGATIVE,
+    "data.batch_size": AT_LEAST_1,
+    "data.eval_batch_size": AT_LEAST_1,
+    "data.synthetic.classes": (lambda v: v >= 2, "must be >= 2"),
+    "data.synthetic.train_size": AT_LEAST_1,
+    "data.synthetic.test_size": AT_LEAST_1,
+    "optimizer.lr": POSITIVE,
+    "optimizer.momentum": NON_NEGATIVE,
+    "optimizer.weight_decay": NON_NEGATIVE,
+    "optimizer.schedule.warmup_steps": NON_NEGATIVE,
+    "optimizer.schedule.step_size": AT_LEAST_1,
+    "optimizer.schedule.gamma": POSITIVE,
+    "optimizer.schedule.total_steps": NON_NEGATIVE,
+    "cluster.heartbeat_s": POSITIVE,
+    "cluster.dead_after_s": POSITIVE,
+    "cluster.straggler": NON_NEGATIVE,
+    "cluster.profile_steps": AT_LEAST_1,
+    "cluster.request_timeout_s": POSITIVE,
+    "cluster.scheduler_grace_s": POSITIVE,
+    "cluster.startup_timeout_s": POSITIVE,
+    "cluster.max_message_bytes": AT_LEAST_1,
+    "cluster.chunk_bytes": (lambda v: v >= 0, "must be >= 0 (0 = never cut)"),
+    "cluster.retry_s": (lambda v: v >= 0, "must be >= 0 (0 = never re-send)"),
+    "cluster.clip_value": POSITIVE,
+    "cluster.faults.drop": FRACTION,
+    "cluster.faults.delay": FRACTION,
+    "cluster.faults.delay_s": NON_NEGATIVE,
+    "stop.target_accuracy": (lambda v: v is None or 0 < v <= 1,
+                             "must be in (0, 1] (a fraction: 0.95, not 95) or null"),
+    "stop.max_seconds": POSITIVE,
+    "stop.max_steps": (lambda v: v >= 0, "must be >= 0 (0 = no limit)"),
+    "stop.diverged_after": (lambda v: v >= 0, "must be >= 0 (0 = no chance-level check)"),
+    "stop.diverge_warmup_s": NON_NEGATIVE,
+    "eval.every_s": POSITIVE,
+    "checkpoint.every_updates": NON_NEGATIVE,
+    "checkpoint.every_s": NON_NEGATIVE,
+    "checkpoint.keep": AT_LEAST_1,
+    "comm.topk_ratio": FRACTION,
+}
+NODE_RULES: dict[str, Rule] = {
+    "slowdown": (lambda v: v >= 1.0, "must be >= 1.0"),
+    "link_mbps": (lambda v: v >= 0, "must be >= 0 (0 = no cap)"),
+    "threads": AT_LEAST_1,
+}
+
+
+def value_at(cfg: Any, path: str) -> Any:
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _apply(rules: dict[str, Rule], obj: Any, prefix: str, out: list[str]) -> None:
+    for key, (ok, allowed) in rules.items():
+        value = value_at(obj, key)
+        if not ok(value):
+            out.append(f"{prefix}{key}: {allowed}, got {value!r}")
+
+
+def check_values(cfg: RunConfig) -> list[str]:
+    """Every problem of a built config's values (empty: none)."""
+    out: list[str] = []
+    for path, allowed in CHOICES.items():
+        if value_at(cfg, path) not in allowed:
+            out.append(f"{path}: unknown value {value_at(cfg, path)!r}; allowed: {', '.join(allowed)}")
+    out += _check_names(cfg)
+    _apply(NUMBER_RULES, cfg, "", out)
+    out += _check_nodes(cfg)
+    out += _check_cross_fields(cfg)
+    return out
+
+
+def _check_names(cfg: RunConfig) -> list[str]:
+    out = []
+    dataset = cfg.data.dataset
+    if dataset not in DATASETS and not FACTORY.fullmatch(dataset):
+        out.append(f"data.dataset: unknown value {dataset!r}; allowed: {', '.join(DATASETS)}, "
+                   "or package.module:factory")
+    if cfg.data.kwargs and not FACTORY.fullmatch(dataset):
+        out.append("data.kwargs: only for a package.module:factory dataset "
+                   f"(data.dataset is {dataset!r})")
+    name = cfg.model.name
+    if name not in BUILTIN_MODELS and not FACTORY.fullmatch(name):
+        import torchvision  # deferred: only needed for non-builtin names
+
+        if name not in torchvision.models.list_models():
+            out.append(f"model.name: unknown value {name!r}; allowed: {', '.join(BUILTIN_MODELS)}, "
+                       "a torchvision.models name, or package.module:factory")
+    resize = cfg.data.resize
+    if resize is not None and (len(resize) != 2 or min(resize) < 1):
+        out.append(f"data.resize: must be [height, width] with both >= 1, or null, got {resize!r}")
+    return out
+
+
+def _check_nodes(cfg: RunConfig) -> list[str]:
+    out = []
+    for kind in ("shards", "workers"):
+        nodes = getattr(cfg.cluster, kind)
+        if not nodes:
+            out.append(f"cluster.{kind}: needs at least 1 node, got an empty list")
+        for i, node in enumerate(nodes):
+            _apply(NODE_RULES, node, f"cluster.{kind}.{i}.", out)
+            if not DEVICE.fullmatch(node.device):
+                out.append(f"cluster.{kind}.{i}.device: unknown value {node.device!r}; "
+                           "allowed: auto, cpu, cuda, cuda:N")
+            for j, change in enumerate(node.schedule):
+                if change.slowdown < 1.0 or change.at_s < 0:
+                    out.append(f"cluster.{kind}.{i}.schedule.{j}: needs at_s >= 0 and slowdown >= 1.0, "
+                               f"got at_s {change.at_s}, slowdown {change.slowdown}")
+    names = (["scheduler"] + [f"ps{i}" for i in range(len(cfg.cluster.shards))]
+             + [f"worker{i}" for i in range(len(cfg.cluster.workers))] + (["evaluator"] if cfg.eval.enabled else []))
+    for i, kill in enumerate(cfg.cluster.kill):
+        if kill.node not in names:
+            out.append(f"cluster.kill.{i}.node: no process {kill.node!r} in this run; allowed: {', '.join(names)}")
+        if kill.at_s < 0:
+            out.append(f"cluster.kill.{i}.at_s: must be >= 0, got {kill.at_s}")
+        if kill.restart_after_s is not None and kill.restart_after_s < 0:
+            out.append(f"cluster.kill.{i}.restart_after_s: must be >= 0 or null, got {kill.restart_after_s}")
+    return out
+
+
+def _check_cross_fields(cfg: RunConfig) -> list[str]:
+    out = []
+    cluster, optimizer = cfg.cluster, cfg.optimizer
+    if 0 < cluster.dead_after_s <= cluster.heartbeat_s:
+        out.append(f"cluster.heartbeat_s: must be < cluster.dead_after_s ({cluster.dead_after_s}), "
+                   f"got {cluster.heartbeat_s}; a node would be declared dead between two heartbeats")
+    if 0 < cluster.scheduler_grace_s <= cluster.heartbeat_s:
+        out.append(f"cluster.scheduler_grace_s: must be > cluster.heartbeat_s ({cluster.heartbeat_s}), "
+                   f"got {cluster.scheduler_grace_s}; a node would give up on the scheduler between two heartbeats")
+    if cfg.comm.compression == "topk" and cfg.comm.topk_ratio <= 0.0:
+        out.append("comm.topk_ratio: must be > 0 with comm.compression: topk")
+    if optimizer.schedule.name == "cosine" and optimizer.schedule.total_steps <= 0:
+        out.append("optimizer.schedule.total_steps: must be > 0 for the cosine schedule")
+    if optimizer.nesterov and optimizer.momentum <= 0:
+        out.append("optimizer.nesterov: needs optimizer.momentum > 0")
+    if len(optimizer.betas) != 2 or not all(0 <= b < 1 for b in optimizer.betas):
+        out.append(f"optimizer.betas: must be two numbers in [0, 1), got {optimizer.betas!r}")
+    if not cfg.data.synthetic.shape or min(cfg.data.synthetic.shape) < 1:
+        out.append(f"data.synthetic.shape: must be a non-empty list of sizes >= 1, got {cfg.data.synthetic.shape!r}")
+    return out
+
+
+def check_targets(cfg: RunConfig) -> list[str]:
+    """Import every `package.module:factory` model and dataset name; a module
+    that does not import, or has no such callable, is a problem here rather
+    than in a process started later."""
+    out = []
+    for path in ("model.name", "data.dataset"):
+        spec = value_at(cfg, path)
+        if FACTORY.fullmatch(spec):
+            problem = import_problem(spec)
+            if problem:
+                out.append(f"{path}: {problem}")
+    return out
+
+
+def import_problem(spec: str) -> str | None:
+    """Why `package.module:factory` cannot be used, or None when it can."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # the user's module may raise anything while importing
+        return (f"cannot import {module_name!r} ({type(exc).__name__}: {exc}); the module must be importable "
+                "on every host that builds it (PYTHONPATH or an installed package)")
+    if not callable(getattr(module, attr, None)):
+        return f"module {module_name!r} has no callable {attr!r}"
+    return None

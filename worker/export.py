@@ -1,0 +1,155 @@
+"""The trained model as a file: `model.safetensors` (the model's own
+`state_dict`: every parameter and buffer, under its own names) and, beside
+it, a JSON description (model spec, dataset, num_classes, input shape,
+final accuracy, hetps and torch versions).
+
+The evaluator writes RUN_DIR/model.safetensors and RUN_DIR/model.json at the
+end of every `hetps run`, from the very values its final evaluation measured.
+For a run that died, build the same from the shards' checkpoints:
+
+    hetps export RUN_DIR_OR_CHECKPOINT_DIR --out FILE.safetensors [--config CONFIG]
+
+(`python -m hetps.worker.export ...`, the same). It takes each shard's newest
+checkpoint (the newest version all shards have, when there is one), puts the
+model together, evaluates it on the test split and writes FILE and FILE's
+.json. Exit 0, or 2 with one line saying what is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hetps.proto import checkpoint
+from hetps.proto.config import ConfigError, RunConfig, load_config
+
+from .evaluator import evaluate
+from .preflight import PreflightError, build_checked
+from .state import model_tensors
+
+
+class ExportError(ValueError):
+    """The checkpoints or the config needed for an export are missing or do not fit."""
+
+
+def describe(cfg: RunConfig, in_shape, num_classes: int, accuracy: float | None, loss: float | None,
+             source: str) -> dict:
+    """model.json's content."""
+    try:
+        version = metadata.version("hetps")
+    except metadata.PackageNotFoundError:
+        version = None
+    return {"model": {"name": cfg.model.name, "kwargs": cfg.model.kwargs},
+            "dataset": {"name": cfg.data.dataset, "kwargs": cfg.data.kwargs},
+            "num_classes": num_classes, "input_shape": list(in_shape),
+            "final_accuracy": accuracy, "final_loss": loss, "source": source,
+            "hetps_version": version, "torch_version": torch.__version__,
+            "algorithm": cfg.algorithm.name, "seed": cfg.seed}
+
+
+def write_model(model: nn.Module, out: Path, description: dict) -> tuple[Path, Path]:
+    """Write `model`'s state_dict to `out` (safetensors) and `description` to
+    `out` with suffix .json; returns both paths. Tensors are copied, so tied
+    weights are stored once under each of their names (a strict
+    `load_state_dict` finds every key)."""
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu").clone().contiguous() for name, t in model.state_dict().items()}
+    tmp = out.with_name(f".{out.name}.tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out)
+    meta = out.with_suffix(".json")
+    meta.write_text(json.dumps(description, indent=2) + "\n")
+    return out, meta
+
+
+# ------------------------------------------------------------ from checkpoints
+
+def find_run(path: Path) -> tuple[Path, list[Path]]:
+    """(the run's config.yaml, one folder per shard psN) for a run directory
+    or any folder inside its checkpoints. Raises ExportError."""
+    shard_dirs = sorted({p.parent for p in path.rglob("v*.pt")}, key=lambda p: p.name)
+    if path.is_dir() and path.name.startswith("ps") and checkpoint.checkpoints(path):
+        shard_dirs = sorted(p for p in path.parent.iterdir() if checkpoint.checkpoints(p))
+    if not shard_dirs:
+        raise ExportError(f"{path}: no shard checkpoints (v*.pt) found in or under it")
+    runs = {d.parent for d in shard_dirs}
+    if len(runs) > 1:  # checkpoints of several runs: the newest one
+        newest = max(runs, key=lambda r: max(p.stat().st_mtime for d in shard_dirs if d.parent == r
+                                             for _, p in checkpoint.checkpoints(d)))
+        shard_dirs = [d for d in shard_dirs if d.parent == newest]
+    config = next((p / "config.yaml" for p in (path, *path.parents) if (p / "config.yaml").is_file()), None)
+    return config, shard_dirs
+
+
+def newest_tensors(shard_dirs: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Every tensor of the shards' newest checkpoints (the newest common
+    version when all shards have one), parts of chunked tensors still apart."""
+    found = {d.name: dict(checkpoint.checkpoints(d)) for d in shard_dirs}
+    common = set.intersection(*(set(v) for v in found.values()))
+    versions = {name: max(common) if common else max(v) for name, v in found.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for d in shard_dirs:
+        tensors.update(checkpoint.load(found[d.name][versions[d.name]])["tensors"])
+    return tensors, versions
+
+
+def assemble(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Load the shards' tensors into `model`, joining `NAME#k` parts. Raises ExportError."""
+    for name, (target, _) in model_tensors(model).items():
+        parts = sorted((k for k in tensors if k.startswith(name + "#") and k[len(name) + 1:].isdigit()),
+                       key=lambda k: int(k.rsplit("#", 1)[1]))
+        value = tensors.get(name)
+        if value is None and parts:
+            value = torch.cat([tensors[p].reshape(-1) for p in parts])
+        if value is None:
+            raise ExportError(f"the checkpoints lack tensor {name!r}: is a shard's checkpoint folder missing?")
+        if value.numel() != target.numel():
+            raise ExportError(f"tensor {name!r} has {value.numel()} values in the checkpoints, the model "
+                              f"{target.numel()}: not this model's checkpoints (check --config)")
+        with torch.no_grad():
+            target.copy_(value.reshape(target.shape))
+
+
+def export(path: Path, out: Path, config: Path | None = None) -> dict:
+    """Build `out` (+ .json) from the checkpoints at `path`; returns the description."""
+    run_config, shard_dirs = find_run(path)
+    config = config or run_config
+    if config is None:
+        raise ExportError(f"{path}: no config.yaml in it or above it; pass --config (the run's config)")
+    cfg = load_config(config, import_targets=True)
+    data, model = build_checked(cfg)
+    tensors, versions = newest_tensors(shard_dirs)
+    assemble(model, tensors)
+    accuracy, loss = evaluate(model, data.test, cfg.data.eval_batch_size, torch.device("cpu"))
+    description = describe(cfg, data.in_shape, data.num_classes, accuracy, loss, "checkpoints")
+    description["checkpoint_versions"] = versions
+    write_model(model, out, description)
+    return description
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hetps export", description="the trained model from shard checkpoints")
+    parser.add_argument("path", help="a run directory, or a checkpoint folder inside one")
+    parser.add_argument("--out", required=True, help="the .safetensors file to write (its .json goes beside it)")
+    parser.add_argument("--config", default=None, help="the run's config (default: config.yaml in PATH or above)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        d = export(Path(args.path), Path(args.out), Path(args.config) if args.config else None)
+    except (ExportError, ConfigError, PreflightError, ValueError, OSError) as exc:
+        print(f"hetps export: {exc}", file=sys.stderr)
+        return 2
+    print(f"hetps export: wrote {args.out} and {Path(args.out).with_suffix('.json')} (checkpoint versions "
+          f"{d['checkpoint_versions']}, test accuracy {d['final_accuracy']:.4f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
