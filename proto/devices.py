@@ -41,12 +41,14 @@ def pick_device(name: str, where: str = "device") -> torch.device:
         raise DeviceUnavailable(f"{where}: unknown value {name!r}; allowed: {ALLOWED}")
     count = torch.cuda.device_count() if name != "cpu" else 0
     if name == "auto":
-        return torch.device("cuda" if count and torch.cuda.is_available() else "cpu")
+        name = "cuda" if count and torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= count):
         raise DeviceUnavailable(f"{where}: {name} asked for, but this host has {count} CUDA device(s) "
                                 f"visible to torch{'' if torch.cuda.is_available() else ' (CUDA not available)'}; "
                                 "use auto or cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)  # an index, for torch.cuda.set_device and for the log
     return device
 
 

@@ -68,3 +68,13 @@ def test_a_gpu_worker_and_a_cpu_worker_push_the_same_gradients():
     assert list(got) == list(want)
     for name in want:  # same math on two devices: equal up to float rounding
         torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["auto", "cuda", "cuda:0"])
+def test_every_gpu_device_name_becomes_an_indexed_current_device(name):
+    from hetps.proto.devices import pick_device, use_device
+
+    device = pick_device(name, "cluster.workers.0.device")
+    assert device == torch.device("cuda", 0)  # set_device refuses a bare "cuda"
+    use_device(device)
+    assert torch.cuda.current_device() == 0
