@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 CONFIG ?= configs/default.yaml
 ARGS   ?=
 
-.PHONY: run test install bench clean
+.PHONY: run test test-unit test-inproc test-cluster install bench clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ run: $(VENV)/.installed-data
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q $(ARGS)
+
+test-unit test-inproc test-cluster: test-%: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m $* $(ARGS)
 
 bench: $(VENV)/.installed-test
 	$(PY) bench/transport.py --sizes lenet,4K,64K,1M,16M,64M

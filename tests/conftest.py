@@ -14,3 +14,33 @@ def run_dir(tmp_path):
     yield path
     leftovers = kill_leftovers(str(path))
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+# ------------------------------------------------------------ tiers
+# Every test is in one tier, selectable with -m: `cluster` (real processes on loopback; marked in
+# its module), `inproc` (roles over the in-process transport or real sockets inside this process),
+# `unit` (pure functions). `make test` runs all three; `make test-unit`, `test-inproc`,
+# `test-cluster` run one.
+IN_PROCESS = ("MemServer", "shard_harness", "mem://", "make_server(", "bind_to_random_port")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "inproc: roles over the in-process transport or sockets in this process")
+    config.addinivalue_line("markers", "unit: pure functions, no sockets, no processes")
+
+
+def _module_is_inproc(module, cache: dict) -> bool:
+    path = str(module.__file__)
+    if path not in cache:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        cache[path] = any(needle in source for needle in IN_PROCESS)
+    return cache[path]
+
+
+def pytest_collection_modifyitems(config, items):
+    cache: dict = {}
+    for item in items:
+        if item.get_closest_marker("cluster"):
+            continue
+        item.add_marker(pytest.mark.inproc if _module_is_inproc(item.module, cache) else pytest.mark.unit)
