@@ -307,7 +307,8 @@ def read_plan(value: Any) -> ClusterPlan:
                        shares=_str_keyed_numbers("plan.shares", d.get("shares", {})),
                        placement_id=read_int("plan.placement_id", d.get("placement_id", 1)),
                        chunks=read_map("plan.chunks", d.get("chunks", {})),
-                       info=read_map("plan.info", d.get("info", {})), run_id=d.get("run_id", ""))
+                       info=read_map("plan.info", d.get("info", {})), run_id=d.get("run_id", ""),
+                       algorithm_params=read_map("plan.algorithm_params", d.get("algorithm_params", {})))
 
 
 # ---------------------------------------------------------------- which field is read how

@@ -109,6 +109,19 @@ def plan_for(overrides: list[str]):
     return dataclasses.replace(plan, algorithm_params=resolved_params(cfg.algorithm))
 
 
+def test_the_plans_parameters_survive_the_wire():
+    """A node checks the plan it decoded: the resolved parameters must cross the codec intact."""
+    from hetps.proto.codec import decode, encode
+    from hetps.proto.messages import Plan
+
+    plan = plan_for(["algorithm.name=ssp", "algorithm.staleness=2"])
+    received = decode(encode(Plan(plan_id=plan.plan_id, plan=plan.to_dict()))).msg.plan
+    assert received.algorithm_params == plan.algorithm_params and received.algorithm_params["staleness"] == 2
+    with pytest.raises(AlgorithmMismatch, match="staleness"):
+        check_plan_algorithm(load_config(None, ["algorithm.name=ssp", "algorithm.staleness=3"]).algorithm,
+                             received)
+
+
 def test_check_refuses_another_parameter_naming_both_values():
     plan = plan_for(["algorithm.name=ssp", "algorithm.staleness=2"])
     mine = load_config(None, ["algorithm.name=ssp", "algorithm.staleness=3"]).algorithm
