@@ -210,7 +210,7 @@ class Membership:
         try:
             self.rpc.call(msg, timeout_s=min(FAIL_REPORT_S, self.cluster.startup_timeout_s))
             return True
-        except (RequestTimeout, RemoteError) as exc:
+        except HetpsError as exc:  # timeout, error reply, a lost scheduler (Aborted): best effort
             log.warning("could not report the failure to the scheduler: %s", exc)
             return False
 

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         shard = None
         member.start_heartbeats(lambda: shard.stats() if shard is not None else {})
         slowdown.start()
-        with member.starting():
+        with member.starting({AlgorithmMismatch: 2}):  # a mismatching algorithm block is a config error
             shard = Shard(server, member.node_id, plan, cfg, slowdown)
             setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank, args.restore_version,
                               args.resume)
@@ -98,9 +98,6 @@ def main(argv: list[str] | None = None) -> int:
     except (SchedulerUnreachable, RequestTimeout, RemoteError) as exc:
         print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
         return 1
-    except AlgorithmMismatch as exc:
-        print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
-        return 2
     finally:
         member.close()
         server.close()

@@ -182,6 +182,8 @@ class LocalCluster:
         scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir), *run_id)
         addr = self._scheduler_address(scheduler)
         self.wait_check()
+        if self.interrupted:  # Ctrl-C during the check: the scheduler stops; start nobody else
+            return addr
         for rank in range(len(self.cfg.cluster.shards)):
             restore = (("--resume", "--restore-version", str(self.resume.versions[rank]))
                        if self.resume else ())

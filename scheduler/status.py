@@ -28,7 +28,7 @@ def run_summary(coord) -> dict:
                                                                         "grad_dense_bytes", "grad_sent_bytes")}}
                 for n in workers}
     stragglers = [f"{n.role}{n.rank}" for n in coord.nodes.values() if not n.gone]
-    failed = coord.failed or next((f for f in coord.failures if f["kind"] == "startup"), None)
+    failed = coord.failed or next((f for f in coord.failures if f["kind"] in ("startup", "startup_failed")), None)
     return {
         "status": run_status(coord.stop_reason, failed is not None),
         "failed_node": failed.get("node") if failed else None,

@@ -43,7 +43,7 @@ class TensorBoardSink:
 
     def record(self, kind: str, values: dict) -> None:
         t = values.get("t")
-        if isinstance(t, (int, float)) and self.wall0 is None:
+        if isinstance(t, (int, float)) and self.wall0 is None and kind != "register":  # timed before t = 0
             self.wall0 = time.time() - t
         wall = self.wall0 + t if isinstance(t, (int, float)) and self.wall0 is not None else None
         if kind == "eval":
@@ -64,7 +64,8 @@ class TensorBoardSink:
 
     def _scalar(self, tag: str, value, step, wall) -> None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            self.writer.add_scalar(tag, value, int(step) if isinstance(step, (int, float)) else 0, wall)
+            finite_step = isinstance(step, (int, float)) and math.isfinite(step)  # records may carry any float
+            self.writer.add_scalar(tag, value, int(step) if finite_step else 0, wall)
 
     def close(self) -> None:
         self.writer.close()

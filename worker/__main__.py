@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                                                              cfg.cluster.profile_steps, Slowdown(node))
         member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=speed)
         plan = member.wait_plan()
-        check_plan_algorithm(cfg.algorithm, plan)  # this node's YAML must run the scheduler's algorithm
+        with member.starting({AlgorithmMismatch: 2}):  # reported: the scheduler ends the run naming this node
+            check_plan_algorithm(cfg.algorithm, plan)  # this node's YAML must run the scheduler's algorithm
         # heartbeats from the moment the plan arrives: the scheduler counts silence from then on,
         # and building the trainer may take seconds on a loaded machine
         member.start_heartbeats(lambda: runner.stats() if runner is not None else {})
@@ -112,9 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     except (RequestTimeout, RemoteError, SchedulerUnreachable, TransportError) as exc:
         print(f"hetps {role} {args.rank}: {exc}", file=sys.stderr)
         return 1
-    except AlgorithmMismatch as exc:
-        print(f"hetps {role} {args.rank}: {exc}", file=sys.stderr)
-        return 2
     finally:
         if runner is not None:
             runner.close()

@@ -84,7 +84,8 @@ class Evaluator:
                 self.evaluate_once(self.client)
                 stop.wait(max(0.0, next_at - time.monotonic()))
         if not self.member.scheduler_lost:
-            self.evaluate_once(self.final_client, final=True)
+            with contextlib.suppress(Aborted):  # the scheduler was lost while the final result was reported
+                self.evaluate_once(self.final_client, final=True)
         if self.model_out is not None:
             self.save_model(self.model_out)
 
@@ -95,7 +96,7 @@ class Evaluator:
         in_shape, num_classes = self.shape
         path, _ = write_model(self.state.model, folder / "model.safetensors",
                               describe(self.cfg, in_shape, num_classes, self.accuracy, self.loss, "evaluator"))
-        log.info("model written to %s (test accuracy %.4f)", path, self.accuracy)
+        log.info("model written to %s (test accuracy %s)", path, self.accuracy)
 
     def close(self) -> None:
         self.client.close()
