@@ -90,6 +90,10 @@ class Membership:
         self.latest_plan_id = max(self.latest_plan_id, reply.plan_id)
         return reply.plan  # a ClusterPlan, checked at decode (records.read_plan)
 
+    def note_plan(self, plan_id: int) -> None:
+        """A server (e.g. a shard's ACK) named plan `plan_id`: `newer_plan` fetches it if newer."""
+        self.latest_plan_id = max(self.latest_plan_id, plan_id)
+
     def newer_plan(self, current: int) -> ClusterPlan | None:
         """The scheduler's newer plan if a heartbeat announced one, else None."""
         if self.latest_plan_id <= current:

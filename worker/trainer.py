@@ -159,6 +159,9 @@ class Trainer:
             self.clock += 1
             if acks:
                 self.staleness = max(a.staleness for a in acks)
+                # a shard that adopted a newer plan says so in its ACK: switch before the next push
+                # instead of at the next heartbeat (a push under the old plan is applied alone)
+                self.member.note_plan(max(a.plan_id for a in acks))
             self.timer.update(compute_s, push_s, time.perf_counter() - started)
             self.member.add_record(self.record(loss, compute_s, started))
 
