@@ -63,6 +63,10 @@ class StandInMember:
         self.node_id, self.rank, self.steps = node_id, rank, steps
         self.stop_requested = threading.Event()
         self.records: list[dict] = []
+        self.plans_named: set[int] = set()
+
+    def note_plan(self, plan_id: int) -> None:
+        self.plans_named.add(plan_id)  # the plans the shards' ACKs named
 
     def newer_plan(self, current: int):
         return None
@@ -143,6 +147,7 @@ def train(make, overlap: bool, n_shards: int, chunk_bytes: int = 0, extra: tuple
     with serving(harness):
         assert run_workers(trainers) == [None, None]
         wait_for(lambda: harness.versions() == [STEPS] * n_shards, 10, "every round applied")
+    assert all(t.member.plans_named == {plan.plan_id} for t in trainers)  # each ACK names the shard's plan
     losses = [[r["loss"] for r in t.member.records] for t in trainers]
     return harness.values(), losses, plan
 
