@@ -45,21 +45,25 @@ def machine() -> str:
 
 
 def children_of(parent: int) -> dict[str, int]:
-    """The launcher's children by hetps name (scheduler, ps0, worker1, evaluator) -> pid."""
-    found = {}
+    """The launcher's daemons by hetps name (scheduler, ps0, worker1, evaluator) -> pid: its
+    children, or (forked by `hetps run`, scheduler/zygote.py) its fork server's children."""
+    procs = {}  # pid -> (ppid, argv)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             status = (entry / "status").read_text()
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
         except OSError:
             continue
         ppid = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:")), -1)
-        if ppid == parent:
-            name = process_name(argv)
-            if name:
-                found[name] = int(entry.name)
+        procs[int(entry.name)] = (ppid, argv)
+    parents = {parent} | {pid for pid, (ppid, _) in procs.items() if ppid == parent}
+    found = {}
+    for pid, (ppid, argv) in procs.items():
+        name = process_name(argv) if ppid in parents else None
+        if name:
+            found[name] = pid
     return found
 
 

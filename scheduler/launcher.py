@@ -1,7 +1,9 @@
 """`hetps run`: a whole local cluster as separate processes.
 
 Starts the scheduler (random port), the shards, the workers and the
-evaluator by command line (`python -m hetps.<role>`), shows one live progress
+evaluator as `python -m hetps.<role>` processes (forked from one warm
+process that imported torch once, scheduler/zygote.py; `HETPS_SPAWN=exec`
+execs each instead), shows one live progress
 line, and when the scheduler stops the run, writes the plot. Every child runs
 in its own session (so a terminal's Ctrl-C reaches only the launcher, which
 turns it into a clean stop) and is reaped, killed if need be, on every exit
@@ -20,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hetps.proto.algorithms import algorithm
 from hetps.proto.config import RunConfig, dump_config
 from hetps.proto.errors import HetpsError
 from hetps.proto.devices import assign_devices
@@ -31,6 +34,7 @@ from .report import Progress, plot_run
 from .runlog import write_json_atomic
 from .resume import ResumePoint, checkpoints_root
 from .state import STATE_FILE
+from .zygote import ForkServer, forking_enabled
 
 ADDR_WAIT_S = 60.0   # longest wait for the scheduler to publish its address
 REAP_WAIT_S = 15.0   # after the scheduler exits, how long the rest may take to leave
@@ -121,19 +125,30 @@ class LocalCluster:
         self.interrupted = 0
         self.failed_as: tuple[str, str] | None = None  # (node, error) once a process failed
         self.check: subprocess.Popen | None = None
+        # every daemon imports torch: fork them from one warm process instead of importing it in each
+        self.forks = (ForkServer(sklearn=algorithm(cfg.algorithm.name).needs_sklearn)
+                      if forking_enabled() else None)
 
     # ------------------------------------------------------------ processes
     def spawn(self, name: str, module: str, *args: str) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        with open(log_path, "a") as log_file:
-            popen = subprocess.Popen([sys.executable, "-m", module, "--config", str(self.config_path),
-                                      *self.metrics_args, *self.client_key_args(name), *args],
-                                     stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
-        child = Child(name, popen, log_path, module, args)
+        argv = ["--config", str(self.config_path), *self.metrics_args, *self.client_key_args(name), *args]
+        child = Child(name, self._start(module, argv, log_path, append=True), log_path, module, args)
         self.children.append(child)
         return child
+
+    def _start(self, module: str, argv: list[str], log_path: Path, append: bool):
+        """`python -m module *argv` in its own session, output to `log_path`:
+        forked from the warm server, or exec'd (HETPS_SPAWN=exec)."""
+        env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        if self.forks is not None:
+            if not append:
+                log_path.write_text("")
+            return self.forks.start(module, argv, log_path, env)
+        with open(log_path, "a" if append else "w") as log_file:
+            return subprocess.Popen([sys.executable, "-m", module, *argv], stdout=log_file,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **env}, start_new_session=True)
 
     def respawn(self, name: str, address: str) -> None:
         """Start the process `name` again, bound to `address` (its old one)."""
@@ -150,12 +165,8 @@ class LocalCluster:
 
     def start_check(self) -> subprocess.Popen:
         """Start the dry forward+backward of the model on one batch (hetps.worker.preflight)."""
-        log_path = self.run_dir / "logs" / "check.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        with open(log_path, "w") as log_file:
-            self.check = subprocess.Popen([sys.executable, "-m", "hetps.worker.preflight", "--config",
-                                           str(self.config_path)], stdout=log_file, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.check = self._start("hetps.worker.preflight", ["--config", str(self.config_path)],
+                                 self.run_dir / "logs" / "check.log", append=False)
         return self.check
 
     def wait_check(self) -> None:

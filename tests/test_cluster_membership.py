@@ -17,7 +17,8 @@ DEAD_AFTER_S = 2.0
 
 def worker_pid(run_dir, rank: int) -> int:
     for pid in processes_mentioning(str(run_dir)):
-        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        # a daemon forked by `hetps run` shows its command line as one string (scheduler/zygote.py)
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").split()
         if b"hetps.worker" in cmdline and b"--rank" in cmdline and cmdline[cmdline.index(b"--rank") + 1] == \
                 str(rank).encode() and b"--evaluator" not in cmdline:
             return pid

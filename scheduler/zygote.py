@@ -1,0 +1,114 @@
+"""Start a local run's daemons by forking one warm process, not by exec.
+
+Every hetps daemon imports torch, which costs seconds of CPU per process; a
+local run starts seven or more of them on the same machine at once. The
+launcher instead starts one fork server (multiprocessing's `forkserver`)
+that imports torch and the daemons' modules once; each daemon is then a
+fork of it (copy-on-write: the imported modules are shared, not loaded
+again), running `python -m MODULE ARGS` semantics: its own session, its
+output appended to its log, its command line set to what an exec would have
+shown (so `ps` and tools that look for a run's processes find it).
+
+Fork safety: the fork server has only imported modules; it has run no
+tensor operation (no OpenMP pool, no CUDA context exists before the fork),
+and each child initialises those itself, as a freshly exec'd daemon would.
+
+`HETPS_SPAWN=exec` in the environment turns this off (one exec per daemon,
+the way a multi-host deployment starts them).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+# What every daemon imports before its first step; loaded once, in the fork server.
+PRELOAD = ["torch", "hetps.ps.__main__", "hetps.worker.__main__", "hetps.scheduler.__main__",
+           "hetps.worker.preflight"]
+SKLEARN = ["sklearn.cluster"]  # the scheduler's k-means (algorithms with needs_sklearn)
+
+
+def forking_enabled() -> bool:
+    """Whether daemons are forked from the warm server (`HETPS_SPAWN` is not `exec`)."""
+    return os.environ.get("HETPS_SPAWN", "fork") != "exec"
+
+
+class ForkedDaemon:
+    """A daemon forked from the fork server, with the parts of
+    `subprocess.Popen` the launcher uses (pid, poll, wait, signals)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, args: list[str]):
+        self.process = process
+        self.args = args
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit status as Popen gives it: negative signal number when killed."""
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until it exits (raises subprocess.TimeoutExpired after `timeout` s)."""
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        if self.process.exitcode is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:  # exited between the check and the signal
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(15)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+
+class ForkServer:
+    """One warm fork server per launcher; `start` returns a ForkedDaemon."""
+
+    def __init__(self, sklearn: bool = False):
+        self.context = multiprocessing.get_context("forkserver")
+        # the server inherits this environment when it starts (on the first fork)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        self.context.set_forkserver_preload(PRELOAD + (SKLEARN if sklearn else []))
+
+    def start(self, module: str, argv: list[str], log_path: Path, env: dict[str, str]) -> ForkedDaemon:
+        """Fork `python -m module *argv` (non-blocking once the server is warm;
+        the first call waits for the server's imports)."""
+        args = [sys.executable, "-m", module, *argv]
+        process = self.context.Process(target=run_daemon, args=(module, argv, str(log_path), env,
+                                                                " ".join(args)),
+                                       name=module, daemon=False)
+        process.start()
+        return ForkedDaemon(process, args)
+
+
+def run_daemon(module: str, argv: list[str], log_path: str, env: dict[str, str], title: str) -> None:
+    """In the forked child: become `python -m module *argv` in a session of its own."""
+    os.setsid()  # a terminal's Ctrl-C reaches only the launcher, as with start_new_session
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)
+    os.environ.update(env)
+    try:
+        import setproctitle
+        setproctitle.setproctitle(title)
+    except ImportError:  # optional: the daemon runs the same, `ps` shows the fork server's command line
+        pass
+    sys.argv = [module, *argv]
+    # multiprocessing's atexit handling must not treat the daemon as one of its workers
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
