@@ -45,6 +45,9 @@ def metrics_args(parser: argparse.ArgumentParser) -> None:
                              "default -1 = off)")
     parser.add_argument("--metrics-host", default=env("HETPS_METRICS_HOST"),
                         help="address /metrics listens on ($HETPS_METRICS_HOST; default cluster.host)")
+    parser.add_argument("--metrics-targets", default=env("HETPS_METRICS_TARGETS"),
+                        help="a Prometheus file_sd JSON file this daemon adds its /metrics address to "
+                             "($HETPS_METRICS_TARGETS; hetps run --metrics: RUN_DIR/prometheus_targets.json)")
 
 
 def check_and_exit(role: str, **resolved) -> None:

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         shard.park_future_pushes = True  # PlanFollower fetches the plans they wait for
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
                  len(shard.store.specs), server.address)
-        serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats)
+        serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats,
+                      algorithm=cfg.algorithm.name, targets=args.metrics_targets)
         serve(shard, member)
         log.info("stopping: %s", member.stop_reason)
         # workers have stopped (or, the scheduler lost, will): a point to resume from

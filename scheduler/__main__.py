@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if algorithm(cfg.algorithm.name).needs_sklearn:
         grouping.preload()  # while the other daemons start (their registrations queue meanwhile)
     serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "scheduler", 0,
-                  coordinator.metrics)
+                  coordinator.metrics, algorithm=cfg.algorithm.name, targets=args.metrics_targets)
 
     def on_signal(signum, frame):
         log.info("%s: stopping the run", signal.Signals(signum).name)

@@ -39,7 +39,8 @@ def run_command(argv: list[str]) -> int:
     parser.add_argument("--out", default=None, help="run directory (default: out_dir/NAME-ALGO-TIME)")
     parser.add_argument("--quiet", action="store_true", help="no progress line or summary")
     parser.add_argument("--metrics", action="store_true",
-                        help="every daemon serves Prometheus /metrics on a free port (its log says where)")
+                        help="every daemon serves Prometheus /metrics on a free port, listed in "
+                             "RUN_DIR/prometheus_targets.json (a file_sd file)")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its checkpoints")
     parser.add_argument("--tensorboard", action="store_true",
                         help="TensorBoard event files in RUN_DIR/tensorboard (log.tensorboard=true)")

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                                 (data.in_shape, data.num_classes)) if args.evaluator
                       else trainer_class(cfg)(cfg, node, member, plan, state, data))
             serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, role, args.rank,
-                          runner.stats)
+                          runner.stats, histograms=getattr(getattr(runner, "timer", None), "histograms", None),
+                          algorithm=cfg.algorithm.name, targets=args.metrics_targets)
         log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)
         with contextlib.suppress(Aborted):  # the run stopped while a request was waiting
             runner.run()
