@@ -338,7 +338,9 @@ class Coordinator(Service):
         ev.final, ev.final_loss = accuracy, loss
         t = self.elapsed()
         self.runlog.record("eval", t=round(t, 4), accuracy=accuracy, loss=loss,
-                           global_steps=self.global_steps(), final=bool(values.get("final", False)))
+                           global_steps=self.global_steps(), final=bool(values.get("final", False)),
+                           bytes=sum(status.count(n.stats, k) for n in self.members("worker")  # as last heard
+                                     for k in ("bytes_sent", "bytes_received")))
         classes = values.get("num_classes")
         if (self.guard.loss(loss, "the evaluator (test loss)")
                 or self.guard.evaluation(accuracy, classes if isinstance(classes, int) else None, t)):

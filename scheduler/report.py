@@ -1,5 +1,5 @@
 """Reading a run directory back: metrics, a live progress line, and the
-accuracy/loss-versus-wall-clock plot."""
+accuracy/loss-versus-wall-clock plot (drawn by plots.py)."""
 from __future__ import annotations
 
 import json
@@ -93,33 +93,6 @@ class Progress:
 
 
 def plot_run(run_dir: Path, title: str = "") -> Path:
-    """Write RUN_DIR/accuracy_vs_time.png from metrics.jsonl; returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = read_metrics(run_dir / "metrics.jsonl")
-    evals = [r for r in records if r["kind"] == "eval"]
-    steps = sorted((r for r in records if r["kind"] == "step"), key=lambda r: r["t"])
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_acc.plot([r["t"] for r in evals], [r["accuracy"] for r in evals], marker=".")
-    ax_acc.set(xlabel="wall-clock time (s)", ylabel="test accuracy", title="test accuracy")
-    ax_acc.grid(alpha=0.3)
-    ax_loss.plot([r["t"] for r in evals], [r["loss"] for r in evals], marker=".", label="test loss")
-    if steps:
-        window = max(1, len(steps) // 50)
-        smoothed = [sum(r["loss"] for r in steps[i:i + window]) / len(steps[i:i + window])
-                    for i in range(0, len(steps), window)]
-        ax_loss.plot([steps[i]["t"] for i in range(0, len(steps), window)], smoothed,
-                     alpha=0.7, label="train loss (mean)")
-    ax_loss.set(xlabel="wall-clock time (s)", ylabel="cross-entropy", title="loss")
-    ax_loss.set_yscale("log")
-    ax_loss.grid(alpha=0.3)
-    ax_loss.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    out = run_dir / "accuracy_vs_time.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    """RUN_DIR/accuracy_vs_time.png (and groups.png): see plots.py."""
+    from .plots import plot_run as plot  # plots imports this module
+    return plot(run_dir, title)
