@@ -12,6 +12,7 @@ are pure and tested on their own; the plot_* functions only draw them.
 """
 from __future__ import annotations
 
+import bisect
 import json
 from pathlib import Path
 
@@ -74,21 +75,50 @@ def median_band(curves: list[tuple[list[float], list[float]]]) -> dict[str, np.n
             "high": np.nanmax(values, axis=0), "n": np.sum(~np.isnan(values), axis=0)}
 
 
-def group_lanes(records: list[dict]) -> dict[int, list[float]]:
-    """For each group, the times (seconds of training) its updates were applied.
+def _plan_finder(records: list[dict]):
+    """A function: step record -> id of the plan it was taken under, the latest plan at or
+    before its time that has its group (a worker finishes a step or two under the old plan
+    after a new one went out; plan 1 when the records hold no plan)."""
+    plans = sorted((float(r["t"]), int(r["plan_id"]), len(r.get("groups") or ()))
+                   for r in records if r.get("kind") == "plan")
+    starts = [t for t, _, _ in plans]
+
+    def plan_of(record: dict) -> int:
+        at = bisect.bisect_right(starts, float(record["t"])) - 1
+        while at > 0 and record["group"] >= plans[at][2]:
+            at -= 1
+        return plans[at][1] if at >= 0 else 1
+    return plan_of
+
+
+def group_lanes(records: list[dict]) -> dict[tuple[int, int], list[float]]:
+    """For each (plan id, group), the times (seconds of training) its updates were applied.
 
     A group's update of round r is applied once every member pushed step r; the members'
     step records of r arrive after it, so the earliest of them bounds when it happened.
-    Records without a group (e.g. the evaluator's) are skipped."""
-    rounds: dict[tuple[int, int], float] = {}
+    Group numbers are those of the plan in force (the latest plan record at or before the
+    step's time that has that group): a re-plan may regroup the workers under the same
+    numbers. Records without a group (e.g. the evaluator's) are skipped."""
+    rounds: dict[tuple[int, int, int], float] = {}
+    plan_of = _plan_finder(records)
     for r in records:
         if r.get("kind") == "step" and isinstance(r.get("group"), int):
-            key = (r["group"], r["step"])
+            key = (plan_of(r), r["group"], r["step"])
             rounds[key] = min(rounds.get(key, float("inf")), float(r["t"]))
-    lanes: dict[int, list[float]] = {}
-    for (group, _), t in rounds.items():
-        lanes.setdefault(group, []).append(t)
-    return {g: sorted(ts) for g, ts in sorted(lanes.items())}
+    lanes: dict[tuple[int, int], list[float]] = {}
+    for (plan, group, _), t in rounds.items():
+        lanes.setdefault((plan, group), []).append(t)
+    return {key: sorted(ts) for key, ts in sorted(lanes.items())}
+
+
+def lane_members(records: list[dict], lanes: dict) -> dict[tuple[int, int], list[int]]:
+    """The worker ranks whose step records fell into each lane of `group_lanes`."""
+    members: dict[tuple[int, int], set] = {key: set() for key in lanes}
+    plan_of = _plan_finder(records)
+    for r in records:
+        if r.get("kind") == "step" and isinstance(r.get("group"), int):
+            members.setdefault((plan_of(r), r["group"]), set()).add(r["worker"])
+    return {key: sorted(ws) for key, ws in members.items()}
 
 
 def read_summary(run_dir: Path) -> dict:
@@ -139,7 +169,7 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     out = run_dir / "accuracy_vs_time.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)
-    if len(group_lanes(records)) > 1:
+    if len({group for _, group in group_lanes(records)}) > 1:
         plot_groups(run_dir, records)
     return out
 
@@ -160,26 +190,25 @@ def _plot_loss(ax, records: list[dict], xs: list[float], losses: list[float]) ->
 
 
 def plot_groups(run_dir: Path, records: list[dict] | None = None) -> Path:
-    """Write RUN_DIR/groups.png: one lane per group, a tick at each of its updates, and the
-    times the plan changed; returns its path."""
+    """Write RUN_DIR/groups.png: one lane per group of each plan, a tick at each of its
+    updates, a dashed line where the plan changed; returns its path."""
     plt = _pyplot()
     records = records if records is not None else read_metrics(run_dir / "metrics.jsonl")
     lanes = group_lanes(records)
-    members: dict[int, set] = {}
-    for r in records:
-        if r.get("kind") == "step" and isinstance(r.get("group"), int):
-            members.setdefault(r["group"], set()).add(r["worker"])
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.6 * max(1, len(lanes))))
-    groups = list(lanes)
-    ax.eventplot([lanes[g] for g in groups], lineoffsets=range(len(groups)), linelengths=0.7, linewidths=0.8)
-    ax.set_yticks(range(len(groups)),
-                  [f"group {g} (workers {', '.join(map(str, sorted(members.get(g, ()))))}): {len(lanes[g])}"
-                   for g in groups])
+    members = lane_members(records, lanes)
+    several_plans = len({plan for plan, _ in lanes}) > 1
+    keys = list(lanes)[::-1]   # the first plan's groups on top
+    fig, ax = plt.subplots(figsize=(11, 1.3 + 0.5 * max(1, len(keys))))
+    ax.eventplot([lanes[k] for k in keys], lineoffsets=range(len(keys)), linelengths=0.7, linewidths=0.8)
+    ax.set_yticks(range(len(keys)),
+                  [(f"plan {plan}, " if several_plans else "") + f"group {group} (workers "
+                   f"{', '.join(map(str, members[(plan, group)]))}): {len(lanes[(plan, group)])}"
+                   for plan, group in keys])
     for r in records:
         if r.get("kind") == "plan" and r.get("plan_id", 1) > 1:
             ax.axvline(r["t"], color="grey", linestyle="--", linewidth=0.8)
     ax.set(xlabel="wall-clock time since the first plan (s)",
-           title="when each group's update was applied (dashed: a new plan)")
+           title="when each group's update was applied (count after the colon; dashed: a new plan)")
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     out = run_dir / "groups.png"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from hetps.scheduler.cli import main as hetps_main
-from hetps.scheduler.plots import (eval_curve, first_reach, group_lanes, median_band, plot_compare, plot_run,
-                                   run_title)
+from hetps.scheduler.plots import (eval_curve, first_reach, group_lanes, lane_members, median_band, plot_compare,
+                                   plot_run, run_title)
 
 
 def ev(t, acc, steps, nbytes=None, loss=1.0):
@@ -54,13 +54,19 @@ def test_median_band_over_repeats_carries_values_forward():
     assert median_band([])["x"].size == 0 and median_band([([], [])])["median"].size == 0
 
 
-def test_group_lanes_take_each_rounds_first_record():
-    records = [step(1.0, 0, 1, 0), step(1.1, 1, 1, 0),      # group 0 round 1: applied by 1.0
+def test_group_lanes_take_each_rounds_first_record_per_plan():
+    records = [{"kind": "plan", "t": 0.0, "plan_id": 1, "groups": [[4, 5], [6, 7]]},
+               step(1.0, 0, 1, 0), step(1.1, 1, 1, 0),      # group 0 round 1: applied by 1.0
                step(1.5, 2, 1, 1), step(1.4, 3, 1, 1),      # group 1 round 1: by 1.4
                step(2.0, 0, 2, 0), step(2.2, 1, 2, 0),
                {"kind": "eval", "t": 2.5, "accuracy": 0.9, "loss": 0.3, "global_steps": 6},
+               {"kind": "plan", "t": 3.0, "plan_id": 2, "groups": [[4, 5, 6, 7]]},
+               step(3.5, 2, 5, 0), step(3.6, 0, 5, 0),      # after the re-plan, group 0 is everyone
+               step(3.2, 3, 4, 1),                          # a last step under plan 1 (plan 2 has no group 1)
                {**step(3.0, 9, 1, 0), "group": None}]       # no group: skipped
-    assert group_lanes(records) == {0: [1.0, 2.0], 1: [1.4]}
+    lanes = group_lanes(records)
+    assert lanes == {(1, 0): [1.0, 2.0], (1, 1): [1.4, 3.2], (2, 0): [3.5]}
+    assert lane_members(records, lanes) == {(1, 0): [0, 1], (1, 1): [2, 3], (2, 0): [0, 2]}
 
 
 def test_run_title_says_what_ran_and_how_it_ended():
