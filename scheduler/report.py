@@ -40,6 +40,7 @@ class Progress:
     accuracy: float | None = None
     t: float = 0.0
     rate: float = 0.0
+    plan: tuple = (0, 0)   # (plan id, number of groups) of the latest plan
     _samples: list = field(default_factory=list)  # (t, total steps) over the last few seconds
 
     def poll(self) -> None:
@@ -64,6 +65,7 @@ class Progress:
                     self.registered.append(node)
             elif rec["kind"] == "plan":
                 self.planned = True
+                self.plan = (rec.get("plan_id", 0), len(rec.get("groups") or ()))
         total = sum(self.steps.values())
         self._samples = [s for s in self._samples if s[0] >= self.t - 3.0] + [(self.t, total)]
         t0, total0 = self._samples[0]
@@ -76,8 +78,9 @@ class Progress:
         acc = f"{self.accuracy:.4f}" if self.accuracy is not None else "  -   "
         target = f" (target {self.target})" if self.target is not None else ""
         steps = f"/{self.max_steps}" if self.max_steps else ""
+        groups = f"  plan {self.plan[0]}: {self.plan[1]} group{'s' if self.plan[1] != 1 else ''}"
         return (f"[{self.t:7.1f}s/{self.max_seconds:g}s] steps {sum(self.steps.values()):7d}{steps}  "
-                f"test acc {acc}{target}  {self.rate:7.1f} steps/s")
+                f"test acc {acc}{target}  {self.rate:7.1f} steps/s{groups}")
 
     def startup_line(self) -> str:
         """E.g. `registered 5/7 — waiting for ps1, worker3 (loading data, profiling)`."""

@@ -1,6 +1,7 @@
 """The plots' data: accuracy curves against time, steps or bytes, the median and min-max
-band over repeats, the per-group lanes, the run's title; and that the plot functions
-write their files from a run directory's records (not their pixels)."""
+band over repeats, the per-group lanes, the run's title; that the plot functions
+write their files from a run directory's records (not their pixels); and the live
+progress line's plan and groups."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from hetps.scheduler.cli import main as hetps_main
+from hetps.scheduler.report import Progress
 from hetps.scheduler.plots import (eval_curve, first_reach, group_lanes, lane_members, median_band, plot_compare,
                                    plot_run, run_title)
 
@@ -120,3 +122,17 @@ def test_compare_plot_on_every_axis_and_hetps_plot(tmp_path, capsys):
     (tmp_path / "compare.json").write_text(json.dumps([{"algorithm": "sync", "runs": [str(old)]}]))
     assert hetps_main(["plot", str(tmp_path), "--x", "bytes"]) == 2
     assert "do not record 'bytes'" in capsys.readouterr().err
+
+
+def test_progress_line_shows_the_plan_and_its_groups(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    progress = Progress(path, target=0.95, max_seconds=60)
+    with open(path, "w") as f:
+        f.write(json.dumps({"kind": "plan", "t": 0.0, "plan_id": 1, "groups": [[4, 5], [6, 7]]}) + "\n")
+        f.write(json.dumps(step(1.0, 0, 3, 0)) + "\n")
+    progress.poll()
+    assert progress.line().endswith("steps/s  plan 1: 2 groups"), progress.line()
+    with open(path, "a") as f:
+        f.write(json.dumps({"kind": "plan", "t": 2.0, "plan_id": 2, "groups": [[4, 5, 6, 7]]}) + "\n")
+    progress.poll()
+    assert progress.line().endswith("plan 2: 1 group") and "[    2.0s/60s]" in progress.line()
