@@ -18,13 +18,29 @@ from .security import SecurityError, configure
 # cluster never formed): 0 a clean stop the scheduler asked for; 1 a peer unreachable in time;
 # 2 a bad config, flag or key; 3 the scheduler went silent for cluster.scheduler_grace_s
 EXIT_SCHEDULER_LOST = 3
+# `--rank auto` (or HETPS_RANK=auto): the scheduler gives the node a free rank at registration
+AUTO_RANK = -1
+
+
+def rank_arg(value: str) -> int:
+    """A --rank value: a non-negative integer, or `auto` (AUTO_RANK). Raises ArgumentTypeError."""
+    if value.strip().lower() == "auto":
+        return AUTO_RANK
+    try:
+        rank = int(value)
+    except ValueError:
+        rank = -1
+    if rank < 0:
+        raise argparse.ArgumentTypeError(f"want a rank >= 0 or 'auto', got {value!r}")
+    return rank
 
 
 def common_args(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument("--config", default=env("HETPS_CONFIG"), help="YAML experiment ($HETPS_CONFIG)")
-    parser.add_argument("--rank", type=int, default=int(env("HETPS_RANK", "0")),
-                        help="this node's rank among its role ($HETPS_RANK)")
+    parser.add_argument("--rank", type=rank_arg, default=env("HETPS_RANK", "0"),
+                        help="this node's rank among its role, or `auto`: a free one claimed from the scheduler "
+                             "for launchers without indices ($HETPS_RANK)")
     parser.add_argument("--scheduler", default=env("HETPS_SCHEDULER"),
                         help="scheduler address tcp://HOST:PORT ($HETPS_SCHEDULER; else cluster.scheduler)")
     parser.add_argument("--log-level", default=env("HETPS_LOG_LEVEL", "INFO"))
@@ -45,6 +61,14 @@ def metrics_args(parser: argparse.ArgumentParser) -> None:
                              "default -1 = off)")
     parser.add_argument("--metrics-host", default=env("HETPS_METRICS_HOST"),
                         help="address /metrics listens on ($HETPS_METRICS_HOST; default cluster.host)")
+    parser.add_argument("--metrics-targets", default=env("HETPS_METRICS_TARGETS"),
+                        help="a Prometheus file_sd JSON file this daemon adds its /metrics address to "
+                             "($HETPS_METRICS_TARGETS; hetps run --metrics: RUN_DIR/prometheus_targets.json)")
+
+
+def rank_label(rank: int) -> str:
+    """How --check and messages show a rank: the number, or `auto`."""
+    return "auto" if rank == AUTO_RANK else str(rank)
 
 
 def check_and_exit(role: str, **resolved) -> None:
@@ -76,8 +100,9 @@ def security_or_exit(cfg: RunConfig, role: str, client_key: str | None = None) -
 
 def daemon_setup(args: argparse.Namespace, role: str) -> tuple[RunConfig, str]:
     """Config, logging, CurveZMQ keys and the scheduler address for a daemon."""
+    rank = "-auto" if args.rank == AUTO_RANK else args.rank
     logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s {role}{args.rank} %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s {role}{rank} %(levelname)s %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
     # the roles that build the model and the data import their factories now, not at first use
     cfg = load_or_exit(args.config, args.overrides, import_targets=role in ("worker", "evaluator"))
@@ -89,7 +114,7 @@ def daemon_setup(args: argparse.Namespace, role: str) -> tuple[RunConfig, str]:
               file=sys.stderr)
         raise SystemExit(2)
     if args.check and role != "ps":  # the shard adds its own addresses
-        check_and_exit(role, rank=args.rank, scheduler=scheduler, config=args.config)
+        check_and_exit(role, rank=rank_label(args.rank), scheduler=scheduler, config=args.config)
     return cfg, scheduler
 
 

@@ -78,6 +78,10 @@ class Membership:
             raise UnexpectedReply(self.scheduler, "REGISTER", "WELCOME", welcome)
         self.node_id = welcome.node_id
         self.rpc.src = self.node_id
+        if welcome.rank != self.rank:  # `--rank auto`: the scheduler chose it; keep it on re-registering
+            log.info("%s: claimed rank %d", self.role, welcome.rank)
+            self.rank = welcome.rank
+            self._registration = dataclasses.replace(self._registration, rank=welcome.rank)
         return self.node_id
 
     def wait_plan(self, after: int = 0, timeout_s: float | None = None) -> ClusterPlan:

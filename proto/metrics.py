@@ -12,14 +12,20 @@ stats already are: the heartbeat thread calls them too).
 """
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import math
+import os
+import socket
 import threading
+from importlib import metadata
+from pathlib import Path
 from http.server import ThreadingHTTPServer
 from typing import Callable, Iterator, NamedTuple
 
 from prometheus_client import CollectorRegistry, MetricsHandler, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -36,11 +42,8 @@ class Spec(NamedTuple):
 METRICS = {
     # worker
     "steps": Spec("hetps_steps_total", "counter", "Training steps taken by this worker (its clock)."),
-    "step_time_s": Spec("hetps_step_seconds", "gauge", "Moving average of one step's wall time, seconds."),
-    "samples_per_s": Spec("hetps_samples_per_second", "gauge", "Samples per second: batch / step time."),
+    # a state, not a rate of this scrape: the speed the scheduler's current grouping is based on
     "speed": Spec("hetps_speed_samples_per_second", "gauge", "Measured speed the scheduler groups by."),
-    "compute_s": Spec("hetps_compute_seconds", "gauge", "Moving average of forward+backward time, seconds."),
-    "push_s": Spec("hetps_push_seconds", "gauge", "Moving average of push-until-acknowledged time, seconds."),
     "staleness": Spec("hetps_staleness", "gauge", "Staleness of this worker's last push."),
     "group": Spec("hetps_group", "member", "1 for the group this worker belongs to in the current plan.",
                   ("group",)),
@@ -70,7 +73,20 @@ METRICS = {
     "loss": Spec("hetps_loss", "gauge", "Latest test loss."),
     "elapsed_s": Spec("hetps_elapsed_seconds", "gauge", "Seconds since training began."),
     "stopping": Spec("hetps_stopping", "gauge", "1 once the scheduler began stopping the cluster."),
+    "samples": Spec("hetps_samples_total", "counter", "Training samples this worker computed gradients on."),
 }
+# histograms() key -> metric (a worker's StepTimer keeps them, worker/trainer.py)
+HISTOGRAMS = {
+    "step_s": Spec("hetps_step_duration_seconds", "histogram", "Wall time of one training step, seconds."),
+    "compute_s": Spec("hetps_compute_duration_seconds", "histogram",
+                      "Forward+backward time of one step (emulated slowdown included), seconds."),
+    "push_s": Spec("hetps_push_duration_seconds", "histogram",
+                   "Time from sending a step's push until every shard acknowledged it, seconds."),
+    "round_wait_s": Spec("hetps_round_wait_seconds", "histogram",
+                         "Time a step waited after its push was acknowledged until the next values came "
+                         "(other workers, the round, the staleness bound), seconds."),
+}
+BUILD_INFO = "hetps_build_info"
 _SERVERS: dict[str, ThreadingHTTPServer] = {}
 
 
@@ -106,36 +122,73 @@ def family(spec: Spec, value, base: dict[str, str]) -> Metric | None:
     return metric if metric.samples else None
 
 
-class StatsCollector(Collector):
-    """Reads `stats()` at every scrape; a failing `stats()` yields nothing."""
+def histogram_family(spec: Spec, snapshot, base: dict[str, str]) -> Metric | None:
+    """One histogram family from a Histogram.snapshot(), or None when it is not one."""
+    try:
+        buckets = [("+Inf" if math.isinf(b) else repr(float(b)), float(n)) for b, n in snapshot["buckets"]]
+        total = float(snapshot["sum"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not buckets or buckets[-1][0] != "+Inf":
+        return None
+    metric = HistogramMetricFamily(spec.name, spec.help, labels=list(base))
+    metric.add_metric(list(base.values()), buckets, total)
+    return metric
 
-    def __init__(self, role: str, rank: int, stats: Callable[[], dict]):
+
+def build_info(base: dict[str, str], algorithm: str) -> Metric:
+    """hetps_build_info{version, torch_version, algorithm} 1: join on it to tell runs apart."""
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "unknown"
+    info = {"version": version("hetps"), "torch_version": version("torch"), "algorithm": algorithm}
+    metric = GaugeMetricFamily(BUILD_INFO, "Which hetps and torch this daemon runs, and the run's algorithm.",
+                               labels=[*base, *info])
+    metric.add_metric([*base.values(), *info.values()], 1.0)
+    return metric
+
+
+class StatsCollector(Collector):
+    """Reads `stats()` (and `histograms()`) at every scrape; a failing call yields nothing of it."""
+
+    def __init__(self, role: str, rank: int, stats: Callable[[], dict],
+                 histograms: Callable[[], dict] | None = None, algorithm: str = ""):
         self.base = {"role": role, "rank": str(rank)}
         self.stats = stats
+        self.histograms = histograms
+        self.info = build_info(self.base, algorithm)
 
     def collect(self) -> Iterator[Metric]:
-        try:
-            stats = self.stats()
-        except Exception as exc:  # a racing update in the daemon: the next scrape will do
-            log.warning("metrics: stats() failed: %r", exc)
-            return
-        if not isinstance(stats, dict):
-            return
-        for key, spec in METRICS.items():
-            metric = family(spec, stats.get(key), self.base) if key in stats else None
-            if metric is not None:
-                yield metric
+        yield self.info
+        for source, table, make in ((self.stats, METRICS, family), (self.histograms, HISTOGRAMS, histogram_family)):
+            try:
+                values = source() if source is not None else {}
+            except Exception as exc:  # a racing update in the daemon: the next scrape will do
+                log.warning("metrics: %s() failed: %r", getattr(source, "__name__", "stats"), exc)
+                continue
+            if not isinstance(values, dict):
+                continue
+            for key, spec in table.items():
+                metric = make(spec, values.get(key), self.base) if key in values else None
+                if metric is not None:
+                    yield metric
 
 
-def serve_metrics(port: int, host: str, role: str, rank: int, stats: Callable[[], dict]) -> str | None:
+def serve_metrics(port: int, host: str, role: str, rank: int, stats: Callable[[], dict], *,
+                  histograms: Callable[[], dict] | None = None, algorithm: str = "",
+                  targets: str | Path | None = None) -> str | None:
     """Serve /metrics on HOST:PORT (port 0: a free one) from a daemon thread;
     returns "http://HOST:PORT/metrics", or None when port < 0 (off) or the
     port cannot be bound (logged; training goes on without metrics).
+    `histograms`: durations (HISTOGRAMS keys -> Histogram.snapshot()); `algorithm`
+    labels hetps_build_info; `targets`: a file_sd file this daemon adds itself to.
     Not blocking; the server lives as long as the process."""
     if port < 0:
         return None
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(role, rank, stats))
+    registry.register(StatsCollector(role, rank, stats, histograms, algorithm))
     ProcessCollector(registry=registry)  # CPU seconds, resident memory, open fds of this daemon
     try:
         server = ThreadingHTTPServer((host, port), MetricsHandler.factory(registry))
@@ -147,7 +200,44 @@ def serve_metrics(port: int, host: str, role: str, rank: int, stats: Callable[[]
     address = f"http://{host}:{server.server_address[1]}/metrics"
     _SERVERS[address] = server
     log.info("metrics at %s", address)
+    if targets:
+        try:
+            add_target(Path(targets), host, server.server_address[1], daemon_name(role, rank))
+        except OSError as exc:  # metrics are still served; only discovery by file is lost
+            log.error("metrics: cannot write the targets file %s: %s", targets, exc)
     return address
+
+
+def daemon_name(role: str, rank: int) -> str:
+    """The name a local run gives the daemon's process and log: scheduler, ps0, worker3, evaluator."""
+    return role if role in ("scheduler", "evaluator") else f"{role}{rank}"
+
+
+def add_target(path: Path, host: str, port: int, daemon: str) -> None:
+    """Add (or replace) DAEMON's entry in a Prometheus file_sd targets file:
+    `[{"targets": ["HOST:PORT"], "labels": {"daemon": ..., "hetps_run": ...}}, ...]`.
+    Daemons of one run add themselves concurrently: a lock file serializes them and
+    the file is replaced atomically, so Prometheus never reads half of it.
+    Blocking (briefly); raises OSError."""
+    if host in ("0.0.0.0", "::", ""):  # a wildcard bind: scrape it by this machine's name
+        host = socket.gethostname()
+    entry = {"targets": [f"{host}:{port}"], "labels": {"daemon": daemon, "hetps_run": path.parent.name}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = [e for e in read_targets(path) if e.get("labels", {}).get("daemon") != daemon]
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([*entries, entry], indent=1) + "\n")
+        os.replace(tmp, path)
+
+
+def read_targets(path: Path) -> list[dict]:
+    """The entries of a file_sd targets file; [] when missing or unreadable."""
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
 
 
 def stop_metrics(address: str) -> None:

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from hetps.proto.daemon import check_and_exit, common_args, daemon_setup, scheduler_lost_exit
+from hetps.proto.daemon import check_and_exit, common_args, daemon_setup, rank_label, scheduler_lost_exit
 from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
@@ -57,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     cfg, scheduler = daemon_setup(args, "ps")
     if args.check:
-        check_and_exit("ps", rank=args.rank, scheduler=scheduler, bind=args.bind, advertise=args.advertise,
+        check_and_exit("ps", rank=rank_label(args.rank), scheduler=scheduler, bind=args.bind, advertise=args.advertise,
                        config=args.config)
-    node = cfg.cluster.shards[args.rank] if args.rank < len(cfg.cluster.shards) else NodeConfig()
+    # `--rank auto` (rank < 0): the default node settings, the rank comes at registration
+    node = cfg.cluster.shards[args.rank] if 0 <= args.rank < len(cfg.cluster.shards) else NodeConfig()
     torch.set_num_threads(node.threads)
     set_link_cap(node.link_mbps)
     slowdown = Slowdown(node)
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         with member.starting():  # reported to the scheduler, which ends the run naming this shard
             speed = profile_update_speed(slowdown)
         member.join(address=args.advertise or server.address, speed=speed)
+        args.rank = member.rank  # `--rank auto`: from here on, the rank the scheduler gave
         plan = member.wait_plan()
         # heartbeats from the moment the plan arrives (the scheduler counts silence from then on):
         # restoring a large checkpoint may take a while
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         shard.park_future_pushes = True  # PlanFollower fetches the plans they wait for
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
                  len(shard.store.specs), server.address)
-        serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats)
+        serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats,
+                      algorithm=cfg.algorithm.name, targets=args.metrics_targets)
         serve(shard, member)
         log.info("stopping: %s", member.stop_reason)
         # workers have stopped (or, the scheduler lost, will): a point to resume from

@@ -63,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if run_dir:
         run_dir.mkdir(parents=True, exist_ok=True)
+    finished = state.read(run_dir) if run_dir and not args.resume else None
+    if finished is not None and finished["finished"] and args.run_id in (None, finished["run_id"]):
+        # a scheduler restarted after its run ended (an orchestrator's retry): never a new run in the old
+        # directory, whose summary, plans and metrics belong to the finished one
+        print(f"hetps scheduler: run {finished['run_id']} in {run_dir} has finished; nothing to do "
+              "(a new run needs a new --run-dir)", file=sys.stderr)
+        return 0
     server = make_server(args.bind or cfg.cluster.scheduler, cfg.cluster.max_message_bytes)
     coordinator = Coordinator(server, cfg, run_dir, run_id=args.run_id)
     if cfg.log.tensorboard and run_dir:
@@ -82,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if algorithm(cfg.algorithm.name).needs_sklearn:
         grouping.preload()  # while the other daemons start (their registrations queue meanwhile)
     serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "scheduler", 0,
-                  coordinator.metrics)
+                  coordinator.metrics, algorithm=cfg.algorithm.name, targets=args.metrics_targets)
 
     def on_signal(signum, frame):
         log.info("%s: stopping the run", signal.Signals(signum).name)

@@ -2,7 +2,8 @@
 
     hetps run CONFIG [key=value ...] [--out DIR] [--quiet] [--metrics] [--tensorboard]   a whole local cluster
     hetps run --resume RUN_DIR [key=value ...]                          continue a stopped run
-    hetps compare CONFIG --algorithms a,b,c [--repeats N] [--with ALGO key=value] [--out DIR]
+    hetps compare CONFIG --algorithms a,b,c [--repeats N] [--with ALGO key=value] [--out DIR] [--x time|steps|bytes]
+    hetps plot    RUN_DIR_OR_COMPARE_DIR [--x time|steps|bytes]   draw a run's or a comparison's plots again
     hetps scheduler --config CONFIG [--bind ADDR] [--run-dir DIR]
     hetps ps        --config CONFIG --rank N [--scheduler ADDR]
     hetps worker    --config CONFIG --rank N [--scheduler ADDR] [--evaluator]
@@ -39,7 +40,8 @@ def run_command(argv: list[str]) -> int:
     parser.add_argument("--out", default=None, help="run directory (default: out_dir/NAME-ALGO-TIME)")
     parser.add_argument("--quiet", action="store_true", help="no progress line or summary")
     parser.add_argument("--metrics", action="store_true",
-                        help="every daemon serves Prometheus /metrics on a free port (its log says where)")
+                        help="every daemon serves Prometheus /metrics on a free port, listed in "
+                             "RUN_DIR/prometheus_targets.json (a file_sd file)")
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its checkpoints")
     parser.add_argument("--tensorboard", action="store_true",
                         help="TensorBoard event files in RUN_DIR/tensorboard (log.tensorboard=true)")
@@ -115,7 +117,7 @@ def keys_command(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("run", "compare", "scheduler", "ps", "worker", "keys", "config", "export")
+    commands = ("run", "compare", "plot", "scheduler", "ps", "worker", "keys", "config", "export")
     if (not argv or argv[0] not in commands) and os.environ.get("HETPS_ROLE") in commands:
         argv = [os.environ["HETPS_ROLE"], *argv]  # containers: the role from the environment
     if not argv or argv[0] not in commands:
@@ -132,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         from .compare import compare_command
 
         return compare_command(rest)
+    if command == "plot":
+        from .plots import plot_command
+
+        return plot_command(rest)
     if command == "scheduler":
         from .__main__ import main as scheduler_main
 

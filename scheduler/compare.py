@@ -10,7 +10,9 @@ it with `{name: ALGO}` otherwise, then applies the common overrides, then
 that entry's `--with` overrides.
 Writes OUT/compare.json, OUT/compare.md (median time to target, speedup over
 the first algorithm, final accuracy, bytes, communication rounds) and
-OUT/compare.png (test accuracy against time, one curve per algorithm).
+OUT/compare.png (per algorithm, the median test accuracy over all repeats with
+the min-max band, against time, global steps or bytes moved: `--x`;
+`hetps plot OUT --x steps` draws it again).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from pathlib import Path
 from hetps.proto.config import ConfigError, apply_override, config_from_dict, load_raw
 
 from .launcher import run_local
-from .report import read_metrics
+from .plots import X_AXES, plot_compare
 
 
 def algorithm_config(raw: dict, algorithm: str, common: list[str], extra: list[str], seed: int):
@@ -73,25 +75,6 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_compare(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        evals = [m for m in read_metrics(Path(r["runs"][0]) / "metrics.jsonl") if m["kind"] == "eval"]
-        ax.plot([m["t"] for m in evals], [m["accuracy"] for m in evals], marker=".", label=r["algorithm"])
-    ax.set(xlabel="wall-clock time (s)", ylabel="test accuracy", title="test accuracy (first repeat)")
-    ax.set_ylim(0.8, 1.0)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "compare.png", dpi=100)
-    plt.close(fig)
-
-
 def compare_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hetps compare", description=__doc__.splitlines()[0])
     parser.add_argument("config")
@@ -102,6 +85,8 @@ def compare_command(argv: list[str]) -> int:
     parser.add_argument("--with", dest="extra", nargs=2, action="append", default=[],
                         metavar=("LABEL", "KEY=VALUE"), help="an override for one entry only")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--x", choices=list(X_AXES), default="time",
+                        help="compare.png's x axis: wall-clock time, global steps or bytes moved (default time)")
     args = parser.parse_intermixed_args(argv)
     raw = load_raw(args.config)
     # each entry is ALGO or LABEL:ALGO (the same algorithm twice with different --with)
@@ -130,6 +115,6 @@ def compare_command(argv: list[str]) -> int:
         rows.append(aggregate(a, summaries))
     (out / "compare.json").write_text(json.dumps(rows, indent=2))
     (out / "compare.md").write_text(markdown(rows, f"{args.config} {' '.join(args.overrides)}".strip()))
-    plot_compare(rows, out)
+    plot_compare(rows, out, args.x)
     print((out / "compare.md").read_text())
     return 0

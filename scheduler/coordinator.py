@@ -30,7 +30,7 @@ from . import state, status
 from .outcome import DIVERGED, DivergenceGuard, startup_failure
 from .status import ROLES
 from .placement import place
-from .nodes import EvalTrack, Node
+from .nodes import EvalTrack, Node, free_rank
 from .runlog import RunLog
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,8 @@ class Coordinator(Service):
             raise ProtocolError(Status.MALFORMED, f"role {msg.role!r} not in {ROLES}")
         if msg.role == "worker":
             self._check_schema(msg.tensor_specs, msg.schema_hash)
+        if msg.rank < 0:  # `--rank auto`: the node takes the rank given here (nodes.free_rank)
+            msg = dataclasses.replace(msg, rank=self._claim_rank(msg.role))
         known = self._known(msg)
         if known is not None:
             return self._readmit(known, msg)
@@ -112,6 +114,13 @@ class Coordinator(Service):
             self._replan(f"worker {msg.rank} joined as node {node_id}")
         state.save(self)
         return Welcome(node_id=node_id, role=msg.role, rank=msg.rank)
+
+    def _claim_rank(self, role: str) -> int:
+        rank = free_rank(list(self.nodes.values()), role, self.expected.get(role, 0))
+        if rank is None:
+            raise ProtocolError(Status.BAD_STATE, f"--rank auto: every {role} rank 0..{self.expected[role] - 1} "
+                                                  "is held by a live node")
+        return rank
 
     def _known(self, msg) -> Node | None:
         """The node a registration comes back as: the one whose id it names
@@ -329,7 +338,9 @@ class Coordinator(Service):
         ev.final, ev.final_loss = accuracy, loss
         t = self.elapsed()
         self.runlog.record("eval", t=round(t, 4), accuracy=accuracy, loss=loss,
-                           global_steps=self.global_steps(), final=bool(values.get("final", False)))
+                           global_steps=self.global_steps(), final=bool(values.get("final", False)),
+                           bytes=sum(status.count(n.stats, k) for n in self.members("worker")  # as last heard
+                                     for k in ("bytes_sent", "bytes_received")))
         classes = values.get("num_classes")
         if (self.guard.loss(loss, "the evaluator (test loss)")
                 or self.guard.evaluation(accuracy, classes if isinstance(classes, int) else None, t)):

@@ -37,6 +37,7 @@ from .state import STATE_FILE
 from .zygote import ForkServer, forking_enabled
 
 ADDR_WAIT_S = 60.0   # longest wait for the scheduler to publish its address
+TARGETS = "prometheus_targets.json"  # --metrics: each daemon serves /metrics on a free port and adds it here
 REAP_WAIT_S = 15.0   # after the scheduler exits, how long the rest may take to leave
 
 
@@ -113,8 +114,7 @@ class LocalCluster:
         self.resume = resume
         # shards checkpoint into RUN_DIR/checkpoints unless checkpoint.dir says elsewhere
         self.checkpoint_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else checkpoints_root(run_dir)
-        # each child serves Prometheus /metrics on a free port and logs "metrics at URL"
-        self.metrics_args = ("--metrics-port", "0") if metrics else ()
+        self.metrics_args = ("--metrics-port", "0", "--metrics-targets", str(run_dir / TARGETS)) if metrics else ()
         self.children: list[Child] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         # security.curve without a keys directory: fresh keys in RUN_DIR/keys, one client key per process

@@ -34,6 +34,17 @@ class Node:
         return self.stats.speed or self.profiled_speed or 1.0
 
 
+def free_rank(nodes: list[Node], role: str, configured: int) -> int | None:
+    """The rank `--rank auto` claims for a node of `role`, given the `configured` count
+    of that role in the config. A shard: the lowest of 0..configured-1 no live shard holds
+    (None: every one is held), so it takes a missing shard's place and settings in the plan.
+    A worker or evaluator: the lowest rank from `configured` up that no live node of its
+    role holds; the configured ranks stay free for launchers that give indices."""
+    held = {n.rank for n in nodes if n.role == role and not n.gone}
+    start, stop = (0, configured) if role == "ps" else (configured, configured + len(held) + 1)
+    return next((r for r in range(start, stop) if r not in held), None)
+
+
 @dataclass
 class EvalTrack:
     target: float | None

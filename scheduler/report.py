@@ -1,5 +1,5 @@
 """Reading a run directory back: metrics, a live progress line, and the
-accuracy/loss-versus-wall-clock plot."""
+accuracy/loss-versus-wall-clock plot (drawn by plots.py)."""
 from __future__ import annotations
 
 import json
@@ -40,6 +40,7 @@ class Progress:
     accuracy: float | None = None
     t: float = 0.0
     rate: float = 0.0
+    plan: tuple = (0, 0)   # (plan id, number of groups) of the latest plan
     _samples: list = field(default_factory=list)  # (t, total steps) over the last few seconds
 
     def poll(self) -> None:
@@ -64,6 +65,7 @@ class Progress:
                     self.registered.append(node)
             elif rec["kind"] == "plan":
                 self.planned = True
+                self.plan = (rec.get("plan_id", 0), len(rec.get("groups") or ()))
         total = sum(self.steps.values())
         self._samples = [s for s in self._samples if s[0] >= self.t - 3.0] + [(self.t, total)]
         t0, total0 = self._samples[0]
@@ -76,8 +78,9 @@ class Progress:
         acc = f"{self.accuracy:.4f}" if self.accuracy is not None else "  -   "
         target = f" (target {self.target})" if self.target is not None else ""
         steps = f"/{self.max_steps}" if self.max_steps else ""
+        groups = f"  plan {self.plan[0]}: {self.plan[1]} group{'s' if self.plan[1] != 1 else ''}"
         return (f"[{self.t:7.1f}s/{self.max_seconds:g}s] steps {sum(self.steps.values()):7d}{steps}  "
-                f"test acc {acc}{target}  {self.rate:7.1f} steps/s")
+                f"test acc {acc}{target}  {self.rate:7.1f} steps/s{groups}")
 
     def startup_line(self) -> str:
         """E.g. `registered 5/7 — waiting for ps1, worker3 (loading data, profiling)`."""
@@ -93,33 +96,6 @@ class Progress:
 
 
 def plot_run(run_dir: Path, title: str = "") -> Path:
-    """Write RUN_DIR/accuracy_vs_time.png from metrics.jsonl; returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = read_metrics(run_dir / "metrics.jsonl")
-    evals = [r for r in records if r["kind"] == "eval"]
-    steps = sorted((r for r in records if r["kind"] == "step"), key=lambda r: r["t"])
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
-    ax_acc.plot([r["t"] for r in evals], [r["accuracy"] for r in evals], marker=".")
-    ax_acc.set(xlabel="wall-clock time (s)", ylabel="test accuracy", title="test accuracy")
-    ax_acc.grid(alpha=0.3)
-    ax_loss.plot([r["t"] for r in evals], [r["loss"] for r in evals], marker=".", label="test loss")
-    if steps:
-        window = max(1, len(steps) // 50)
-        smoothed = [sum(r["loss"] for r in steps[i:i + window]) / len(steps[i:i + window])
-                    for i in range(0, len(steps), window)]
-        ax_loss.plot([steps[i]["t"] for i in range(0, len(steps), window)], smoothed,
-                     alpha=0.7, label="train loss (mean)")
-    ax_loss.set(xlabel="wall-clock time (s)", ylabel="cross-entropy", title="loss")
-    ax_loss.set_yscale("log")
-    ax_loss.grid(alpha=0.3)
-    ax_loss.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    out = run_dir / "accuracy_vs_time.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    """RUN_DIR/accuracy_vs_time.png (and groups.png): see plots.py."""
+    from .plots import plot_run as plot  # plots imports this module
+    return plot(run_dir, title)

@@ -1,5 +1,5 @@
-"""The deployment files: docker/Dockerfile, docker/Dockerfile.cuda, docker/docker-compose.yml and
-docker/k8s/*.yaml.
+"""The deployment files: docker/Dockerfile, docker/Dockerfile.cuda and docker/docker-compose.yml
+(the Kubernetes manifests: test_k8s_jobs.py, which uses the helpers here).
 
 No Docker daemon or Kubernetes cluster is needed. The manifests are parsed and cross-checked
 (names, selectors, volumes, addresses), `docker-compose config` validates the compose file
@@ -23,25 +23,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hetps.proto.config import config_from_dict, load_config
+from hetps.proto.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "docker-compose.yml"
-K8S = DOCKER / "k8s"
 CPU_DOCKERFILE = DOCKER / "Dockerfile"
 CUDA_DOCKERFILE = DOCKER / "Dockerfile.cuda"
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
 PACKAGE_DIRS = ("proto", "ps", "worker", "scheduler")   # pyproject's package-dir mapping
-RANK_FROM_ADDRESS_MIN = 1000   # the scaled workers' entrypoint: 1000 + low 16 bits of the IP
 
 COMPOSE_SERVICES = {"scheduler", "ps0", "ps1", "worker0", "worker1", "worker2", "worker3", "worker",
                     "evaluator", "worker-gpu0", "worker-gpu1"}
-K8S_OBJECTS = {("ConfigMap", "hetps-config"), ("PersistentVolumeClaim", "hetps-runs"),
-               ("Service", "hetps-scheduler"), ("StatefulSet", "hetps-scheduler"),
-               ("Service", "hetps-ps"), ("StatefulSet", "hetps-ps"),
-               ("Deployment", "hetps-worker"), ("Deployment", "hetps-evaluator"),
-               ("Deployment", "hetps-worker-gpu")}
+MONITORING_SERVICES = {"prometheus"}   # profile `monitoring`; checked in test_monitoring_files.py
 
 
 # ---------------------------------------------------------------- helpers
@@ -220,7 +214,7 @@ def test_compose_config_validates():
     assert done.returncode == 0, done.stderr
     services = subprocess.run([binary, "-f", str(COMPOSE), "config", "--services"], capture_output=True,
                               text=True, env=compose_env(), timeout=120)
-    assert set(services.stdout.split()) == COMPOSE_SERVICES
+    assert set(services.stdout.split()) == COMPOSE_SERVICES | MONITORING_SERVICES
 
 
 @pytest.fixture(scope="module")
@@ -229,8 +223,8 @@ def compose() -> dict:
 
 
 def test_compose_structure(compose):
-    services = compose["services"]
-    assert set(services) == COMPOSE_SERVICES
+    assert set(compose["services"]) == COMPOSE_SERVICES | MONITORING_SERVICES
+    services = {n: svc for n, svc in compose["services"].items() if n in COMPOSE_SERVICES}
     cfg = load_config(DEFAULT_CONFIG)
     assert {"runs", "checkpoints"} <= set(compose.get("volumes") or {})
     for name, svc in services.items():
@@ -280,7 +274,8 @@ def compose_expectations(name: str) -> dict[str, str]:
         return {"role": "worker", "rank": m.group(1), "scheduler": "tcp://scheduler:7000"}
     if name == "evaluator":
         return {"role": "evaluator", "scheduler": "tcp://scheduler:7000"}
-    return {"role": "worker", "scheduler": "tcp://scheduler:7000"}  # scaled: rank from the address
+    # scaled and GPU workers: a rank claimed from the scheduler, never one derived from an address
+    return {"role": "worker", "rank": "auto", "scheduler": "tcp://scheduler:7000"}
 
 
 @pytest.mark.parametrize("name", sorted(COMPOSE_SERVICES))
@@ -299,8 +294,6 @@ def test_compose_service_command_passes_check(name, compose, shim_path):
     expected = compose_expectations(name)
     assert {k: resolved.get(k) for k in expected} == expected, resolved
     assert resolved["config"] == str(ROOT / "configs" / "default.yaml")
-    if name == "worker" or name.startswith("worker-gpu"):
-        assert int(resolved["rank"]) >= RANK_FROM_ADDRESS_MIN, resolved
 
 
 def test_compose_advertised_shard_addresses_are_service_names(compose):
@@ -311,127 +304,3 @@ def test_compose_advertised_shard_addresses_are_service_names(compose):
             host, port = split_address(argv[argv.index("--advertise") + 1])
             assert host == name and host in services
             assert f"tcp://0.0.0.0:{port}" == argv[argv.index("--bind") + 1]
-
-
-# ---------------------------------------------------------------- Kubernetes
-@pytest.fixture(scope="module")
-def k8s() -> dict[tuple[str, str], dict]:
-    objects = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc is None:
-                continue
-            key = (doc["kind"], doc["metadata"]["name"])
-            assert key not in objects, f"{key} defined twice"
-            assert "namespace" not in doc["metadata"], f"{path.name}: {key} names a namespace"
-            objects[key] = doc
-    return objects
-
-
-def test_k8s_objects(k8s):
-    assert set(k8s) == K8S_OBJECTS
-
-
-def test_k8s_objects_match_the_api_schemas(k8s):
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed: the manifests "
-                             "are checked by the structural tests here, not against the API schemas")
-    for obj in k8s.values():
-        kv.validate(obj, kv.latest_version(), strict=True)  # raises ValidationError naming the field
-
-
-def test_k8s_configmap_is_the_default_config(k8s):
-    data = k8s[("ConfigMap", "hetps-config")]["data"]
-    assert data["default.yaml"] == DEFAULT_CONFIG.read_text(), \
-        "docker/k8s/configmap.yaml has drifted from configs/default.yaml"
-    cfg = config_from_dict(yaml.safe_load(data["default.yaml"]))
-    assert cfg == load_config(DEFAULT_CONFIG)
-
-
-def workloads(k8s):
-    return {key: obj for key, obj in k8s.items() if key[0] in ("StatefulSet", "Deployment")}
-
-
-def test_k8s_workloads_are_consistent(k8s):
-    cfg = config_from_dict(yaml.safe_load(k8s[("ConfigMap", "hetps-config")]["data"]["default.yaml"]))
-    replicas = {key: obj["spec"]["replicas"] for key, obj in workloads(k8s).items()}
-    assert replicas == {("StatefulSet", "hetps-scheduler"): 1,
-                        ("StatefulSet", "hetps-ps"): len(cfg.cluster.shards),
-                        ("Deployment", "hetps-worker"): len(cfg.cluster.workers),
-                        ("Deployment", "hetps-evaluator"): 1,
-                        ("Deployment", "hetps-worker-gpu"): 0}  # scaled up where GPU nodes exist
-    for (kind, name), obj in workloads(k8s).items():
-        spec = obj["spec"]
-        labels = spec["template"]["metadata"]["labels"]
-        assert spec["selector"]["matchLabels"].items() <= labels.items(), name
-        if kind == "StatefulSet":  # governed by a headless Service that selects its pods
-            svc = k8s[("Service", spec["serviceName"])]["spec"]
-            assert svc.get("clusterIP") == "None" and svc["selector"].items() <= labels.items(), name
-            assert svc.get("publishNotReadyAddresses") is True, name
-        pod = spec["template"]["spec"]
-        volumes = {v["name"]: v for v in pod.get("volumes", [])}
-        claims = {t["metadata"]["name"] for t in spec.get("volumeClaimTemplates", [])}
-        for volume in volumes.values():
-            if "configMap" in volume:
-                assert ("ConfigMap", volume["configMap"]["name"]) in k8s
-            if "persistentVolumeClaim" in volume:
-                assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in k8s
-        for c in pod["containers"]:
-            assert c["resources"]["requests"].get("cpu") and c["resources"]["requests"].get("memory"), name
-            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
-            assert all(n in volumes or n in claims for n in mounts.values()), name
-            assert volumes[mounts["/configs"]].get("configMap", {}).get("name") == "hetps-config", name
-            env = {e["name"]: e.get("value") for e in c.get("env", [])}
-            assert env.get("HETPS_CONFIG") == "/configs/default.yaml", name
-            if name != "hetps-scheduler":  # the scheduler pod's stable DNS name and its Service port
-                host, port = split_address(env["HETPS_SCHEDULER"])
-                pod_name, service = host.split(".", 1)
-                assert pod_name == "hetps-scheduler-0" and service == "hetps-scheduler", host
-                assert port in [p["port"] for p in k8s[("Service", service)]["spec"]["ports"]]
-    runs = workloads(k8s)[("StatefulSet", "hetps-scheduler")]["spec"]["template"]["spec"]
-    assert any(v.get("persistentVolumeClaim", {}).get("claimName") == "hetps-runs" for v in runs["volumes"])
-
-
-def k8s_expand(value: str, env: dict[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion of command and args ($$ escapes; unknown names stay)."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
-
-
-def k8s_pods():
-    """(workload name, pod hostname, expected --check values) for every pod the manifests make."""
-    scheduler = "tcp://hetps-scheduler-0.hetps-scheduler:7000"
-    pods = [("hetps-scheduler", "hetps-scheduler-0", {"role": "scheduler", "bind": "tcp://0.0.0.0:7000"})]
-    for i in range(2):
-        pods.append(("hetps-ps", f"hetps-ps-{i}", {
-            "role": "ps", "rank": str(i), "bind": "tcp://0.0.0.0:7100",
-            "advertise": f"tcp://hetps-ps-{i}.hetps-ps:7100", "scheduler": scheduler}))
-    pods.append(("hetps-worker", "hetps-worker-5d8f7c9b4-x2x7q", {"role": "worker", "scheduler": scheduler}))
-    pods.append(("hetps-worker-gpu", "hetps-worker-gpu-6c4b8d9f7-k9d2m", {"role": "worker", "scheduler": scheduler}))
-    pods.append(("hetps-evaluator", "hetps-evaluator-7b9c6d5f8-q4kzt",
-                 {"role": "evaluator", "scheduler": scheduler}))
-    return [pytest.param(*pod, id=pod[1]) for pod in pods]
-
-
-@pytest.mark.parametrize("workload,hostname,expected", k8s_pods())
-def test_k8s_container_command_passes_check(workload, hostname, expected, k8s, tmp_path, shim_path):
-    obj = next(o for (kind, name), o in workloads(k8s).items() if name == workload)
-    (container,) = obj["spec"]["template"]["spec"]["containers"]
-    # /configs is the ConfigMap: lay its files out as the kubelet would
-    config_dir = tmp_path / "configs"
-    config_dir.mkdir()
-    for key, text in k8s[("ConfigMap", "hetps-config")]["data"].items():
-        (config_dir / key).write_text(text)
-    mounts = {"/configs": config_dir}
-    env = {e["name"]: map_paths(str(e["value"]), mounts) for e in container.get("env", [])}
-    env["HOSTNAME"] = hostname
-    entrypoint = container.get("command") or dockerfile_entrypoint(CPU_DOCKERFILE)
-    argv = [k8s_expand(str(a), env) for a in [*entrypoint, *container.get("args", [])]]
-    resolved = run_container_command(argv, env, shim_path)
-    assert {k: resolved.get(k) for k in expected} == expected, resolved
-    assert resolved["config"] == str(config_dir / "default.yaml")
-    if workload == "hetps-scheduler":
-        assert resolved["run_dir"] == "/runs/default", resolved  # stable: a restarted pod carries the run on
-    if workload in ("hetps-worker", "hetps-worker-gpu"):
-        assert int(resolved["rank"]) >= RANK_FROM_ADDRESS_MIN, resolved
-    if workload == "hetps-worker-gpu":  # one whole GPU per pod, from the CUDA image
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1 and container["image"] == "hetps:cuda"

@@ -3,6 +3,8 @@ then a real `hetps run --metrics` cluster scraped while it trains."""
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import re
 import signal
@@ -16,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster_util import HETPS, REPO, log_tails, wait_for
 from hetps.proto.daemon import common_args
-from hetps.proto.metrics import serve_metrics, stop_metrics
+from hetps.proto.histogram import Histogram
+from hetps.proto.metrics import METRICS, add_target, read_targets, serve_metrics, stop_metrics
 
 
 def scrape(url: str) -> list:
@@ -39,8 +42,8 @@ def value(samples: list, name: str, **labels) -> float | None:
 def served():
     addresses = []
 
-    def serve(stats, role="worker", rank=3):
-        address = serve_metrics(0, "127.0.0.1", role, rank, stats)
+    def serve(stats, role="worker", rank=3, **kwargs):
+        address = serve_metrics(0, "127.0.0.1", role, rank, stats, **kwargs)
         addresses.append(address)
         return address
 
@@ -50,7 +53,7 @@ def served():
 
 
 def test_worker_and_shard_stats_become_labelled_metrics(served):
-    stats = {"steps": 7, "step_time_s": 0.25, "push_s": 0.01, "compute_s": 0.2, "bytes_sent": 1000,
+    stats = {"steps": 7, "samples": 224, "bytes_sent": 1000,
              "bytes_received": 2000, "plan_id": 2, "group": 1, "staleness": 3, "version": 40, "parked": 2,
              "malformed": 1, "group_staleness": {"0": 1.0, "1": 2.5}, "group_updates": {"0": 30, "1": 10}}
     url = served(lambda: stats)
@@ -58,9 +61,7 @@ def test_worker_and_shard_stats_become_labelled_metrics(served):
     samples = scrape(url)
     me = {"role": "worker", "rank": "3"}
     assert value(samples, "hetps_steps_total", **me) == 7
-    assert value(samples, "hetps_step_seconds", **me) == 0.25
-    assert value(samples, "hetps_push_seconds", **me) == 0.01
-    assert value(samples, "hetps_compute_seconds", **me) == 0.2
+    assert value(samples, "hetps_samples_total", **me) == 224
     assert value(samples, "hetps_bytes_sent_total", **me) == 1000
     assert value(samples, "hetps_bytes_received_total", **me) == 2000
     assert value(samples, "hetps_plan_id", **me) == 2
@@ -89,10 +90,10 @@ def test_scheduler_nodes_by_role_and_state(served):
 def test_unknown_and_non_numeric_stats_are_skipped(served):
     url = served(lambda: {"steps": "many", "plan_id": None, "staleness": float("nan"), "version": True,
                           "group": "fast", "group_staleness": {"0": "x", "1": 2}, "nodes": [1, 2],
-                          "bytes_sent": float("inf"), "mystery": 5, "push_s": {"nested": 1}, "compute_s": 0.5})
+                          "bytes_sent": float("inf"), "mystery": 5, "lr": {"nested": 1}, "loss": 0.5})
     samples = scrape(url)
-    names = {s.name for s in samples if s.name.startswith("hetps_")}
-    assert names == {"hetps_group_staleness", "hetps_compute_seconds"}
+    names = {s.name for s in samples if s.name.startswith("hetps_") and s.name != "hetps_build_info"}
+    assert names == {"hetps_group_staleness", "hetps_loss"}
     assert value(samples, "hetps_group_staleness", group="1") == 2
 
 
@@ -100,9 +101,63 @@ def test_a_failing_stats_call_still_answers(served):
     def broken():
         raise RuntimeError("dictionary changed size during iteration")
 
-    samples = scrape(served(broken))
-    assert not [s for s in samples if s.name.startswith("hetps_")]
+    samples = scrape(served(broken, histograms=broken))
+    assert {s.name for s in samples if s.name.startswith("hetps_")} == {"hetps_build_info"}
     assert value(samples, "process_cpu_seconds_total") is not None
+
+
+def test_histogram_counts_cumulative_buckets():
+    h = Histogram((0.1, 1.0))
+    for seconds in (0.05, 0.1, 0.5, 3.0, -1.0, float("nan")):  # negative and NaN: a clock step, ignored
+        h.observe(seconds)
+    snap = h.snapshot()
+    assert snap["buckets"] == [[0.1, 2], [1.0, 3], [math.inf, 4]]  # le: 0.1 itself falls in the 0.1 bucket
+    assert snap["count"] == 4 and snap["sum"] == pytest.approx(3.65)
+    with pytest.raises(ValueError, match="increasing"):
+        Histogram((1.0, 0.5))
+
+
+def test_durations_are_histograms_and_build_info_names_the_run(served):
+    step = Histogram()
+    for seconds in (0.02, 0.03, 0.4):
+        step.observe(seconds)
+    url = served(lambda: {"steps": 3}, histograms=lambda: {"step_s": step.snapshot(), "push_s": "junk"},
+                 algorithm="grouping")
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    hist = families["hetps_step_duration_seconds"]
+    assert hist.type == "histogram"
+    samples = hist.samples
+    assert value(samples, "hetps_step_duration_seconds_count", role="worker", rank="3") == 3
+    assert value(samples, "hetps_step_duration_seconds_sum") == pytest.approx(0.45)
+    assert value(samples, "hetps_step_duration_seconds_bucket", le="0.025") == 1
+    assert value(samples, "hetps_step_duration_seconds_bucket", le="0.5") == 3
+    assert value(samples, "hetps_step_duration_seconds_bucket", le="+Inf") == 3
+    assert "hetps_push_duration_seconds" not in families  # a malformed snapshot is skipped, not fatal
+    (info,) = families["hetps_build_info"].samples
+    assert info.value == 1 and info.labels["algorithm"] == "grouping" and info.labels["role"] == "worker"
+    assert info.labels["version"] and info.labels["torch_version"].split(".")[0].isdigit()
+
+
+def test_no_metric_is_a_precomputed_rate_or_average():
+    """Rates are left to PromQL over counters; durations are histograms (HISTOGRAMS)."""
+    for key, spec in METRICS.items():
+        assert "moving average" not in spec.help.lower(), key
+        assert not spec.name.endswith("_per_second") or key == "speed", key  # speed: the plan's input
+
+
+def test_targets_file_lists_each_daemon_once(tmp_path):
+    path = tmp_path / "run7" / "prometheus_targets.json"
+    add_target(path, "127.0.0.1", 9101, "ps0")
+    add_target(path, "0.0.0.0", 9102, "worker0")   # a wildcard bind is scraped by the host's name
+    add_target(path, "127.0.0.1", 9103, "ps0")     # a restarted shard replaces its entry
+    entries = json.loads(path.read_text())
+    by_daemon = {e["labels"]["daemon"]: e for e in entries}
+    assert len(entries) == 2 and by_daemon["ps0"]["targets"] == ["127.0.0.1:9103"]
+    assert by_daemon["worker0"]["targets"] == [f"{socket.gethostname()}:9102"]
+    assert all(e["labels"]["hetps_run"] == "run7" for e in entries)
+    path.write_text("{broken")
+    assert read_targets(path) == []
 
 
 def test_off_by_default_and_a_taken_port_is_not_fatal(monkeypatch):
@@ -164,8 +219,18 @@ def test_cluster_daemons_serve_metrics_while_training(run_dir, tmp_path):
         assert value(worker, "hetps_plan_id", **me) >= 1
         assert value(worker, "hetps_group", group="0", **me) == 1  # sync: one group
         assert value(worker, "hetps_staleness", **me) is not None
-        for name in ("hetps_step_seconds", "hetps_push_seconds", "hetps_compute_seconds"):
-            assert 0 < value(worker, name, **me) < 30, name
+        steps = value(worker, "hetps_steps_total", **me)
+        assert value(worker, "hetps_samples_total", **me) >= 32 * steps > 0   # sync.yaml: batch 32
+        # one observation a step, made just after the step counter moves; the histograms are read
+        # after the counter, and before a second scrape's counter
+        steps_later = value(scrape(urls["worker0"]), "hetps_steps_total", **me)
+        for name in ("hetps_step_duration_seconds", "hetps_push_duration_seconds",
+                     "hetps_compute_duration_seconds", "hetps_round_wait_seconds"):
+            count = value(worker, f"{name}_count", **me)
+            assert steps - 1 <= count <= steps_later, (name, count, steps, steps_later)
+            assert value(worker, f"{name}_bucket", le="+Inf", **me) == count, name
+            assert 0 < value(worker, f"{name}_sum", **me) < 30 * count, name
+        assert value(worker, "hetps_build_info", algorithm="sync", **me) == 1
 
         shard = scrape_when(urls["ps0"], lambda s: (value(s, "hetps_shard_version") or 0) > 0)
         me = {"role": "ps", "rank": "0"}
@@ -187,6 +252,12 @@ def test_cluster_daemons_serve_metrics_while_training(run_dir, tmp_path):
 
         evaluator = scrape_when(urls["evaluator"], lambda s: (value(s, "hetps_evals_total") or 0) >= 1)
         assert value(evaluator, "hetps_bytes_received_total", role="evaluator") > 0
+
+        # the file_sd file lists every daemon at the address it logged, each answering a scrape
+        targets = {e["labels"]["daemon"]: e["targets"] for e in read_targets(run_dir / "prometheus_targets.json")}
+        assert targets == {name: [urls[name].removeprefix("http://").removesuffix("/metrics")] for name in DAEMONS}
+        for name, (target,) in targets.items():
+            assert value(scrape(f"http://{target}/metrics"), "hetps_build_info", algorithm="sync") == 1, name
 
         code = proc.wait(timeout=120)
         stderr.seek(0)

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     role = "evaluator" if args.evaluator else "worker"
     cfg, scheduler = daemon_setup(args, role)
     workers = cfg.cluster.workers
-    node = workers[args.rank] if not args.evaluator and args.rank < len(workers) else NodeConfig()
+    # `--rank auto` (rank < 0): the default node settings, the rank comes at registration
+    node = workers[args.rank] if not args.evaluator and 0 <= args.rank < len(workers) else NodeConfig()
     torch.set_num_threads(node.threads)
     set_link_cap(node.link_mbps)
     member = Membership(scheduler, role, args.rank, cfg.cluster)
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             speed = 0.0 if args.evaluator else profile_speed(state, data, cfg.data.batch_size,
                                                              cfg.cluster.profile_steps, Slowdown(node))
         member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=speed)
+        args.rank = member.rank  # `--rank auto`: from here on, the rank the scheduler gave
         plan = member.wait_plan()
         with member.starting({AlgorithmMismatch: 2}):  # reported: the scheduler ends the run naming this node
             check_plan_algorithm(cfg.algorithm, plan)  # this node's YAML must run the scheduler's algorithm
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                                 (data.in_shape, data.num_classes)) if args.evaluator
                       else trainer_class(cfg)(cfg, node, member, plan, state, data))
             serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, role, args.rank,
-                          runner.stats)
+                          runner.stats, histograms=getattr(getattr(runner, "timer", None), "histograms", None),
+                          algorithm=cfg.algorithm.name, targets=args.metrics_targets)
         log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)
         with contextlib.suppress(Aborted):  # the run stopped while a request was waiting
             runner.run()

@@ -16,6 +16,7 @@ from hetps.proto.algorithms import algorithm
 from hetps.proto.compression import make_compressor
 from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.emulation import Slowdown, work_clock
+from hetps.proto.histogram import Histogram
 from hetps.proto.membership import Membership
 from hetps.proto.messages import Ack
 from hetps.proto.plan import ClusterPlan
@@ -31,19 +32,30 @@ log = logging.getLogger(__name__)
 class StepTimer:
     """Exponential moving averages (seconds) of a worker's compute time, of
     the time its push takes to be acknowledged (its own link and the shards'
-    service, not waiting for other workers), and of the whole step."""
+    service, not waiting for other workers), and of the whole step; and the
+    same durations, with the round wait (the rest of the step), as histograms
+    for /metrics (proto/metrics.py HISTOGRAMS)."""
 
     def __init__(self, alpha: float = 0.05):
         self.alpha = alpha
         self.compute_s = 0.0
         self.push_s = 0.0
         self.step_s = 0.0
+        self.durations = {key: Histogram() for key in ("step_s", "compute_s", "push_s", "round_wait_s")}
 
     def update(self, compute_s: float, push_s: float, step_s: float) -> None:
         a = self.alpha if self.step_s else 1.0
         self.compute_s += a * (compute_s - self.compute_s)
         self.push_s += a * (push_s - self.push_s)
         self.step_s += a * (step_s - self.step_s)
+        observed = {"step_s": step_s, "compute_s": compute_s, "push_s": push_s,
+                    "round_wait_s": max(0.0, step_s - compute_s - push_s)}
+        for key, seconds in observed.items():
+            self.durations[key].observe(seconds)
+
+    def histograms(self) -> dict:
+        """Snapshots of the duration histograms (any thread)."""
+        return {key: h.snapshot() for key, h in self.durations.items()}
 
     def speed(self, batch_size: int) -> float:
         """Samples/s this worker could sustain alone: compute plus its push."""
@@ -102,7 +114,7 @@ class Trainer:
         return {"steps": self.clock, "bytes_sent": self.client.bytes_sent,
                 "bytes_received": self.client.bytes_received, "step_time_s": self.timer.step_s,
                 "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id, "group": self.group,
-                "staleness": self.staleness,
+                "staleness": self.staleness, "samples": self.clock * self.cfg.data.batch_size,
                 "speed": self.timer.speed(self.cfg.data.batch_size), "push_s": self.timer.push_s,
                 **self.client.fault_stats(), **self.client.compression_stats(),
                 "samples_per_s": self.cfg.data.batch_size / self.timer.step_s if self.timer.step_s else 0.0}
