@@ -1,0 +1,154 @@
+"""The scheduler's stall attribution (scheduler/stalls.py) on an injected
+clock: heartbeat stats in, the named node, its reason, the stall records and
+the summary out."""
+from __future__ import annotations
+
+import pytest
+
+from hetps.proto.records import NodeStats
+from hetps.scheduler.nodes import Node
+from hetps.scheduler.stalls import StallTracker
+
+HB = 0.5      # heartbeat_s
+DEAD = 5.0    # dead_after_s
+SHARD = 1
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+def cluster(clock, workers: int = 4, **worker_stats) -> dict[int, Node]:
+    """One shard (node 1) and `workers` workers (nodes 2..), all just heard from."""
+    nodes = {SHARD: Node(SHARD, "ps", 0, "", clock.now)}
+    for rank in range(workers):
+        stats = {"compute_s": 0.01, "push_s": 0.002, **worker_stats.get(f"w{rank}", {})}
+        nodes[2 + rank] = Node(2 + rank, "worker", rank, "", clock.now, stats=stats)
+    return nodes
+
+
+def beat(tracker, nodes, clock, node_id=SHARD, **stats):
+    """A heartbeat from `node_id` with `stats` (read as from the wire)."""
+    nodes[node_id].stats = NodeStats.read(stats)
+    nodes[node_id].last_seen = clock.now
+    if nodes[node_id].role == "ps":
+        tracker.on_heartbeat(nodes[node_id])
+
+
+def everyone_beats(tracker, nodes, clock, **shard_stats):
+    for n in nodes.values():
+        if n.role == "worker":
+            n.last_seen = clock.now
+    beat(tracker, nodes, clock, **shard_stats)
+
+
+def test_a_worker_the_round_waits_for_is_named_with_its_reason(clock):
+    t = StallTracker(HB, DEAD, clock)
+    nodes = cluster(clock, w3={"compute_s": 0.1, "push_s": 0.002})
+    everyone_beats(t, nodes, clock, waiting=[{"node": 5, "for_s": 0.7, "waiters": [2, 3, 4]}])
+    [b] = t.blockers(nodes)
+    assert (b.node, b.reason, b.waiters) == ("worker3", "compute", 3)
+    assert b.since == pytest.approx(clock.now - 0.7)
+
+
+def test_a_short_wait_is_no_stall(clock):
+    t = StallTracker(HB, DEAD, clock)
+    nodes = cluster(clock)
+    everyone_beats(t, nodes, clock, waiting=[{"node": 5, "for_s": 0.01, "waiters": [2]}])
+    assert t.blockers(nodes) == []
+
+
+@pytest.mark.parametrize("released_s, named", [(0.45, True), (0.1, False)])
+def test_a_node_whose_pushes_release_the_waiters_most_of_the_time_is_named(clock, released_s, named):
+    # a heartbeat may fall between two rounds: what its pushes released over the interval decides
+    t = StallTracker(HB, DEAD, clock)
+    nodes = cluster(clock)
+    everyone_beats(t, nodes, clock, held=[{"node": 5, "s": 3.0, "waiters": 3}])
+    clock.now += HB
+    everyone_beats(t, nodes, clock, held=[{"node": 5, "s": 3.0 + released_s, "waiters": 3}])
+    assert [(b.node, b.reason, b.waiters) for b in t.blockers(nodes)] == ([("worker3", "compute", 3)] if named else [])
+
+
+def test_a_worker_pushing_slower_than_it_computes_is_named_for_the_network(clock):
+    t = StallTracker(HB, DEAD, clock)
+    nodes = cluster(clock, w1={"compute_s": 0.01, "push_s": 0.2})
+    everyone_beats(t, nodes, clock, waiting=[{"node": 3, "for_s": 1.0, "waiters": [2]}])
+    assert [(b.node, b.reason) for b in t.blockers(nodes)] == [("worker1", "network")]
+
+
+def test_a_silent_worker_is_unresponsive_before_it_is_dead(clock):
+    t = StallTracker(HB, DEAD, clock)
+    nodes = cluster(clock)
+    for step in range(1, 11):   # worker2 (node 4) stopped; the shard waits for it, growing
+        clock.now += HB
+        for n in nodes.values():
+            if n.node_id != 4 and n.role == "worker":
+                n.last_seen = clock.now
+        beat(t, nodes, clock, waiting=[{"node": 4, "for_s": step * HB, "waiters": [2, 3, 5]}])
+        reasons = [b.reason for b in t.blockers(nodes) if b.node == "worker2"]
+        silent = step * HB
+        assert reasons == (["unresponsive"] if silent > t.unresponsive_after_s else ["compute"]), step
+    nodes[4].dead = True
+    assert [(b.node, b.reason) for b in t.blockers(nodes)] == [("worker2", "dead")]
+    assert t.unresponsive_after_s < DEAD
+
+
+def test_a_busy_shard_is_named_instead_of_the_workers_whose_pushes_it_slows(clock):
+    t = StallTracker(HB, DEAD, clock)
+    nodes = cluster(clock, w0={"compute_s": 0.01, "push_s": 0.3})
+    everyone_beats(t, nodes, clock, busy_s=10.0)
+    clock.now += HB
+    everyone_beats(t, nodes, clock, busy_s=10.45, waiting=[{"node": 2, "for_s": 0.6, "waiters": [3, 4, 5]}])
+    assert [(b.node, b.reason, b.waiters) for b in t.blockers(nodes)] == [("ps0", "shard busy", 4)]
+
+
+def test_a_silent_shard_is_named_though_nobody_reports_it(clock):
+    t = StallTracker(HB, DEAD, clock)
+    nodes = cluster(clock)
+    clock.now += 2.0
+    for n in nodes.values():
+        if n.role == "worker":
+            n.last_seen = clock.now
+    assert [(b.node, b.reason, b.waiters) for b in t.blockers(nodes)] == [("ps0", "unresponsive", 4)]
+
+
+def test_stall_records_once_per_heartbeat_then_an_ended_record_and_the_summary(clock):
+    t = StallTracker(HB, DEAD, clock)
+    nodes = cluster(clock, w3={"compute_s": 0.1})
+    wait = lambda s: [{"node": 5, "for_s": s, "waiters": [2, 3, 4]}]  # noqa: E731
+    everyone_beats(t, nodes, clock, waiting=wait(1.0))
+    [first] = t.update(nodes)
+    assert first == {"node": "worker3", "reason": "compute", "for_s": 1.0, "waiting": 3, "ended": False}
+    clock.now += HB / 2
+    assert t.update(nodes) == []   # at most once per heartbeat
+    clock.now += HB / 2
+    everyone_beats(t, nodes, clock, waiting=wait(1.5))
+    [again] = t.update(nodes)
+    assert again["for_s"] == 1.5 and not again["ended"]
+    assert t.gauges() == {"worker3": {"compute": 1.5}}
+    clock.now += HB
+    everyone_beats(t, nodes, clock, waiting=[])
+    [end] = t.update(nodes)
+    assert end == {"node": "worker3", "reason": "compute", "for_s": 1.5, "waiting": 3, "ended": True}
+    assert t.current() == [] and t.gauges() == {}
+    summary = t.summary([("worker3", 1.2), ("worker3", 1.4)])
+    assert summary == {"worker3": {"held_s": 1.5, "by_reason": {"compute": 1.5}, "stalls": 1, "shard_held_s": 1.4}}
+
+
+def test_stopping_ends_every_open_stall(clock):
+    t = StallTracker(HB, DEAD, clock)
+    nodes = cluster(clock)
+    everyone_beats(t, nodes, clock, waiting=[{"node": 2, "for_s": 2.0, "waiters": [3]}])
+    assert len(t.update(nodes)) == 1
+    clock.now += 0.1
+    [end] = t.update(nodes, stopping=True)
+    assert end["ended"] and end["node"] == "worker0" and t.current() == []
