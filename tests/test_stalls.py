@@ -152,3 +152,48 @@ def test_stopping_ends_every_open_stall(clock):
     clock.now += 0.1
     [end] = t.update(nodes, stopping=True)
     assert end["ended"] and end["node"] == "worker0" and t.current() == []
+
+
+# ---------------------------------------------------------------- the progress line
+
+def test_the_progress_line_names_the_blocker_and_the_groups(tmp_path):
+    import json
+
+    from hetps.scheduler.report import Progress
+    path = tmp_path / "metrics.jsonl"
+    progress = Progress(path, target=0.95, max_seconds=240)
+
+    def write(**rec):
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        progress.poll()
+        return progress.line()
+
+    write(kind="plan", t=0.0, plan_id=1, groups=[[2, 3], [4, 5, 6]])
+    line = write(kind="stall", t=5.0, node="worker4", reason="compute", for_s=3.2, waiting=5, ended=False)
+    assert "groups 2+3" in line and "target 0.95" in line and "/240s" in line, line
+    assert line.endswith("waiting 3.2 s for worker4 (compute) — 5 workers idle"), line
+    line = write(kind="stall", t=5.5, node="ps1", reason="unresponsive", for_s=1.0, waiting=1, ended=False)
+    assert line.endswith("waiting 3.2 s for worker4 (compute) and 1 more — 5 workers idle"), line
+    write(kind="stall", t=6.0, node="worker4", reason="compute", for_s=4.0, waiting=5, ended=True)
+    line = write(kind="step", t=6.1, worker=0, step=10, loss=1.0)
+    assert line.endswith("waiting 1.0 s for ps1 (unresponsive) — 1 worker idle"), line
+    line = write(kind="step", t=9.0, worker=0, step=20, loss=1.0)  # no fresh stall record: not shown
+    assert "waiting" not in line, line
+
+
+def test_the_stall_gauge_has_node_and_reason_labels():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hetps.proto.metrics import StatsCollector
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector("scheduler", 0, lambda: {
+        "stall_s": {"worker4": {"compute": 3.2}}, "stall_held_s": {"worker4": 7.5, "ps1": 1.0}}))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    [gauge] = families["hetps_stall_seconds"].samples
+    assert gauge.labels == {"role": "scheduler", "rank": "0", "node": "worker4", "reason": "compute"}
+    assert gauge.value == 3.2
+    held = {s.labels["node"]: s.value for s in families["hetps_stall_held_seconds"].samples
+            if s.name.endswith("_total")}
+    assert held == {"worker4": 7.5, "ps1": 1.0}
