@@ -36,6 +36,7 @@ from typing import Callable, Iterable
 REASONS = ("compute", "network", "unresponsive", "dead", "shard busy")
 HOLD_SHARE = 0.5    # share of an interval a node's releases must cover to be named
 BUSY_SHARE = 0.8    # share of an interval a shard must spend updating to be busy
+ASSESS_PER_HEARTBEAT = 4  # re-assessments per heartbeat interval: a shard's news is acted on within 1/4
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,8 @@ class StallTracker:
         for shard in (n for n in nodes.values() if n.role == "ps" and not n.gone):
             sample = self.shards.get(shard.node_id)
             age = now - sample.at if sample else 0.0
-            for w in shard.stats.waiting or ():
-                if w.for_s + age >= self.heartbeat_s:
+            for w in shard.stats.waiting or ():  # as of that heartbeat: a wait since then is not known
+                if w.for_s >= self.heartbeat_s:
                     since[w.node] = min(since.get(w.node, math.inf), now - age - w.for_s)
                     waiters.setdefault(w.node, set()).update(w.waiters)
             for node, rate in (sample.held_rate if sample else {}).items():
@@ -165,12 +166,12 @@ class StallTracker:
 
     # ------------------------------------------------------------ stalls over time
     def update(self, nodes: dict, stopping: bool = False) -> list[dict]:
-        """Re-assess (at most once per heartbeat interval; `stopping`: end
-        every stall now). Returns the `stall` records to write: one per stall
+        """Re-assess (at most ASSESS_PER_HEARTBEAT times per heartbeat
+        interval; `stopping`: end every stall now). Returns the `stall` records to write: one per stall
         that ended, one per stall still open whose last record is at least a
         heartbeat old."""
         now = self.clock()
-        if not stopping and now - self.last_update < self.heartbeat_s:
+        if not stopping and now - self.last_update < self.heartbeat_s / ASSESS_PER_HEARTBEAT:
             return []
         self.last_update = now
         current = {} if stopping else {b.node: b for b in self.blockers(nodes)}
