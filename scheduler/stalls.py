@@ -19,7 +19,7 @@ A node is a blocker when a shard waits for it now for at least one heartbeat
 interval, or when it released waiters for at least HOLD_SHARE of the time
 between a shard's last two heartbeats (a 10x slower worker in a sync round
 holds the others up about 90% of the time, but a heartbeat may fall between
-two of its rounds). A silent shard is a blocker by itself: nobody can report
+two of its rounds); once named, KEEP_SHARE keeps it named. A silent shard is a blocker by itself: nobody can report
 waiting for it.
 
 Driven from the coordinator's single loop (`on_heartbeat`, `update`);
@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 REASONS = ("compute", "network", "unresponsive", "dead", "shard busy")
-HOLD_SHARE = 0.5    # share of an interval a node's releases must cover to be named
+HOLD_SHARE = 0.5    # share of an interval a node's releases must cover to be named ...
+KEEP_SHARE = 0.25   # ... and to stay named once it is (hysteresis: a loaded machine's rounds jitter)
 BUSY_SHARE = 0.8    # share of an interval a shard must spend updating to be busy
 ASSESS_PER_HEARTBEAT = 4  # re-assessments per heartbeat interval: a shard's news is acted on within 1/4
 
@@ -159,7 +160,8 @@ class StallTracker:
                     since[w.node] = min(since.get(w.node, math.inf), now - age - w.for_s)
                     waiters.setdefault(w.node, set()).update(w.waiters)
             for node, rate in (sample.held_rate if sample else {}).items():
-                if rate >= HOLD_SHARE:
+                named = node in nodes and name_of(nodes[node]) in self.open
+                if rate >= (KEEP_SHARE if named else HOLD_SHARE):
                     since[node] = min(since.get(node, math.inf), sample.at - self.heartbeat_s)
                     counts[node] = max(counts.get(node, 0), sample.last_waiters.get(node, 0))
         return {n: (s, max(len(waiters.get(n, ())), counts.get(n, 0))) for n, s in since.items()}

@@ -197,3 +197,17 @@ def test_the_stall_gauge_has_node_and_reason_labels():
     held = {s.labels["node"]: s.value for s in families["hetps_stall_held_seconds"].samples
             if s.name.endswith("_total")}
     assert held == {"worker4": 7.5, "ps1": 1.0}
+
+
+def test_a_named_node_stays_named_while_it_still_holds_a_quarter_of_the_time(clock):
+    t = StallTracker(HB, DEAD, clock)
+    nodes = cluster(clock)
+    held = 0.0
+    names = []
+    for released in (0.0, 0.4, 0.15, 0.15, 0.1, 0.2):  # seconds released per half-second interval
+        held += released
+        everyone_beats(t, nodes, clock, held=[{"node": 5, "s": held, "waiters": 3}])
+        t.update(nodes)
+        names.append([s.node for s in t.current()])
+        clock.now += HB
+    assert names == [[], ["worker3"], ["worker3"], ["worker3"], [], []]
