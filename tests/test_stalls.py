@@ -211,3 +211,47 @@ def test_a_named_node_stays_named_while_it_still_holds_a_quarter_of_the_time(clo
         names.append([s.node for s in t.current()])
         clock.now += HB
     assert names == [[], ["worker3"], ["worker3"], ["worker3"], [], []]
+
+
+# ---------------------------------------------------------------- the coordinator's side
+
+def test_the_coordinator_writes_stall_records_metrics_and_the_summary(tmp_path):
+    import json
+
+    from hetps.proto.codec import Envelope
+    from hetps.proto.config import load_config
+    from hetps.proto.messages import Heartbeat, Register
+    from hetps.proto.plan import TensorSpec
+    from hetps.proto.transport import MemServer
+    from hetps.scheduler.coordinator import Coordinator
+
+    cfg = load_config(None, ["cluster.workers=2", "cluster.shards=1", "cluster.heartbeat_s=0.5"])
+    server = MemServer("mem://coordinator-stalls")
+    try:
+        coord = Coordinator(server, cfg, run_dir=tmp_path)
+        ids = {}
+        for role, rank in (("ps", 0), ("worker", 0), ("worker", 1)):
+            msg = Register(role=role, rank=rank, address="mem://ps0" if role == "ps" else "", speed=1.0,
+                           tensor_specs=[TensorSpec("w", "float32", (2,)).to_wire()] if role == "worker" else [])
+            ids[f"{role}{rank}"] = coord.on_register(b"peer", Envelope(msg, req_id=1, src=0)).node_id
+        assert coord.plan is not None
+
+        def heartbeat(name, **stats):
+            coord.on_heartbeat(b"peer", Envelope(Heartbeat(node_id=ids[name], stats=stats), req_id=2, src=ids[name]))
+
+        heartbeat("worker0", compute_s=0.01, push_s=0.001)
+        heartbeat("worker1", compute_s=0.002, push_s=0.05)   # its pushes are what takes long
+        heartbeat("ps0", waiting=[{"node": ids["worker1"], "for_s": 1.2, "waiters": [ids["worker0"]]}],
+                  held=[{"node": ids["worker1"], "s": 3.0, "waiters": 1}])
+        coord.tick()
+        [rec] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+                 if '"stall"' in line]
+        assert (rec["node"], rec["reason"], rec["waiting"], rec["ended"]) == ("worker1", "network", 1, False)
+        assert rec["for_s"] >= 1.2
+        assert list(coord.metrics()["stall_s"]) == ["worker1"]
+        assert coord.metrics()["stall_s"]["worker1"]["network"] >= 1.2
+        stalls = coord.summary()["stalls"]
+        assert set(stalls) == {"worker1"} and stalls["worker1"]["shard_held_s"] == 3.0
+        assert stalls["worker1"]["held_s"] >= 1.2 and stalls["worker1"]["stalls"] == 1
+    finally:
+        server.close()
