@@ -44,7 +44,7 @@ class HoldLedger:
         now = self.clock()
         try:
             waits = policy.waiting_for([(p.worker, p.clock, p.since) for p in list(parked)])
-        except RuntimeError:  # a round changed under us (the loop runs on): the next heartbeat will do
+        except (RuntimeError, LookupError):  # rounds or groups changed under us: the next heartbeat will do
             waits = []
         waiting = [WaitingFor(w.node, max(0.0, now - w.since), tuple(sorted(w.waiters))) for w in waits]
         held = [HeldUp(n, s, self.last_waiters.get(n, 0)) for n, s in sorted(list(self.held_s.items()))]
