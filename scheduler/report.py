@@ -85,7 +85,8 @@ class Progress:
         acc = f"{self.accuracy:.4f}" if self.accuracy is not None else "  -   "
         target = f" (target {self.target})" if self.target is not None else ""
         steps = f"/{self.max_steps}" if self.max_steps else ""
-        groups = f"  groups {'+'.join(str(len(g)) for g in self.groups)}" if len(self.groups) > 1 else ""
+        several = len(self.groups) > 1 and max(map(len, self.groups)) > 1  # async and ssp: one per worker
+        groups = f"  groups {'+'.join(str(len(g)) for g in self.groups)}" if several else ""
         return (f"[{self.t:7.1f}s/{self.max_seconds:g}s] steps {sum(self.steps.values()):7d}{steps}  "
                 f"test acc {acc}{target}  {self.rate:7.1f} steps/s{groups}{self.blocked_by()}")
 

@@ -255,3 +255,14 @@ def test_the_coordinator_writes_stall_records_metrics_and_the_summary(tmp_path):
         assert stalls["worker1"]["held_s"] >= 1.2 and stalls["worker1"]["stalls"] == 1
     finally:
         server.close()
+
+
+def test_the_progress_line_leaves_out_one_group_per_worker(tmp_path):
+    import json
+
+    from hetps.scheduler.report import Progress
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"kind": "plan", "t": 0.0, "plan_id": 1, "groups": [[2], [3], [4]]}) + "\n")
+    progress = Progress(path, max_seconds=60)
+    progress.poll()
+    assert "groups" not in progress.line()
