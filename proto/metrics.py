@@ -74,6 +74,11 @@ METRICS = {
     "elapsed_s": Spec("hetps_elapsed_seconds", "gauge", "Seconds since training began."),
     "stopping": Spec("hetps_stopping", "gauge", "1 once the scheduler began stopping the cluster."),
     "samples": Spec("hetps_samples_total", "counter", "Training samples this worker computed gradients on."),
+    "stall_s": Spec("hetps_stall_seconds", "gauge", "Seconds the node has been holding others up, by why "
+                    "(compute, network, unresponsive, dead, shard busy); absent while nobody is.",
+                    ("node", "reason")),
+    "stall_held_s": Spec("hetps_stall_held_seconds_total", "counter",
+                         "Seconds in all the node held others up.", ("node",)),
 }
 # histograms() key -> metric (a worker's StepTimer keeps them, worker/trainer.py)
 HISTOGRAMS = {

@@ -6,7 +6,8 @@ below carry structure of their own, which is read here into typed records
 whenever a message is made -- by `decode` from a peer's bytes, or by a sender
 in this process -- so both ends see the same checked types:
 
-    HEARTBEAT.stats, BYE.stats  -> NodeStats (counts and speed: finite, bounded)
+    HEARTBEAT.stats, BYE.stats  -> NodeStats (counts and speed: finite, bounded;
+                                   whom a shard waits for: waits.py)
     HEARTBEAT.records           -> list of step records (plain values, `ago` in seconds)
     REGISTER.tensor_specs       -> list[TensorSpec] (dtype allow-list, unique names)
     REGISTER.speed              -> a finite, bounded float
@@ -29,6 +30,7 @@ from . import messages as m
 from .errors import ProtocolError
 from .messages import Status
 from .plan import ClusterPlan, NodeEntry, TensorSpec
+from .waits import HeldUp, WaitingFor, read_held, read_waiting
 
 MAX_COUNT = 2**62       # steps, bytes, versions: far above any run, far below int64 overflow
 MAX_RATE = 1e15         # samples/s or bytes/s: far above any machine, far below float overflow in sums
@@ -103,6 +105,9 @@ _STAT_COUNTS = ("steps", "bytes_sent", "bytes_received", "version", "rounds", "r
                 "grad_dense_bytes", "grad_sent_bytes")
 
 
+_STAT_WAITS = {"waiting": read_waiting, "held": read_held}  # stall attribution (waits.py)
+
+
 @dataclass(frozen=True)
 class NodeStats:
     """A node's statistics as its heartbeats and BYE carry them. The fields
@@ -120,6 +125,8 @@ class NodeStats:
     grad_dense_bytes: int | None = None   # gradient bytes before compression
     grad_sent_bytes: int | None = None    # ... and after
     speed: float | None = None            # samples/s (workers), measured while training
+    waiting: tuple[WaitingFor, ...] | None = None  # shards: whom their rounds and parked pulls wait for
+    held: tuple[HeldUp, ...] | None = None         # shards: seconds each node held their waiters up
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -130,18 +137,25 @@ class NodeStats:
         typed = {k: read_count(f"stats.{k}", stats.pop(k)) for k in _STAT_COUNTS if k in stats}
         if "speed" in stats:
             typed["speed"] = read_number("stats.speed", stats.pop("speed"), MAX_RATE)
+        for key, read in _STAT_WAITS.items():
+            if key in stats:
+                typed[key] = read(stats.pop(key))
         return cls(**typed, extra=stats)
 
     def as_dict(self) -> dict:
         """The wire form: reported fields and extras, in one map."""
-        return {**{f.name: getattr(self, f.name) for f in fields(self)
-                   if f.name != "extra" and getattr(self, f.name) is not None}, **self.extra}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name != "extra" and getattr(self, f.name) is not None}
+        for key in _STAT_WAITS:
+            if key in out:
+                out[key] = [e.to_wire() for e in out[key]]
+        return {**out, **self.extra}
 
     to_wire = as_dict
 
     def get(self, key: str, default: Any = None) -> Any:
         """A statistic by its wire name, `default` when not reported."""
-        if key in _STAT_COUNTS or key == "speed":
+        if key in _STAT_COUNTS or key == "speed" or key in _STAT_WAITS:
             value = getattr(self, key)
             return default if value is None else value
         return self.extra.get(key, default)

@@ -27,6 +27,7 @@ from hetps.proto.transport import ServerTransport
 
 from hetps.proto.checkpoint import Checkpointer
 from .future_pushes import FuturePushes
+from .hold_ledger import HoldLedger
 from .updater import Updater
 from .policies import POLICIES, ConsistencyPolicy
 from .store import TensorStore
@@ -67,6 +68,7 @@ class Shard(Service):
         self.checkpointer: Checkpointer | None = None  # set by the daemon when checkpoints are on
         self.recent_acks: dict[int, tuple[int, Ack]] = {}  # worker -> (request id, ACK) of its last push
         self.restored_version: int | None = None
+        self.holds = HoldLedger()  # whom parked pulls wait for, and who held them up (stall attribution)
         self.counts = {"pushes": 0, "pulls": 0, "nonfinite": 0, "retried": 0, "checkpoint_errors": 0,
                        "timer_errors": 0, "busy_s": 0.0}
         # pull replies leave zero-copy from the live tensors: whatever else may write them settles first
@@ -93,7 +95,8 @@ class Shard(Service):
                 "pushes_awaiting_plan": self.future_pushes.count,
                 "malformed": self.malformed, "tensors": len(self.store.specs),
                 "restored_version": self.restored_version, "snapshot_moves": self.store.snapshots.moves,
-                "lr": self.policy.updater.lr if self.policy else 0.0, **self.counts, **saved, **policy}
+                "lr": self.policy.updater.lr if self.policy else 0.0, **self.counts, **saved, **policy,
+                **self.holds.report(self.policy, self.parked)}
 
     def adopt(self, plan: ClusterPlan) -> None:
         """Switch to a newer plan (same placement): open rounds are closed first."""
@@ -171,7 +174,7 @@ class Shard(Service):
         staleness = self.policy.on_push(env.src, push)
         self._stretch(work_clock() - started)
         self.counts["pushes"] += 1
-        self._serve_parked()
+        self._serve_parked(released_by=env.src)
         ack = Ack(version=self.store.version, staleness=max(0, staleness), plan_id=self.plan.plan_id,
                   info=self.policy.reply_info(env.src))
         self.recent_acks[env.src] = (env.req_id, ack)
@@ -285,14 +288,19 @@ class Shard(Service):
             self.store.track(msg.tensors, tracker)
         return tracker
 
-    def _serve_parked(self) -> None:
-        waiting = []
+    def _serve_parked(self, released_by: int | None = None) -> None:
+        """Answer the parked pulls that became ready; `released_by`: the
+        worker whose push just made them so (it held their waiters up)."""
+        waiting, ready = [], []
         for pull in self.parked:
             if self._ready(pull):
                 self.reply(pull.peer, pull.req_id, self._params(pull))
+                ready.append(pull)
             else:
                 waiting.append(pull)
         self.parked = waiting
+        if released_by is not None:
+            self.holds.released(released_by, ready)
 
 
 def profile_update_speed(slowdown: Slowdown, numel: int = 1 << 18, steps: int = 5) -> float:

@@ -32,6 +32,7 @@ from .status import ROLES
 from .placement import place
 from .nodes import EvalTrack, Node, free_rank
 from .runlog import RunLog
+from .stalls import StallTracker
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 20.0   # longest wait for workers/evaluator to leave before shards are stopped
@@ -67,6 +68,7 @@ class Coordinator(Service):
         self.failed: dict | None = None   # the node failure that ended the run: node, error, host
         self.guard = DivergenceGuard(cfg.stop.diverged_after, cfg.stop.diverge_warmup_s, cfg.optimizer.lr)
         self.finished_steps = 0
+        self.stalls = StallTracker(cfg.cluster.heartbeat_s, cfg.cluster.dead_after_s)  # who the cluster waits for
 
     # ------------------------------------------------------------ helpers
     def elapsed(self) -> float:
@@ -170,6 +172,8 @@ class Coordinator(Service):
             return Ack(plan_id=self.plan.plan_id if self.plan else 0, stop=True,
                        info={"reason": f"declared dead after {self.cfg.cluster.dead_after_s}s of silence"})
         node.stats = env.msg.stats
+        if node.role == "ps":
+            self.stalls.on_heartbeat(node)
         now = self.elapsed()
         for rec in env.msg.records:  # checked at decode: plain values, `ago` a finite number of seconds
             ago = rec.pop("ago")
@@ -364,7 +368,8 @@ class Coordinator(Service):
         state saving, stop limits); call between requests. Never raises: each
         timer runs guarded like a handler (`_guarded`)."""
         timers = ((self._check_startup,) if self.started is None else
-                  (self._detect_dead, self._maybe_regroup, self._save_when_due, self._check_limits))
+                  (self._detect_dead, self._maybe_regroup, self._save_when_due, self._check_limits,
+                   self._track_stalls))
         for timer in timers:
             self._guarded(timer)
 
@@ -389,6 +394,12 @@ class Coordinator(Service):
             self.failures.append({"kind": "startup", "missing": missing})
             self.begin_stop(f"cluster did not form within {self.cfg.cluster.startup_timeout_s}s: "
                             f"still waiting for {missing}")
+
+    def _track_stalls(self) -> None:
+        """Name who the cluster waits for (stalls.py): `stall` records while
+        training, every open stall ended once the run stops."""
+        for rec in self.stalls.update(self.nodes, stopping=self.stop_reason is not None):
+            self.runlog.record("stall", t=round(self.elapsed(), 4), **rec)
 
     def _save_when_due(self) -> None:
         if time.monotonic() - self.state_saved > state.SAVE_EVERY_S:

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+STALL_FRESH_S = 3.0   # an open stall's record older than this (run seconds) is not shown
+
+
 def read_metrics(path: Path) -> list[dict]:
     """All complete JSON lines of a metrics file (a torn last line is skipped)."""
     out = []
@@ -25,7 +28,8 @@ def read_metrics(path: Path) -> list[dict]:
 class Progress:
     """Follows metrics.jsonl as it grows and renders one status line: while
     the cluster forms, who registered and who it still waits for; then the
-    training line with the target and the limits."""
+    training line with the target, the limits, the groups and, while the
+    scheduler's latest `stall` records name one, whom training waits for."""
 
     path: Path
     expected: list = field(default_factory=list)  # node names the run starts, e.g. ps0, worker3, evaluator
@@ -41,6 +45,8 @@ class Progress:
     t: float = 0.0
     rate: float = 0.0
     plan: tuple = (0, 0)   # (plan id, number of groups) of the latest plan
+    groups: list = field(default_factory=list)   # the latest plan's groups (node ids)
+    stalls: dict = field(default_factory=dict)   # node -> its latest `stall` record
     _samples: list = field(default_factory=list)  # (t, total steps) over the last few seconds
 
     def poll(self) -> None:
@@ -66,6 +72,9 @@ class Progress:
             elif rec["kind"] == "plan":
                 self.planned = True
                 self.plan = (rec.get("plan_id", 0), len(rec.get("groups") or ()))
+                self.groups = rec.get("groups") or []
+            elif rec["kind"] == "stall":
+                self.stalls[rec["node"]] = rec
         total = sum(self.steps.values())
         self._samples = [s for s in self._samples if s[0] >= self.t - 3.0] + [(self.t, total)]
         t0, total0 = self._samples[0]
@@ -78,9 +87,24 @@ class Progress:
         acc = f"{self.accuracy:.4f}" if self.accuracy is not None else "  -   "
         target = f" (target {self.target})" if self.target is not None else ""
         steps = f"/{self.max_steps}" if self.max_steps else ""
-        groups = f"  plan {self.plan[0]}: {self.plan[1]} group{'s' if self.plan[1] != 1 else ''}"
+        several = len(self.groups) > 1 and max(map(len, self.groups)) > 1  # async and ssp: one per worker
+        groups = (f": groups {'+'.join(str(len(g)) for g in self.groups)}" if several
+                  else ": 1 group" if len(self.groups) == 1 else "")
+        plan = f"  plan {self.plan[0]}{groups}" if self.planned else ""
         return (f"[{self.t:7.1f}s/{self.max_seconds:g}s] steps {sum(self.steps.values()):7d}{steps}  "
-                f"test acc {acc}{target}  {self.rate:7.1f} steps/s{groups}")
+                f"test acc {acc}{target}  {self.rate:7.1f} steps/s{plan}{self.blocked_by()}")
+
+    def blocked_by(self) -> str:
+        """E.g. ` — waiting 3.2 s for worker4 (compute) — 5 workers idle`; empty
+        when no open stall was recorded in the last STALL_FRESH_S of the run."""
+        open_ = [r for r in self.stalls.values() if not r.get("ended") and r.get("t", 0.0) >= self.t - STALL_FRESH_S]
+        if not open_:
+            return ""
+        top = max(open_, key=lambda r: r.get("for_s", 0.0))
+        more = f" and {len(open_) - 1} more" if len(open_) > 1 else ""
+        idle = top.get("waiting", 0)
+        return (f" — waiting {top.get('for_s', 0.0):.1f} s for {top['node']} ({top.get('reason')}){more}"
+                f" — {idle} worker{'' if idle == 1 else 's'} idle")
 
     def startup_line(self) -> str:
         """E.g. `registered 5/7 — waiting for ps1, worker3 (loading data, profiling)`."""

@@ -49,8 +49,17 @@ def run_summary(coord) -> dict:
         "plan_id": coord.plan.plan_id if coord.plan else 0,
         "stop_reason": coord.stop_reason, "failures": coord.failures, "not_left": stragglers,
         "hosts": {f"{n.role}{n.rank}": n.host for n in sorted(coord.nodes.values(), key=lambda n: n.node_id)},
+        "stalls": stall_summary(coord),
         "environment": environment(),
     }
+
+
+def stall_summary(coord) -> dict:
+    """summary.json `stalls`: per node, the seconds it held others up (stalls.py)."""
+    names = {n.node_id: f"{n.role}{n.rank}" for n in coord.nodes.values()}
+    measured = [(names.get(h.node, f"node{h.node}"), h.seconds)
+                for shard in coord.members("ps") for h in shard.stats.held or ()]
+    return coord.stalls.summary(measured)
 
 
 def compression_summary(comm, nodes) -> dict:
@@ -72,4 +81,6 @@ def operator_metrics(coord) -> dict:
     return {"nodes": states, "plan_id": coord.plan.plan_id if coord.plan else 0,
             "global_steps": sum(count(n.stats, "steps") for n in nodes if n.role == "worker"),
             "accuracy": ev.final, "loss": ev.final_loss, "best_accuracy": ev.best if ev.count else None,
-            "evals": ev.count, "elapsed_s": coord.elapsed(), "stopping": int(coord.stop_reason is not None)}
+            "evals": ev.count, "elapsed_s": coord.elapsed(), "stopping": int(coord.stop_reason is not None),
+            "stall_s": coord.stalls.gauges(),
+            "stall_held_s": {n: v["held_s"] for n, v in coord.stalls.summary().items()}}

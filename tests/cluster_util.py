@@ -95,6 +95,17 @@ def records(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
+def worker_pid(run_dir: Path, rank: int) -> int:
+    """The pid of `hetps run`'s worker `rank` (not the evaluator) in `run_dir`."""
+    for pid in processes_mentioning(str(run_dir)):
+        # a daemon forked by `hetps run` shows its command line as one string (scheduler/zygote.py)
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").split()
+        if b"hetps.worker" in cmdline and b"--rank" in cmdline and cmdline[cmdline.index(b"--rank") + 1] == \
+                str(rank).encode() and b"--evaluator" not in cmdline:
+            return pid
+    raise AssertionError(f"no worker {rank} process")
+
+
 class Daemons:
     """Daemons started one by one with `hetps ROLE ...` (the multi-host path),
     each logging to DIR/N.log; `close()` kills and reaps any still running."""

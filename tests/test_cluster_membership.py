@@ -9,20 +9,10 @@ import signal
 import pytest
 
 from cluster_util import (FINAL_SLACK, REPO, Daemons, background_run, log_tails, processes_mentioning, records,
-                          run_hetps, summary, wait_for)
+                          run_hetps, summary, wait_for, worker_pid)
 
 pytestmark = pytest.mark.cluster
 DEAD_AFTER_S = 2.0
-
-
-def worker_pid(run_dir, rank: int) -> int:
-    for pid in processes_mentioning(str(run_dir)):
-        # a daemon forked by `hetps run` shows its command line as one string (scheduler/zygote.py)
-        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").split()
-        if b"hetps.worker" in cmdline and b"--rank" in cmdline and cmdline[cmdline.index(b"--rank") + 1] == \
-                str(rank).encode() and b"--evaluator" not in cmdline:
-            return pid
-    raise AssertionError(f"no worker {rank} process")
 
 
 # cpsgd: the others wait at an averaging round the dead worker never joins; adopting the new plan closes it

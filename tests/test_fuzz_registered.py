@@ -39,7 +39,8 @@ from hetps.proto.transport import MemClient, MemServer
 from hetps.scheduler.coordinator import Coordinator
 
 M, DTYPE = Status.MALFORMED, Status.DTYPE_NOT_ALLOWED
-COUNTS = [f.name for f in fields(NodeStats) if f.name not in ("speed", "extra")]
+# the typed counts (`waiting` and `held`, whom a shard waits for, have their own tests in test_stall_waits.py)
+COUNTS = [f.name for f in fields(NodeStats) if f.name not in ("speed", "extra", "waiting", "held")]
 SPECS = [["w", "float32", [4, 3], "param"], ["b", "float32", [3], "param"]]
 N_EXAMPLES = 300
 
@@ -210,6 +211,13 @@ BAD_RECORDS = st.one_of(
     st.builds(lambda ago: [{"step": 1, "ago": ago}], st.one_of(TEXT, st.just(math.nan), st.just(math.inf),
                                                                st.floats(max_value=-1e-9))),
     st.sampled_from([[{"t": 1.0}], [{"kind": "eval"}], [{"x": [[[[[1]]]]]}]]))
+BAD_WAITS = st.one_of(  # a shard's `waiting`/`held` (proto/waits.py): every one of these is refused
+    TEXT, INT64, st.none(), st.lists(INT64, min_size=1, max_size=2),
+    st.builds(lambda node: [{"node": node, "for_s": 1.0, "waiters": []}], st.one_of(TEXT, st.integers(-2**63, -1))),
+    st.builds(lambda s: [{"node": 1, "for_s": s, "waiters": []}],
+              st.sampled_from([math.nan, math.inf, -1.0, 1e300, "1"])),
+    st.sampled_from([[{"node": 1, "s": 1.0}], [{"node": 1, "s": 1.0, "waiters": -1}],
+                     [{"node": 1, "for_s": 1.0, "waiters": ["a"]}]]))
 GOOD_EXTREMES = st.fixed_dictionaries({
     "steps": st.sampled_from([0, 1, MAX_COUNT]), "speed": st.sampled_from([0.0, 1e-300, 1.0, MAX_RATE]),
     "loss": st.sampled_from([math.nan, math.inf, 0.5]), "bytes_sent": st.sampled_from([0, MAX_COUNT])})
@@ -220,8 +228,11 @@ def registered_node_case(draw, nodes: dict, ranks: dict):
     """(header values or a message, statuses allowed in the reply); from a registered node."""
     name = draw(st.sampled_from(sorted(nodes)))
     node = nodes[name]
-    kind = draw(st.sampled_from(["count", "speed", "records", "reregister_speed", "reregister_dtype",
+    kind = draw(st.sampled_from(["count", "speed", "waits", "records", "reregister_speed", "reregister_dtype",
                                  "reregister_spec", "good"]))
+    if kind == "waits":
+        stats = {**draw(GOOD_EXTREMES), draw(st.sampled_from(["waiting", "held"])): draw(BAD_WAITS)}
+        return header(Op.HEARTBEAT, draw(st.integers(1, 2**62)), node, node_id=node, stats=stats), {M}
     if kind in ("count", "speed"):
         key = draw(st.sampled_from(COUNTS)) if kind == "count" else "speed"
         stats = {**draw(GOOD_EXTREMES), key: draw(BAD_COUNT if kind == "count" else BAD_SPEED)}

@@ -131,7 +131,7 @@ def test_progress_line_shows_the_plan_and_its_groups(tmp_path):
         f.write(json.dumps({"kind": "plan", "t": 0.0, "plan_id": 1, "groups": [[4, 5], [6, 7]]}) + "\n")
         f.write(json.dumps(step(1.0, 0, 3, 0)) + "\n")
     progress.poll()
-    assert progress.line().endswith("steps/s  plan 1: 2 groups"), progress.line()
+    assert progress.line().endswith("steps/s  plan 1: groups 2+2"), progress.line()
     with open(path, "a") as f:
         f.write(json.dumps({"kind": "plan", "t": 2.0, "plan_id": 2, "groups": [[4, 5, 6, 7]]}) + "\n")
     progress.poll()

@@ -11,7 +11,7 @@ name the algorithm table (hetps.proto.algorithms) gives.
 from __future__ import annotations
 
 from . import averaging, eager
-from .base import Accepted, ConsistencyPolicy, Round
+from .base import Accepted, ConsistencyPolicy, Round, Waiting
 from .eager import EagerPolicy
 from .ssp import AsyncPolicy, SspPolicy
 from .sync import GroupingPolicy, SyncPolicy
@@ -22,4 +22,4 @@ POLICIES: dict[str, type[ConsistencyPolicy]] = {
     **eager.POLICIES, **averaging.POLICIES}
 
 __all__ = ["POLICIES", "Accepted", "AsyncPolicy", "ConsistencyPolicy", "EagerPolicy", "GroupingPolicy", "Round",
-           "SspPolicy", "SyncPolicy"]
+           "SspPolicy", "SyncPolicy", "Waiting"]

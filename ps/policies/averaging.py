@@ -135,6 +135,13 @@ class ModelAveragingPolicy(ConsistencyPolicy):
     def pull_ready(self, worker: int, clock: int) -> bool:
         return clock < 0 or self.closed >= clock
 
+    def blockers(self, worker: int, clock: int) -> set[int]:
+        """The workers whose models the open round still lacks."""
+        if self.pull_ready(worker, clock):
+            return set()
+        rnd = self.rounds.get(self.closed)
+        return set(self.workers) - (set(rnd.params) if rnd is not None else set())
+
     def reply_info(self, worker: int) -> dict:
         if not self.closed:
             return {}

@@ -18,8 +18,9 @@ with weight (members in the round) / P; async and ssp with weight 1/P.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -40,6 +41,15 @@ class Accepted:
     buffers: dict        # the buffers it carried (optional ones may be missing)
     staleness: int       # shard version minus the version the push was computed on
     duplicate: bool = False  # a re-sent or replayed push: it was taken once already
+
+
+class Waiting(NamedTuple):
+    """A node the shard waits for: since when (the parked pulls' clock,
+    seconds) and the workers whose pulls wait for it."""
+
+    node: int
+    since: float
+    waiters: frozenset = frozenset()
 
 
 class ConsistencyPolicy(ABC):
@@ -116,6 +126,26 @@ class ConsistencyPolicy(ABC):
 
     def load_state_dict(self, state: dict) -> None:
         vars(self).update(from_plain(state))
+
+    # ------------------------------------------------------------ stall attribution
+    def blockers(self, worker: int, clock: int) -> set[int]:
+        """Hook: the nodes whose pushes a pull of `worker` after `clock`
+        pushes waits for (the open round's missing members, the workers below
+        the ssp bound, ...); empty when it waits for nobody in particular."""
+        return set()
+
+    def waiting_for(self, pulls: Iterable[tuple[int, int, float]]) -> list[Waiting]:
+        """Read-only: whom the parked pulls (worker, clock, since) wait for,
+        one entry per node, `since` the earliest of its waiters (the caller's
+        clock). Every open round has parked pulls of the members that pushed,
+        so its missing members are named here too."""
+        since: dict[int, float] = {}
+        waiters: dict[int, set[int]] = {}
+        for worker, clock, parked_at in pulls:
+            for node in self.blockers(worker, clock) - {worker}:
+                since[node] = min(since.get(node, parked_at), parked_at)
+                waiters.setdefault(node, set()).add(worker)
+        return [Waiting(n, since[n], frozenset(waiters[n])) for n in sorted(since)]
 
     def reply_info(self, worker: int) -> dict:
         """Extras for the ACK of `worker`'s push (string keys), e.g. the next period."""

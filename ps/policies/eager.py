@@ -114,6 +114,18 @@ class EagerPolicy(ConsistencyPolicy):
     def pull_ready(self, worker: int, clock: int) -> bool:
         return clock < 0 or self.store.version >= self.waits_for.get(worker, 0)
 
+    def blockers(self, worker: int, clock: int) -> set[int]:
+        """Who could close the open round: on a barrier round the workers
+        missing from it; under `random` the initiator, until it pushed; else
+        the workers without a fresh push in it (any of them may complete the quorum)."""
+        if self.pull_ready(worker, clock):
+            return set()
+        if self.is_barrier(self.store.version):
+            return set(self.workers) - self.round.members
+        if self.params.quorum == "random":
+            return {self.initiator} - self.round.members
+        return set(self.workers) - self.fresh
+
     def stats(self) -> dict:
         c = self.counts
         return {**c, "mean_contributions": round(c["contributions"] / c["rounds"], 3) if c["rounds"] else 0.0}

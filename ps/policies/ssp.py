@@ -41,3 +41,9 @@ class SspPolicy(AsyncPolicy):
 
     def pull_ready(self, worker: int, clock: int) -> bool:
         return clock < 0 or min(self.pushed.values()) >= clock - self.params.staleness
+
+    def blockers(self, worker: int, clock: int) -> set[int]:
+        """The workers whose clocks are below the reader's bound."""
+        if clock < 0:
+            return set()
+        return {w for w, c in list(self.pushed.items()) if c < clock - self.params.staleness}

@@ -96,6 +96,12 @@ class GroupingPolicy(ConsistencyPolicy):
     def pull_ready(self, worker: int, clock: int) -> bool:
         return clock < 0 or self.applied.get(worker, 0) >= clock
 
+    def blockers(self, worker: int, clock: int) -> set[int]:
+        """The members of the worker's group missing from its open round."""
+        g = self.group_of.get(worker)
+        rnd = self.rounds.get(g)
+        return set() if rnd is None or self.pull_ready(worker, clock) else set(self.groups[g]) - rnd.members
+
     def stats(self) -> dict:
         return {"group_updates": {str(g): n for g, n in self.group_updates.items()},
                 "group_staleness": {str(g): round(s / self.group_updates[g], 3)
