@@ -26,6 +26,7 @@ from hetps.proto.daemon import check_and_exit, common_args, daemon_setup, schedu
 from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
+from hetps.proto.startup import Phases, process_age_s
 from hetps.proto.transport import TransportError, make_server, set_link_cap
 
 from hetps.proto.algorithms import AlgorithmMismatch
@@ -40,6 +41,7 @@ PLAN_FETCH_S = 1.0  # longest wait for a plan a push names; the scheduler answer
 
 
 def main(argv: list[str] | None = None) -> int:
+    phases = Phases(imports_s=process_age_s())  # reported in REGISTER: where the start-up went
     parser = argparse.ArgumentParser(prog="hetps ps", description="parameter-server shard daemon")
     common_args(parser)
     parser.add_argument("--bind", default=os.environ.get("HETPS_BIND"),
@@ -66,13 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
         member = Membership(scheduler, "ps", args.rank, cfg.cluster)
+        phases.mark("config")
     except TransportError as exc:
         print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
         return 1
     try:
         with member.starting():  # reported to the scheduler, which ends the run naming this shard
             speed = profile_update_speed(slowdown)
-        member.join(address=args.advertise or server.address, speed=speed)
+            phases.mark("profile")
+        member.join(address=args.advertise or server.address, speed=speed, startup=phases.as_dict())
         plan = member.wait_plan()
         # heartbeats from the moment the plan arrives (the scheduler counts silence from then on):
         # restoring a large checkpoint may take a while
