@@ -88,11 +88,46 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # bool, like every dtype, views as bytes
 
 
-def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_BELOW) -> list:
-    """Frames for `msg`: [header bytes, tensor payloads ...]. Tensors must be on
-    the CPU; a `Compressed` value travels compressed. Payloads under
-    `pack_below` bytes share one pack frame at the end (0: one frame each).
-    Large payloads are views of the tensors: do not write them until sent."""
+@dataclass(frozen=True)
+class EncodedTensors:
+    """The tensor part of a message, encoded once: the header fields that
+    describe it (`tensors`, and `packed`, `enc` when used) and its frames.
+    Several replies carrying the same tensors (pulls of one version) send
+    the same frames; only their headers differ."""
+
+    fields: dict
+    frames: list
+
+
+def encode_tensors(tensors: Mapping[str, Any], pack_below: int = PACK_BELOW) -> EncodedTensors:
+    """Specs and payload frames of `tensors` (CPU; `Compressed` values travel
+    compressed). Payloads under `pack_below` bytes share one pack frame at
+    the end (0: one frame each). Large payloads are views of the tensors: do
+    not write them until every message that carries them was sent."""
+    specs, payloads, encodings = [], [], []
+    names = _dt.DTYPE_NAMES
+    for i, (name, t) in enumerate(tensors.items()):
+        specs.append([name, names.get(t.dtype) or dtype_name(t.dtype), list(t.shape)])
+        if type(t) is Compressed:
+            encodings.append([i, t.kind, t.count])
+            t = t.payload
+        payloads.append(tensor_frame(t))
+    fields: dict[str, Any] = {"tensors": specs}
+    if encodings:
+        fields["enc"] = encodings
+    packed = choose_packed([p.nbytes for p in payloads], pack_below)
+    if not packed:
+        return EncodedTensors(fields, payloads)
+    fields["packed"] = packed
+    in_pack = set(packed)
+    own = [p for i, p in enumerate(payloads) if i not in in_pack]
+    return EncodedTensors(fields, [*own, build_pack([payloads[i] for i in packed])])
+
+
+def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_BELOW,
+           encoded: EncodedTensors | None = None) -> list:
+    """Frames for `msg`: [header bytes, tensor payloads ...] (see `encode_tensors`).
+    `encoded`: `msg.tensors` encoded already (`encode_tensors`), sent as they are."""
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": int(msg.OP), "id": req_id, "src": src}
     for f in header_fields(type(msg)):
         header[f.name] = getattr(msg, f.name)
@@ -100,23 +135,10 @@ def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_B
         header[name] = to_wire(header[name])
     if not has_tensors(type(msg)):
         return [msgpack.packb(header, use_bin_type=True)]
-    specs, payloads, encodings = [], [], []
-    for i, (name, t) in enumerate(msg.tensors.items()):
-        specs.append([name, _dt.DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype), list(t.shape)])
-        if type(t) is Compressed:
-            encodings.append([i, t.kind, t.count])
-            t = t.payload
-        payloads.append(tensor_frame(t))
-    header["tensors"] = specs
-    if encodings:
-        header["enc"] = encodings
-    packed = choose_packed([p.nbytes for p in payloads], pack_below)
-    if not packed:
-        return [msgpack.packb(header, use_bin_type=True), *payloads]
-    header["packed"] = packed
-    in_pack = set(packed)
-    own = [p for i, p in enumerate(payloads) if i not in in_pack]
-    return [msgpack.packb(header, use_bin_type=True), *own, build_pack([payloads[i] for i in packed])]
+    if encoded is None:
+        encoded = encode_tensors(msg.tensors, pack_below)
+    header.update(encoded.fields)
+    return [msgpack.packb(header, use_bin_type=True), *encoded.frames]
 
 
 def _unpack_header(raw) -> dict:
