@@ -75,3 +75,26 @@ def test_startup_section_of_a_run_that_never_planned(tmp_path):
     s = startup_section(tmp_path, {"launch": 5.0, "scheduler_up": 6.0})
     assert s == {"scheduler_up_s": 1.0}
     assert startup_line(s).startswith("start-up: no step")
+
+
+def test_local_gpu_count_agrees_with_torch(monkeypatch):
+    import torch
+
+    from hetps.proto.devices import local_gpu_count
+
+    assert local_gpu_count() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert local_gpu_count() == 0
+
+
+def test_lazy_module_loads_on_first_use_and_refuses_what_is_missing(monkeypatch):
+    from hetps.proto.lazy import lazy_module
+
+    assert lazy_module("json") is sys.modules["json"]  # already imported: itself
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    colorsys = lazy_module("colorsys")
+    assert type(colorsys).__name__ != "module"   # not run yet
+    assert colorsys.rgb_to_hsv(1.0, 0.0, 0.0) == (0.0, 1.0, 1.0)
+    assert type(colorsys).__name__ == "module"   # ran on first use
+    with pytest.raises(ImportError, match="no_such_module_xyz"):
+        lazy_module("no_such_module_xyz")
