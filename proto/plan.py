@@ -32,7 +32,8 @@ class TensorSpec:
                                                   f"[dims >= 0], kind in {TENSOR_KINDS}])")
         name, dtype, shape, kind = spec
         if dtype not in ITEMSIZES:
-            raise ProtocolError(Status.DTYPE_NOT_ALLOWED, f"tensor {name!r}: dtype {dtype!r} not in {sorted(ITEMSIZES)}")
+            raise ProtocolError(Status.DTYPE_NOT_ALLOWED,
+                                f"tensor {name!r}: dtype {dtype!r} not in {sorted(ITEMSIZES)}")
         return cls(name, dtype, tuple(shape), kind)
 
     def to_wire(self) -> list:

@@ -30,13 +30,22 @@ def _records(run_dir: Path) -> list[dict]:
     return out
 
 
+def this_run(recs: list[dict], launch: float) -> tuple[list[dict], dict | None]:
+    """The records of the run started at `launch` (a resumed run's metrics.jsonl
+    holds the earlier runs' first) and its first plan record (None: no plan yet)."""
+    first = next((i for i, r in enumerate(recs) if r.get("kind") == "plan" and r.get("wall", 0.0) >= launch), None)
+    end = first if first is not None else len(recs)
+    begin = max((i + 1 for i, r in enumerate(recs[:end]) if r.get("kind") == "stop"), default=0)
+    return recs[begin:], (recs[first] if first is not None else None)
+
+
 def startup_section(run_dir: Path, timeline: dict[str, float]) -> dict:
     """The `startup` section: seconds after launch of each mark, the slowest
     node's time in each of its own phases per role, and the stop time.
     Marks that did not happen (a run that never trained) are left out."""
     launch = timeline["launch"]
     out = {k + "_s": round(v - launch, 3) for k, v in timeline.items() if k not in ("launch", "exited")}
-    recs = _records(run_dir)
+    recs, plan = this_run(_records(run_dir), launch)
     phases: dict[str, dict[str, float]] = {}
     registered = []
     for r in (r for r in recs if r.get("kind") == "register"):
@@ -49,15 +58,15 @@ def startup_section(run_dir: Path, timeline: dict[str, float]) -> dict:
         out["node_phases_s"] = phases
     if registered:
         out["registered_s"] = round(max(registered) - launch, 3)
-    plan = next((r for r in recs if r.get("kind") == "plan" and "wall" in r), None)
     if plan is None:
         return out
     t0 = plan["wall"] - plan.get("t", 0.0)
     out["plan_s"] = round(plan["wall"] - launch, 3)
-    step = next((r for r in recs if r.get("kind") == "step"), None)
+    after = recs[recs.index(plan):]
+    step = next((r for r in after if r.get("kind") == "step"), None)
     if step is not None:
         out["first_step_s"] = round(t0 + step["t"] - launch, 3)
-    stop = next((r for r in recs if r.get("kind") == "stop"), None)
+    stop = next((r for r in after if r.get("kind") == "stop"), None)
     if stop is not None and "exited" in timeline:
         out["stop_s"] = round(timeline["exited"] - (t0 + stop["t"]), 3)
     return out

@@ -71,6 +71,19 @@ def test_startup_section_from_marks_and_records(tmp_path):
     assert line.startswith("start-up: first step at 5.5s") and "imports 2.5s" in line and line.endswith("stop 1.0s")
 
 
+def test_startup_section_of_a_resumed_run_reads_its_own_records(tmp_path):
+    old = [{"kind": "register", "t": 9.0, "node": "ps0", "startup": {"imports": 30.0}},
+           {"kind": "plan", "t": 0.0, "plan_id": 1, "wall": 500.0}, {"kind": "step", "t": 0.1, "worker": 0},
+           {"kind": "stop", "t": 4.0, "reason": "interrupted"}]
+    new = [{"kind": "register", "t": 2.0, "node": "ps0", "startup": {"imports": 1.0}},
+           {"kind": "plan", "t": 0.0, "plan_id": 2, "wall": 1003.0}, {"kind": "step", "t": 0.5, "worker": 0},
+           {"kind": "stop", "t": 6.0, "reason": "step limit"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old + new))
+    s = startup_section(tmp_path, {"launch": 1000.0, "scheduler_up": 1000.5, "exited": 1010.0})
+    assert s["node_phases_s"] == {"ps": {"imports": 1.0}} and s["registered_s"] == 2.5
+    assert s["plan_s"] == 3.0 and s["first_step_s"] == 3.5 and s["stop_s"] == 1.0
+
+
 def test_startup_section_of_a_run_that_never_planned(tmp_path):
     s = startup_section(tmp_path, {"launch": 5.0, "scheduler_up": 6.0})
     assert s == {"scheduler_up_s": 1.0}
