@@ -19,8 +19,6 @@ import re
 import time
 from pathlib import Path
 
-import torch
-
 from .config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -49,6 +47,8 @@ def latest(folder: Path, version: int | None = None) -> Path | None:
 
 
 def load(path: Path) -> dict:
+    import torch  # here: `hetps run` lists checkpoints (scheduler/faults.py) without torch
+
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{path} is not a hetps shard checkpoint of format {FORMAT}")
@@ -72,6 +72,8 @@ def write_atomic(path: Path, state: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
+        import torch
+
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())

@@ -24,15 +24,25 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import msgpack
 import numpy
-import torch
 
+from . import dtypes as _dt
 from .compression import Compressed, check_encoding, decompress, payload_nbytes
-from .dtypes import DTYPE_NAMES, DTYPES, NUMPY_DTYPES  # noqa: F401  (re-exported)
 from .errors import ProtocolError
+from .lazy import lazy_module
 from .layout import PACK_BELOW, build_pack, choose_packed, split_frames
 from .records import READERS, to_wire
 from .messages import (MESSAGES, PROTOCOL_VERSION, Error, Message, Op, Status,
                        has_tensors, header_fields)
+
+torch = lazy_module("torch")  # the scheduler decodes headers only and never loads it
+
+
+def __getattr__(name: str):
+    """DTYPES, DTYPE_NAMES, NUMPY_DTYPES (re-exported from dtypes.py, built on first use)."""
+    if name in ("DTYPES", "DTYPE_NAMES", "NUMPY_DTYPES"):
+        return getattr(_dt, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # torch warns that frame buffers are read-only; we never write into them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -62,7 +72,7 @@ TensorCatalog = Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (dtype name
 
 def dtype_name(dtype: torch.dtype) -> str:
     try:
-        return DTYPE_NAMES[dtype]
+        return _dt.DTYPE_NAMES[dtype]
     except KeyError:
         raise ProtocolError(Status.DTYPE_NOT_ALLOWED, f"dtype {dtype} not allowed") from None
 
@@ -70,7 +80,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def tensor_frame(t: torch.Tensor) -> memoryview:
     """A flat byte view of a CPU tensor's data, copied only if it is not contiguous."""
     t = t.detach()
-    if t.dtype in NUMPY_DTYPES and t.numel() and t.dim() and t.is_contiguous():  # common case, fewer calls
+    if t.dtype in _dt.NUMPY_DTYPES and t.numel() and t.dim() and t.is_contiguous():  # common case, fewer calls
         return memoryview(t.numpy()).cast("B")
     flat = t.reshape(-1)
     if flat.stride() != (1,):  # a strided 1-D view (e.g. every other entry): copy it
@@ -78,11 +88,46 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # bool, like every dtype, views as bytes
 
 
-def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_BELOW) -> list:
-    """Frames for `msg`: [header bytes, tensor payloads ...]. Tensors must be on
-    the CPU; a `Compressed` value travels compressed. Payloads under
-    `pack_below` bytes share one pack frame at the end (0: one frame each).
-    Large payloads are views of the tensors: do not write them until sent."""
+@dataclass(frozen=True)
+class EncodedTensors:
+    """The tensor part of a message, encoded once: the header fields that
+    describe it (`tensors`, and `packed`, `enc` when used) and its frames.
+    Several replies carrying the same tensors (pulls of one version) send
+    the same frames; only their headers differ."""
+
+    fields: dict
+    frames: list
+
+
+def encode_tensors(tensors: Mapping[str, Any], pack_below: int = PACK_BELOW) -> EncodedTensors:
+    """Specs and payload frames of `tensors` (CPU; `Compressed` values travel
+    compressed). Payloads under `pack_below` bytes share one pack frame at
+    the end (0: one frame each). Large payloads are views of the tensors: do
+    not write them until every message that carries them was sent."""
+    specs, payloads, encodings = [], [], []
+    names = _dt.DTYPE_NAMES
+    for i, (name, t) in enumerate(tensors.items()):
+        specs.append([name, names.get(t.dtype) or dtype_name(t.dtype), list(t.shape)])
+        if type(t) is Compressed:
+            encodings.append([i, t.kind, t.count])
+            t = t.payload
+        payloads.append(tensor_frame(t))
+    fields: dict[str, Any] = {"tensors": specs}
+    if encodings:
+        fields["enc"] = encodings
+    packed = choose_packed([p.nbytes for p in payloads], pack_below)
+    if not packed:
+        return EncodedTensors(fields, payloads)
+    fields["packed"] = packed
+    in_pack = set(packed)
+    own = [p for i, p in enumerate(payloads) if i not in in_pack]
+    return EncodedTensors(fields, [*own, build_pack([payloads[i] for i in packed])])
+
+
+def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_BELOW,
+           encoded: EncodedTensors | None = None) -> list:
+    """Frames for `msg`: [header bytes, tensor payloads ...] (see `encode_tensors`).
+    `encoded`: `msg.tensors` encoded already (`encode_tensors`), sent as they are."""
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": int(msg.OP), "id": req_id, "src": src}
     for f in header_fields(type(msg)):
         header[f.name] = getattr(msg, f.name)
@@ -90,23 +135,10 @@ def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_B
         header[name] = to_wire(header[name])
     if not has_tensors(type(msg)):
         return [msgpack.packb(header, use_bin_type=True)]
-    specs, payloads, encodings = [], [], []
-    for i, (name, t) in enumerate(msg.tensors.items()):
-        specs.append([name, DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype), list(t.shape)])
-        if type(t) is Compressed:
-            encodings.append([i, t.kind, t.count])
-            t = t.payload
-        payloads.append(tensor_frame(t))
-    header["tensors"] = specs
-    if encodings:
-        header["enc"] = encodings
-    packed = choose_packed([p.nbytes for p in payloads], pack_below)
-    if not packed:
-        return [msgpack.packb(header, use_bin_type=True), *payloads]
-    header["packed"] = packed
-    in_pack = set(packed)
-    own = [p for i, p in enumerate(payloads) if i not in in_pack]
-    return [msgpack.packb(header, use_bin_type=True), *own, build_pack([payloads[i] for i in packed])]
+    if encoded is None:
+        encoded = encode_tensors(msg.tensors, pack_below)
+    header.update(encoded.fields)
+    return [msgpack.packb(header, use_bin_type=True), *encoded.frames]
 
 
 def _unpack_header(raw) -> dict:
@@ -163,10 +195,10 @@ def _read_spec(spec: Any, max_bytes: int, req_id: int) -> Spec:
             and type(spec[2]) is list and all(type(d) is int and d >= 0 for d in spec[2])):
         raise ProtocolError(Status.MALFORMED, f"bad tensor spec {spec!r:.80}", req_id)
     name, dtype_str, shape = spec
-    dtype = DTYPES.get(dtype_str)
+    dtype = _dt.DTYPES.get(dtype_str)
     if dtype is None:
         raise ProtocolError(Status.DTYPE_NOT_ALLOWED,
-                            f"tensor {name!r}: dtype {dtype_str!r} not in {sorted(DTYPES)}", req_id)
+                            f"tensor {name!r}: dtype {dtype_str!r} not in {sorted(_dt.DTYPES)}", req_id)
     bound = dtype.itemsize  # >= nbytes; also bounds dims beside a 0
     for d in shape:  # stop as soon as it is too large: a shape may list thousands of huge dims
         if d > 1:
@@ -200,7 +232,7 @@ def _payload_size(spec: Spec, encoding: tuple[str, int] | None) -> int:
 def _dense_view(spec: Spec, payload: memoryview) -> torch.Tensor:
     if spec.numel == 0:
         return torch.empty(spec.shape, dtype=spec.dtype)
-    np_dtype = NUMPY_DTYPES.get(spec.dtype)
+    np_dtype = _dt.NUMPY_DTYPES.get(spec.dtype)
     if np_dtype is not None:  # the same view as torch.frombuffer, in fewer calls
         return torch.from_numpy(numpy.frombuffer(payload, np_dtype).reshape(spec.shape))
     if spec.dtype == torch.bool:
@@ -217,9 +249,9 @@ def check_catalog(specs: Sequence[Spec], catalog: TensorCatalog, req_id: int = 0
         if s.shape != tuple(shape):
             raise ProtocolError(Status.SHAPE_MISMATCH,
                                 f"tensor {s.name!r}: shape {list(s.shape)}, registered {list(shape)}", req_id)
-        if DTYPE_NAMES[s.dtype] != dtype_str:
+        if _dt.DTYPE_NAMES[s.dtype] != dtype_str:
             raise ProtocolError(Status.DTYPE_NOT_ALLOWED,
-                                f"tensor {s.name!r}: dtype {DTYPE_NAMES[s.dtype]}, registered {dtype_str}", req_id)
+                                f"tensor {s.name!r}: dtype {_dt.DTYPE_NAMES[s.dtype]}, registered {dtype_str}", req_id)
 
 
 def _decode_tensors(header: dict, frames: Sequence, catalog: TensorCatalog | None, max_bytes: int,

@@ -34,13 +34,28 @@ import threading
 from dataclasses import dataclass
 from typing import ClassVar, Container, Mapping
 
-import torch
-
 from .errors import ProtocolError
 from .layout import aligned
+from .lazy import lazy_module
 from .messages import Status
 
-FLOATS = (torch.float32, torch.float64)  # dense dtypes that may travel compressed
+torch = lazy_module("torch")  # the scheduler imports this module (through codec) and never loads torch
+
+_FLOATS: tuple = ()  # (torch.float32, torch.float64): dense dtypes that may travel compressed
+
+
+def floats() -> tuple:
+    """The dense dtypes that may travel compressed (built on first use: torch loads then)."""
+    global _FLOATS
+    if not _FLOATS:
+        _FLOATS = (torch.float32, torch.float64)
+    return _FLOATS
+
+
+def __getattr__(name: str):
+    if name == "FLOATS":  # the constant's old name, for importers
+        return floats()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 KINDS = ("fp16", "topk")
 
 
@@ -80,7 +95,7 @@ def check_encoding(kind: object, count: object, dtype: torch.dtype, numel: int, 
     """Raise MALFORMED unless `[kind, count]` can describe a tensor of `dtype`, `numel` entries."""
     if kind not in KINDS:
         raise ProtocolError(Status.MALFORMED, f"tensor {name!r}: unknown encoding {kind!r:.20}", req_id)
-    if dtype not in FLOATS:
+    if dtype not in floats():
         raise ProtocolError(Status.MALFORMED, f"tensor {name!r}: {kind} of a {dtype} tensor", req_id)
     if type(count) is not int or not 0 <= count <= numel or (kind == "fp16" and count != numel):
         raise ProtocolError(Status.MALFORMED, f"tensor {name!r}: {kind} count {count!r:.20} "
@@ -141,7 +156,7 @@ class Compressor(ABC):
         out: dict = {}
         dense = sent = 0
         for name, t in tensors.items():
-            if name in names and t.dtype in FLOATS and t.numel():
+            if name in names and t.dtype in floats() and t.numel():
                 out[name] = self.encode(name, t.detach())
                 dense += t.numel() * t.element_size()
                 sent += _nbytes(out[name])

@@ -5,6 +5,7 @@ and the scheduler address.
 from __future__ import annotations
 
 import argparse
+import atexit
 import faulthandler
 import logging
 import os
@@ -123,3 +124,18 @@ def scheduler_lost_exit(role: str, rank: int, reason: str) -> int:
     return the exit status for it: a supervisor must see a failure, not a clean stop."""
     print(f"hetps {role} {rank}: {reason}; exiting with status {EXIT_SCHEDULER_LOST}", file=sys.stderr)
     return EXIT_SCHEDULER_LOST
+
+
+def fast_exit(code: int) -> None:
+    """End the process with `code` once main() returned: run the atexit
+    handlers (logging's flush among them), flush stdout and stderr, then skip
+    the interpreter's teardown (os._exit). With torch or scikit-learn
+    imported that teardown takes 1-9 s of CPU on a loaded 2-core machine,
+    and `hetps run` waits for every process before it reports."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to lose
+            pass
+    os._exit(code if isinstance(code, int) else 1)

@@ -9,9 +9,13 @@ when there is one, else the CPU.
 """
 from __future__ import annotations
 
+import glob
+import os
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 ALLOWED = "auto, cpu, cuda, cuda:N"
@@ -34,9 +38,24 @@ def assign_devices(requested: list[str], gpu_count: int) -> list[str]:
     return out
 
 
+def local_gpu_count() -> int:
+    """GPUs visible to torch on this host. Without a GPU device node (NVIDIA,
+    AMD, WSL) or with CUDA_VISIBLE_DEVICES empty it is 0 without importing
+    torch, which costs `hetps run` seconds before it starts any process."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return 0
+    if not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg")):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def pick_device(name: str, where: str = "device") -> torch.device:
     """The torch device for a configured name. Raises DeviceUnavailable, naming
     `where` (the config key), when it asks for a GPU this host does not have."""
+    import torch
+
     if not DEVICE_PATTERN.fullmatch(name):
         raise DeviceUnavailable(f"{where}: unknown value {name!r}; allowed: {ALLOWED}")
     count = torch.cuda.device_count() if name != "cpu" else 0
@@ -56,5 +75,7 @@ def use_device(device: torch.device) -> None:
     """Make `device` this process's current CUDA device (no-op on the CPU), so
     that calls without a device (synchronize, pinned allocations) act on it
     and no other GPU gets a context of this process."""
+    import torch
+
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass, field
 
-from .dtypes import DTYPES
+from .dtypes import ITEMSIZES
 from .errors import ProtocolError
 from .messages import Status
 
@@ -31,8 +31,9 @@ class TensorSpec:
             raise ProtocolError(Status.MALFORMED, f"bad tensor spec {spec!r:.80} (want [name, dtype, "
                                                   f"[dims >= 0], kind in {TENSOR_KINDS}])")
         name, dtype, shape, kind = spec
-        if dtype not in DTYPES:
-            raise ProtocolError(Status.DTYPE_NOT_ALLOWED, f"tensor {name!r}: dtype {dtype!r} not in {sorted(DTYPES)}")
+        if dtype not in ITEMSIZES:
+            raise ProtocolError(Status.DTYPE_NOT_ALLOWED,
+                                f"tensor {name!r}: dtype {dtype!r} not in {sorted(ITEMSIZES)}")
         return cls(name, dtype, tuple(shape), kind)
 
     def to_wire(self) -> list:
@@ -40,7 +41,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = DTYPES[self.dtype].itemsize
+        n = ITEMSIZES[self.dtype]
         for d in self.shape:
             n *= d
         return n
@@ -63,7 +64,7 @@ def chunk_specs(specs: list[TensorSpec], max_bytes: int) -> tuple[list[TensorSpe
         if not max_bytes or s.nbytes <= max_bytes:
             out.append(s)
             continue
-        itemsize = DTYPES[s.dtype].itemsize
+        itemsize = ITEMSIZES[s.dtype]
         numel, per = s.nbytes // itemsize, max(1, max_bytes // itemsize)
         parts = [TensorSpec(f"{s.name}#{i}", s.dtype, (min(per, numel - start),), s.kind)
                  for i, start in enumerate(range(0, numel, per))]

@@ -272,6 +272,17 @@ def read_speed(value: Any) -> float:
     return read_number("speed", value, MAX_RATE)
 
 
+def read_startup(value: Any) -> dict[str, float]:
+    """REGISTER's `startup`: at most MAX_PHASES {short name: seconds}."""
+    from .startup import MAX_PHASE_S, MAX_PHASES
+    if type(value) is not dict or len(value) > MAX_PHASES:
+        _bad("startup", f"must be a map of at most {MAX_PHASES} phases, got {value!r:.60}")
+    for name in value:
+        if type(name) is not str or not 0 < len(name) <= 32:
+            _bad("startup", f"phase names must be strings of 1-32 characters, got {name!r:.40}")
+    return {name: read_number(f"startup.{name}", v, MAX_PHASE_S) for name, v in value.items()}
+
+
 def _entries(where: str, value: Any) -> list[NodeEntry]:
     if type(value) is not list:
         _bad(where, "must be a list")
@@ -330,7 +341,7 @@ def read_plan(value: Any) -> ClusterPlan:
 READERS: dict[type, dict[str, Callable[[Any], Any]]] = {
     m.Heartbeat: {"stats": NodeStats.read, "records": read_step_records},
     m.Bye: {"stats": NodeStats.read},
-    m.Register: {"tensor_specs": read_tensor_specs, "speed": read_speed},
+    m.Register: {"tensor_specs": read_tensor_specs, "speed": read_speed, "startup": read_startup},
     m.Push: {"info": PushInfo.read},
     m.Params: {"ack": FusedAck.read},
     m.Plan: {"plan": read_plan},

@@ -22,10 +22,12 @@ import sys
 
 import torch
 
-from hetps.proto.daemon import check_and_exit, common_args, daemon_setup, rank_label, scheduler_lost_exit
+from hetps.proto.daemon import (check_and_exit, common_args, daemon_setup, fast_exit, rank_label,
+                                 scheduler_lost_exit)
 from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
+from hetps.proto.startup import Phases, process_age_s
 from hetps.proto.transport import TransportError, make_server, set_link_cap
 
 from hetps.proto.algorithms import AlgorithmMismatch
@@ -40,6 +42,7 @@ PLAN_FETCH_S = 1.0  # longest wait for a plan a push names; the scheduler answer
 
 
 def main(argv: list[str] | None = None) -> int:
+    phases = Phases(imports_s=process_age_s())  # reported in REGISTER: where the start-up went
     parser = argparse.ArgumentParser(prog="hetps ps", description="parameter-server shard daemon")
     common_args(parser)
     parser.add_argument("--bind", default=os.environ.get("HETPS_BIND"),
@@ -67,13 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
         member = Membership(scheduler, "ps", args.rank, cfg.cluster)
+        phases.mark("config")
     except TransportError as exc:
         print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
         return 1
     try:
         with member.starting():  # reported to the scheduler, which ends the run naming this shard
             speed = profile_update_speed(slowdown)
-        member.join(address=args.advertise or server.address, speed=speed)
+            phases.mark("profile")
+        member.join(address=args.advertise or server.address, speed=speed, startup=phases.as_dict())
         args.rank = member.rank  # `--rank auto`: from here on, the rank the scheduler gave
         plan = member.wait_plan()
         # heartbeats from the moment the plan arrives (the scheduler counts silence from then on):
@@ -183,4 +188,4 @@ def setup_checkpoints(shard: Shard, root: str | None, rank: int, version: int | 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    fast_exit(main())  # no interpreter teardown: seconds with torch loaded

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hetps.proto.algorithms import algorithm, check_plan_algorithm
-from hetps.proto.codec import Envelope, ProtocolError, nonfinite_names
+from hetps.proto.codec import Envelope, ProtocolError, encode, nonfinite_names
 from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.emulation import Slowdown, work_clock
 from hetps.proto.messages import Ack, Error, Op, Params, Status
@@ -283,9 +283,11 @@ class Shard(Service):
         return Params(version=self.store.version, ack=ack, tensors=self.store.snapshot())
 
     def reply(self, peer: bytes, req_id: int, msg):
-        tracker = super().reply(peer, req_id, msg)
-        if isinstance(msg, Params):  # its snapshot's buffers are reused once the transport is done
-            self.store.track(msg.tensors, tracker)
+        if not isinstance(msg, Params):
+            return super().reply(peer, req_id, msg)
+        # the pulls of one version share one encoding of the tensors; only their headers differ
+        tracker = self.server.send(peer, encode(msg, req_id, self.node_id, encoded=self.store.encoded(msg.tensors)))
+        self.store.track(msg.tensors, tracker)  # its snapshot's buffers are reused once the transport is done
         return tracker
 
     def _serve_parked(self, released_by: int | None = None) -> None:

@@ -12,7 +12,7 @@ from typing import Mapping
 
 import torch
 
-from hetps.proto.codec import ProtocolError, TensorCatalog
+from hetps.proto.codec import EncodedTensors, ProtocolError, TensorCatalog, encode_tensors
 from hetps.proto.messages import Status
 from hetps.proto.plan import TensorSpec
 
@@ -29,6 +29,7 @@ class TensorStore:
         self.versions: dict[str, int] = {s.name: 0 for s in specs}
         self.version = 0
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._encoded: tuple[dict, EncodedTensors] | None = None  # (snapshot, its encoding)
         self.snapshots = Snapshots()
 
     @property
@@ -92,6 +93,14 @@ class TensorStore:
             log.error("shard tensors were written without settle(): a reply in flight may have seen it")
         self._snapshot = (self.version, self.snapshots.lend(self.tensors))
         return self._snapshot[1]
+
+    def encoded(self, snapshot: dict) -> EncodedTensors:
+        """`snapshot` (from `snapshot()`) encoded for the wire, once for every
+        reply that carries it: a new write makes a new snapshot dict, so the
+        identity of the dict is the key (the cache holds it: no id is reused)."""
+        if self._encoded is None or self._encoded[0] is not snapshot:
+            self._encoded = (snapshot, encode_tensors(snapshot))
+        return self._encoded[1]
 
     def track(self, snapshot: dict, tracker) -> None:
         """`snapshot` went out in a reply; the transport is done with its memory

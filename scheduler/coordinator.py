@@ -110,7 +110,8 @@ class Coordinator(Service):
         self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, time.monotonic(),
                                    profiled_speed=msg.speed, host=msg.host)
         log.info("registered %s %d as node %d %s", msg.role, msg.rank, node_id, msg.address)
-        self.runlog.record("register", t=round(self.elapsed(), 4), node=f"{msg.role}{msg.rank}", host=msg.host)
+        self.runlog.record("register", t=round(self.elapsed(), 4), node=f"{msg.role}{msg.rank}", host=msg.host,
+                           **({"startup": msg.startup} if msg.startup else {}))
         self._maybe_plan()
         if msg.role == "worker" and self.plan is not None and node_id not in self.plan.worker_ids():
             self._replan(f"worker {msg.rank} joined as node {node_id}")
@@ -298,7 +299,7 @@ class Coordinator(Service):
         self.runlog.write_plan(plan.to_dict())
         state.save(self)
         self.runlog.record("plan", t=round(self.elapsed(), 4), plan_id=plan.plan_id, groups=plan.groups,
-                           speeds=plan.speeds)
+                           speeds=plan.speeds, wall=round(time.time(), 3))  # wall: start-up report
         log.info("plan %d: %d workers in groups %s, %d shards, %d tensors; speeds %s", plan.plan_id,
                  len(plan.workers), plan.groups, len(plan.shards), len(plan.tensors), plan.speeds)
         for peer, req, after in self.plan_waiters:

@@ -25,13 +25,15 @@ from pathlib import Path
 from hetps.proto.algorithms import algorithm
 from hetps.proto.config import RunConfig, dump_config
 from hetps.proto.errors import HetpsError
-from hetps.proto.devices import assign_devices
+from hetps.proto.devices import assign_devices, local_gpu_count
 from hetps.proto.security import keys_for_run
+from hetps.proto.startup import process_age_s
 
 from .faults import FaultInjector
 from .outcome import EXIT_CODES, INTERRUPTED
-from .report import Progress, plot_run
+from .report import Progress, format_summary, plot_run
 from .runlog import write_json_atomic
+from .startup_report import startup_line, startup_section
 from .resume import ResumePoint, checkpoints_root
 from .state import STATE_FILE
 from .zygote import ForkServer, forking_enabled
@@ -39,6 +41,7 @@ from .zygote import ForkServer, forking_enabled
 ADDR_WAIT_S = 60.0   # longest wait for the scheduler to publish its address
 TARGETS = "prometheus_targets.json"  # --metrics: each daemon serves /metrics on a free port and adds it here
 REAP_WAIT_S = 15.0   # after the scheduler exits, how long the rest may take to leave
+CHECK_WAIT_S = 600.0  # the dry step loads the dataset: a generous upper bound
 
 
 class LaunchError(HetpsError, RuntimeError):
@@ -47,9 +50,6 @@ class LaunchError(HetpsError, RuntimeError):
 
 class CheckFailed(LaunchError):
     """The model does not fit the dataset (the dry step before training); one line."""
-
-
-CHECK_WAIT_S = 600.0  # the dry step loads the dataset: a generous upper bound
 
 
 @dataclass
@@ -93,9 +93,7 @@ def with_local_devices(cfg: RunConfig) -> RunConfig:
     requested = [n.device for n in cfg.cluster.workers]
     if "auto" not in requested:
         return cfg
-    import torch  # here, not at import: only `hetps run` counts GPUs
-
-    devices = assign_devices(requested, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    devices = assign_devices(requested, local_gpu_count())
     workers = [dataclasses.replace(n, device=d) for n, d in zip(cfg.cluster.workers, devices)]
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, workers=workers))
 
@@ -128,6 +126,7 @@ class LocalCluster:
         # every daemon imports torch: fork them from one warm process instead of importing it in each
         self.forks = (ForkServer(sklearn=algorithm(cfg.algorithm.name).needs_sklearn)
                       if forking_enabled() else None)
+        self.timeline: dict[str, float] = {"launch": time.time() - process_age_s()}  # wall times (startup_report.py)
 
     # ------------------------------------------------------------ processes
     def spawn(self, name: str, module: str, *args: str) -> Child:
@@ -182,9 +181,9 @@ class LocalCluster:
             raise LaunchError(f"the model check exited with {code}:\n" + "\n".join(lines[-15:]))
 
     def start(self) -> str:
-        """Start every process; returns the scheduler address. The scheduler
-        starts while the model is checked; shards and workers only after the
-        check passed (raises CheckFailed, LaunchError)."""
+        """Start every process; returns the scheduler address. Everything
+        starts while the model is checked, so that the seconds of imports
+        overlap; a failed check stops them all (raises CheckFailed, LaunchError)."""
         self.start_check()
         run_id = ("--run-id", self.resume.run_id, "--resume") if self.resume else ()
         (self.run_dir / "scheduler.addr").unlink(missing_ok=True)
@@ -192,9 +191,15 @@ class LocalCluster:
             (self.run_dir / STATE_FILE).unlink(missing_ok=True)
         scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir), *run_id)
         addr = self._scheduler_address(scheduler)
-        self.wait_check()
-        if self.interrupted:  # Ctrl-C during the check: the scheduler stops; start nobody else
-            return addr
+        self.timeline["scheduler_up"] = time.time()
+        if not self.interrupted:  # Ctrl-C before the scheduler was up: it stops; start nobody else
+            self._spawn_nodes(addr)
+            self.wait_check()
+            self.timeline["checked"] = time.time()
+        return addr
+
+    def _spawn_nodes(self, addr: str) -> None:
+        """Start the shards, the workers and the evaluator (each waits for the plan)."""
         for rank in range(len(self.cfg.cluster.shards)):
             restore = (("--resume", "--restore-version", str(self.resume.versions[rank]))
                        if self.resume else ())
@@ -206,7 +211,6 @@ class LocalCluster:
             # the evaluator writes the final model it measured: RUN_DIR/model.safetensors, model.json
             self.spawn("evaluator", "hetps.worker", "--evaluator", "--scheduler", addr,
                        "--model-out", str(self.run_dir))
-        return addr
 
     def _scheduler_address(self, scheduler: Child) -> str:
         path = self.run_dir / "scheduler.addr"
@@ -283,6 +287,7 @@ class LocalCluster:
         for child in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):  # the caller kills what is left
                 child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+        self.timeline["exited"] = time.time()
         failed = [c for c in self.children[1:] if c.popen.returncode not in (0, None)  # [0]: checked by watch
                   and c.name not in tolerated | faults_killed]
         if failed and not self.interrupted:  # stopped before the plan, nodes exit with "run stopped"
@@ -362,6 +367,9 @@ def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool 
         print(f"hetps run: {error}\nrun directory: {run_dir}", file=sys.stderr)
         return EXIT_CODES["failed"]
     summary = read_summary(run_dir) or {}
+    if summary:
+        summary["startup"] = startup_section(run_dir, cluster.timeline)
+        write_json_atomic(run_dir / "summary.json", summary)
     if cluster.interrupted and summary.get("status") != "failed":
         mark_interrupted(run_dir, summary)
     status = "interrupted" if cluster.interrupted else summary.get("status", "completed")
@@ -371,7 +379,7 @@ def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool 
             and not (run_dir / "model.safetensors").exists():
         export_model(cluster, quiet)
     if not quiet and summary:
-        print(format_summary(summary, run_dir))
+        print(f"{startup_line(summary['startup'])}\n{format_summary(summary, run_dir)}")
     if status == "diverged":
         print(f"hetps run: training diverged: {summary.get('detail')}", file=sys.stderr)
     return EXIT_CODES.get(status, EXIT_CODES["failed"])
@@ -400,11 +408,3 @@ def export_model(cluster: LocalCluster, quiet: bool) -> None:
     elif not quiet:
         print(done.stdout.strip(), file=sys.stderr)
 
-
-def format_summary(summary: dict, run_dir: Path) -> str:
-    acc = summary.get("final_accuracy")
-    ttt = summary.get("time_to_target_s")
-    return (f"{summary.get('algorithm')}: {summary.get('status', 'completed')}, final accuracy "
-            f"{acc if acc is None else round(acc, 4)}, best {summary.get('best_accuracy')}, time to target "
-            f"{'not reached' if ttt is None else f'{ttt:.1f}s'}, {summary.get('global_steps', 0)} steps in "
-            f"{summary.get('wall_s', 0.0):.1f}s ({summary.get('stop_reason')})\nrun directory: {run_dir}")

@@ -123,3 +123,12 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     """RUN_DIR/accuracy_vs_time.png (and groups.png): see plots.py."""
     from .plots import plot_run as plot  # plots imports this module
     return plot(run_dir, title)
+
+
+def format_summary(summary: dict, run_dir: Path) -> str:
+    acc = summary.get("final_accuracy")
+    ttt = summary.get("time_to_target_s")
+    return (f"{summary.get('algorithm')}: {summary.get('status', 'completed')}, final accuracy "
+            f"{acc if acc is None else round(acc, 4)}, best {summary.get('best_accuracy')}, time to target "
+            f"{'not reached' if ttt is None else f'{ttt:.1f}s'}, {summary.get('global_steps', 0)} steps in "
+            f"{summary.get('wall_s', 0.0):.1f}s ({summary.get('stop_reason')})\nrun directory: {run_dir}")

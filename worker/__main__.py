@@ -26,7 +26,7 @@ import torch
 
 from hetps.proto.algorithms import AlgorithmMismatch, algorithm, check_plan_algorithm
 from hetps.proto.config import NodeConfig
-from hetps.proto.daemon import common_args, daemon_setup, scheduler_lost_exit
+from hetps.proto.daemon import common_args, daemon_setup, fast_exit, scheduler_lost_exit
 from hetps.proto.devices import pick_device, use_device
 from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
@@ -34,6 +34,7 @@ from hetps.proto.optim import build_optimizer
 from hetps.proto.plan import schema_hash
 from hetps.proto.transport import TransportError, set_link_cap
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
+from hetps.proto.startup import Phases, process_age_s
 
 from .data import DatasetUnavailable
 from .evaluator import Evaluator
@@ -58,6 +59,7 @@ def trainer_class(cfg) -> type:
 
 
 def main(argv: list[str] | None = None) -> int:
+    phases = Phases(imports_s=process_age_s())  # reported in REGISTER: where the start-up went
     parser = argparse.ArgumentParser(prog="hetps worker", description="training worker daemon")
     common_args(parser)
     parser.add_argument("--evaluator", action="store_true", help="run as the evaluator")
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(node.threads)
     set_link_cap(node.link_mbps)
     member = Membership(scheduler, role, args.rank, cfg.cluster)
+    phases.mark("config")
     runner = None
     try:
         # a failure from here to the first step is reported to the scheduler, which ends the run
@@ -87,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
                 # not in the run's clock after the plan (the shards pay it while profiling)
                 build_optimizer(list(model.parameters()), cfg.optimizer)
             state = ModelState(model, device)
+            phases.mark("build")
             speed = 0.0 if args.evaluator else profile_speed(state, data, cfg.data.batch_size,
                                                              cfg.cluster.profile_steps, Slowdown(node))
-        member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=speed)
+            phases.mark("profile")
+        member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=speed,
+                    startup=phases.as_dict())
         args.rank = member.rank  # `--rank auto`: from here on, the rank the scheduler gave
         plan = member.wait_plan()
         with member.starting({AlgorithmMismatch: 2}):  # reported: the scheduler ends the run naming this node
@@ -123,4 +129,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    fast_exit(main())  # no interpreter teardown: seconds with torch loaded

@@ -4,7 +4,7 @@ does not fit its data fails at once, in one line that names the model, the
 dataset, the shapes and the fix, instead of deep inside a running cluster.
 
 Every worker and the evaluator run it before they register; `hetps run`
-runs it once before it starts any shard or worker:
+runs it once while the shards and workers start (a failure stops them all):
 
     python -m hetps.worker.preflight --config CONFIG [key=value ...]
 
