@@ -40,6 +40,7 @@ from .zygote import ForkServer, forking_enabled
 
 ADDR_WAIT_S = 60.0   # longest wait for the scheduler to publish its address
 TARGETS = "prometheus_targets.json"  # --metrics: each daemon serves /metrics on a free port and adds it here
+EXECUTED = {"hetps.scheduler"}  # never forked: it imports no torch, and starts before the fork server is warm
 REAP_WAIT_S = 15.0   # after the scheduler exits, how long the rest may take to leave
 CHECK_WAIT_S = 600.0  # the dry step loads the dataset: a generous upper bound
 
@@ -140,7 +141,7 @@ class LocalCluster:
         """`python -m module *argv` in its own session, output to `log_path`:
         forked from the warm server, or exec'd (HETPS_SPAWN=exec)."""
         env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        if self.forks is not None:
+        if self.forks is not None and module not in EXECUTED:
             if not append:
                 log_path.write_text("")
             return self.forks.start(module, argv, log_path, env)
@@ -184,12 +185,13 @@ class LocalCluster:
         """Start every process; returns the scheduler address. Everything
         starts while the model is checked, so that the seconds of imports
         overlap; a failed check stops them all (raises CheckFailed, LaunchError)."""
-        self.start_check()
         run_id = ("--run-id", self.resume.run_id, "--resume") if self.resume else ()
         (self.run_dir / "scheduler.addr").unlink(missing_ok=True)
         if not self.resume:  # a new run in a reused directory must not carry an old one on
             (self.run_dir / STATE_FILE).unlink(missing_ok=True)
+        # the scheduler (exec'd, no torch) starts while the first fork waits for the fork server's imports
         scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir), *run_id)
+        self.start_check()
         addr = self._scheduler_address(scheduler)
         self.timeline["scheduler_up"] = time.time()
         if not self.interrupted:  # Ctrl-C before the scheduler was up: it stops; start nobody else
