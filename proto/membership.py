@@ -61,12 +61,12 @@ class Membership:
         self._closing = threading.Event()
 
     def join(self, address: str = "", tensor_specs: list | None = None, schema_hash: str = "",
-             speed: float = 0.0) -> int:
+             speed: float = 0.0, replica_address: str = "") -> int:
         """Register; returns this node's id. Raises SchedulerUnreachable, naming
         the address and the timeout, if the scheduler does not answer in time."""
         self._registration = Register(role=self.role, rank=self.rank, address=address,
                                       tensor_specs=tensor_specs or [], schema_hash=schema_hash, speed=speed,
-                                      host=socket.gethostname())
+                                      host=socket.gethostname(), replica_address=replica_address)
         try:
             welcome = self.rpc.call(self._registration, timeout_s=self.cluster.startup_timeout_s)
         except RequestTimeout:

@@ -88,6 +88,7 @@ class Register(Message):
     speed: float = 0.0            # profiled speed: samples/s (workers), bytes/s updated (shards)
     node_id: int = 0              # the id this node already had, when it registers again
     host: str = ""                # the node's host name (recorded in the run directory)
+    replica_address: str = ""     # shards with cluster.replicas > 0: where it serves the backup it holds
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from hetps.proto.config import NodeConfig
 from hetps.proto.emulation import Slowdown
 
 from hetps.proto import checkpoint
+from .replication import ReplicaHost, ReplicatedShard, serve_round
 from .shard import Shard, profile_update_speed
 
 log = logging.getLogger("hetps.ps")
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     slowdown = Slowdown(node)
     try:
         server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
+        # cluster.replicas: the backup this process will hold is served on a second socket
+        host = (ReplicaHost(make_server(f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes), cfg)
+                if cfg.cluster.replicas else None)
         member = Membership(scheduler, "ps", args.rank, cfg.cluster)
     except TransportError as exc:
         print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
@@ -72,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with member.starting():  # reported to the scheduler, which ends the run naming this shard
             speed = profile_update_speed(slowdown)
-        member.join(address=args.advertise or server.address, speed=speed)
+        member.join(address=args.advertise or server.address, speed=speed,
+                    replica_address=host.address if host else "")
         plan = member.wait_plan()
         # heartbeats from the moment the plan arrives (the scheduler counts silence from then on):
         # restoring a large checkpoint may take a while
@@ -80,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         member.start_heartbeats(lambda: shard.stats() if shard is not None else {})
         slowdown.start()
         with member.starting({AlgorithmMismatch: 2}):  # a mismatching algorithm block is a config error
-            shard = Shard(server, member.node_id, plan, cfg, slowdown)
+            if host is None:
+                shard = Shard(server, member.node_id, plan, cfg, slowdown)
+            else:
+                shard = ReplicatedShard(server, member.node_id, plan, cfg, slowdown)
+                host.node_id = member.node_id
+                host.follow(plan)
             setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank, args.restore_version,
                               args.resume)
 
@@ -88,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
                  len(shard.store.specs), server.address)
         serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats)
-        serve(shard, member)
+        serve(shard, member, host)
         log.info("stopping: %s", member.stop_reason)
         # workers have stopped (or, the scheduler lost, will): a point to resume from
         shard.maybe_checkpoint(force=True)
@@ -101,15 +111,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         member.close()
         server.close()
+        if host is not None:
+            host.close()
     return 0
 
 
-def serve(shard: Shard, member: Membership) -> None:
-    """Serve until the scheduler says stop (or is lost), adopting newer plans."""
-    plans = PlanFollower(shard, member)
+def serve(shard: Shard, member: Membership, host: ReplicaHost | None = None) -> None:
+    """Serve until the scheduler says stop (or is lost), adopting newer plans;
+    with `host`, the backup it holds too."""
+    plans = PlanFollower(shard, member, host)
     with contextlib.suppress(Aborted):  # the scheduler was lost while a newer plan was fetched
         while not member.stop_requested.is_set():
-            shard.serve_once(0.05)
+            if host is None:
+                shard.serve_once(0.05)
+            else:
+                serve_round(shard, host, 0.05)
             plans.tick()
 
 
@@ -124,8 +140,8 @@ class PlanFollower:
     not (a bogus id); the pushes of such a plan are then taken under the
     shard's plan, and later ones naming it are taken without waiting."""
 
-    def __init__(self, shard: Shard, member: Membership):
-        self.shard, self.member = shard, member
+    def __init__(self, shard: Shard, member: Membership, host: ReplicaHost | None = None):
+        self.shard, self.member, self.host = shard, member, host
         self.refused = 0  # newest plan id that could not be adopted: not fetched again
         self.gave_up = 0  # pushes naming plans up to this id do not wait for them
 
@@ -156,6 +172,8 @@ class PlanFollower:
     def _adopt(self, plan) -> None:
         try:
             self.shard.adopt(plan)
+            if self.host is not None:  # the backup it holds: promoted, or following as a primary
+                self.host.follow(plan)
         except Exception:
             self.refused = max(self.refused, plan.plan_id)
             raise
