@@ -137,6 +137,8 @@ class ReplicatedShard(Shard):
         self.role = role
         self.replicator: Replicator | None = None
         self._deferring = False
+        self.primary_peer: bytes | None = None  # a backup: the connection its primary forwards on
+        self.early: list[tuple[bytes, Envelope]] = []  # a backup: workers' requests before its promotion
         self.counts.update(replicated=0)
         if role == "primary":
             self._follow_backup(self.plan)
@@ -192,7 +194,22 @@ class ReplicatedShard(Shard):
             self.replicator.forward(env.msg, env.req_id, env.src)
             self.counts["replicated"] += 1
 
+    def _early(self, peer: bytes, env: Envelope) -> bool:
+        """A backup keeps a worker's request (one that learned of the failover
+        before this process did) until its promotion, then answers it as a primary."""
+        if self.role == "backup" and peer != self.primary_peer:
+            self.early.append((peer, env))
+            return True
+        return False
+
+    def on_pull(self, peer: bytes, env: Envelope):
+        return None if self._early(peer, env) else super().on_pull(peer, env)
+
     def on_init(self, peer: bytes, env: Envelope):
+        if self.role == "backup" and self.primary_peer is None:
+            self.primary_peer = peer  # the first INIT a backup gets is its primary's forward
+        if self._early(peer, env):
+            return None
         with self._forwarding():
             ack = super().on_init(peer, env)
             if ack.info.get("first") and self.role == "primary":
@@ -202,14 +219,16 @@ class ReplicatedShard(Shard):
     def on_push(self, peer: bytes, env: Envelope):
         if self.role == "primary":
             return super().on_push(peer, env)
+        if self._early(peer, env):
+            return None
         if self.policy is None:  # the primary forwards only what it applied, after its INIT
             raise ProtocolError(Status.NOT_READY, "this backup has no INIT yet")
         return self._apply_push(env)  # no parking, no values: the primary answers the worker
 
     def on_plan(self, peer: bytes, env: Envelope):
         """A backup follows its primary's plan switches where they happened in the push order."""
-        if self.role != "backup":
-            raise ProtocolError(Status.BAD_STATE, "PLAN is only forwarded to a backup")
+        if self.role != "backup" or peer != self.primary_peer:
+            raise ProtocolError(Status.BAD_STATE, "PLAN is only forwarded to a backup, by its primary")
         self.adopt(env.msg.plan)
         return Ack(plan_id=self.plan.plan_id)
 
@@ -251,6 +270,14 @@ class ReplicatedShard(Shard):
                     plan.plan_id, self.store.version)
         self.role = "primary"
         self.adopt(plan)
+        early, self.early = self.early, []
+        for peer, env in early:  # as Service.serve_once would have handled them
+            try:
+                answer = self.handlers[env.msg.OP](peer, env)
+            except ProtocolError as err:
+                answer = Error(status=int(err.status), message=err.message)
+            if answer is not None:
+                self.reply(peer, env.req_id, answer)
 
     def _follow_backup(self, plan: ClusterPlan) -> None:
         address = backup_of(plan, self.node_id)
