@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         # heartbeats from the moment the plan arrives (the scheduler counts silence from then on):
         # restoring a large checkpoint may take a while
         shard = None
-        member.start_heartbeats(lambda: shard.stats() if shard is not None else {})
+        member.start_heartbeats(lambda: process_stats(shard, host) if shard is not None else {})
         slowdown.start()
         with member.starting({AlgorithmMismatch: 2}):  # a mismatching algorithm block is a config error
             if host is None:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         shard.maybe_checkpoint(force=True)
         if member.scheduler_lost:
             return scheduler_lost_exit("ps", args.rank, member.stop_reason)
-        member.bye(shard.stats())
+        member.bye(process_stats(shard, host))
     except (SchedulerUnreachable, RequestTimeout, RemoteError) as exc:
         print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
         return 1
@@ -114,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         if host is not None:
             host.close()
     return 0
+
+
+def process_stats(shard: Shard, host: ReplicaHost | None) -> dict:
+    """What heartbeats report: the shard's numbers, and the backup's it holds."""
+    return {**shard.stats(), **(host.stats() if host is not None else {})}
 
 
 def serve(shard: Shard, member: Membership, host: ReplicaHost | None = None) -> None:

@@ -330,6 +330,16 @@ class ReplicaHost:
     def serve_once(self, timeout_s: float) -> bool:
         return self.shadow.serve_once(timeout_s) if self.shadow is not None else False
 
+    def stats(self) -> dict:
+        """The backup's numbers, for the process's heartbeats: `backup` is
+        {of: shard node id, role, version, accepted, replicated} once one is held."""
+        if self.shadow is None:
+            return {}
+        s = self.shadow
+        return {"backup": {"of": s.node_id, "role": s.role, "version": s.store.version,
+                           "accepted": s.policy.counts["accepted"] if s.policy else 0,
+                           "pushes": s.counts["pushes"], "retried": s.counts["retried"]}}
+
     def close(self) -> None:
         self.server.close()
 
