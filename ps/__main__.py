@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
         # cluster.replicas: the backup this process will hold is served on a second socket
-        host = (ReplicaHost(make_server(f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes), cfg)
+        host = (ReplicaHost(make_server(f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes), cfg,
+                            checkpoint_root=args.checkpoint_dir or cfg.checkpoint.dir)
                 if cfg.cluster.replicas else None)
         member = Membership(scheduler, "ps", args.rank, cfg.cluster)
     except TransportError as exc:
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("stopping: %s", member.stop_reason)
         # workers have stopped (or, the scheduler lost, will): a point to resume from
         shard.maybe_checkpoint(force=True)
+        if host is not None:
+            host.final_checkpoint()
         if member.scheduler_lost:
             return scheduler_lost_exit("ps", args.rank, member.stop_reason)
         member.bye(process_stats(shard, host))

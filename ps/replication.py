@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from hetps.proto import checkpoint
 from hetps.proto.codec import Envelope, ProtocolError, decode, encode
 from hetps.proto.messages import Ack, Error, Message, Plan, Status
 from hetps.proto.plan import ClusterPlan
@@ -300,8 +301,9 @@ class ReplicaHost:
     """The backup one shard process holds (for its predecessor in the ring),
     on its own socket; made when the plan names this process as a backup."""
 
-    def __init__(self, server: ServerTransport, cfg, node_id: int = 0):
+    def __init__(self, server: ServerTransport, cfg, node_id: int = 0, checkpoint_root: str | None = None):
         self.server = server
+        self.checkpoint_root = checkpoint_root
         self.cfg = cfg
         self.node_id = node_id
         self.shadow: ReplicatedShard | None = None
@@ -324,8 +326,24 @@ class ReplicaHost:
         shadow = self.shadow
         if shadow.role == "backup" and plan.served_by.get(str(shadow.node_id)) == self.node_id:
             shadow.promote(plan)
+            self._start_checkpoints()
         elif shadow.role == "primary" and plan.plan_id > shadow.plan.plan_id:
             shadow.adopt(plan)
+
+    def _start_checkpoints(self) -> None:
+        """A promoted backup checkpoints into the dead shard's folder (under
+        this process's checkpoint directory), from its current version on."""
+        if not self.checkpoint_root or self.shadow.policy is None:
+            return
+        shadow = self.shadow
+        folder = checkpoint.shard_dir(self.checkpoint_root, shadow.plan.run_id, shadow.node_rank())
+        shadow.checkpointer = checkpoint.Checkpointer(self.cfg.checkpoint, folder)
+        shadow.maybe_checkpoint(force=True)
+
+    def final_checkpoint(self) -> None:
+        """At the stop: a promoted backup writes a point to resume from, as a shard does."""
+        if self.shadow is not None and self.shadow.role == "primary":
+            self.shadow.maybe_checkpoint(force=True)
 
     def serve_once(self, timeout_s: float) -> bool:
         return self.shadow.serve_once(timeout_s) if self.shadow is not None else False
