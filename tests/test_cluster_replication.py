@@ -14,8 +14,9 @@ DEAD_AFTER_S = 2.0
 
 
 def test_a_killed_shard_fails_over_to_its_backup_without_a_restart(run_dir):
-    result = run_hetps(["run", "configs/sync.yaml", "--out", str(run_dir), "--quiet", "cluster.replicas=1", "cluster.workers=2",
-                        f"cluster.dead_after_s={DEAD_AFTER_S}", "cluster.retry_s=0.5", "stop.target_accuracy=0.95",
+    result = run_hetps(["run", "configs/sync.yaml", "--out", str(run_dir), "--quiet", "cluster.replicas=1",
+                        "cluster.workers=2", f"cluster.dead_after_s={DEAD_AFTER_S}", "cluster.retry_s=0.5",
+                        "stop.target_accuracy=0.95",
                         "stop.max_seconds=120", "cluster.kill=[{node: ps1, at_s: 2.0}]"], timeout_s=240)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     assert "exited with" not in result.stderr, result.stderr + log_tails(run_dir)  # every worker went on

@@ -2,11 +2,13 @@
 failover plan, and the config check of `cluster.replicas`."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hetps.proto.config import ConfigError, load_config
 from hetps.proto.errors import ProtocolError
-from hetps.proto.plan import ClusterPlan
+from hetps.proto.plan import ClusterPlan, NodeEntry
 from hetps.proto.records import read_plan
 from hetps.scheduler.failover import check_readmit, failover_plan, replaced, with_backups
 from hetps.scheduler.nodes import Node
@@ -15,10 +17,10 @@ from shard_harness import make_plan, tiny_model
 
 
 def three_shards() -> tuple[ClusterPlan, dict]:
+    """A plan of shards with node ids 1, 2, 3 (fastest first) and their nodes."""
     plan = make_plan(model_specs(tiny_model()), [11, 12], n_shards=1)
-    shards = [plan.shards[0].__class__(i, rank, f"tcp://h:{100 + i}") for rank, i in enumerate((1, 2, 3))]
-    plan = plan.__class__(**{**plan.__dict__, "shards": shards, "placement": {n: i % 3 for i, n in
-                                                                             enumerate(plan.placement)}})
+    shards = [NodeEntry(i, rank, f"tcp://h:{100 + i}") for rank, i in enumerate((1, 2, 3))]
+    plan = dataclasses.replace(plan, shards=shards, placement={n: i % 3 for i, n in enumerate(plan.placement)})
     nodes = {s.node_id: Node(s.node_id, "ps", s.rank, s.address, 0.0, replica_address=f"tcp://h:{200 + s.node_id}")
              for s in shards}
     return with_backups(plan, nodes, 1), nodes
