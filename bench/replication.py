@@ -92,7 +92,8 @@ def measure(name: str, replicas: int, steps: int, warmup: int) -> dict:
         plan = make_plan(model, [addresses[0], addresses[1]], replicas)
         for q in inboxes:
             q.put(plan)
-        client = PSClient(plan, WORKER, load_config(None, []).cluster)
+        # no re-sends: a slow step must not count a second copy of a push
+        client = PSClient(plan, WORKER, load_config(None, ["cluster.retry_s=0"]).cluster)
         client.init({n: t.detach() for n, (t, _) in model_tensors(model).items()})
         times = []
         for clock in range(warmup + steps):
