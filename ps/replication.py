@@ -198,6 +198,8 @@ class ReplicatedShard(Shard):
     def _early(self, peer: bytes, env: Envelope) -> bool:
         """A backup keeps a worker's request (one that learned of the failover
         before this process did) until its promotion, then answers it as a primary."""
+        if self.role == "backup" and self.primary_peer is None:
+            self.primary_peer = peer  # workers learn a backup's address only from a failover plan
         if self.role == "backup" and peer != self.primary_peer:
             self.early.append((peer, env))
             return True
@@ -207,8 +209,6 @@ class ReplicatedShard(Shard):
         return None if self._early(peer, env) else super().on_pull(peer, env)
 
     def on_init(self, peer: bytes, env: Envelope):
-        if self.role == "backup" and self.primary_peer is None:
-            self.primary_peer = peer  # the first INIT a backup gets is its primary's forward
         if self._early(peer, env):
             return None
         with self._forwarding():
@@ -228,6 +228,8 @@ class ReplicatedShard(Shard):
 
     def on_plan(self, peer: bytes, env: Envelope):
         """A backup follows its primary's plan switches where they happened in the push order."""
+        if self.role == "backup" and self.primary_peer is None:
+            self.primary_peer = peer
         if self.role != "backup" or peer != self.primary_peer:
             raise ProtocolError(Status.BAD_STATE, "PLAN is only forwarded to a backup, by its primary")
         self.adopt(env.msg.plan)
