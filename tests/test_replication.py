@@ -262,3 +262,44 @@ def test_the_backup_holds_the_primarys_state_and_acks_wait_for_it():
         mine = primary.policy.updater.optimizer.state_dict()["state"]
         theirs = backup.policy.updater.optimizer.state_dict()["state"]
         assert all(torch.equal(mine[k]["momentum_buffer"], theirs[k]["momentum_buffer"]) for k in mine)
+
+
+def test_a_plan_switch_reaches_the_backup_where_it_happened_in_the_push_order():
+    """Sync: A's push opens a round, then B leaves (a new plan): the primary
+    closes the round with A alone and forwards the plan behind A's push, so
+    the backup closes the same round the same way; a later push follows it."""
+    cluster = Cluster("sync")
+    client = cluster.client(A)
+    try:
+        cluster.thread.start()
+        client.init(values_of(cluster.model))
+        client.push(grads(cluster.model, 1), 0, 8)          # acknowledged: both backups have it
+    finally:
+        cluster.stop.set()
+        cluster.thread.join(timeout=10)
+    without_b = dataclasses.replace(cluster.plan, plan_id=cluster.plan.plan_id + 1,
+                                    workers=[w for w in cluster.plan.workers if w.node_id == A])
+    for p in cluster.processes:
+        p.shard.adopt(without_b)                            # on this thread: the serving one has stopped
+
+    def settle() -> None:
+        while any(part.serve_once(0.01) for p in cluster.processes for part in p.parts()):
+            pass
+
+    settle()
+    push = client.shards[0].send(client._push(0, client._split(grads(cluster.model, 2))[0], 1, 8, None))
+    settle()
+    assert isinstance(client.shards[0].wait(push, timeout_s=TIMEOUT_S), Ack)
+    try:
+        for p, other in zip(cluster.processes, reversed(cluster.processes)):
+            primary, backup = p.shard, other.host.shadow
+            assert backup.plan.plan_id == without_b.plan_id and backup.policy.workers == [A]
+            assert backup.store.version == primary.store.version == (2 if p is cluster.processes[0] else 1)
+            assert backup.policy.state_dict() == primary.policy.state_dict()
+            for name, t in primary.store.tensors.items():
+                assert torch.equal(backup.store.tensors[name], t), name
+    finally:
+        client.close()
+        for p in cluster.processes:
+            p.shard.server.close()
+            p.host.close()
