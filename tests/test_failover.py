@@ -68,3 +68,56 @@ def test_bad_replicas_name_the_key_and_the_allowed_values(overrides, problem):
     with pytest.raises(ConfigError) as ei:
         load_config(None, overrides)
     assert problem in str(ei.value)
+
+
+def test_the_scheduler_fails_over_a_silent_shard_and_a_restarted_scheduler_knows_who_is_primary(
+        tmp_path, monkeypatch):
+    """In one process with an injected clock: ps1 falls silent, the
+    coordinator publishes the failover plan; a new coordinator restored from
+    the saved state has it, with who serves what; ps1 coming back is refused."""
+    from hetps.proto.codec import Envelope
+    from hetps.proto.messages import Register
+    from hetps.proto.transport import MemServer
+    from hetps.scheduler import coordinator as coordinator_module, state
+    from hetps.scheduler.coordinator import Coordinator
+    from test_coordinator import SPECS, SchedulerClock
+
+    clock = SchedulerClock()
+    monkeypatch.setattr(coordinator_module, "time", clock)
+    monkeypatch.setattr(state, "time", clock)
+    cfg = load_config(None, ["cluster.workers=1", "cluster.shards=2", "cluster.replicas=1",
+                             "cluster.dead_after_s=2", "cluster.heartbeat_s=0.5"])
+
+    def register(coord, role, rank, node_id=0):
+        msg = Register(role=role, rank=rank, address=f"mem://{role}{rank}" if role == "ps" else "",
+                       replica_address=f"mem://{role}{rank}-backup" if role == "ps" else "",
+                       tensor_specs=SPECS if role == "worker" else [], speed=1.0 + rank, node_id=node_id)
+        return coord.on_register(b"peer", Envelope(msg, req_id=1, src=0))
+
+    server = MemServer("mem://coordinator-failover-1")
+    try:
+        coord = Coordinator(server, cfg, run_dir=tmp_path)
+        ps = {rank: register(coord, "ps", rank).node_id for rank in (0, 1)}
+        register(coord, "worker", 0)
+        first = coord.plan
+        assert {b["address"] for b in first.backups.values()} == {"mem://ps0-backup", "mem://ps1-backup"}
+        clock.advance(3.0)
+        for node in coord.nodes.values():   # everyone but ps1 heartbeats
+            node.last_seen = clock.mono if node.node_id != ps[1] else node.last_seen
+        coord.tick()
+        plan = coord.plan
+        assert plan.plan_id == first.plan_id + 1 and plan.served_by == {str(ps[1]): ps[0]}
+        assert plan.shards[plan.shard_index(ps[1])].address == "mem://ps0-backup"
+        assert [f["kind"] for f in coord.failures] == ["shard_dead", "shard_failover"]
+    finally:
+        server.close()
+    again_server = MemServer("mem://coordinator-failover-2")
+    try:
+        again = Coordinator(again_server, cfg, run_dir=tmp_path)
+        state.restore(again, state.read(tmp_path), Node)
+        assert again.plan == plan
+        with pytest.raises(ProtocolError, match="promoted backup"):
+            register(again, "ps", 1, node_id=ps[1])
+        again.runlog.close()
+    finally:
+        again_server.close()
