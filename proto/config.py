@@ -127,6 +127,7 @@ class ClusterConfig:
     retry_s: float = 2.0                   # a worker re-sends an unanswered push/pull after this (doubling)
     nonfinite: str = "reject"              # NaN/Inf in a push: reject (NONFINITE) | skip (ack, not applied) | clip
     clip_value: float = 1.0                # nonfinite=clip: NaN -> 0, +-Inf -> +-clip_value
+    replicas: int = 0                      # backups of each shard's state on the next shard process (0 | 1)
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,12 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
     if 0 < cluster.scheduler_grace_s <= cluster.heartbeat_s:
         out.append(f"cluster.scheduler_grace_s: must be > cluster.heartbeat_s ({cluster.heartbeat_s}), "
                    f"got {cluster.scheduler_grace_s}; a node would give up on the scheduler between two heartbeats")
+    if cluster.replicas not in (0, 1):
+        out.append(f"cluster.replicas: allowed values 0 (no backups) and 1 (one backup per shard), "
+                   f"got {cluster.replicas!r}")
+    elif cluster.replicas == 1 and len(cluster.shards) < 2:
+        out.append(f"cluster.replicas: 1 needs at least 2 shards (a backup lives on another shard process), "
+                   f"got {len(cluster.shards)}")
     if cfg.comm.compression == "topk" and cfg.comm.topk_ratio <= 0.0:
         out.append("comm.topk_ratio: must be > 0 with comm.compression: topk")
     if optimizer.schedule.name == "cosine" and optimizer.schedule.total_steps <= 0:

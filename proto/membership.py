@@ -59,15 +59,17 @@ class Membership:
         self._beat_thread: threading.Thread | None = None
         self._registration: Register | None = None
         self._closing = threading.Event()
+        self._plan_lock = threading.Lock()  # newer_plan is also asked from a worker's waits (failover)
 
     def join(self, address: str = "", tensor_specs: list | None = None, schema_hash: str = "",
-             speed: float = 0.0, startup: dict | None = None) -> int:
+             speed: float = 0.0, startup: dict | None = None, replica_address: str = "") -> int:
         """Register; returns this node's id. Raises SchedulerUnreachable, naming
         the address and the timeout, if the scheduler does not answer in time.
         `startup`: {phase: seconds} this node took before registering (proto/startup.py)."""
         self._registration = Register(role=self.role, rank=self.rank, address=address,
                                       tensor_specs=tensor_specs or [], schema_hash=schema_hash, speed=speed,
-                                      host=socket.gethostname(), startup=startup or {})
+                                      host=socket.gethostname(), startup=startup or {},
+                                      replica_address=replica_address)
         try:
             welcome = self.rpc.call(self._registration, timeout_s=self.cluster.startup_timeout_s)
         except RequestTimeout:
@@ -89,7 +91,8 @@ class Membership:
         """Block until the scheduler has a plan newer than `after` (at most
         `timeout_s`, default the startup timeout; RequestTimeout after;
         UnexpectedReply if the scheduler answers with anything but a PLAN)."""
-        reply = self.rpc.call(GetPlan(after=after), timeout_s=timeout_s or self.cluster.startup_timeout_s)
+        with self._plan_lock:
+            reply = self.rpc.call(GetPlan(after=after), timeout_s=timeout_s or self.cluster.startup_timeout_s)
         if not isinstance(reply, Plan):
             raise UnexpectedReply(self.scheduler, "GET_PLAN", "PLAN", reply)
         self.latest_plan_id = max(self.latest_plan_id, reply.plan_id)

@@ -89,6 +89,7 @@ class Register(Message):
     node_id: int = 0              # the id this node already had, when it registers again
     host: str = ""                # the node's host name (recorded in the run directory)
     startup: dict = field(default_factory=dict)  # {phase: seconds} before registering (proto/startup.py)
+    replica_address: str = ""     # shards with cluster.replicas > 0: where it serves the backup it holds
 
 
 @dataclass(frozen=True)

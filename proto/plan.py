@@ -97,6 +97,10 @@ class ClusterPlan:
     info: dict = field(default_factory=dict)
     run_id: str = ""                 # names the run's checkpoints; kept by a resumed run
     algorithm_params: dict = field(default_factory=dict)  # resolved; every node checks its config against them
+    # cluster.replicas: shard node id -> {"node": node id of the process holding its backup, "address": where}
+    backups: dict = field(default_factory=dict)
+    # shard node id -> node id of the process serving it now (a promoted backup); absent: itself
+    served_by: dict = field(default_factory=dict)
 
     def shard_index(self, node_id: int) -> int:
         for i, s in enumerate(self.shards):
@@ -137,4 +141,5 @@ class ClusterPlan:
                    speeds=dict(data.get("speeds", {})), shares=dict(data.get("shares", {})),
                    placement_id=data.get("placement_id", 1), chunks=dict(data.get("chunks", {})),
                    info=dict(data.get("info", {})), run_id=str(data.get("run_id", "")),
-                   algorithm_params=dict(data.get("algorithm_params", {})))
+                   algorithm_params=dict(data.get("algorithm_params", {})),
+                   backups=dict(data.get("backups", {})), served_by=dict(data.get("served_by", {})))

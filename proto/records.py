@@ -333,7 +333,26 @@ def read_plan(value: Any) -> ClusterPlan:
                        placement_id=read_int("plan.placement_id", d.get("placement_id", 1)),
                        chunks=read_map("plan.chunks", d.get("chunks", {})),
                        info=read_map("plan.info", d.get("info", {})), run_id=d.get("run_id", ""),
-                       algorithm_params=read_map("plan.algorithm_params", d.get("algorithm_params", {})))
+                       algorithm_params=read_map("plan.algorithm_params", d.get("algorithm_params", {})),
+                       backups=_backups(d.get("backups", {})),
+                       served_by=_str_keyed_ints("plan.served_by", d.get("served_by", {})))
+
+
+def _backups(value: Any) -> dict:
+    """plan.backups: shard node id (a string) -> {"node": int, "address": str}."""
+    backups = read_map("plan.backups", value)
+    for key, entry in backups.items():
+        if not (type(key) is str and isinstance(entry, dict) and type(entry.get("node")) is int
+                and type(entry.get("address")) is str):
+            _bad("plan.backups", f"entry {key!r} must be {{node: int, address: str}}")
+    return backups
+
+
+def _str_keyed_ints(where: str, value: Any) -> dict:
+    out = read_map(where, value)
+    if not all(type(k) is str and type(v) is int for k, v in out.items()):
+        _bad(where, "must map node ids (strings) to node ids (integers)")
+    return out
 
 
 # ---------------------------------------------------------------- which field is read how

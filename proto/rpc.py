@@ -82,8 +82,15 @@ class RpcClient:
     def __init__(self, address: str, src: int = 0, timeout_s: float = 60.0,
                  max_message_bytes: int | None = None,
                  should_abort: Callable[[], bool] | None = None,
-                 retry_s: float = 0.0, faults: WireFaults | None = None):
+                 retry_s: float = 0.0, faults: WireFaults | None = None,
+                 redirect: Callable[[], str] | None = None):
+        """`redirect`, if given, is asked while waiting for the server's
+        current address (a failover moved it): on a change every unanswered
+        request is re-sent there at once."""
         self.address = address
+        self.redirect = redirect
+        self.max_message_bytes = max_message_bytes
+        self._bytes_before = (0, 0)  # counted on transports left behind by `retarget`
         self.src = src
         self.timeout_s = timeout_s
         self.should_abort = should_abort
@@ -99,11 +106,31 @@ class RpcClient:
 
     @property
     def bytes_sent(self) -> int:
-        return self.transport.bytes_sent
+        return self._bytes_before[0] + self.transport.bytes_sent
 
     @property
     def bytes_received(self) -> int:
-        return self.transport.bytes_received
+        return self._bytes_before[1] + self.transport.bytes_received
+
+    def retarget(self, address: str) -> None:
+        """Talk to `address` from now on (a promoted backup serves what the
+        old one did): every unanswered request is re-sent there, each after
+        the one it depends on; the server answers those it already applied
+        with their first ACK."""
+        if address == self.address:
+            return
+        log.warning("server %s replaced by %s: re-sending %d unanswered requests", self.address, address,
+                    len(self._unanswered))
+        self._bytes_before = (self.bytes_sent, self.bytes_received)
+        self.transport.close()
+        self.transport = make_client(address, self.max_message_bytes)
+        self.address = address
+        self._served_version = -1
+        self._lost_state = True
+
+    def _follow(self) -> None:
+        if self.redirect is not None:
+            self.retarget(self.redirect())
 
     def send(self, msg: Message, after: int | None = None) -> int:
         """Send without waiting; returns the request id to `wait` on.
@@ -171,6 +198,7 @@ class RpcClient:
                 raise Aborted(f"{op} to {self.address} abandoned")
             for other in tend:
                 other.tend()
+            self._follow()
             if self._unanswered:
                 self._resend_due()
             self._take_reply(min(left, 0.1 if not tend else TEND_EVERY_S))
@@ -178,6 +206,7 @@ class RpcClient:
     def tend(self) -> None:
         """Without blocking: re-send what is due and keep the replies that
         have arrived (for a later `wait`)."""
+        self._follow()
         if self._unanswered:
             self._resend_due()
         while self._take_reply(0.0):

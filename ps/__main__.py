@@ -35,6 +35,7 @@ from hetps.proto.config import NodeConfig
 from hetps.proto.emulation import Slowdown
 
 from hetps.proto import checkpoint
+from .replication import ReplicaHost, ReplicatedShard, serve_round
 from .shard import Shard, profile_update_speed
 
 log = logging.getLogger("hetps.ps")
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     slowdown = Slowdown(node)
     try:
         server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
+        # cluster.replicas: the backup this process will hold is served on a second socket
+        host = (ReplicaHost(make_server(f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes), cfg,
+                            checkpoint_root=args.checkpoint_dir or cfg.checkpoint.dir)
+                if cfg.cluster.replicas else None)
         member = Membership(scheduler, "ps", args.rank, cfg.cluster)
         phases.mark("config")
     except TransportError as exc:
@@ -78,16 +83,22 @@ def main(argv: list[str] | None = None) -> int:
         with member.starting():  # reported to the scheduler, which ends the run naming this shard
             speed = profile_update_speed(slowdown)
             phases.mark("profile")
-        member.join(address=args.advertise or server.address, speed=speed, startup=phases.as_dict())
+        member.join(address=args.advertise or server.address, speed=speed, startup=phases.as_dict(),
+                    replica_address=host.address if host else "")
         args.rank = member.rank  # `--rank auto`: from here on, the rank the scheduler gave
         plan = member.wait_plan()
         # heartbeats from the moment the plan arrives (the scheduler counts silence from then on):
         # restoring a large checkpoint may take a while
         shard = None
-        member.start_heartbeats(lambda: shard.stats() if shard is not None else {})
+        member.start_heartbeats(lambda: process_stats(shard, host) if shard is not None else {})
         slowdown.start()
         with member.starting({AlgorithmMismatch: 2}):  # a mismatching algorithm block is a config error
-            shard = Shard(server, member.node_id, plan, cfg, slowdown)
+            if host is None:
+                shard = Shard(server, member.node_id, plan, cfg, slowdown)
+            else:
+                shard = ReplicatedShard(server, member.node_id, plan, cfg, slowdown)
+                host.node_id = member.node_id
+                host.follow(plan)
             setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank, args.restore_version,
                               args.resume)
 
@@ -96,28 +107,41 @@ def main(argv: list[str] | None = None) -> int:
                  len(shard.store.specs), server.address)
         serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats,
                       algorithm=cfg.algorithm.name, targets=args.metrics_targets)
-        serve(shard, member)
+        serve(shard, member, host)
         log.info("stopping: %s", member.stop_reason)
         # workers have stopped (or, the scheduler lost, will): a point to resume from
         shard.maybe_checkpoint(force=True)
+        if host is not None:
+            host.final_checkpoint()
         if member.scheduler_lost:
             return scheduler_lost_exit("ps", args.rank, member.stop_reason)
-        member.bye(shard.stats())
+        member.bye(process_stats(shard, host))
     except (SchedulerUnreachable, RequestTimeout, RemoteError) as exc:
         print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
         return 1
     finally:
         member.close()
         server.close()
+        if host is not None:
+            host.close()
     return 0
 
 
-def serve(shard: Shard, member: Membership) -> None:
-    """Serve until the scheduler says stop (or is lost), adopting newer plans."""
-    plans = PlanFollower(shard, member)
+def process_stats(shard: Shard, host: ReplicaHost | None) -> dict:
+    """What heartbeats report: the shard's numbers, and the backup's it holds."""
+    return {**shard.stats(), **(host.stats() if host is not None else {})}
+
+
+def serve(shard: Shard, member: Membership, host: ReplicaHost | None = None) -> None:
+    """Serve until the scheduler says stop (or is lost), adopting newer plans;
+    with `host`, the backup it holds too."""
+    plans = PlanFollower(shard, member, host)
     with contextlib.suppress(Aborted):  # the scheduler was lost while a newer plan was fetched
         while not member.stop_requested.is_set():
-            shard.serve_once(0.05)
+            if host is None:
+                shard.serve_once(0.05)
+            else:
+                serve_round(shard, host, 0.05)
             plans.tick()
 
 
@@ -132,8 +156,8 @@ class PlanFollower:
     not (a bogus id); the pushes of such a plan are then taken under the
     shard's plan, and later ones naming it are taken without waiting."""
 
-    def __init__(self, shard: Shard, member: Membership):
-        self.shard, self.member = shard, member
+    def __init__(self, shard: Shard, member: Membership, host: ReplicaHost | None = None):
+        self.shard, self.member, self.host = shard, member, host
         self.refused = 0  # newest plan id that could not be adopted: not fetched again
         self.gave_up = 0  # pushes naming plans up to this id do not wait for them
 
@@ -164,6 +188,8 @@ class PlanFollower:
     def _adopt(self, plan) -> None:
         try:
             self.shard.adopt(plan)
+            if self.host is not None:  # the backup it holds: promoted, or following as a primary
+                self.host.follow(plan)
         except Exception:
             self.refused = max(self.refused, plan.plan_id)
             raise

@@ -26,7 +26,7 @@ from hetps.proto.transport import ServerTransport
 
 from .formation import FORMATIONS
 from .grouping import drifted
-from . import state, status
+from . import failover, state, status
 from .outcome import DIVERGED, DivergenceGuard, startup_failure
 from .status import ROLES
 from .placement import place
@@ -108,7 +108,7 @@ class Coordinator(Service):
             return self._readmit(known, msg)
         node_id = len(self.nodes) + 1
         self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, time.monotonic(),
-                                   profiled_speed=msg.speed, host=msg.host)
+                                   profiled_speed=msg.speed, host=msg.host, replica_address=msg.replica_address)
         log.info("registered %s %d as node %d %s", msg.role, msg.rank, node_id, msg.address)
         self.runlog.record("register", t=round(self.elapsed(), 4), node=f"{msg.role}{msg.rank}", host=msg.host,
                            **({"startup": msg.startup} if msg.startup else {}))
@@ -137,6 +137,7 @@ class Coordinator(Service):
         return None
 
     def _readmit(self, node: Node, msg) -> Welcome:
+        failover.check_readmit(self.plan, node)
         planned = {s.node_id: s.address for s in self.plan.shards} if self.plan else {}
         if node.node_id in planned and msg.address != planned[node.node_id]:
             raise ProtocolError(Status.BAD_STATE, f"shard {msg.rank} must come back at {planned[node.node_id]} "
@@ -166,7 +167,8 @@ class Coordinator(Service):
 
     def on_heartbeat(self, peer: bytes, env: Envelope):
         node = self.node(env.msg.node_id)
-        if node.dead and node.role == "ps":  # a slow shard is still the only owner of its tensors
+        if node.dead and node.role == "ps" and not failover.replaced(self.plan, node.node_id):
+            # a slow shard is still the only owner of its tensors (unless its backup took them over)
             node.dead = False
             log.warning("shard %d (node %d) is back", node.rank, node.node_id)
         if node.dead:  # declared dead while it was only slow: it must not come back unannounced
@@ -248,6 +250,7 @@ class Coordinator(Service):
             tensors=specs, chunks=chunks, placement=placement, schema_hash=self.schema, run_id=self.run_id,
             speeds={str(n.node_id): round(n.speed, 3) for n in shards + workers},
             **self._grouping({n.node_id: n.speed for n in workers}))
+        plan = failover.with_backups(plan, self.nodes, self.cfg.cluster.replicas)
         self.started = time.monotonic()  # the run's clock starts when the plan goes out
         for n in shards + workers:  # waiting for the plan is not silence: heartbeats start once it arrives
             n.last_seen = self.started
@@ -288,6 +291,8 @@ class Coordinator(Service):
             log.warning("%s %d (node %d) silent for %.1fs: declared dead", n.role, n.rank, n.node_id, silent)
             if n.role == "worker" and self.plan is not None and self.stop_reason is None:
                 self._replan(f"worker {n.rank} dead")
+            if n.role == "ps":
+                failover.on_shard_dead(self, n)
 
     def _grouping(self, speeds: dict[int, float]) -> dict:
         """Plan fields for the workers' groups and data shares under this algorithm."""

@@ -12,6 +12,8 @@ Blocking; every wait has the cluster's request timeout and is abandoned
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 import time
 from typing import Callable, ContextManager, Mapping
 
@@ -29,11 +31,17 @@ from hetps.proto.rpc import RpcClient, wait_all
 class PSClient:
     def __init__(self, plan: ClusterPlan, node_id: int, cluster: ClusterConfig,
                  should_abort: Callable[[], bool] | None = None, compressor: Compressor | None = None,
-                 fuse_pull: bool = True):
+                 fuse_pull: bool = True, plans: Callable[[int], ClusterPlan | None] | None = None):
         """`compressor`: applied to the gradients of float parameters in every
         push (`comm.compression`; None: pushes travel exact). `fuse_pull`
-        (`comm.fuse_pull`): push_pull asks for the values in the push itself."""
+        (`comm.fuse_pull`): push_pull asks for the values in the push itself.
+        `plans(after)`: a plan newer than `after`, or None (`Membership.newer_plan`);
+        asked while a reply is awaited, so requests follow a shard to its
+        promoted backup (`cluster.replicas`) without waiting for the step to end."""
         self.plan = plan
+        self.plans = plans
+        self.followed = plan  # the newest plan seen, for shard addresses
+        self.plans_lock = threading.Lock()  # comm.overlap waits on shards from several threads
         self.compressor = compressor
         self.fuse_pull = fuse_pull
         floats = {DTYPE_NAMES[d] for d in FLOATS}
@@ -43,8 +51,9 @@ class PSClient:
         self.faults = [WireFaults(cluster.faults, seed=node_id * 1009 + i) for i in range(len(plan.shards))]
         self.shards = [RpcClient(s.address, src=node_id, timeout_s=cluster.request_timeout_s,
                                  max_message_bytes=cluster.max_message_bytes, should_abort=should_abort,
-                                 retry_s=cluster.retry_s, faults=faults)
-                       for s, faults in zip(plan.shards, self.faults)]
+                                 retry_s=cluster.retry_s, faults=faults,
+                                 redirect=functools.partial(self.address_of, i) if plans else None)
+                       for i, (s, faults) in enumerate(zip(plan.shards, self.faults))]
         self.names = [[t.name for t in plan.owned(i)] for i in range(len(plan.shards))]
         self.versions = [0] * len(plan.shards)  # version of each shard's values we hold
         self.last_push_s = 0.0  # seconds from sending the last push_pull until its pushes were acked
@@ -56,6 +65,18 @@ class PSClient:
         if plan.placement_id != self.plan.placement_id:
             raise ValueError(f"plan {plan.plan_id} moves tensors; live re-placement is not supported")
         self.plan = plan
+        if plan.plan_id > self.followed.plan_id:
+            self.followed = plan
+        for c, s in zip(self.shards, self.followed.shards):
+            c.retarget(s.address)
+
+    def address_of(self, i: int) -> str:
+        """Shard `i`'s address in the newest plan (fetched when a newer one was announced)."""
+        with self.plans_lock:
+            newer = self.plans(self.followed.plan_id)
+            if newer is not None and newer.placement_id == self.plan.placement_id:
+                self.followed = newer
+            return self.followed.shards[i].address
 
     @property
     def bytes_sent(self) -> int:

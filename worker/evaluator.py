@@ -53,9 +53,10 @@ class Evaluator:
         self.state = state
         self.test = test
         self.num_classes = shape[1] or None  # sent with each result: the scheduler's divergence guard knows chance
-        self.client = PSClient(plan, member.node_id, cfg.cluster, member.stop_requested.is_set)
+        plans = member.newer_plan if cfg.cluster.replicas else None  # follow a failover
+        self.client = PSClient(plan, member.node_id, cfg.cluster, member.stop_requested.is_set, plans=plans)
         # the final evaluation must still reach the shards after stop is requested
-        self.final_client = PSClient(plan, member.node_id, cfg.cluster)
+        self.final_client = PSClient(plan, member.node_id, cfg.cluster, plans=plans)
         self.evals = 0
         self.accuracy: float | None = None   # of the latest evaluation
         self.loss: float | None = None

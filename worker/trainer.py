@@ -94,7 +94,8 @@ class Trainer:
         # `comm.compression` applies to gradients; models travel exact
         compressor = make_compressor(cfg.comm.compression, cfg.comm.topk_ratio) if algo.pushes == "gradients" else None
         self.client = PSClient(plan, member.node_id, cfg.cluster, self.should_abort, compressor,
-                               fuse_pull=cfg.comm.fuse_pull and algo.fuses_pull)
+                               fuse_pull=cfg.comm.fuse_pull and algo.fuses_pull,
+                               plans=member.newer_plan if cfg.cluster.replicas else None)
         self.timer = StepTimer()
         self.clock = 0
         self.staleness = 0   # the shards' staleness for our last push

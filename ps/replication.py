@@ -1,0 +1,385 @@
+"""Replicated shards (`cluster.replicas: 1`): primary-backup by replaying
+the accepted pushes.
+
+Every shard process is the primary of its own tensors and holds the backup of
+its predecessor in the plan's speed ranking (a ring: the backup of shard k is
+shard k+1, the last one's is the first). A backup is a second `Shard` of the
+primary's tensors, with its own policy and optimizer, served on a second
+socket of the backup's process (`replica_address`).
+
+What travels is the *applied update*, not the state: the primary forwards,
+in the order it handled them, every INIT that initialized it, every PUSH it
+ran through its policy (with the worker's node id and request id), and every
+plan switch that changed the worker set or the groups (as a PLAN message).
+The backup runs the same code on the same inputs in the same order and holds
+the same tensors, optimizer moments, rounds, clocks and per-worker last ACK
+(so a push re-sent after a failover is answered, not applied again). Replay
+costs one push's bytes per push, where shipping the post-update state would
+cost the tensors plus the optimizer state on every update.
+
+A reply of the primary (an ACK, or values) leaves only once the backup has
+confirmed every forwarded message before it: a worker never sees an update
+that the backup lacks, so what was acknowledged survives the primary.
+Replies wait in `Replicator.held`; the shard's loop never blocks on its backup
+(two shards backing each other cannot deadlock).
+
+When the scheduler declares a primary dead it publishes a plan that names the
+backup's address for those tensors (`plan.served_by`); the backup's process
+promotes it, and workers re-send what was unanswered to the new address.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+
+from hetps.proto import checkpoint
+from hetps.proto.codec import Envelope, ProtocolError, decode, encode
+from hetps.proto.messages import Ack, Error, Message, Plan, Status
+from hetps.proto.plan import ClusterPlan
+from hetps.proto.transport import ServerTransport, make_client
+
+from .shard import Shard
+
+log = logging.getLogger(__name__)
+PENDING_POLL_S = 0.001  # while the backup's confirmation is due, the longest block on the workers' socket
+
+
+def same_members(a: ClusterPlan, b: ClusterPlan) -> bool:
+    """True when plan `b` differs from `a` only in where shards are (a
+    failover): the policies keep their rounds and plan id."""
+    return (a.worker_ids() == b.worker_ids() and a.groups == b.groups and a.shares == b.shares
+            and a.algorithm_params == b.algorithm_params)
+
+
+def backup_of(plan: ClusterPlan, node_id: int) -> str | None:
+    """The address of the backup of shard `node_id` in `plan`, or None."""
+    entry = plan.backups.get(str(node_id))
+    return entry["address"] if entry else None
+
+
+def backed_by(plan: ClusterPlan, node_id: int) -> int | None:
+    """The shard whose backup process `node_id` holds in `plan`, or None."""
+    return next((int(k) for k, b in plan.backups.items() if b["node"] == node_id), None)
+
+
+@dataclass
+class Held:
+    peer: bytes
+    req_id: int
+    msg: Message
+    upto: int  # leaves once the backup confirmed this many forwarded messages
+
+
+class Replicator:
+    """The primary's link to its backup: forwards messages in order and holds
+    replies until the backup confirmed what they depend on. Never blocks."""
+
+    def __init__(self, address: str, max_message_bytes: int, send):
+        self.address = address
+        self.client = make_client(address, max_message_bytes)
+        self.send = send          # (peer, req_id, msg) -> sends a reply for real
+        self.sent = 0             # messages forwarded
+        self.confirmed = 0        # of which the backup answered (in order: one connection)
+        self.errors = 0           # answered with ERROR (the backup refused what the primary took)
+        self.held: deque[Held] = deque()
+
+    @property
+    def pending(self) -> bool:
+        return self.confirmed < self.sent
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.client.bytes_sent
+
+    def forward(self, msg: Message, req_id: int, src: int) -> None:
+        self.client.send(encode(msg, req_id, src))
+        self.sent += 1
+
+    def hold(self, peer: bytes, req_id: int, msg: Message) -> bool:
+        """Keep a reply back while anything forwarded is unconfirmed; False: send it now."""
+        if not self.pending and not self.held:
+            return False
+        self.held.append(Held(peer, req_id, msg, self.sent))
+        return True
+
+    def pump(self) -> None:
+        """Take the backup's confirmations that arrived; send the replies they free."""
+        while self.pending:
+            frames = self.client.recv(0.0)
+            if frames is None:
+                break
+            self.confirmed += 1
+            reply = decode(frames).msg
+            if isinstance(reply, Error):
+                self.errors += 1
+                log.error("the backup at %s refused a replicated message: %s", self.address, reply.message)
+        while self.held and self.held[0].upto <= self.confirmed:
+            h = self.held.popleft()
+            self.send(h.peer, h.req_id, h.msg)
+
+    def drop(self) -> None:
+        """The backup is gone (a new plan says so): release every held reply."""
+        self.confirmed = self.sent
+        self.pump()
+        self.client.close()
+
+
+class ReplicatedShard(Shard):
+    """A shard with `cluster.replicas: 1`, in one of two roles: `primary`
+    (serves workers, forwards to its backup, holds replies until confirmed)
+    or `backup` (applies what its primary forwards; promoted by a plan)."""
+
+    def __init__(self, *args, role: str = "primary", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.role = role
+        self.replicator: Replicator | None = None
+        self._deferring = False
+        self.primary_peer: bytes | None = None  # a backup: the connection its primary forwards on
+        self.early: list[tuple[bytes, Envelope]] = []  # a backup: workers' requests before its promotion
+        self.counts.update(replicated=0)
+        if role == "primary":
+            self._follow_backup(self.plan)
+
+    # ------------------------------------------------------------ serving
+    def serve_once(self, timeout_s: float) -> bool:
+        if self.replicator is not None and self.replicator.pending:
+            self.replicator.pump()
+            timeout_s = min(timeout_s, PENDING_POLL_S)
+        handled = super().serve_once(timeout_s)
+        if self.replicator is not None:
+            self.replicator.pump()
+        return handled
+
+    def sockets(self) -> list:
+        """The ZeroMQ sockets this shard reads (empty for in-process transports)."""
+        socks = [getattr(self.server, "sock", None)]
+        if self.replicator is not None:
+            socks.append(getattr(self.replicator.client, "sock", None))
+        return [s for s in socks if s is not None]
+
+    def stats(self) -> dict:
+        out = super().stats()
+        if self.replicator is not None:
+            out.update(replica_bytes=self.replicator.bytes_sent, replica_held=len(self.replicator.held),
+                       replica_errors=self.replicator.errors)
+        return out
+
+    def reply(self, peer: bytes, req_id: int, msg):
+        if self.replicator is not None and self.replicator.hold(peer, req_id, msg):
+            return None
+        return super().reply(peer, req_id, msg)
+
+    # ------------------------------------------------------------ forwarding
+    @contextlib.contextmanager
+    def _forwarding(self):
+        """Parked pulls freed inside are answered after the forward, so their
+        replies are held behind it."""
+        outer, self._deferring = self._deferring, True
+        try:
+            yield
+        finally:
+            self._deferring = outer
+            if not outer:
+                self._serve_parked()
+
+    def _serve_parked(self) -> None:
+        if not self._deferring:
+            super()._serve_parked()
+
+    def _forward(self, env: Envelope) -> None:
+        if self.replicator is not None:
+            self.replicator.forward(env.msg, env.req_id, env.src)
+            self.counts["replicated"] += 1
+
+    def _early(self, peer: bytes, env: Envelope) -> bool:
+        """A backup keeps a worker's request (one that learned of the failover
+        before this process did) until its promotion, then answers it as a primary."""
+        if self.role == "backup" and self.primary_peer is None:
+            self.primary_peer = peer  # workers learn a backup's address only from a failover plan
+        if self.role == "backup" and peer != self.primary_peer:
+            self.early.append((peer, env))
+            return True
+        return False
+
+    def on_pull(self, peer: bytes, env: Envelope):
+        return None if self._early(peer, env) else super().on_pull(peer, env)
+
+    def on_init(self, peer: bytes, env: Envelope):
+        if self._early(peer, env):
+            return None
+        with self._forwarding():
+            ack = super().on_init(peer, env)
+            if ack.info.get("first") and self.role == "primary":
+                self._forward(env)
+        return ack
+
+    def on_push(self, peer: bytes, env: Envelope):
+        if self.role == "primary":
+            return super().on_push(peer, env)
+        if self._early(peer, env):
+            return None
+        if self.policy is None:  # the primary forwards only what it applied, after its INIT
+            raise ProtocolError(Status.NOT_READY, "this backup has no INIT yet")
+        return self._apply_push(env)  # no parking, no values: the primary answers the worker
+
+    def on_plan(self, peer: bytes, env: Envelope):
+        """A backup follows its primary's plan switches where they happened in the push order."""
+        if self.role == "backup" and self.primary_peer is None:
+            self.primary_peer = peer
+        if self.role != "backup" or peer != self.primary_peer:
+            raise ProtocolError(Status.BAD_STATE, "PLAN is only forwarded to a backup, by its primary")
+        self.adopt(env.msg.plan)
+        return Ack(plan_id=self.plan.plan_id)
+
+    def _apply_push(self, env: Envelope) -> Ack:
+        if self.role != "primary":
+            return super()._apply_push(env)
+        retried = self.counts["retried"]
+        with self._forwarding():
+            ack = super()._apply_push(env)  # raises, with nothing applied, for a refused push
+            if self.counts["retried"] == retried:
+                self._forward(env)
+        return ack
+
+    # ------------------------------------------------------------ plans
+    def adopt(self, plan: ClusterPlan) -> None:
+        """Switch plans. A plan that only moves shards (a failover) keeps the
+        rounds open; one that changes workers or groups closes them (Shard.adopt),
+        and a primary forwards it to its backup at this point of the push order."""
+        if plan.placement_id != self.plan.placement_id:
+            raise ValueError(f"plan {plan.plan_id} moves tensors; live re-placement is not supported")
+        if same_members(self.plan, plan):
+            self.plan = plan
+        else:
+            with self._forwarding():
+                self.store.settle()
+                self.plan = plan
+                if self.policy is not None:
+                    self.policy.adopt(plan)
+                if self.role == "primary" and self.replicator is not None:
+                    self.replicator.forward(Plan(plan_id=plan.plan_id, plan=plan), 0, self.node_id)
+        if self.role == "primary":
+            self._follow_backup(plan)
+        self._serve_parked()
+        self.take_future_pushes(plan.plan_id)
+
+    def promote(self, plan: ClusterPlan) -> None:
+        """This backup serves its tensors from now on (a failover plan names it)."""
+        log.warning("backup of shard node %d promoted to primary by plan %d (version %d)", self.node_id,
+                    plan.plan_id, self.store.version)
+        self.role = "primary"
+        self.adopt(plan)
+        early, self.early = self.early, []
+        for peer, env in early:  # as Service.serve_once would have handled them
+            try:
+                answer = self.handlers[env.msg.OP](peer, env)
+            except ProtocolError as err:
+                answer = Error(status=int(err.status), message=err.message)
+            if answer is not None:
+                self.reply(peer, env.req_id, answer)
+
+    def _follow_backup(self, plan: ClusterPlan) -> None:
+        address = backup_of(plan, self.node_id)
+        if self.replicator is not None and self.replicator.address != address:
+            log.warning("shard node %d: backup at %s is gone from plan %d", self.node_id,
+                        self.replicator.address, plan.plan_id)
+            self.replicator.drop()
+            self.replicator = None
+        if address and self.replicator is None:
+            if self.policy is not None:  # a backup must start from the same state: it has not
+                log.error("shard node %d: plan %d names a new backup at %s after training began; "
+                          "copying state to a new backup is not supported, serving unreplicated",
+                          self.node_id, plan.plan_id, address)
+                return
+            self.replicator = Replicator(address, self.cfg.cluster.max_message_bytes,
+                                         lambda peer, req, msg: Shard.reply(self, peer, req, msg))
+
+
+class ReplicaHost:
+    """The backup one shard process holds (for its predecessor in the ring),
+    on its own socket; made when the plan names this process as a backup."""
+
+    def __init__(self, server: ServerTransport, cfg, node_id: int = 0, checkpoint_root: str | None = None):
+        self.server = server
+        self.checkpoint_root = checkpoint_root
+        self.cfg = cfg
+        self.node_id = node_id
+        self.shadow: ReplicatedShard | None = None
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def follow(self, plan: ClusterPlan) -> None:
+        """Take a plan: make the backup it names, promote it when the plan
+        says this process serves its tensors now, or pass the plan on to a
+        promoted one."""
+        if self.shadow is None:
+            primary = backed_by(plan, self.node_id)
+            if primary is None:
+                return
+            self.shadow = ReplicatedShard(self.server, primary, plan, self.cfg, role="backup")
+            log.info("holding the backup of shard node %d at %s", primary, self.address)
+            return
+        shadow = self.shadow
+        if shadow.role == "backup" and plan.served_by.get(str(shadow.node_id)) == self.node_id:
+            shadow.promote(plan)
+            self._start_checkpoints()
+        elif shadow.role == "primary" and plan.plan_id > shadow.plan.plan_id:
+            shadow.adopt(plan)
+
+    def _start_checkpoints(self) -> None:
+        """A promoted backup checkpoints into the dead shard's folder (under
+        this process's checkpoint directory), from its current version on."""
+        if not self.checkpoint_root or self.shadow.policy is None:
+            return
+        shadow = self.shadow
+        folder = checkpoint.shard_dir(self.checkpoint_root, shadow.plan.run_id, shadow.node_rank())
+        shadow.checkpointer = checkpoint.Checkpointer(self.cfg.checkpoint, folder)
+        shadow.maybe_checkpoint(force=True)
+
+    def final_checkpoint(self) -> None:
+        """At the stop: a promoted backup writes a point to resume from, as a shard does."""
+        if self.shadow is not None and self.shadow.role == "primary":
+            self.shadow.maybe_checkpoint(force=True)
+
+    def serve_once(self, timeout_s: float) -> bool:
+        return self.shadow.serve_once(timeout_s) if self.shadow is not None else False
+
+    def stats(self) -> dict:
+        """The backup's numbers, for the process's heartbeats: `backup` is
+        {of: shard node id, role, version, accepted, replicated} once one is held."""
+        if self.shadow is None:
+            return {}
+        s = self.shadow
+        return {"backup": {"of": s.node_id, "role": s.role, "version": s.store.version,
+                           "accepted": s.policy.counts["accepted"] if s.policy else 0,
+                           "pushes": s.counts["pushes"], "retried": s.counts["retried"]}}
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def serve_round(shard: ReplicatedShard, host: ReplicaHost, timeout_s: float) -> None:
+    """One turn of a replicated shard process's loop: wait (at most
+    `timeout_s`) for any of its sockets, then serve the shard and the backup it
+    holds. With ZeroMQ the wait is one poll over every socket; in-process
+    transports are served in turn."""
+    parts = [shard] + ([host.shadow] if host.shadow is not None else [])
+    socks = [s for p in parts for s in p.sockets()]
+    if len(socks) == sum(1 + (p.replicator is not None) for p in parts):
+        poller = zmq.Poller()
+        for s in socks:
+            poller.register(s, zmq.POLLIN)
+        poller.poll(timeout=int(timeout_s * 1000))  # a confirmation from a backup wakes it too
+        for p in parts:
+            for _ in range(64):  # bounded: the other part gets its turn
+                if not p.serve_once(0.0):
+                    break
+        return
+    for p in parts:
+        p.serve_once(timeout_s / len(parts))

@@ -1,0 +1,90 @@
+"""Replicated shards at the scheduler (`cluster.replicas: 1`): who holds
+whose backup, and the failover plan when a shard process is declared dead.
+
+Backups form a ring over the plan's speed ranking: the backup of shard k is
+held by shard k+1 (the next slower one), the slowest shard's by the fastest.
+The plan says where each backup is (`backups`) and, after a failover, which
+process serves a dead shard's tensors (`served_by`), so a restarted scheduler
+knows who is primary from its saved plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from hetps.proto.errors import ProtocolError
+from hetps.proto.messages import Status
+from hetps.proto.plan import ClusterPlan
+
+log = logging.getLogger(__name__)
+
+
+def with_backups(plan: ClusterPlan, nodes: dict, replicas: int) -> ClusterPlan:
+    """`plan` with the ring of backups filled in (unchanged when `replicas` is 0)."""
+    if not replicas or len(plan.shards) < 2:
+        return plan
+    ring = plan.shards[1:] + plan.shards[:1]
+    backups = {str(s.node_id): {"node": b.node_id, "address": nodes[b.node_id].replica_address}
+               for s, b in zip(plan.shards, ring)}
+    return dataclasses.replace(plan, backups=backups)
+
+
+def host_of(plan: ClusterPlan, shard_id: int) -> int:
+    """The node id of the process serving shard `shard_id`'s tensors now."""
+    return plan.served_by.get(str(shard_id), shard_id)
+
+
+def failover_plan(plan: ClusterPlan, dead: int, nodes: dict) -> tuple[ClusterPlan | None, list[str]]:
+    """The plan after shard process `dead` is lost: every range it served is
+    served by its backup (when that one is alive), and the backup it held is
+    gone. Returns (the new plan or None when nothing changes, the ranges lost
+    for want of a live backup, as words for the log)."""
+    shards, backups, served = list(plan.shards), dict(plan.backups), dict(plan.served_by)
+    lost: list[str] = []
+    for i, s in enumerate(plan.shards):
+        if host_of(plan, s.node_id) != dead:
+            continue
+        backup = backups.pop(str(s.node_id), None)
+        if backup is None or nodes[backup["node"]].gone:
+            lost.append(f"shard {s.rank} (node {s.node_id})")
+            continue
+        shards[i] = dataclasses.replace(s, address=backup["address"])
+        served[str(s.node_id)] = backup["node"]
+    for key, backup in list(backups.items()):
+        if backup["node"] == dead:  # what it backed up serves on unreplicated
+            del backups[key]
+    if shards == plan.shards and backups == plan.backups:
+        return None, lost
+    return dataclasses.replace(plan, plan_id=plan.plan_id + 1, shards=shards, backups=backups, served_by=served,
+                               info={"reason": f"shard node {dead} dead: failover"}), lost
+
+
+def on_shard_dead(coord, node) -> None:
+    """Publish the failover plan for a shard process declared dead (no-op
+    without replicas). A range with no live backup is recorded as lost:
+    workers wait for that shard to be restarted, as without replicas."""
+    if not coord.cfg.cluster.replicas or coord.plan is None or coord.stop_reason is not None:
+        return
+    plan, lost = failover_plan(coord.plan, node.node_id, coord.nodes)
+    for words in lost:
+        log.error("%s has no live backup: its tensors wait for a restart", words)
+    if plan is not None:
+        coord.failures.append({"kind": "shard_failover", "node": f"ps{node.rank}", "node_id": node.node_id,
+                               "t": round(coord.elapsed(), 3), "plan_id": plan.plan_id,
+                               "served_by": dict(plan.served_by)})
+        log.warning("shard %d (node %d) dead: plan %d promotes its backup", node.rank, node.node_id, plan.plan_id)
+        coord._publish(plan)
+
+
+def replaced(plan: ClusterPlan | None, node_id: int) -> bool:
+    """True when shard `node_id`'s tensors are served by another process now."""
+    return plan is not None and host_of(plan, node_id) != node_id
+
+
+def check_readmit(plan: ClusterPlan | None, node) -> None:
+    """A shard whose tensors a backup took over cannot come back as their
+    owner (its state is older than the promoted backup's). Raises ProtocolError."""
+    if node.role == "ps" and replaced(plan, node.node_id):
+        raise ProtocolError(Status.BAD_STATE, f"shard {node.rank}'s tensors are served by its promoted backup "
+                                              f"(node {host_of(plan, node.node_id)}) since a failover; "
+                                              "it cannot rejoin as their owner")
