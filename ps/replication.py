@@ -138,6 +138,7 @@ class ReplicatedShard(Shard):
         self.role = role
         self.replicator: Replicator | None = None
         self._deferring = False
+        self._released_by: int | None = None  # the push that freed parked pulls while deferring
         self.primary_peer: bytes | None = None  # a backup: the connection its primary forwards on
         self.early: list[tuple[bytes, Envelope]] = []  # a backup: workers' requests before its promotion
         self.counts.update(replicated=0)
@@ -186,9 +187,12 @@ class ReplicatedShard(Shard):
             if not outer:
                 self._serve_parked()
 
-    def _serve_parked(self) -> None:
-        if not self._deferring:
-            super()._serve_parked()
+    def _serve_parked(self, released_by: int | None = None) -> None:
+        if self._deferring:  # answered after the forward; the worker that released them is credited then
+            self._released_by = released_by if released_by is not None else self._released_by
+            return
+        released_by, self._released_by = (released_by if released_by is not None else self._released_by), None
+        super()._serve_parked(released_by=released_by)
 
     def _forward(self, env: Envelope) -> None:
         if self.replicator is not None:
