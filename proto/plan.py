@@ -96,6 +96,7 @@ class ClusterPlan:
     info: dict = field(default_factory=dict)
     run_id: str = ""                 # names the run's checkpoints; kept by a resumed run
     algorithm_params: dict = field(default_factory=dict)  # resolved; every node checks its config against them
+    batches: dict[str, float] = field(default_factory=dict)  # worker node id -> its batch size (balanced)
 
     def shard_index(self, node_id: int) -> int:
         for i, s in enumerate(self.shards):
@@ -113,6 +114,10 @@ class ClusterPlan:
     def share_weights(self) -> list[float]:
         """Data-share weights in worker order (equal when the plan sets none)."""
         return [float(self.shares.get(str(w), 1.0)) for w in self.worker_ids()]
+
+    def batch_of(self, worker: int, default: int) -> int:
+        """Worker `worker`'s batch size: the plan's (balanced), else `default`."""
+        return int(self.batches.get(str(worker), default))
 
     def group_of(self, worker: int) -> int:
         for g, members in enumerate(self.groups):
@@ -136,4 +141,5 @@ class ClusterPlan:
                    speeds=dict(data.get("speeds", {})), shares=dict(data.get("shares", {})),
                    placement_id=data.get("placement_id", 1), chunks=dict(data.get("chunks", {})),
                    info=dict(data.get("info", {})), run_id=str(data.get("run_id", "")),
-                   algorithm_params=dict(data.get("algorithm_params", {})))
+                   algorithm_params=dict(data.get("algorithm_params", {})),
+                   batches=dict(data.get("batches", {})))

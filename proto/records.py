@@ -100,7 +100,7 @@ def read_map(where: str, value: Any) -> dict:
 # ---------------------------------------------------------------- heartbeat statistics
 
 _STAT_COUNTS = ("steps", "bytes_sent", "bytes_received", "version", "rounds", "resent", "dropped", "delayed",
-                "grad_dense_bytes", "grad_sent_bytes")
+                "grad_dense_bytes", "grad_sent_bytes", "samples")
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ class NodeStats:
     grad_dense_bytes: int | None = None   # gradient bytes before compression
     grad_sent_bytes: int | None = None    # ... and after
     speed: float | None = None            # samples/s (workers), measured while training
+    samples: int | None = None            # training examples computed on (workers)
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -308,7 +309,16 @@ def read_plan(value: Any) -> ClusterPlan:
                        placement_id=read_int("plan.placement_id", d.get("placement_id", 1)),
                        chunks=read_map("plan.chunks", d.get("chunks", {})),
                        info=read_map("plan.info", d.get("info", {})), run_id=d.get("run_id", ""),
-                       algorithm_params=read_map("plan.algorithm_params", d.get("algorithm_params", {})))
+                       algorithm_params=read_map("plan.algorithm_params", d.get("algorithm_params", {})),
+                       batches=_batches(d.get("batches", {}), ids))
+
+
+def _batches(value: Any, workers: set[int]) -> dict[str, float]:
+    """plan.batches: worker node id -> a positive whole batch size."""
+    batches = _str_keyed_numbers("plan.batches", value)
+    if not all(k.isdigit() and int(k) in workers and v >= 1 and v == int(v) for k, v in batches.items()):
+        _bad("plan.batches", "must map the plan's worker ids to whole batch sizes >= 1")
+    return batches
 
 
 # ---------------------------------------------------------------- which field is read how

@@ -307,8 +307,9 @@ class Coordinator(Service):
         if not drifted(old, speeds, params.hysteresis):
             return
         fields = self._grouping(speeds)
-        proposal = sorted(map(sorted, fields["groups"]))
-        if proposal == sorted(map(sorted, self.plan.groups)):
+        proposal = self.formation.proposal(fields, params)
+        current = {"groups": self.plan.groups, "shares": self.plan.shares, "batches": self.plan.batches}
+        if proposal == self.formation.proposal(current, params):
             self.regroup_votes = []
             return
         # speeds are noisy: act only on a grouping that several checks in a row agree on

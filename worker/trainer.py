@@ -86,6 +86,7 @@ class Trainer:
         self.timer = StepTimer()
         self.clock = 0
         self.staleness = 0   # the shards' staleness for our last push
+        self.samples = 0     # training examples computed on, all plans together
         self.use_plan(plan)
 
     def use_plan(self, plan: ClusterPlan) -> None:
@@ -95,7 +96,8 @@ class Trainer:
         self.group = plan.group_of(self.member.node_id)
         share = partition(len(self.data.train), self.index, len(plan.workers), self.cfg.seed,
                           plan.share_weights())
-        self.stream = BatchStream(self.data.train, share, self.cfg.data.batch_size,
+        self.batch_size = plan.batch_of(self.member.node_id, self.cfg.data.batch_size)  # balanced: per worker
+        self.stream = BatchStream(self.data.train, share, self.batch_size,
                                   self.cfg.seed + 1000 * self.index + plan.plan_id)
 
     def stats(self) -> dict:
@@ -103,13 +105,15 @@ class Trainer:
                 "bytes_received": self.client.bytes_received, "step_time_s": self.timer.step_s,
                 "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id, "group": self.group,
                 "staleness": self.staleness,
-                "speed": self.timer.speed(self.cfg.data.batch_size), "push_s": self.timer.push_s,
+                "speed": self.timer.speed(self.batch_size), "push_s": self.timer.push_s,
+                "samples": self.samples,
                 **self.client.fault_stats(), **self.client.compression_stats(),
-                "samples_per_s": self.cfg.data.batch_size / self.timer.step_s if self.timer.step_s else 0.0}
+                "samples_per_s": self.batch_size / self.timer.step_s if self.timer.step_s else 0.0}
 
     def compute(self) -> float:
         """Forward and backward on one batch; returns the loss."""
         x, y = self.stream.next_batch()
+        self.samples += len(y)
         x, y = x.to(self.state.device, non_blocking=True), y.to(self.state.device, non_blocking=True)
         model = self.state.model
         model.train()
@@ -131,7 +135,7 @@ class Trainer:
     def exchange(self) -> tuple[list[Ack], float]:
         """Push this step's gradients and buffers, then load the values for the
         next step (blocking). Returns the push ACKs and the seconds until they came."""
-        acks, values = self.client.push_pull(self.state.outgoing(), self.clock, self.cfg.data.batch_size)
+        acks, values = self.client.push_pull(self.state.outgoing(), self.clock, self.batch_size)
         self.state.load(values)
         return acks, self.client.last_push_s
 
