@@ -169,11 +169,13 @@ class DilocoParams:
     min_period: int = 1        # no worker takes fewer local steps per round
     outer_lr: float = 0.7      # DiLoCo's outer learning rate
     outer_momentum: float = 0.9  # DiLoCo's outer Nesterov momentum
-    delay: int = 1             # delayed Nesterov (arXiv 2401.09135): momentum updated every `delay` pushes; 1 = plain
+    per_worker_lr: bool = True  # each push uses outer_lr / P: P asynchronous pushes move as far as one DiLoCo round
+    delay: int = 0             # delayed Nesterov (arXiv 2401.09135): momentum updated every `delay` pushes;
+    #                            0 = every P pushes (P: the plan's workers); 1 = plain Nesterov on every push
 
     def __post_init__(self):
         _check_params("algorithm", self, {}, {"period": 1, "min_period": 1, "outer_lr": 1e-12,
-                                              "outer_momentum": 0.0, "delay": 1})
+                                              "outer_momentum": 0.0, "delay": 0})
         if not self.outer_momentum < 1:
             _fail("algorithm.outer_momentum", f"must be < 1, got {self.outer_momentum}")
         if self.min_period > self.period:

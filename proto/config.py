@@ -61,7 +61,7 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    name: str = "sgd"          # sgd | adam  (runs on the shards)
+    name: str = "sgd"          # sgd | adam | adamw  (runs on the shards; diloco: the workers' inner optimizer)
     lr: float = 0.05
     momentum: float = 0.9
     nesterov: bool = False
@@ -191,7 +191,7 @@ class RunConfig:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "optimizer.name": ("sgd", "adam"),
+    "optimizer.name": ("sgd", "adam", "adamw"),
     "optimizer.schedule.name": ("constant", "step", "cosine"),
     "cluster.nonfinite": ("reject", "skip", "clip"),
     "comm.compression": ("none", "fp16", "topk"),

@@ -9,8 +9,11 @@ Each run keeps the config's `algorithm` block if it names ALGO and replaces
 it with `{name: ALGO}` otherwise, then applies the common overrides, then
 that entry's `--with` overrides.
 Writes OUT/compare.json, OUT/compare.md (median time to target, speedup over
-the first algorithm, final accuracy, bytes, communication rounds) and
-OUT/compare.png (test accuracy against time, one curve per algorithm).
+the first algorithm, final accuracy, bytes, communication rounds,
+heterogeneity efficiency and, against the `--reference` entry (default:
+sync, when it is one of the entries), useful efficiency; see
+scheduler/efficiency.py) and OUT/compare.png (test accuracy against time,
+one curve per algorithm).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from pathlib import Path
 
 from hetps.proto.config import ConfigError, apply_override, config_from_dict, load_raw
 
+from .efficiency import useful_efficiency
 from .launcher import run_local
 from .report import read_metrics
 
@@ -53,24 +57,47 @@ def aggregate(algorithm: str, summaries: list[dict]) -> dict:
         "rounds": statistics.median(s.get("communication_rounds") or max(
             s["shard_versions"].values(), default=0) for s in summaries),
         "global_steps": statistics.median(s["global_steps"] for s in summaries),
+        "efficiency": median_or_none([(s.get("efficiency") or {}).get("heterogeneity_efficiency")
+                                      for s in summaries]),
+        "samples_to_target": median_or_none([(s.get("efficiency") or {}).get("samples_to_target")
+                                             for s in summaries]),
         "runs": [s["run_dir"] for s in summaries],
     }
 
 
+def add_useful(rows: list[dict], reference: str | None) -> list[dict]:
+    """Each row's useful efficiency against the row labelled `reference`
+    (medians: efficiency x reference samples-to-target / this row's); None
+    without a reference or where a median is missing."""
+    ref = next((r for r in rows if r["algorithm"] == reference), None)
+    for r in rows:
+        r["useful_efficiency"] = useful_efficiency(r.get("efficiency"), ref and ref.get("samples_to_target"),
+                                                   r.get("samples_to_target"))
+        r["reference"] = reference if ref else None
+    return rows
+
+
 def markdown(rows: list[dict], title: str) -> str:
     base = rows[0]
+    reference = base.get("reference")
+    useful = f"useful efficiency (vs {reference})" if reference else "useful efficiency"
     lines = [f"# {title}", "",
              f"| algorithm | time to target (s, median) | speedup over {base['algorithm']} | "
-             "final accuracy (median) | MB moved | rounds | steps | reached |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"final accuracy (median) | MB moved | rounds | steps | reached | efficiency | {useful} |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ttt = r["time_to_target_s"]
         speedup = (f"{base['time_to_target_s'] / ttt:.2f}x"
                    if ttt and base["time_to_target_s"] else "-")
         lines.append(f"| {r['algorithm']} | {'-' if ttt is None else f'{ttt:.1f}'} | {speedup} | "
                      f"{r['final_accuracy']:.4f} | {r['bytes'] / 1e6:.0f} | {r['rounds']:.0f} | "
-                     f"{r['global_steps']:.0f} | {r['reached']}/{r['repeats']} |")
+                     f"{r['global_steps']:.0f} | {r['reached']}/{r['repeats']} | {_ratio(r.get('efficiency'))} | "
+                     f"{_ratio(r.get('useful_efficiency'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def plot_compare(rows: list[dict], out: Path) -> None:
@@ -102,6 +129,8 @@ def compare_command(argv: list[str]) -> int:
     parser.add_argument("--with", dest="extra", nargs=2, action="append", default=[],
                         metavar=("LABEL", "KEY=VALUE"), help="an override for one entry only")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--reference", default="sync",
+                        help="the entry whose samples-to-target useful efficiency is measured against")
     args = parser.parse_intermixed_args(argv)
     raw = load_raw(args.config)
     # each entry is ALGO or LABEL:ALGO (the same algorithm twice with different --with)
@@ -128,6 +157,7 @@ def compare_command(argv: list[str]) -> int:
                 return 1
             summaries.append({**json.loads((run_dir / "summary.json").read_text()), "run_dir": str(run_dir)})
         rows.append(aggregate(a, summaries))
+    add_useful(rows, args.reference)
     (out / "compare.json").write_text(json.dumps(rows, indent=2))
     (out / "compare.md").write_text(markdown(rows, f"{args.config} {' '.join(args.overrides)}".strip()))
     plot_compare(rows, out)

@@ -329,14 +329,17 @@ class Coordinator(Service):
         ev.best = max(ev.best, accuracy)
         ev.final, ev.final_loss = accuracy, loss
         t = self.elapsed()
+        samples = sum(status.count(n.stats, "samples") for n in self.members("worker"))
         self.runlog.record("eval", t=round(t, 4), accuracy=accuracy, loss=loss,
-                           global_steps=self.global_steps(), final=bool(values.get("final", False)))
+                           global_steps=self.global_steps(), global_samples=samples,
+                           final=bool(values.get("final", False)))
         classes = values.get("num_classes")
         if (self.guard.loss(loss, "the evaluator (test loss)")
                 or self.guard.evaluation(accuracy, classes if isinstance(classes, int) else None, t)):
             self.begin_stop(DIVERGED)
         if ev.target is not None and ev.time_to_target_s is None and accuracy >= ev.target:
             ev.time_to_target_s = round(t, 3)
+            ev.samples_to_target = samples
             self.begin_stop(f"target accuracy {ev.target} reached ({accuracy:.4f})")
 
     def _tell_stop(self, node: Node) -> bool:

@@ -36,6 +36,7 @@ from hetps.proto.transport import TransportError, set_link_cap
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 
 from .data import DatasetUnavailable
+from .diloco import DilocoTrainer
 from .evaluator import Evaluator
 from .local import LocalSgdTrainer
 from .overlap import OverlapTrainer
@@ -47,7 +48,7 @@ from .trainer import Trainer, profile_speed
 
 log = logging.getLogger("hetps.worker")
 # the table's `worker_loop` -> the loop that runs it
-WORKER_LOOPS = {"gradients": Trainer, "local_steps": LocalSgdTrainer}
+WORKER_LOOPS = {"gradients": Trainer, "local_steps": LocalSgdTrainer, "pseudo_gradients": DilocoTrainer}
 
 
 def trainer_class(cfg) -> type:
