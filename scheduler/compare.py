@@ -61,8 +61,16 @@ def aggregate(algorithm: str, summaries: list[dict]) -> dict:
                                       for s in summaries]),
         "samples_to_target": median_or_none([(s.get("efficiency") or {}).get("samples_to_target")
                                              for s in summaries]),
+        "milestones": {m: median_or_none([s.get("milestones", {}).get(m) for s in summaries])
+                       for m in summaries[0].get("milestones", {})},
         "runs": [s["run_dir"] for s in summaries],
     }
+
+
+def milestone_times(run_dir: Path, accuracies: list[float]) -> dict[str, float | None]:
+    """Seconds to the first evaluation at or above each accuracy (None: never), keyed "0.97"."""
+    evals = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["kind"] == "eval"]
+    return {f"{a:g}": next((m["t"] for m in evals if m["accuracy"] >= a), None) for a in accuracies}
 
 
 def add_useful(rows: list[dict], reference: str | None) -> list[dict]:
@@ -81,15 +89,18 @@ def markdown(rows: list[dict], title: str) -> str:
     base = rows[0]
     reference = base.get("reference")
     useful = f"useful efficiency (vs {reference})" if reference else "useful efficiency"
+    marks = list(base.get("milestones", {}))
     lines = [f"# {title}", "",
              f"| algorithm | time to target (s, median) | speedup over {base['algorithm']} | "
+             + "".join(f"time to {m} (s) | " for m in marks) +
              f"final accuracy (median) | MB moved | rounds | steps | reached | efficiency | {useful} |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|" + "---|" * len(marks) + "---|---|---|---|---|---|---|"]
     for r in rows:
         ttt = r["time_to_target_s"]
         speedup = (f"{base['time_to_target_s'] / ttt:.2f}x"
                    if ttt and base["time_to_target_s"] else "-")
-        lines.append(f"| {r['algorithm']} | {'-' if ttt is None else f'{ttt:.1f}'} | {speedup} | "
+        times = "".join(f"{'-' if t is None else f'{t:.1f}'} | " for t in r.get("milestones", {}).values())
+        lines.append(f"| {r['algorithm']} | {'-' if ttt is None else f'{ttt:.1f}'} | {speedup} | {times}"
                      f"{r['final_accuracy']:.4f} | {r['bytes'] / 1e6:.0f} | {r['rounds']:.0f} | "
                      f"{r['global_steps']:.0f} | {r['reached']}/{r['repeats']} | {_ratio(r.get('efficiency'))} | "
                      f"{_ratio(r.get('useful_efficiency'))} |")
@@ -129,6 +140,8 @@ def compare_command(argv: list[str]) -> int:
     parser.add_argument("--with", dest="extra", nargs=2, action="append", default=[],
                         metavar=("LABEL", "KEY=VALUE"), help="an override for one entry only")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--milestones", default="",
+                        help="comma-separated accuracies, e.g. 0.95,0.97: median seconds to each as columns")
     parser.add_argument("--reference", default="sync",
                         help="the entry whose samples-to-target useful efficiency is measured against")
     args = parser.parse_intermixed_args(argv)
@@ -137,6 +150,11 @@ def compare_command(argv: list[str]) -> int:
     entries = [e.strip() for e in args.algorithms.split(",") if e.strip()]
     labels = {e.split(":")[0]: e.split(":")[-1] for e in entries}
     algorithms = list(labels)
+    try:
+        milestones = [float(m) for m in args.milestones.split(",") if m.strip()]
+    except ValueError:
+        print(f"hetps: --milestones: expected comma-separated accuracies, got {args.milestones!r}", file=sys.stderr)
+        return 2
     extra = {a: [kv for name, kv in args.extra if name == a] for a in algorithms}
     try:
         configs = {a: [algorithm_config(raw, labels[a], args.overrides, extra[a], raw.get("seed", 0) + r)
@@ -155,7 +173,8 @@ def compare_command(argv: list[str]) -> int:
             if run_local(cfg, run_dir, quiet=True) not in (0, 3):  # a diverged run is a result (status diverged)
                 print(f"hetps compare: {a} run {r + 1} failed; see {run_dir}/logs", file=sys.stderr)
                 return 1
-            summaries.append({**json.loads((run_dir / "summary.json").read_text()), "run_dir": str(run_dir)})
+            summaries.append({**json.loads((run_dir / "summary.json").read_text()), "run_dir": str(run_dir),
+                              "milestones": milestone_times(run_dir, milestones)})
         rows.append(aggregate(a, summaries))
     add_useful(rows, args.reference)
     (out / "compare.json").write_text(json.dumps(rows, indent=2))

@@ -56,3 +56,19 @@ def test_without_a_reference_useful_efficiency_is_left_out():
     rows = add_useful([aggregate("grouping", [summary(0.8, 1000)])], "sync")
     assert rows[0]["useful_efficiency"] is None
     assert markdown(rows, "t").splitlines()[4].endswith("| 0.80 | - |")
+
+
+def test_milestones_are_the_first_evaluation_at_each_accuracy(tmp_path):
+    import json
+
+    from hetps.scheduler.compare import milestone_times
+
+    evals = [(1.0, 0.90), (2.0, 0.951), (3.0, 0.94), (4.0, 0.972)]
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"kind": "eval", "t": t, "accuracy": a}) + "\n" for t, a in evals))
+    assert milestone_times(tmp_path, [0.95, 0.97, 0.99]) == {"0.95": 2.0, "0.97": 4.0, "0.99": None}
+    rows = [aggregate("sync", [{**summary(0.5, 10), "milestones": {"0.95": 2.0, "0.97": 4.0}},
+                               {**summary(0.5, 10), "milestones": {"0.95": 3.0, "0.97": None}}])]
+    assert rows[0]["milestones"] == {"0.95": 2.5, "0.97": None}  # a repeat that never got there: no median
+    md = markdown(rows, "t").splitlines()
+    assert "| time to 0.95 (s) | time to 0.97 (s) |" in md[2] and "| 2.5 | - |" in md[4]
