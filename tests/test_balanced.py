@@ -167,3 +167,16 @@ def test_equal_batches_update_exactly_as_sync():
             h.close()
     for n, t in results["sync"].items():
         assert torch.equal(t, results["balanced"][n]), n
+
+
+def test_a_new_batch_rescales_the_step_timer():
+    """After a re-size, the speed a worker reports is its new batch over a
+    time scaled to it, not the old batch's time (which would overstate a
+    grown batch's speed and ask for a bigger one still)."""
+    from hetps.worker.trainer import StepTimer
+
+    timer = StepTimer()
+    timer.update(compute_s=0.1, push_s=0.01, step_s=0.12)
+    assert timer.speed(32) == pytest.approx(32 / 0.11)
+    timer.rescale(2.0)  # batch 32 -> 64
+    assert timer.speed(64) == pytest.approx(64 / 0.21)

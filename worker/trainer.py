@@ -45,6 +45,13 @@ class StepTimer:
         self.push_s += a * (push_s - self.push_s)
         self.step_s += a * (step_s - self.step_s)
 
+    def rescale(self, factor: float) -> None:
+        """The batch changed by `factor`: compute and step times are taken to
+        scale with it, so the speed reported next is not the old batch's time
+        over the new batch (which would ask for a bigger batch still)."""
+        self.compute_s *= factor
+        self.step_s *= factor
+
     def speed(self, batch_size: int) -> float:
         """Samples/s this worker could sustain alone: compute plus its push."""
         busy = self.compute_s + self.push_s
@@ -96,7 +103,10 @@ class Trainer:
         self.group = plan.group_of(self.member.node_id)
         share = partition(len(self.data.train), self.index, len(plan.workers), self.cfg.seed,
                           plan.share_weights())
+        old_batch = getattr(self, "batch_size", 0)
         self.batch_size = plan.batch_of(self.member.node_id, self.cfg.data.batch_size)  # balanced: per worker
+        if old_batch and old_batch != self.batch_size:
+            self.timer.rescale(self.batch_size / old_batch)
         self.stream = BatchStream(self.data.train, share, self.batch_size,
                                   self.cfg.seed + 1000 * self.index + plan.plan_id)
 
