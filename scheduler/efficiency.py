@@ -39,8 +39,8 @@ def useful_efficiency(efficiency: float | None, reference_samples: float | None,
 
 def run_efficiency(coord) -> dict:
     """The efficiency block of summary.json (numbers rounded for reading)."""
-    workers = [n for n in coord.members("worker")]
-    samples = sum(int(n.stats.get("samples", 0) or 0) for n in workers)
+    workers = coord.members("worker")
+    samples = sum(int(n.stats.get("samples", 0)) for n in workers)
     end = coord.stop_since if coord.stop_reason is not None else None
     train_s = (end - coord.started) if (end is not None and coord.started is not None) else coord.elapsed()
     standalone = [n.profiled_speed for n in workers]

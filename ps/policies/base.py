@@ -144,7 +144,7 @@ class Round:
         """Add a member's push; its gradients count `weight` times (1: plain sum)."""
         if weight != 1.0:  # exactly the plain sum when every weight is 1
             grads = {n: t * weight if t.is_floating_point() else t for n, t in grads.items()}
-        self.weight = getattr(self, "weight", 0.0) + weight  # a round restored from an older checkpoint has none
+        self.weight += weight
         for target, values in ((self.grads, grads), (self.buffers, buffers)):
             for n, t in values.items():
                 if n not in target:
