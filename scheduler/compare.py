@@ -41,6 +41,12 @@ def algorithm_config(raw: dict, algorithm: str, common: list[str], extra: list[s
     return config_from_dict(raw, import_targets=True)
 
 
+def spread(values: list) -> list | None:
+    """[min, max] of the values present (None when none is)."""
+    present = [v for v in values if v is not None]
+    return [min(present), max(present)] if present else None
+
+
 def median_or_none(values: list) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present and len(present) == len(values) else None
@@ -63,6 +69,8 @@ def aggregate(algorithm: str, summaries: list[dict]) -> dict:
                                              for s in summaries]),
         "milestones": {m: median_or_none([s.get("milestones", {}).get(m) for s in summaries])
                        for m in summaries[0].get("milestones", {})},
+        "milestone_spread": {m: spread([s.get("milestones", {}).get(m) for s in summaries])
+                             for m in summaries[0].get("milestones", {})},
         "runs": [s["run_dir"] for s in summaries],
     }
 
@@ -99,12 +107,20 @@ def markdown(rows: list[dict], title: str) -> str:
         ttt = r["time_to_target_s"]
         speedup = (f"{base['time_to_target_s'] / ttt:.2f}x"
                    if ttt and base["time_to_target_s"] else "-")
-        times = "".join(f"{'-' if t is None else f'{t:.1f}'} | " for t in r.get("milestones", {}).values())
+        times = "".join(f"{_time(t, r.get('milestone_spread', {}).get(m))} | "
+                        for m, t in r.get("milestones", {}).items())
         lines.append(f"| {r['algorithm']} | {'-' if ttt is None else f'{ttt:.1f}'} | {speedup} | {times}"
                      f"{r['final_accuracy']:.4f} | {r['bytes'] / 1e6:.0f} | {r['rounds']:.0f} | "
                      f"{r['global_steps']:.0f} | {r['reached']}/{r['repeats']} | {_ratio(r.get('efficiency'))} | "
                      f"{_ratio(r.get('useful_efficiency'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _time(median: float | None, span: list | None) -> str:
+    """A median time, with the repeats' range when they differ: "7.5 (6.1–9.0)"."""
+    if median is None:
+        return "-"
+    return f"{median:.1f}" + (f" ({span[0]:.1f}–{span[1]:.1f})" if span and span[0] != span[1] else "")
 
 
 def _ratio(value: float | None) -> str:

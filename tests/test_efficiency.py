@@ -71,4 +71,4 @@ def test_milestones_are_the_first_evaluation_at_each_accuracy(tmp_path):
                                {**summary(0.5, 10), "milestones": {"0.95": 3.0, "0.97": None}}])]
     assert rows[0]["milestones"] == {"0.95": 2.5, "0.97": None}  # a repeat that never got there: no median
     md = markdown(rows, "t").splitlines()
-    assert "| time to 0.95 (s) | time to 0.97 (s) |" in md[2] and "| 2.5 | - |" in md[4]
+    assert "| time to 0.95 (s) | time to 0.97 (s) |" in md[2] and "| 2.5 (2.0–3.0) | - |" in md[4]
