@@ -5,7 +5,7 @@ with a ConfigError naming `algorithm.<key>` and the allowed values.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import ConfigError
 
@@ -120,6 +120,66 @@ class WpsgdParams:
 @dataclass(frozen=True)
 class SimuParallelParams(WpsgdParams):
     weights: str = "equal"
+
+
+@dataclass(frozen=True)
+class BalancedParams:
+    """Sync with speed-proportional batches: worker i's batch b_i is
+    proportional to its measured samples/s, within [min_batch, max_batch],
+    summing to global_batch; re-sized while training when speeds drift."""
+
+    global_batch: int = 0      # samples per round, all workers together; 0 = data.batch_size x cluster.workers
+    min_batch: int = 8         # no worker's batch is smaller ...
+    max_batch: int = 0         # ... or larger (0 = global_batch)
+    regroup: bool = True       # re-size the batches while training when speeds drift
+    hysteresis: float = 0.3    # relative speed change that may trigger re-sizing
+    regroup_every_s: float = 2.0
+    confirm_checks: int = 2    # a new set of batch sizes must come out of this many checks in a row
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {}, {"global_batch": 0, "min_batch": 1, "max_batch": 0,
+                                              "hysteresis": 1e-6, "regroup_every_s": 0.0, "confirm_checks": 1})
+        if self.max_batch and self.max_batch < self.min_batch:
+            _fail("algorithm.max_batch", f"must be 0 or >= algorithm.min_batch ({self.min_batch}), "
+                                         f"got {self.max_batch}")
+
+    def resolve(self, cfg) -> "BalancedParams":
+        """global_batch 0 -> data.batch_size x the configured workers; raises
+        ConfigError when the workers cannot share it within the bounds."""
+        workers = max(1, len(cfg.cluster.workers))
+        total = self.global_batch or cfg.data.batch_size * workers
+        if self.min_batch * workers > total:
+            _fail("algorithm.min_batch", f"{workers} workers x min_batch {self.min_batch} exceed the global "
+                                         f"batch {total}; lower min_batch or raise algorithm.global_batch")
+        if self.max_batch and self.max_batch * workers < total:
+            _fail("algorithm.max_batch", f"{workers} workers x max_batch {self.max_batch} fall short of the "
+                                         f"global batch {total}; raise max_batch or lower algorithm.global_batch")
+        return replace(self, global_batch=total)
+
+
+@dataclass(frozen=True)
+class DilocoParams:
+    """Asynchronous DiLoCo: H_i local steps of the inner optimizer (the
+    `optimizer:` block) per round, then a push of the pseudo-gradient
+    (start - end), applied at once by the shard's outer optimizer
+    (SGD with Nesterov momentum)."""
+
+    period: int = 16           # H: local steps per round of the fastest worker (of every worker if not by speed)
+    steps_by_speed: bool = True  # H_i = H x speed_i / fastest speed (rounds take about equal time)
+    min_period: int = 1        # no worker takes fewer local steps per round
+    outer_lr: float = 0.7      # DiLoCo's outer learning rate
+    outer_momentum: float = 0.9  # DiLoCo's outer Nesterov momentum
+    per_worker_lr: bool = True  # each push uses outer_lr / P: P asynchronous pushes move as far as one DiLoCo round
+    delay: int = 0             # delayed Nesterov (arXiv 2401.09135): momentum updated every `delay` pushes;
+    #                            0 = every P pushes (P: the plan's workers); 1 = plain Nesterov on every push
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {}, {"period": 1, "min_period": 1, "outer_lr": 1e-12,
+                                              "outer_momentum": 0.0, "delay": 0})
+        if not self.outer_momentum < 1:
+            _fail("algorithm.outer_momentum", f"must be < 1, got {self.outer_momentum}")
+        if self.min_period > self.period:
+            _fail("algorithm.min_period", f"must be <= algorithm.period ({self.period}), got {self.min_period}")
 
 
 def __getattr__(name: str):

@@ -18,14 +18,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .algorithm_params import (AdpsgdParams, AsyncParams, CpsgdParams, EagerParams, GroupingParams,
-                               SimuParallelParams, SspParams, SyncParams, WpsgdParams)
+from .algorithm_params import (AdpsgdParams, AsyncParams, BalancedParams, CpsgdParams, DilocoParams, EagerParams,
+                               GroupingParams, SimuParallelParams, SspParams, SyncParams, WpsgdParams)
 from .errors import ConfigError
 
-GROUPS = ("all", "each", "by_speed")          # one group of every worker | each worker alone | k-means on speed
-WORKER_LOOPS = ("gradients", "local_steps")   # push a gradient per step | local optimizer steps, then the model
+GROUPS = ("all", "each", "by_speed", "balanced")  # one group of all | each alone | k-means on speed |
+#                                                one group, batch sizes proportional to speed
+WORKER_LOOPS = ("gradients", "local_steps", "pseudo_gradients")  # push a gradient per step | local optimizer
+#                          steps, then the model | local steps, then start - end (diloco)
 PUSHES = ("gradients", "model")
-PERIODS = ("", "steps", "shard", "seconds")   # local_steps only: how a worker's averaging period is counted
+PERIODS = ("", "steps", "shard", "seconds")   # local_steps, pseudo_gradients: how a worker counts its period
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,10 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("adpsgd", AdpsgdParams, groups="all", policy="adpsgd", period="shard", **_MODELS),
     Algorithm("wpsgd", WpsgdParams, groups="all", policy="wpsgd", period="seconds", **_MODELS),
     Algorithm("simuparallel", SimuParallelParams, groups="all", policy="wpsgd", period="seconds", **_MODELS),
+    Algorithm("balanced", BalancedParams, groups="balanced", policy="balanced", **_GRADIENTS),
+    # pseudo-gradients are gradients to the shard (compressed, zeros when neutral), applied at once
+    Algorithm("diloco", DilocoParams, groups="each", policy="diloco", worker_loop="pseudo_gradients",
+              pushes="gradients", period="steps"),
 )}
 
 # Algorithm name -> its parameter dataclass (what config loading needs).

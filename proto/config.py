@@ -61,7 +61,7 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    name: str = "sgd"          # sgd | adam  (runs on the shards)
+    name: str = "sgd"          # sgd | adam | adamw  (runs on the shards; diloco: the workers' inner optimizer)
     lr: float = 0.05
     momentum: float = 0.9
     nesterov: bool = False
@@ -192,7 +192,7 @@ class RunConfig:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "optimizer.name": ("sgd", "adam"),
+    "optimizer.name": ("sgd", "adam", "adamw"),
     "optimizer.schedule.name": ("constant", "step", "cosine"),
     "cluster.nonfinite": ("reject", "skip", "clip"),
     "comm.compression": ("none", "fp16", "topk"),
@@ -227,6 +227,20 @@ def _build_algorithm(value: Any, problems: Problems) -> AlgorithmConfig:
     return AlgorithmConfig(name=name, params=ALGORITHM_PARAMS[name]() if params is BAD else params)
 
 
+def _resolve_algorithm(cfg: RunConfig, problems: Problems) -> RunConfig:
+    """Parameters whose default depends on the rest of the config (a params
+    class with `resolve(cfg)`, e.g. balanced's global batch) take their value
+    here, so the plan carries the number every node uses."""
+    resolve = getattr(cfg.algorithm.params, "resolve", None)
+    if resolve is None or problems:
+        return cfg
+    try:
+        return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, params=resolve(cfg)))
+    except ConfigError as exc:
+        problems.extend(exc.errors)
+        return cfg
+
+
 def config_from_dict(raw: dict, import_targets: bool = False) -> RunConfig:
     """Build and check a RunConfig from plain data. Raises ConfigError listing
     every problem found. `import_targets`: also import `pkg.module:factory`
@@ -254,6 +268,7 @@ def _config_from_dict(raw: Any, import_targets: bool, problems: Problems) -> Run
         raw["cluster"] = cluster
     cfg = dataclasses.replace(build_dataclass(RunConfig, raw, "", problems), algorithm=algorithm)
     problems.extend(check_values(cfg))
+    cfg = _resolve_algorithm(cfg, problems)
     if import_targets and not problems:  # a config with other errors is not worth importing code for
         problems.extend(check_targets(cfg))
     if problems:

@@ -18,7 +18,9 @@ def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.o
                                weight_decay=cfg.weight_decay)
     if cfg.name == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    raise ValueError(f"optimizer.name: unknown value {cfg.name!r}; allowed: sgd, adam")
+    if cfg.name == "adamw":  # decoupled weight decay (DiLoCo's inner optimizer)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    raise ValueError(f"optimizer.name: unknown value {cfg.name!r}; allowed: sgd, adam, adamw")
 
 
 def lr_factor(cfg: ScheduleConfig) -> Callable[[int], float]:

@@ -101,6 +101,7 @@ class ClusterPlan:
     backups: dict = field(default_factory=dict)
     # shard node id -> node id of the process serving it now (a promoted backup); absent: itself
     served_by: dict = field(default_factory=dict)
+    batches: dict[str, float] = field(default_factory=dict)  # worker node id -> its batch size (balanced)
 
     def shard_index(self, node_id: int) -> int:
         for i, s in enumerate(self.shards):
@@ -118,6 +119,10 @@ class ClusterPlan:
     def share_weights(self) -> list[float]:
         """Data-share weights in worker order (equal when the plan sets none)."""
         return [float(self.shares.get(str(w), 1.0)) for w in self.worker_ids()]
+
+    def batch_of(self, worker: int, default: int) -> int:
+        """Worker `worker`'s batch size: the plan's (balanced), else `default`."""
+        return int(self.batches.get(str(worker), default))
 
     def group_of(self, worker: int) -> int:
         for g, members in enumerate(self.groups):
@@ -142,4 +147,5 @@ class ClusterPlan:
                    placement_id=data.get("placement_id", 1), chunks=dict(data.get("chunks", {})),
                    info=dict(data.get("info", {})), run_id=str(data.get("run_id", "")),
                    algorithm_params=dict(data.get("algorithm_params", {})),
-                   backups=dict(data.get("backups", {})), served_by=dict(data.get("served_by", {})))
+                   backups=dict(data.get("backups", {})), served_by=dict(data.get("served_by", {})),
+                   batches=dict(data.get("batches", {})))

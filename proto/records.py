@@ -102,7 +102,7 @@ def read_map(where: str, value: Any) -> dict:
 # ---------------------------------------------------------------- heartbeat statistics
 
 _STAT_COUNTS = ("steps", "bytes_sent", "bytes_received", "version", "rounds", "resent", "dropped", "delayed",
-                "grad_dense_bytes", "grad_sent_bytes")
+                "grad_dense_bytes", "grad_sent_bytes", "samples")
 
 
 _STAT_WAITS = {"waiting": read_waiting, "held": read_held}  # stall attribution (waits.py)
@@ -127,6 +127,7 @@ class NodeStats:
     speed: float | None = None            # samples/s (workers), measured while training
     waiting: tuple[WaitingFor, ...] | None = None  # shards: whom their rounds and parked pulls wait for
     held: tuple[HeldUp, ...] | None = None         # shards: seconds each node held their waiters up
+    samples: int | None = None            # training examples computed on (workers)
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -335,7 +336,8 @@ def read_plan(value: Any) -> ClusterPlan:
                        info=read_map("plan.info", d.get("info", {})), run_id=d.get("run_id", ""),
                        algorithm_params=read_map("plan.algorithm_params", d.get("algorithm_params", {})),
                        backups=_backups(d.get("backups", {})),
-                       served_by=_str_keyed_ints("plan.served_by", d.get("served_by", {})))
+                       served_by=_str_keyed_ints("plan.served_by", d.get("served_by", {})),
+                       batches=_batches(d.get("batches", {}), ids))
 
 
 def _backups(value: Any) -> dict:
@@ -353,6 +355,14 @@ def _str_keyed_ints(where: str, value: Any) -> dict:
     if not all(type(k) is str and type(v) is int for k, v in out.items()):
         _bad(where, "must map node ids (strings) to node ids (integers)")
     return out
+
+
+def _batches(value: Any, workers: set[int]) -> dict[str, float]:
+    """plan.batches: worker node id -> a positive whole batch size."""
+    batches = _str_keyed_numbers("plan.batches", value)
+    if not all(k.isdigit() and int(k) in workers and v >= 1 and v == int(v) for k, v in batches.items()):
+        _bad("plan.batches", "must map the plan's worker ids to whole batch sizes >= 1")
+    return batches
 
 
 # ---------------------------------------------------------------- which field is read how

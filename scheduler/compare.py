@@ -9,10 +9,12 @@ Each run keeps the config's `algorithm` block if it names ALGO and replaces
 it with `{name: ALGO}` otherwise, then applies the common overrides, then
 that entry's `--with` overrides.
 Writes OUT/compare.json, OUT/compare.md (median time to target, speedup over
-the first algorithm, final accuracy, bytes, communication rounds) and
-OUT/compare.png (per algorithm, the median test accuracy over all repeats with
-the min-max band, against time, global steps or bytes moved: `--x`;
-`hetps plot OUT --x steps` draws it again).
+the first algorithm, final accuracy, bytes, communication rounds,
+heterogeneity efficiency and, against the `--reference` entry (default:
+sync, when it is one of the entries), useful efficiency; see
+scheduler/efficiency.py) and OUT/compare.png (per algorithm, the median test
+accuracy over all repeats with the min-max band, against time, global steps or
+bytes moved: `--x`; `hetps plot OUT --x steps` draws it again).
 """
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ from pathlib import Path
 
 from hetps.proto.config import ConfigError, apply_override, config_from_dict, load_raw
 
+from .efficiency import useful_efficiency
 from .launcher import run_local
 from .plots import X_AXES, plot_compare
+from .report import read_metrics
 
 
 def algorithm_config(raw: dict, algorithm: str, common: list[str], extra: list[str], seed: int):
@@ -37,6 +41,12 @@ def algorithm_config(raw: dict, algorithm: str, common: list[str], extra: list[s
     for assignment in [*common, *extra, f"seed={seed}"]:
         apply_override(raw, assignment)
     return config_from_dict(raw, import_targets=True)
+
+
+def spread(values: list) -> list | None:
+    """[min, max] of the values present (None when none is)."""
+    present = [v for v in values if v is not None]
+    return [min(present), max(present)] if present else None
 
 
 def median_or_none(values: list) -> float | None:
@@ -55,24 +65,68 @@ def aggregate(algorithm: str, summaries: list[dict]) -> dict:
         "rounds": statistics.median(s.get("communication_rounds") or max(
             s["shard_versions"].values(), default=0) for s in summaries),
         "global_steps": statistics.median(s["global_steps"] for s in summaries),
+        "efficiency": median_or_none([(s.get("efficiency") or {}).get("heterogeneity_efficiency")
+                                      for s in summaries]),
+        "samples_to_target": median_or_none([(s.get("efficiency") or {}).get("samples_to_target")
+                                             for s in summaries]),
+        "milestones": {m: median_or_none([s.get("milestones", {}).get(m) for s in summaries])
+                       for m in summaries[0].get("milestones", {})},
+        "milestone_spread": {m: spread([s.get("milestones", {}).get(m) for s in summaries])
+                             for m in summaries[0].get("milestones", {})},
         "runs": [s["run_dir"] for s in summaries],
     }
 
 
+def milestone_times(run_dir: Path, accuracies: list[float]) -> dict[str, float | None]:
+    """Seconds to the first evaluation at or above each accuracy (None: never), keyed "0.97"."""
+    evals = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["kind"] == "eval"]
+    return {f"{a:g}": next((m["t"] for m in evals if m["accuracy"] >= a), None) for a in accuracies}
+
+
+def add_useful(rows: list[dict], reference: str | None) -> list[dict]:
+    """Each row's useful efficiency against the row labelled `reference`
+    (medians: efficiency x reference samples-to-target / this row's); None
+    without a reference or where a median is missing."""
+    ref = next((r for r in rows if r["algorithm"] == reference), None)
+    for r in rows:
+        r["useful_efficiency"] = useful_efficiency(r.get("efficiency"), ref and ref.get("samples_to_target"),
+                                                   r.get("samples_to_target"))
+        r["reference"] = reference if ref else None
+    return rows
+
+
 def markdown(rows: list[dict], title: str) -> str:
     base = rows[0]
+    reference = base.get("reference")
+    useful = f"useful efficiency (vs {reference})" if reference else "useful efficiency"
+    marks = list(base.get("milestones", {}))
     lines = [f"# {title}", "",
              f"| algorithm | time to target (s, median) | speedup over {base['algorithm']} | "
-             "final accuracy (median) | MB moved | rounds | steps | reached |",
-             "|---|---|---|---|---|---|---|---|"]
+             + "".join(f"time to {m} (s) | " for m in marks) +
+             f"final accuracy (median) | MB moved | rounds | steps | reached | efficiency | {useful} |",
+             "|---|---|---|" + "---|" * len(marks) + "---|---|---|---|---|---|---|"]
     for r in rows:
         ttt = r["time_to_target_s"]
         speedup = (f"{base['time_to_target_s'] / ttt:.2f}x"
                    if ttt and base["time_to_target_s"] else "-")
-        lines.append(f"| {r['algorithm']} | {'-' if ttt is None else f'{ttt:.1f}'} | {speedup} | "
+        times = "".join(f"{_time(t, r.get('milestone_spread', {}).get(m))} | "
+                        for m, t in r.get("milestones", {}).items())
+        lines.append(f"| {r['algorithm']} | {'-' if ttt is None else f'{ttt:.1f}'} | {speedup} | {times}"
                      f"{r['final_accuracy']:.4f} | {r['bytes'] / 1e6:.0f} | {r['rounds']:.0f} | "
-                     f"{r['global_steps']:.0f} | {r['reached']}/{r['repeats']} |")
+                     f"{r['global_steps']:.0f} | {r['reached']}/{r['repeats']} | {_ratio(r.get('efficiency'))} | "
+                     f"{_ratio(r.get('useful_efficiency'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _time(median: float | None, span: list | None) -> str:
+    """A median time, with the repeats' range when they differ: "7.5 (6.1–9.0)"."""
+    if median is None:
+        return "-"
+    return f"{median:.1f}" + (f" ({span[0]:.1f}–{span[1]:.1f})" if span and span[0] != span[1] else "")
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def compare_command(argv: list[str]) -> int:
@@ -87,12 +141,21 @@ def compare_command(argv: list[str]) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--x", choices=list(X_AXES), default="time",
                         help="compare.png's x axis: wall-clock time, global steps or bytes moved (default time)")
+    parser.add_argument("--milestones", default="",
+                        help="comma-separated accuracies, e.g. 0.95,0.97: median seconds to each as columns")
+    parser.add_argument("--reference", default="sync",
+                        help="the entry whose samples-to-target useful efficiency is measured against")
     args = parser.parse_intermixed_args(argv)
     raw = load_raw(args.config)
     # each entry is ALGO or LABEL:ALGO (the same algorithm twice with different --with)
     entries = [e.strip() for e in args.algorithms.split(",") if e.strip()]
     labels = {e.split(":")[0]: e.split(":")[-1] for e in entries}
     algorithms = list(labels)
+    try:
+        milestones = [float(m) for m in args.milestones.split(",") if m.strip()]
+    except ValueError:
+        print(f"hetps: --milestones: expected comma-separated accuracies, got {args.milestones!r}", file=sys.stderr)
+        return 2
     extra = {a: [kv for name, kv in args.extra if name == a] for a in algorithms}
     try:
         configs = {a: [algorithm_config(raw, labels[a], args.overrides, extra[a], raw.get("seed", 0) + r)
@@ -111,8 +174,10 @@ def compare_command(argv: list[str]) -> int:
             if run_local(cfg, run_dir, quiet=True) not in (0, 3):  # a diverged run is a result (status diverged)
                 print(f"hetps compare: {a} run {r + 1} failed; see {run_dir}/logs", file=sys.stderr)
                 return 1
-            summaries.append({**json.loads((run_dir / "summary.json").read_text()), "run_dir": str(run_dir)})
+            summaries.append({**json.loads((run_dir / "summary.json").read_text()), "run_dir": str(run_dir),
+                              "milestones": milestone_times(run_dir, milestones)})
         rows.append(aggregate(a, summaries))
+    add_useful(rows, args.reference)
     (out / "compare.json").write_text(json.dumps(rows, indent=2))
     (out / "compare.md").write_text(markdown(rows, f"{args.config} {' '.join(args.overrides)}".strip()))
     plot_compare(rows, out, args.x)

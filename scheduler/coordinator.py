@@ -326,8 +326,9 @@ class Coordinator(Service):
         if not drifted(old, speeds, params.hysteresis):
             return
         fields = self._grouping(speeds)
-        proposal = sorted(map(sorted, fields["groups"]))
-        if proposal == sorted(map(sorted, self.plan.groups)):
+        proposal = self.formation.proposal(fields, params)
+        current = {"groups": self.plan.groups, "shares": self.plan.shares, "batches": self.plan.batches}
+        if proposal == self.formation.proposal(current, params):
             self.regroup_votes = []
             return
         # speeds are noisy: act only on a grouping that several checks in a row agree on
@@ -347,8 +348,10 @@ class Coordinator(Service):
         ev.best = max(ev.best, accuracy)
         ev.final, ev.final_loss = accuracy, loss
         t = self.elapsed()
+        samples = sum(status.count(n.stats, "samples") for n in self.members("worker"))
         self.runlog.record("eval", t=round(t, 4), accuracy=accuracy, loss=loss,
-                           global_steps=self.global_steps(), final=bool(values.get("final", False)),
+                           global_steps=self.global_steps(), global_samples=samples,
+                           final=bool(values.get("final", False)),
                            bytes=sum(status.count(n.stats, k) for n in self.members("worker")  # as last heard
                                      for k in ("bytes_sent", "bytes_received")))
         classes = values.get("num_classes")
@@ -357,6 +360,7 @@ class Coordinator(Service):
             self.begin_stop(DIVERGED)
         if ev.target is not None and ev.time_to_target_s is None and accuracy >= ev.target:
             ev.time_to_target_s = round(t, 3)
+            ev.samples_to_target = samples
             self.begin_stop(f"target accuracy {ev.target} reached ({accuracy:.4f})")
 
     def _tell_stop(self, node: Node) -> bool:

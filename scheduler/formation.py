@@ -1,13 +1,17 @@
 """How the scheduler forms the workers' synchronous groups, by the algorithm
 table's `groups` trait: `all` (one group of every worker), `each` (every
 worker alone), `by_speed` (Grouping-SGD's k-means on measured speeds, with
-data shares and re-grouping while training). FORMATIONS is the scheduler's
+data shares and re-grouping while training), `balanced` (one group whose
+batch sizes are proportional to speed, re-sized while training). FORMATIONS is the scheduler's
 one registry of algorithm traits; it never branches on an algorithm's name.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from hetps.proto.speed_shares import proportional_sizes
 
 from .grouping import data_shares, form_groups
 
@@ -16,6 +20,8 @@ from .grouping import data_shares, form_groups
 class Formation:
     plan_fields: Callable[[dict, object, int], dict]  # (node id -> speed, algorithm params, seed) -> plan fields
     regroups: bool = False  # may be re-formed while training when speeds drift (if the params' `regroup`)
+    # (plan fields, params) -> what re-forming votes on: a new plan when it differs from the current plan's
+    proposal: Callable[[dict, object], object] = lambda fields, params: sorted(map(sorted, fields["groups"]))
 
     def may_regroup(self, params) -> bool:
         return self.regroups and params.regroup
@@ -34,6 +40,23 @@ def by_speed(speeds: dict[int, float], params, seed: int) -> dict:
     return {"groups": groups, "shares": {str(w): s for w, s in data_shares(groups, speeds).items()}}
 
 
+def balanced(speeds: dict[int, float], params, seed: int) -> dict:
+    """One group; batch sizes proportional to speed summing to the global
+    batch (`proportional_sizes`); data shares follow the batches, so every
+    worker goes through its share in the same number of rounds."""
+    batches = proportional_sizes(speeds, params.global_batch, params.min_batch, params.max_batch)
+    return {"groups": [sorted(speeds)], "shares": {str(w): float(b) for w, b in batches.items()},
+            "batches": {str(w): float(b) for w, b in batches.items()}}
+
+
+def batch_buckets(fields: dict, params) -> list:
+    """Balanced re-sizing votes on each worker's batch on a log scale whose
+    step is the hysteresis: noise of a few samples does not count as a change."""
+    step = math.log1p(params.hysteresis)
+    return sorted((w, round(math.log(max(b, 1.0)) / step)) for w, b in fields["batches"].items())
+
+
 # the table's `groups` -> how the scheduler forms them
 FORMATIONS: dict[str, Formation] = {"all": Formation(one_group), "each": Formation(each_alone),
-                                    "by_speed": Formation(by_speed, regroups=True)}
+                                    "by_speed": Formation(by_speed, regroups=True),
+                                    "balanced": Formation(balanced, regroups=True, proposal=batch_buckets)}

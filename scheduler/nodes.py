@@ -53,4 +53,5 @@ class EvalTrack:
     final: float | None = None
     final_loss: float | None = None
     time_to_target_s: float | None = None
+    samples_to_target: int | None = None  # training examples computed by then (workers' latest heartbeats)
     count: int = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from .efficiency import run_efficiency
 from .outcome import environment, run_status
 
 ROLES = ("ps", "worker", "evaluator")
@@ -23,7 +24,7 @@ def run_summary(coord) -> dict:
     workers = sorted(coord.members("worker", "evaluator"), key=lambda n: (n.role, n.rank))
     per_node = {f"{n.role}{n.rank}": {"sent": count(n.stats, "bytes_sent"),
                                       "received": count(n.stats, "bytes_received"),
-                                      "steps": count(n.stats, "steps"),
+                                      "steps": count(n.stats, "steps"), "samples": count(n.stats, "samples"),
                                       **{k: count(n.stats, k) for k in ("resent", "dropped", "delayed",
                                                                         "grad_dense_bytes", "grad_sent_bytes")}}
                 for n in workers}
@@ -40,7 +41,7 @@ def run_summary(coord) -> dict:
         "wall_s": round(coord.elapsed(), 3), "global_steps": coord.global_steps(),
         "bytes_sent": sum(v["sent"] for v in per_node.values()),
         "bytes_received": sum(v["received"] for v in per_node.values()),
-        "per_node": per_node, "evals": coord.evals.count,
+        "per_node": per_node, "evals": coord.evals.count, "efficiency": run_efficiency(coord),
         "compression": compression_summary(coord.cfg.comm, per_node.values()),
         "shard_versions": {f"ps{n.rank}": count(n.stats, "version") for n in coord.members("ps")},
         "communication_rounds": max((count(n.stats, "rounds") or count(n.stats, "version")

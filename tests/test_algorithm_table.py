@@ -47,14 +47,18 @@ def test_every_table_line_resolves_in_every_role(name):
     formation = FORMATIONS[algo.groups]
     fields = formation.plan_fields({1: 10.0, 2: 10.0, 3: 1.0}, cfg.algorithm.params, 0)
     assert sorted(w for g in fields["groups"] for w in g) == [1, 2, 3]
-    assert formation.regroups == (algo.groups == "by_speed") == algo.needs_sklearn
+    assert formation.regroups == (algo.groups in ("by_speed", "balanced"))
+    assert algo.needs_sklearn == (algo.groups == "by_speed")
     # worker
     loop = WORKER_LOOPS[algo.worker_loop]
     assert trainer_class(cfg) is loop
     overlapped = trainer_class(load_config(None, [f"algorithm.name={name}", "comm.overlap=true"]))
-    assert overlapped is (OverlapTrainer if algo.worker_loop == "gradients" else LocalSgdTrainer)
+    assert overlapped is (OverlapTrainer if algo.worker_loop == "gradients" else loop)
     if algo.worker_loop == "local_steps":
         assert not algo.fuses_pull and algo.pushes == "model"  # models wait whole rounds: acked at once
+        assert isinstance(PERIODS[algo.period](cfg.algorithm.params), Period)
+    elif algo.worker_loop == "pseudo_gradients":  # local steps, then start - end: compressed like gradients
+        assert issubclass(loop, LocalSgdTrainer) and algo.pushes == "gradients"
         assert isinstance(PERIODS[algo.period](cfg.algorithm.params), Period)
     else:
         assert algo.period == "" and algo.pushes == "gradients"

@@ -137,9 +137,10 @@ def test_ps_client_compresses_float_parameter_gradients_only():
     assert isinstance(push.tensors["w"], Compressed) and push.tensors["w"].kind == "fp16"
     assert not isinstance(push.tensors["bn.mean"], Compressed) and not isinstance(push.tensors["bn.n"], Compressed)
     assert client.compression_stats() == {"grad_dense_bytes": 64 * 64 * 4, "grad_sent_bytes": 64 * 64 * 2}
-    # compression applies to gradient pushes only: models travel exact
+    # compression applies to gradient pushes only (diloco's pseudo-gradients too): models travel exact
     assert {a.worker_loop: a.pushes for a in ALGORITHMS.values()} == {"gradients": "gradients",
-                                                                      "local_steps": "model"}
+                                                                      "local_steps": "model",
+                                                                      "pseudo_gradients": "gradients"}
 
 
 def test_large_topk_payload_has_its_own_frame_and_decodes():

@@ -354,7 +354,7 @@ def test_a_key_of_another_algorithm_says_whose_it_is():
     msg = error(overrides=["algorithm.name=sync", "algorithm.staleness=3"])
     assert msg.startswith("algorithm.staleness: belongs to ssp, not to sync")
     assert error(overrides=["algorithm.name=ssp", "algorithm.period=3"]).startswith(
-        "algorithm.period: belongs to cpsgd, not to ssp")
+        "algorithm.period: belongs to cpsgd or diloco, not to ssp")
 
 
 def test_algorithm_name_on_the_command_line_drops_the_files_algorithm_keys(tmp_path):

@@ -37,6 +37,7 @@ from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.startup import Phases, process_age_s
 
 from .data import DatasetUnavailable
+from .diloco import DilocoTrainer
 from .evaluator import Evaluator
 from .local import LocalSgdTrainer
 from .overlap import OverlapTrainer
@@ -48,7 +49,7 @@ from .trainer import Trainer, profile_speed
 
 log = logging.getLogger("hetps.worker")
 # the table's `worker_loop` -> the loop that runs it
-WORKER_LOOPS = {"gradients": Trainer, "local_steps": LocalSgdTrainer}
+WORKER_LOOPS = {"gradients": Trainer, "local_steps": LocalSgdTrainer, "pseudo_gradients": DilocoTrainer}
 
 
 def trainer_class(cfg) -> type:

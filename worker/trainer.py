@@ -57,6 +57,13 @@ class StepTimer:
         """Snapshots of the duration histograms (any thread)."""
         return {key: h.snapshot() for key, h in self.durations.items()}
 
+    def rescale(self, factor: float) -> None:
+        """The batch changed by `factor`: compute and step times are taken to
+        scale with it, so the speed reported next is not the old batch's time
+        over the new batch (which would ask for a bigger batch still)."""
+        self.compute_s *= factor
+        self.step_s *= factor
+
     def speed(self, batch_size: int) -> float:
         """Samples/s this worker could sustain alone: compute plus its push."""
         busy = self.compute_s + self.push_s
@@ -99,6 +106,7 @@ class Trainer:
         self.timer = StepTimer()
         self.clock = 0
         self.staleness = 0   # the shards' staleness for our last push
+        self.samples = 0     # training examples computed on, all plans together
         self.use_plan(plan)
 
     def use_plan(self, plan: ClusterPlan) -> None:
@@ -108,21 +116,27 @@ class Trainer:
         self.group = plan.group_of(self.member.node_id)
         share = partition(len(self.data.train), self.index, len(plan.workers), self.cfg.seed,
                           plan.share_weights())
-        self.stream = BatchStream(self.data.train, share, self.cfg.data.batch_size,
+        old_batch = getattr(self, "batch_size", 0)
+        self.batch_size = plan.batch_of(self.member.node_id, self.cfg.data.batch_size)  # balanced: per worker
+        if old_batch and old_batch != self.batch_size:
+            self.timer.rescale(self.batch_size / old_batch)
+        self.stream = BatchStream(self.data.train, share, self.batch_size,
                                   self.cfg.seed + 1000 * self.index + plan.plan_id)
 
     def stats(self) -> dict:
         return {"steps": self.clock, "bytes_sent": self.client.bytes_sent,
                 "bytes_received": self.client.bytes_received, "step_time_s": self.timer.step_s,
                 "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id, "group": self.group,
-                "staleness": self.staleness, "samples": self.clock * self.cfg.data.batch_size,
-                "speed": self.timer.speed(self.cfg.data.batch_size), "push_s": self.timer.push_s,
+                "staleness": self.staleness,
+                "speed": self.timer.speed(self.batch_size), "push_s": self.timer.push_s,
+                "samples": self.samples,
                 **self.client.fault_stats(), **self.client.compression_stats(),
-                "samples_per_s": self.cfg.data.batch_size / self.timer.step_s if self.timer.step_s else 0.0}
+                "samples_per_s": self.batch_size / self.timer.step_s if self.timer.step_s else 0.0}
 
     def compute(self) -> float:
         """Forward and backward on one batch; returns the loss."""
         x, y = self.stream.next_batch()
+        self.samples += len(y)
         x, y = x.to(self.state.device, non_blocking=True), y.to(self.state.device, non_blocking=True)
         model = self.state.model
         model.train()
@@ -144,7 +158,7 @@ class Trainer:
     def exchange(self) -> tuple[list[Ack], float]:
         """Push this step's gradients and buffers, then load the values for the
         next step (blocking). Returns the push ACKs and the seconds until they came."""
-        acks, values = self.client.push_pull(self.state.outgoing(), self.clock, self.cfg.data.batch_size)
+        acks, values = self.client.push_pull(self.state.outgoing(), self.clock, self.batch_size)
         self.state.load(values)
         return acks, self.client.last_push_s
 

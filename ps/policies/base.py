@@ -168,8 +168,13 @@ class Round:
     members: set = field(default_factory=set)
     buffer_counts: dict = field(default_factory=dict)  # buffers are optional: count who sent each
     clock: int = -1   # clock of the push that opened it (used while a restored shard realigns)
+    weight: float = 0.0  # sum of the members' weights (balanced: samples)
 
-    def add(self, worker: int, grads: dict, buffers: dict) -> None:
+    def add(self, worker: int, grads: dict, buffers: dict, weight: float = 1.0) -> None:
+        """Add a member's push; its gradients count `weight` times (1: plain sum)."""
+        if weight != 1.0:  # exactly the plain sum when every weight is 1
+            grads = {n: t * weight if t.is_floating_point() else t for n, t in grads.items()}
+        self.weight += weight
         for target, values in ((self.grads, grads), (self.buffers, buffers)):
             for n, t in values.items():
                 if n not in target:

@@ -1,6 +1,7 @@
 """Synchronous rounds inside groups: Grouping-SGD and its one-group case,
-Sync-SGD (BSP). A group's round closes when every member pushed once; the
-mean gradient is applied with the shared update path (base.py).
+Sync-SGD (BSP), and balanced (BSP with speed-proportional batches, whose
+round mean is weighted by samples). A group's round closes when every member
+pushed once; the mean gradient is applied with the shared update path (base.py).
 """
 from __future__ import annotations
 
@@ -64,12 +65,13 @@ class GroupingPolicy(ConsistencyPolicy):
             # round the others' pushes already left): applied alone, as the flush would have;
             # joining a new round would misalign rounds across shards
             late = Round()
-            late.add(worker, got.tensors, got.buffers)
+            late.add(worker, got.tensors, got.buffers, self.weight_of(push))
             self._apply(g, late)
             return got.staleness
         if realigning and push.clock > open_round.clock:
             self._close(g)  # restored: this worker's push for the open round was lost
-        self.rounds.setdefault(g, Round(clock=push.clock)).add(worker, got.tensors, got.buffers)
+        self.rounds.setdefault(g, Round(clock=push.clock)).add(worker, got.tensors, got.buffers,
+                                                               self.weight_of(push))
         if self.rounds[g].members >= set(self.groups[g]):
             self._close(g)
             self.restored = False  # a full round again: pushes pair by arrival as before
@@ -79,7 +81,7 @@ class GroupingPolicy(ConsistencyPolicy):
         self._apply(g, self.rounds.pop(g))
 
     def _apply(self, g: int, rnd: Round) -> None:
-        grads, buffers = rnd.means()
+        grads, buffers = rnd.means(self.divisor(rnd))
         staleness = 1 + self.store.version - self.last_update_at.get(g, 0)
         self.apply_update(grads, buffers, len(rnd.members) / max(1, len(self.workers)), self.lr_scale(staleness))
         self.last_update_at[g] = self.store.version
@@ -88,6 +90,14 @@ class GroupingPolicy(ConsistencyPolicy):
         self.counts["contributions"] += len(rnd.members)
         for w in rnd.members:
             self.applied[w] = self.pushed[w]
+
+    def weight_of(self, push: Push) -> float:
+        """How much a push's gradient counts in its round's mean (1: plain mean)."""
+        return 1.0
+
+    def divisor(self, rnd: Round) -> float:
+        """What a round's gradient sum is divided by (0: its members)."""
+        return 0
 
     def lr_scale(self, staleness: int) -> float:
         """The group update's lr factor: 1 / staleness (`scale_lr`)."""
@@ -119,3 +129,20 @@ class SyncPolicy(GroupingPolicy):
 
     def lr_scale(self, staleness: int) -> float:
         return 1.0  # one group: nobody else updates in between
+
+
+class BalancedPolicy(SyncPolicy):
+    """Sync with unequal batches: a round's gradient is the sample-weighted
+    mean, sum_i n_i g_i / sum_i n_i, with n_i the push's `n_samples` (each
+    worker's g_i is the mean over its own batch), i.e. the mean gradient over
+    the round's global batch. Equal batches give exactly sync's mean."""
+
+    name = "balanced"
+
+    def weight_of(self, push: Push) -> float:
+        # relative to the mean batch of the plan, so equal batches weigh exactly 1.0 each
+        mean = self.params.global_batch / max(1, len(self.workers))
+        return push.n_samples / mean if push.n_samples > 0 and mean > 0 else 1.0
+
+    def divisor(self, rnd: Round) -> float:
+        return rnd.weight
