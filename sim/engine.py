@@ -33,7 +33,7 @@ from hetps.worker.models import build_model
 from hetps.worker.state import ModelState, model_specs
 
 from .events import EventQueue, Link, ServiceQueue, speed_factor, transfer
-from .wire import SimServer, call, dispatch, request
+from .wire import SimServer, call, dispatch, node_of, request, request_ids
 from .workers import SimMember, SimWorker
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class Simulation:
         check_simulable(cfg)
         self.cfg, self.run_dir = cfg, run_dir
         self.q = EventQueue()
+        self.ids = request_ids()
         torch.manual_seed(cfg.seed)
         self.data = data or load_datasets(cfg.data, cfg.seed)
         model = build_model(cfg.model, self.data.in_shape, self.data.num_classes)
@@ -90,18 +91,18 @@ class Simulation:
         shard_ids = []
         for rank, node in enumerate(self.shard_nodes):
             speed = self.cfg.sim.shard_bytes_per_s / node.slowdown
-            welcome = call(self.coord, 0, Register(role="ps", rank=rank, address=f"sim://ps{rank}", speed=speed,
+            welcome = call(self.coord, 0, self.ids, Register(role="ps", rank=rank, address=f"sim://ps{rank}", speed=speed,
                                                    host="sim"))
             shard_ids.append(welcome.node_id)
         worker_ids = []
         for rank, node in enumerate(self.cfg.cluster.workers):
             speed = self.cfg.data.batch_size / ((node.step_s or self.cfg.sim.sample_s * self.cfg.data.batch_size)
                                                 * node.slowdown)
-            welcome = call(self.coord, 0, Register(role="worker", rank=rank, tensor_specs=[s.to_wire() for s in specs],
+            welcome = call(self.coord, 0, self.ids, Register(role="worker", rank=rank, tensor_specs=[s.to_wire() for s in specs],
                                                    schema_hash=schema_hash(specs), speed=speed, host="sim"))
             worker_ids.append(welcome.node_id)
         if self.cfg.eval.enabled:
-            self.evaluator_id = call(self.coord, 0, Register(role="evaluator", rank=0, host="sim")).node_id
+            self.evaluator_id = call(self.coord, 0, self.ids, Register(role="evaluator", rank=0, host="sim")).node_id
         plan = self.coord.plan
         if plan is None:
             raise RuntimeError("the coordinator made no plan from the simulated registrations")
@@ -114,7 +115,7 @@ class Simulation:
         values = self.state.values()
         for i, entry in enumerate(plan.shards):
             part = {t.name: values[t.name] for t in plan.owned(i)}
-            frames, _ = request(Init(plan_id=plan.plan_id, tensors=part), worker_ids[0])
+            frames, _ = request(Init(plan_id=plan.plan_id, tensors=part), worker_ids[0], self.ids)
             self._expect_ok(dispatch(self.shards[entry.node_id], worker_ids[0], frames))
         for rank, node_id in enumerate(worker_ids):
             self.workers[node_id] = SimWorker(self.cfg, self.cfg.cluster.workers[rank], SimMember(node_id, rank),
@@ -141,7 +142,7 @@ class Simulation:
 
     def _send(self, w: SimWorker, i: int, msg) -> None:
         sid = self._shard_id(i, w)
-        frames, nbytes = request(msg, w.member.node_id)
+        frames, nbytes = request(msg, w.member.node_id, self.ids)
         w.client.bytes_sent += nbytes
         arrived = transfer(w.link, self.shard_links[sid], nbytes, self.q.now)
         self.q.at(arrived, self._arrive, sid, w.member.node_id, frames, nbytes)
@@ -192,13 +193,13 @@ class Simulation:
         for w in self.workers.values():
             if not w.alive:
                 continue
-            ack = call(self.coord, w.member.node_id, Heartbeat(node_id=w.member.node_id, stats=w.stats(),
+            ack = call(self.coord, w.member.node_id, self.ids, Heartbeat(node_id=w.member.node_id, stats=w.stats(),
                                                                records=w.take_records(now)))
             if ack.stop:
                 w.alive = False
             w.known_plan_id = max(w.known_plan_id, ack.plan_id)
         for sid, shard in self.shards.items():
-            call(self.coord, sid, Heartbeat(node_id=sid, stats=self._shard_stats(sid)))
+            call(self.coord, sid, self.ids, Heartbeat(node_id=sid, stats=self._shard_stats(sid)))
         self.coord.tick()
         if self.coord.plan.plan_id > self.plan_sent:  # shards learn a new plan from their heartbeat's ACK
             self.plan_sent = self.coord.plan.plan_id
@@ -210,8 +211,6 @@ class Simulation:
             self.q.after(self.cfg.cluster.heartbeat_s, self._heartbeat)
 
     def _drain(self, shard: Shard) -> list:
-        from .wire import node_of
-
         sent, shard.server.inbox.sent = shard.server.inbox.sent, []
         return [(node_of(peer), frames) for peer, frames in sent]
 
@@ -222,12 +221,12 @@ class Simulation:
     def _evaluate(self, final: bool = False) -> None:
         values = {}
         for sid, shard in self.shards.items():
-            frames, _ = request(Pull(plan_id=shard.plan.plan_id, clock=-1), self.evaluator_id)
+            frames, _ = request(Pull(plan_id=shard.plan.plan_id, clock=-1), self.evaluator_id, self.ids)
             for _, reply, _ in dispatch(shard, self.evaluator_id, frames):
                 values.update(decode(reply).msg.tensors)
         ModelState(self.eval_model, torch.device("cpu")).load(values)
         accuracy, loss = evaluate(self.eval_model, self.data.test, self.cfg.data.eval_batch_size, torch.device("cpu"))
-        call(self.coord, self.evaluator_id, Report(node_id=self.evaluator_id, kind="eval", values={
+        call(self.coord, self.evaluator_id, self.ids, Report(node_id=self.evaluator_id, kind="eval", values={
             "accuracy": accuracy, "loss": loss, "final": final, "num_classes": self.data.num_classes}))
         if not final and self.coord.stop_reason is None:
             self.q.after(self.cfg.eval.every_s + self.cfg.sim.eval_s, self._evaluate)
@@ -249,13 +248,13 @@ class Simulation:
         if self.cfg.eval.enabled:
             self._evaluate(final=True)
         for w in self.workers.values():
-            call(self.coord, w.member.node_id, Heartbeat(node_id=w.member.node_id, stats=w.stats(),
+            call(self.coord, w.member.node_id, self.ids, Heartbeat(node_id=w.member.node_id, stats=w.stats(),
                                                          records=w.take_records(self.q.now)))
-            call(self.coord, w.member.node_id, Bye(node_id=w.member.node_id, stats=w.stats()))
+            call(self.coord, w.member.node_id, self.ids, Bye(node_id=w.member.node_id, stats=w.stats()))
         if self.evaluator_id:
-            call(self.coord, self.evaluator_id, Bye(node_id=self.evaluator_id))
+            call(self.coord, self.evaluator_id, self.ids, Bye(node_id=self.evaluator_id))
         for sid in self.shards:
-            call(self.coord, sid, Bye(node_id=sid, stats=self._shard_stats(sid)))
+            call(self.coord, sid, self.ids, Bye(node_id=sid, stats=self._shard_stats(sid)))
         self.coord.close()
 
 

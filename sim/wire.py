@@ -10,6 +10,7 @@ replies are the daemons' own.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import Message
@@ -18,7 +19,6 @@ from hetps.proto.transport import ServerTransport
 
 from .events import Inbox, nbytes_of
 
-_ids = itertools.count(1)
 
 
 class SimServer(ServerTransport):
@@ -48,9 +48,14 @@ def node_of(peer: bytes) -> int:
     return int.from_bytes(peer, "big")
 
 
-def request(msg: Message, src: int) -> tuple[list, int]:
-    """A request's frames (with a fresh request id) and its size in bytes."""
-    frames = encode(msg, next(_ids), src)
+def request_ids() -> Iterator[int]:
+    """One simulation's request ids (its own: the bytes a run moves must not depend on earlier runs)."""
+    return itertools.count(1)
+
+
+def request(msg: Message, src: int, ids: Iterator[int]) -> tuple[list, int]:
+    """A request's frames (with the next id of `ids`) and its size in bytes."""
+    frames = encode(msg, next(ids), src)
     return frames, nbytes_of(frames)
 
 
@@ -65,10 +70,10 @@ def dispatch(service: Service, src: int, frames: list) -> list[tuple[int, list, 
     return [(node_of(peer), f, nbytes_of(f)) for peer, f in sent]
 
 
-def call(service: Service, src: int, msg: Message):
+def call(service: Service, src: int, ids: Iterator[int], msg: Message):
     """A request answered at once (coordinator calls: no tensors, no parking):
     the decoded reply message, or None when the handler parked it."""
-    frames, _ = request(msg, src)
+    frames, _ = request(msg, src, ids)
     replies = dispatch(service, src, frames)
     mine = [f for node, f, _ in replies if node == src]
     return decode(mine[-1]).msg if mine else None
