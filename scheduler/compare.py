@@ -4,6 +4,10 @@ run one after another on the same machine, with the same seeds.
     hetps compare configs/default.yaml --algorithms sync,async,ssp,grouping --repeats 3 \
         --with async optimizer.lr=0.0125 --with ssp algorithm.staleness=3 [key=value ...]
     hetps compare configs/sync.yaml --algorithms sync,solo:eager,majority:eager --with solo algorithm.quorum=solo
+    hetps compare configs/default.yaml --algorithms sync,grouping --simulate 'cluster.workers={count: 64, ...}'
+
+With `--simulate` every run is `hetps simulate`'s (virtual time, one
+process; docs/simulation.md): times are virtual seconds and the tables say so.
 
 Each run keeps the config's `algorithm` block if it names ALGO and replaces
 it with `{name: ALGO}` otherwise, then applies the common overrides, then
@@ -73,7 +77,7 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_compare(rows: list[dict], out: Path) -> None:
+def plot_compare(rows: list[dict], out: Path, xlabel: str = "wall-clock time (s)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,13 +87,30 @@ def plot_compare(rows: list[dict], out: Path) -> None:
     for r in rows:
         evals = [m for m in read_metrics(Path(r["runs"][0]) / "metrics.jsonl") if m["kind"] == "eval"]
         ax.plot([m["t"] for m in evals], [m["accuracy"] for m in evals], marker=".", label=r["algorithm"])
-    ax.set(xlabel="wall-clock time (s)", ylabel="test accuracy", title="test accuracy (first repeat)")
+    ax.set(xlabel=xlabel, ylabel="test accuracy", title="test accuracy (first repeat)")
     ax.set_ylim(0.8, 1.0)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "compare.png", dpi=100)
     plt.close(fig)
+
+
+def simulated_runner():
+    """A run function for `--simulate`: each run simulated in this process,
+    the datasets loaded once for all of them; returns 0 (or 3 when diverged)."""
+    from hetps.sim.engine import simulate
+    from hetps.worker.data import load_datasets
+
+    loaded: dict = {}
+
+    def run(cfg, run_dir: Path) -> int:
+        key = (repr(cfg.data), cfg.seed)
+        if key not in loaded:
+            loaded[key] = load_datasets(cfg.data, cfg.seed)
+        summary = simulate(cfg, run_dir, data=loaded[key])
+        return 3 if summary["status"] == "diverged" else 0
+    return run
 
 
 def compare_command(argv: list[str]) -> int:
@@ -102,6 +123,7 @@ def compare_command(argv: list[str]) -> int:
     parser.add_argument("--with", dest="extra", nargs=2, action="append", default=[],
                         metavar=("LABEL", "KEY=VALUE"), help="an override for one entry only")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--simulate", action="store_true", help="simulated runs in virtual time (hetps simulate)")
     args = parser.parse_intermixed_args(argv)
     raw = load_raw(args.config)
     # each entry is ALGO or LABEL:ALGO (the same algorithm twice with different --with)
@@ -117,19 +139,21 @@ def compare_command(argv: list[str]) -> int:
         return 2
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
+    run_one = simulated_runner() if args.simulate else lambda cfg, run_dir: run_local(cfg, run_dir, quiet=True)
     rows = []
     for a in algorithms:
         summaries = []
         for r, cfg in enumerate(configs[a]):
             run_dir = out / f"{a}-{r}"
             print(f"hetps compare: {a} run {r + 1}/{args.repeats} -> {run_dir}", file=sys.stderr)
-            if run_local(cfg, run_dir, quiet=True) not in (0, 3):  # a diverged run is a result (status diverged)
+            if run_one(cfg, run_dir) not in (0, 3):  # a diverged run is a result (status diverged)
                 print(f"hetps compare: {a} run {r + 1} failed; see {run_dir}/logs", file=sys.stderr)
                 return 1
             summaries.append({**json.loads((run_dir / "summary.json").read_text()), "run_dir": str(run_dir)})
         rows.append(aggregate(a, summaries))
     (out / "compare.json").write_text(json.dumps(rows, indent=2))
-    (out / "compare.md").write_text(markdown(rows, f"{args.config} {' '.join(args.overrides)}".strip()))
-    plot_compare(rows, out)
+    title = f"{args.config} {' '.join(args.overrides)}".strip() + (" (simulated, virtual seconds)" if args.simulate else "")
+    (out / "compare.md").write_text(markdown(rows, title))
+    plot_compare(rows, out, "virtual time (s)" if args.simulate else "wall-clock time (s)")
     print((out / "compare.md").read_text())
     return 0
