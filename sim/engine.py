@@ -55,6 +55,8 @@ def check_simulable(cfg: RunConfig) -> None:
         problems.append("cluster.chunk_bytes: must be 0 under simulate (tensors are not cut)")
     if cfg.comm.overlap or cfg.comm.compression != "none" or not cfg.comm.fuse_pull:
         problems.append("comm: simulate runs comm.overlap=false, comm.compression=none, comm.fuse_pull=true")
+    if cfg.cluster.faults.drop or cfg.cluster.faults.delay:
+        problems.append("cluster.faults: dropped or delayed messages are not simulated; set drop and delay to 0")
     for i, kill in enumerate(cfg.cluster.kill):
         if not kill.node.startswith("worker") or kill.restart_after_s is not None:
             problems.append(f"cluster.kill.{i}: simulate kills workers only, without restart; got {kill.node}")
