@@ -2,7 +2,8 @@
 
     hetps run CONFIG [key=value ...] [--out DIR] [--quiet] [--metrics] [--tensorboard]   a whole local cluster
     hetps run --resume RUN_DIR [key=value ...]                          continue a stopped run
-    hetps compare CONFIG --algorithms a,b,c [--repeats N] [--with ALGO key=value] [--out DIR] [--simulate]
+    hetps compare CONFIG --algorithms a,b,c [--repeats N] [--with ALGO key=value] [--out DIR]
+                  [--simulate]
     hetps simulate CONFIG [key=value ...] [--out DIR]   the same experiment in virtual time, one process
     hetps scheduler --config CONFIG [--bind ADDR] [--run-dir DIR]
     hetps ps        --config CONFIG --rank N [--scheduler ADDR]

@@ -152,7 +152,8 @@ def compare_command(argv: list[str]) -> int:
             summaries.append({**json.loads((run_dir / "summary.json").read_text()), "run_dir": str(run_dir)})
         rows.append(aggregate(a, summaries))
     (out / "compare.json").write_text(json.dumps(rows, indent=2))
-    title = f"{args.config} {' '.join(args.overrides)}".strip() + (" (simulated, virtual seconds)" if args.simulate else "")
+    title = f"{args.config} {' '.join(args.overrides)}".strip()
+    title += " (simulated, virtual seconds)" if args.simulate else ""
     (out / "compare.md").write_text(markdown(rows, title))
     plot_compare(rows, out, "virtual time (s)" if args.simulate else "wall-clock time (s)")
     print((out / "compare.md").read_text())

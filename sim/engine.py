@@ -34,7 +34,7 @@ from hetps.worker.state import ModelState, model_specs
 
 from .events import EventQueue, Link, ServiceQueue, speed_factor, transfer
 from .wire import SimServer, call, dispatch, node_of, request, request_ids
-from .workers import SimMember, SimWorker
+from .workers import SimMember, SimWorker, base_step_s
 
 log = logging.getLogger(__name__)
 SUPPORTED_LOOPS = ("gradients",)
@@ -84,27 +84,22 @@ class Simulation:
         self.queues: dict[int, ServiceQueue] = {}
         self.workers: dict[int, SimWorker] = {}  # node id -> worker
         self.evaluator_id = 0
-        self.kills = {f"worker{k.node[6:]}": k.at_s for k in cfg.cluster.kill}
+        self.kills = [(int(k.node[len("worker"):]), k.at_s) for k in cfg.cluster.kill]  # (rank, virtual s)
         self.stalled = False
 
     # ------------------------------------------------------------ start-up: register, plan, INIT
     def start(self) -> None:
         specs = model_specs(self.state.model)
-        shard_ids = []
-        for rank, node in enumerate(self.shard_nodes):
-            speed = self.cfg.sim.shard_bytes_per_s / node.slowdown
-            welcome = call(self.coord, 0, self.ids, Register(role="ps", rank=rank, address=f"sim://ps{rank}", speed=speed,
-                                                   host="sim"))
-            shard_ids.append(welcome.node_id)
-        worker_ids = []
-        for rank, node in enumerate(self.cfg.cluster.workers):
-            speed = self.cfg.data.batch_size / ((node.step_s or self.cfg.sim.sample_s * self.cfg.data.batch_size)
-                                                * node.slowdown)
-            welcome = call(self.coord, 0, self.ids, Register(role="worker", rank=rank, tensor_specs=[s.to_wire() for s in specs],
-                                                   schema_hash=schema_hash(specs), speed=speed, host="sim"))
-            worker_ids.append(welcome.node_id)
+        wire_specs, schema = [s.to_wire() for s in specs], schema_hash(specs)
+        shard_ids = [self._register("ps", rank, address=f"sim://ps{rank}",
+                                    speed=self.cfg.sim.shard_bytes_per_s / node.slowdown)
+                     for rank, node in enumerate(self.shard_nodes)]
+        # a worker registers with the speed its cost gives (the real one profiles its compute)
+        worker_ids = [self._register("worker", rank, tensor_specs=wire_specs, schema_hash=schema,
+                                     speed=self.cfg.data.batch_size / (base_step_s(self.cfg, node) * node.slowdown))
+                      for rank, node in enumerate(self.cfg.cluster.workers)]
         if self.cfg.eval.enabled:
-            self.evaluator_id = call(self.coord, 0, self.ids, Register(role="evaluator", rank=0, host="sim")).node_id
+            self.evaluator_id = self._register("evaluator", 0)
         plan = self.coord.plan
         if plan is None:
             raise RuntimeError("the coordinator made no plan from the simulated registrations")
@@ -129,8 +124,11 @@ class Simulation:
         self.q.at(self.cfg.cluster.heartbeat_s, self._heartbeat)
         if self.cfg.eval.enabled:
             self.q.at(self.cfg.eval.every_s, self._evaluate)
-        for name, at_s in self.kills.items():
-            self.q.at(at_s, self._kill, int(name[6:]))
+        for rank, at_s in self.kills:
+            self.q.at(at_s, self._kill, rank)
+
+    def _register(self, role: str, rank: int, **fields) -> int:
+        return call(self.coord, 0, self.ids, Register(role=role, rank=rank, host="sim", **fields)).node_id
 
     def _expect_ok(self, replies) -> None:
         for _, frames, _ in replies:

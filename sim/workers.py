@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.messages import Params, Pull, Push
 from hetps.proto.plan import ClusterPlan
@@ -28,6 +26,11 @@ from hetps.worker.straggler import straggler_of
 from hetps.worker.trainer import StepTimer, Trainer
 
 from .events import Link, speed_factor
+
+
+def base_step_s(cfg: RunConfig, node: NodeConfig) -> float:
+    """A worker's step at slowdown 1: its `step_s`, else `sim.sample_s` x the batch size."""
+    return node.step_s or cfg.sim.sample_s * cfg.data.batch_size
 
 
 @dataclass
@@ -83,16 +86,12 @@ class SimWorker:
     # ------------------------------------------------------------ the cost model
     def step_compute_s(self, t: float) -> float:
         """Virtual seconds of one step's forward/backward at time `t`."""
-        base = self.node.step_s or self.cfg.sim.sample_s * self.cfg.data.batch_size
+        base = base_step_s(self.cfg, self.node)
         extra = 0.0
         n = len(self.cfg.cluster.workers)
         if self.cfg.cluster.straggler > 0 and n > 1 and straggler_of(self.cfg.seed, self.clock, n) == self.index:
             extra = self.cfg.cluster.straggler  # the eager-SGD imbalance model (worker/straggler.py)
         return base * speed_factor(self.node, t) * (1.0 + extra)
-
-    def profiled_speed(self) -> float:
-        """Samples/s it registers with (the real worker profiles its compute)."""
-        return self.cfg.data.batch_size / self.step_compute_s(0.0)
 
     # ------------------------------------------------------------ one step
     def first_pulls(self) -> list[tuple[int, Pull]]:
@@ -161,7 +160,3 @@ class SimWorker:
                 "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id, "group": self.group,
                 "staleness": self.staleness, "speed": self.timer.speed(bs), "push_s": self.timer.push_s,
                 "samples_per_s": bs / self.timer.step_s if self.timer.step_s else 0.0}
-
-
-def model_values(state: ModelState) -> dict[str, torch.Tensor]:
-    return state.values()
