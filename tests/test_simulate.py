@@ -13,6 +13,7 @@ from hetps.proto.config import ConfigError, load_config
 from hetps.scheduler.cli import main as hetps_main
 from hetps.scheduler.report import read_metrics
 from hetps.sim.engine import SimulationError, simulate
+from hetps.sim.events import Link, ServiceQueue, transfer
 from hetps.worker.data import load_datasets
 
 BASE = ["data.batch_size=16", "eval.every_s=0.25", "stop.target_accuracy=null", "cluster.heartbeat_s=0.1",
@@ -118,3 +119,14 @@ def test_compare_simulated_writes_the_tables_in_virtual_time(tmp_path):
     assert "virtual seconds" in (tmp_path / "compare.md").read_text()
     assert (tmp_path / "compare.png").stat().st_size > 0
     assert json.loads((tmp_path / "sync-0" / "summary.json").read_text())["mode"] == "simulated"
+
+
+def test_links_and_shard_service_queue_messages_in_virtual_time():
+    worker = Link(mbps=8.0, latency_s=0.001)        # 1e6 bytes/s
+    shard = Link(mbps=0.0, latency_s=0.002)         # unlimited, 2 ms
+    assert transfer(worker, shard, 1_000_000, now=0.0) == pytest.approx(1.003)
+    assert transfer(worker, shard, 1_000_000, now=0.5) == pytest.approx(2.003)   # queued behind the first
+    service = ServiceQueue(bytes_per_s=1e6)
+    assert service.finish(arrived=1.0, nbytes=500_000, slowdown=2.0) == pytest.approx(2.0)
+    assert service.finish(arrived=1.5, nbytes=100_000, slowdown=1.0) == pytest.approx(2.1)  # waits its turn
+    assert service.busy_s == pytest.approx(1.1)
