@@ -32,7 +32,7 @@ from hetps.worker.evaluator import evaluate
 from hetps.worker.models import build_model
 from hetps.worker.state import ModelState, model_specs
 
-from .events import EventQueue, Link, ServiceQueue, speed_factor, transfer
+from .events import EventQueue, Link, ServiceQueue, nbytes_of, speed_factor, transfer
 from .wire import SimServer, call, dispatch, node_of, request, request_ids
 from .workers import SimMember, SimWorker, base_step_s
 
@@ -193,8 +193,8 @@ class Simulation:
         for w in self.workers.values():
             if not w.alive:
                 continue
-            ack = call(self.coord, w.member.node_id, self.ids, Heartbeat(node_id=w.member.node_id, stats=w.stats(),
-                                                               records=w.take_records(now)))
+            beat = Heartbeat(node_id=w.member.node_id, stats=w.stats(), records=w.take_records(now))
+            ack = call(self.coord, w.member.node_id, self.ids, beat)
             if ack.stop:
                 w.alive = False
             w.known_plan_id = max(w.known_plan_id, ack.plan_id)
@@ -204,15 +204,14 @@ class Simulation:
         if self.coord.plan.plan_id > self.plan_sent:  # shards learn a new plan from their heartbeat's ACK
             self.plan_sent = self.coord.plan.plan_id
             for sid, shard in self.shards.items():
-                shard.store.settle()
-                shard.adopt(self.coord.plan)
-                self._deliver_all(sid, [(n, f, sum(len(x) for x in f)) for n, f in self._drain(shard)])
+                shard.adopt(self.coord.plan)  # closes open rounds: parked pulls may be answered now
+                self._deliver_all(sid, self._drain(shard))
         if self.coord.stop_reason is None:
             self.q.after(self.cfg.cluster.heartbeat_s, self._heartbeat)
 
     def _drain(self, shard: Shard) -> list:
         sent, shard.server.inbox.sent = shard.server.inbox.sent, []
-        return [(node_of(peer), frames) for peer, frames in sent]
+        return [(node_of(peer), frames, nbytes_of(frames)) for peer, frames in sent]
 
     def _shard_stats(self, sid: int) -> dict:
         # busy_s: the cost model's service seconds (the real handler's CPU time is not virtual time)
@@ -248,8 +247,8 @@ class Simulation:
         if self.cfg.eval.enabled:
             self._evaluate(final=True)
         for w in self.workers.values():
-            call(self.coord, w.member.node_id, self.ids, Heartbeat(node_id=w.member.node_id, stats=w.stats(),
-                                                         records=w.take_records(self.q.now)))
+            beat = Heartbeat(node_id=w.member.node_id, stats=w.stats(), records=w.take_records(self.q.now))
+            call(self.coord, w.member.node_id, self.ids, beat)
             call(self.coord, w.member.node_id, self.ids, Bye(node_id=w.member.node_id, stats=w.stats()))
         if self.evaluator_id:
             call(self.coord, self.evaluator_id, self.ids, Bye(node_id=self.evaluator_id))
