@@ -82,7 +82,7 @@ def simulate_command(argv: list[str]) -> int:
     print(f"hetps simulate: {summary['stop_reason']}; final accuracy {summary['final_accuracy']}, "
           f"time to target {summary['time_to_target_s']} virtual s, {summary['global_steps']} steps, "
           f"{summary['simulation']['real_wall_s']} s real; {run_dir}")
-    return 0
+    return 3 if summary["status"] == "diverged" else 0  # as `hetps run` (scheduler/outcome.py)
 
 
 def resume_command(args: argparse.Namespace) -> int:
