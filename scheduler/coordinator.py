@@ -41,10 +41,11 @@ EXIT_GRACE_S = 40.0   # longest wait for everyone to leave after a stop began
 
 class Coordinator(Service):
     def __init__(self, server: ServerTransport, cfg: RunConfig, run_dir: Path | None = None,
-                 run_id: str | None = None, clock: Callable[[], float] = time.monotonic):
-        """`clock`: seconds, monotonic; every timer reads it (a virtual clock under `hetps simulate`)."""
+                 run_id: str | None = None, clock: Callable[[], float] | None = None):
+        """`clock`: seconds, monotonic; every timer reads it (None: `time.monotonic`, looked up at
+        each call; a virtual clock under `hetps simulate`)."""
         super().__init__(server, node_id=0)
-        self.clock = clock
+        self.clock = clock or (lambda: time.monotonic())
         self.cfg = cfg
         self.formation = FORMATIONS[algorithm(cfg.algorithm.name).groups]
         self.run_id = run_id or secrets.token_hex(6)  # names checkpoints; a resumed run keeps it
