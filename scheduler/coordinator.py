@@ -46,6 +46,7 @@ class Coordinator(Service):
         each call; a virtual clock under `hetps simulate`)."""
         super().__init__(server, node_id=0)
         self.clock = clock or (lambda: time.monotonic())
+        self.keeps_state = True  # write scheduler-state.json (state.py); a simulation has no scheduler to restart
         self.cfg = cfg
         self.formation = FORMATIONS[algorithm(cfg.algorithm.name).groups]
         self.run_id = run_id or secrets.token_hex(6)  # names checkpoints; a resumed run keeps it

@@ -78,6 +78,7 @@ class Simulation:
         self.eval_model = build_model(cfg.model, self.data.in_shape, self.data.num_classes)
         self.coord = Coordinator(SimServer("sim://scheduler"), cfg, run_dir, run_id=f"sim{cfg.seed}",
                                  clock=self.q.clock)
+        self.coord.keeps_state = False  # its restart file, written per registration and BYE, costs O(N^2) here
         self.shard_nodes: list[NodeConfig] = list(cfg.cluster.shards)
         self.shards: dict[int, Shard] = {}       # node id -> shard (ids from the coordinator)
         self.shard_links: dict[int, Link] = {}
