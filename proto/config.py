@@ -103,6 +103,8 @@ class NodeConfig:
     slowdown: float = 1.0      # emulate a slower node: a step takes slowdown x its compute time
     schedule: list[SlowdownChange] = field(default_factory=list)  # later changes of slowdown
     link_mbps: float = 0.0     # emulate a slow link: cap this node's sockets at this many Mbit/s each way (0: none)
+    latency_ms: float = 0.0    # simulate: one-way latency of this node's link, milliseconds
+    step_s: float = 0.0        # simulate: compute seconds per step of this worker (0: slowdown x sim.sample_s x batch)
     threads: int = 1           # torch intra-op threads
     device: str = "auto"       # auto | cpu | cuda | cuda:N  (workers)
 
@@ -174,6 +176,14 @@ class CommConfig:
 
 
 @dataclass(frozen=True)
+class SimConfig:
+    """The cost model of `hetps simulate` (virtual time; docs/simulation.md)."""
+    sample_s: float = 0.0002           # compute seconds per training sample of a slowdown-1 worker
+    shard_bytes_per_s: float = 1e9     # bytes a slowdown-1 shard takes in per second (its service time)
+    eval_s: float = 0.0                # virtual seconds an evaluation takes (the evaluator's pull is free)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str = "default"
     seed: int = 0
@@ -189,6 +199,7 @@ class RunConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {

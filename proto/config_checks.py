@@ -61,10 +61,15 @@ NUMBER_RULES: dict[str, Rule] = {
     "checkpoint.every_s": NON_NEGATIVE,
     "checkpoint.keep": AT_LEAST_1,
     "comm.topk_ratio": FRACTION,
+    "sim.sample_s": POSITIVE,
+    "sim.shard_bytes_per_s": POSITIVE,
+    "sim.eval_s": NON_NEGATIVE,
 }
 NODE_RULES: dict[str, Rule] = {
     "slowdown": (lambda v: v >= 1.0, "must be >= 1.0"),
     "link_mbps": (lambda v: v >= 0, "must be >= 0 (0 = no cap)"),
+    "latency_ms": NON_NEGATIVE,
+    "step_s": (lambda v: v >= 0, "must be >= 0 (0 = from slowdown and sim.sample_s)"),
     "threads": AT_LEAST_1,
 }
 

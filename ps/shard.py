@@ -59,6 +59,7 @@ class Shard(Service):
         self.plan = plan
         self.algorithm = algorithm(plan.algorithm)
         self.slowdown = slowdown or Slowdown(NodeConfig())
+        self.clock = time.monotonic  # seconds for parked requests' `held_s`; virtual under `hetps simulate`
         self.store = TensorStore(plan.owned(plan.shard_index(node_id)))
         self.policy: ConsistencyPolicy | None = None
         self.parked: list[ParkedPull] = []
@@ -68,7 +69,8 @@ class Shard(Service):
         self.checkpointer: Checkpointer | None = None  # set by the daemon when checkpoints are on
         self.recent_acks: dict[int, tuple[int, Ack]] = {}  # worker -> (request id, ACK) of its last push
         self.restored_version: int | None = None
-        self.holds = HoldLedger()  # whom parked pulls wait for, and who held them up (stall attribution)
+        # whom parked pulls wait for, and who held them up (stall attribution); on the shard's clock
+        self.holds = HoldLedger(lambda: self.clock())
         self.counts = {"pushes": 0, "pulls": 0, "nonfinite": 0, "retried": 0, "checkpoint_errors": 0,
                        "timer_errors": 0, "busy_s": 0.0}
         # pull replies leave zero-copy from the live tensors: whatever else may write them settles first
@@ -155,13 +157,13 @@ class Shard(Service):
         if self.park_future_pushes and push.plan_id > self.plan.plan_id:
             # the sender already follows a newer plan: wait for it (the daemon's loop fetches it), so
             # this push joins the new plan's rounds here as on every other shard
-            self.future_pushes.park(peer, env, time.monotonic())
+            self.future_pushes.park(peer, env, self.clock())
             return None
         ack = self._apply_push(env)
         if not push.pull:
             return ack
         # the values a PULL with clock + 1 right behind this push would get, with the ACK
-        return self._answer_or_park(ParkedPull(peer, env.req_id, env.src, push.clock + 1, ack, time.monotonic()))
+        return self._answer_or_park(ParkedPull(peer, env.req_id, env.src, push.clock + 1, ack, self.clock()))
 
     def _apply_push(self, env: Envelope) -> Ack:
         push = env.msg
@@ -182,7 +184,7 @@ class Shard(Service):
         return ack
 
     def on_pull(self, peer: bytes, env: Envelope):
-        return self._answer_or_park(ParkedPull(peer, env.req_id, env.src, env.msg.clock, since=time.monotonic()))
+        return self._answer_or_park(ParkedPull(peer, env.req_id, env.src, env.msg.clock, since=self.clock()))
 
     def _answer_or_park(self, pull: ParkedPull) -> Params | None:
         if self._ready(pull):
@@ -279,7 +281,7 @@ class Shard(Service):
         if pull is not None and pull.ack is not None:
             a = pull.ack
             ack = {"version": a.version, "staleness": a.staleness, "plan_id": a.plan_id, "info": a.info,
-                   "held_s": round(time.monotonic() - pull.since, 6)}
+                   "held_s": round(self.clock() - pull.since, 6)}
         return Params(version=self.store.version, ack=ack, tensors=self.store.snapshot())
 
     def reply(self, peer: bytes, req_id: int, msg):

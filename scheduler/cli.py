@@ -3,6 +3,8 @@
     hetps run CONFIG [key=value ...] [--out DIR] [--quiet] [--metrics] [--tensorboard]   a whole local cluster
     hetps run --resume RUN_DIR [key=value ...]                          continue a stopped run
     hetps compare CONFIG --algorithms a,b,c [--repeats N] [--with ALGO key=value] [--out DIR] [--x time|steps|bytes]
+                  [--simulate]
+    hetps simulate CONFIG [key=value ...] [--out DIR]   the same experiment in virtual time, one process
     hetps plot    RUN_DIR_OR_COMPARE_DIR [--x time|steps|bytes]   draw a run's or a comparison's plots again
     hetps scheduler --config CONFIG [--bind ADDR] [--run-dir DIR]
     hetps ps        --config CONFIG --rank N [--scheduler ADDR]
@@ -58,6 +60,31 @@ def run_command(argv: list[str]) -> int:
         return 2
     run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     return run_local(cfg, run_dir, quiet=args.quiet, metrics=args.metrics)
+
+
+def simulate_command(argv: list[str]) -> int:
+    from hetps.proto.config import ConfigError
+    from hetps.sim.engine import simulate
+
+    from .launcher import default_run_dir
+
+    parser = argparse.ArgumentParser(prog="hetps simulate", description="run one experiment in virtual time: "
+                                     "the real shards, scheduler and gradients, simulated clocks (docs/simulation.md)")
+    parser.add_argument("config", help="YAML experiment, e.g. configs/default.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    parser.add_argument("--out", default=None, help="run directory (default: out_dir/NAME-ALGO-TIME)")
+    args = parser.parse_intermixed_args(argv)
+    cfg = load_or_exit(args.config, args.overrides, import_targets=True)
+    run_dir = Path(args.out) if args.out else default_run_dir(cfg)
+    try:
+        summary = simulate(cfg, run_dir)
+    except ConfigError as exc:
+        print(f"hetps simulate: {exc}", file=sys.stderr)
+        return 2
+    print(f"hetps simulate: {summary['stop_reason']}; final accuracy {summary['final_accuracy']}, "
+          f"time to target {summary['time_to_target_s']} virtual s, {summary['global_steps']} steps, "
+          f"{summary['simulation']['real_wall_s']} s real; {run_dir}")
+    return 3 if summary["status"] == "diverged" else 0  # as `hetps run` (scheduler/outcome.py)
 
 
 def resume_command(args: argparse.Namespace) -> int:
@@ -117,7 +144,7 @@ def keys_command(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("run", "compare", "plot", "scheduler", "ps", "worker", "keys", "config", "export")
+    commands = ("run", "simulate", "compare", "plot", "scheduler", "ps", "worker", "keys", "config", "export")
     if (not argv or argv[0] not in commands) and os.environ.get("HETPS_ROLE") in commands:
         argv = [os.environ["HETPS_ROLE"], *argv]  # containers: the role from the environment
     if not argv or argv[0] not in commands:
@@ -126,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "run":
         return run_command(rest)
+    if command == "simulate":
+        return simulate_command(rest)
     if command == "keys":
         return keys_command(rest)
     if command == "config":

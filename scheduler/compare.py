@@ -4,6 +4,10 @@ run one after another on the same machine, with the same seeds.
     hetps compare configs/default.yaml --algorithms sync,async,ssp,grouping --repeats 3 \
         --with async optimizer.lr=0.0125 --with ssp algorithm.staleness=3 [key=value ...]
     hetps compare configs/sync.yaml --algorithms sync,solo:eager,majority:eager --with solo algorithm.quorum=solo
+    hetps compare configs/default.yaml --algorithms sync,grouping --simulate 'cluster.workers={count: 64, ...}'
+
+With `--simulate` every run is `hetps simulate`'s (virtual time, one
+process; docs/simulation.md): times are virtual seconds and the tables say so.
 
 Each run keeps the config's `algorithm` block if it names ALGO and replaces
 it with `{name: ALGO}` otherwise, then applies the common overrides, then
@@ -129,6 +133,23 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def simulated_runner():
+    """A run function for `--simulate`: each run simulated in this process,
+    the datasets loaded once for all of them; returns 0 (or 3 when diverged)."""
+    from hetps.sim.engine import simulate
+    from hetps.worker.data import load_datasets
+
+    loaded: dict = {}
+
+    def run(cfg, run_dir: Path) -> int:
+        key = (repr(cfg.data), cfg.seed)
+        if key not in loaded:
+            loaded[key] = load_datasets(cfg.data, cfg.seed)
+        summary = simulate(cfg, run_dir, data=loaded[key])
+        return 3 if summary["status"] == "diverged" else 0
+    return run
+
+
 def compare_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hetps compare", description=__doc__.splitlines()[0])
     parser.add_argument("config")
@@ -145,6 +166,7 @@ def compare_command(argv: list[str]) -> int:
                         help="comma-separated accuracies, e.g. 0.95,0.97: median seconds to each as columns")
     parser.add_argument("--reference", default="sync",
                         help="the entry whose samples-to-target useful efficiency is measured against")
+    parser.add_argument("--simulate", action="store_true", help="simulated runs in virtual time (hetps simulate)")
     args = parser.parse_intermixed_args(argv)
     raw = load_raw(args.config)
     # each entry is ALGO or LABEL:ALGO (the same algorithm twice with different --with)
@@ -165,13 +187,14 @@ def compare_command(argv: list[str]) -> int:
         return 2
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
+    run_one = simulated_runner() if args.simulate else lambda cfg, run_dir: run_local(cfg, run_dir, quiet=True)
     rows = []
     for a in algorithms:
         summaries = []
         for r, cfg in enumerate(configs[a]):
             run_dir = out / f"{a}-{r}"
             print(f"hetps compare: {a} run {r + 1}/{args.repeats} -> {run_dir}", file=sys.stderr)
-            if run_local(cfg, run_dir, quiet=True) not in (0, 3):  # a diverged run is a result (status diverged)
+            if run_one(cfg, run_dir) not in (0, 3):  # a diverged run is a result (status diverged)
                 print(f"hetps compare: {a} run {r + 1} failed; see {run_dir}/logs", file=sys.stderr)
                 return 1
             summaries.append({**json.loads((run_dir / "summary.json").read_text()), "run_dir": str(run_dir),
@@ -179,7 +202,9 @@ def compare_command(argv: list[str]) -> int:
         rows.append(aggregate(a, summaries))
     add_useful(rows, args.reference)
     (out / "compare.json").write_text(json.dumps(rows, indent=2))
-    (out / "compare.md").write_text(markdown(rows, f"{args.config} {' '.join(args.overrides)}".strip()))
+    title = f"{args.config} {' '.join(args.overrides)}".strip()
+    title += " (simulated, virtual seconds)" if args.simulate else ""
+    (out / "compare.md").write_text(markdown(rows, title))
     plot_compare(rows, out, args.x)
     print((out / "compare.md").read_text())
     return 0

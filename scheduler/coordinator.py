@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hetps.proto.algorithms import algorithm, resolved_params
@@ -41,8 +42,12 @@ EXIT_GRACE_S = 40.0   # longest wait for everyone to leave after a stop began
 
 class Coordinator(Service):
     def __init__(self, server: ServerTransport, cfg: RunConfig, run_dir: Path | None = None,
-                 run_id: str | None = None):
+                 run_id: str | None = None, clock: Callable[[], float] | None = None):
+        """`clock`: seconds, monotonic; every timer reads it (None: `time.monotonic`, looked up at
+        each call; a virtual clock under `hetps simulate`)."""
         super().__init__(server, node_id=0)
+        self.clock = clock or (lambda: time.monotonic())
+        self.keeps_state = True  # write scheduler-state.json (state.py); a simulation has no scheduler to restart
         self.cfg = cfg
         self.formation = FORMATIONS[algorithm(cfg.algorithm.name).groups]
         self.run_id = run_id or secrets.token_hex(6)  # names checkpoints; a resumed run keeps it
@@ -58,7 +63,7 @@ class Coordinator(Service):
         self.plan_checked = 0.0
         self.regroup_votes: list = []  # consecutive checks proposing the same new grouping
         self.barriers: dict[str, list[tuple[bytes, int]]] = {}
-        self.created = time.monotonic()
+        self.created = self.clock()
         self.started: float | None = None     # when the first plan went out
         self.stop_reason: str | None = None
         self.stop_since = 0.0
@@ -68,17 +73,18 @@ class Coordinator(Service):
         self.failed: dict | None = None   # the node failure that ended the run: node, error, host
         self.guard = DivergenceGuard(cfg.stop.diverged_after, cfg.stop.diverge_warmup_s, cfg.optimizer.lr)
         self.finished_steps = 0
-        self.stalls = StallTracker(cfg.cluster.heartbeat_s, cfg.cluster.dead_after_s)  # who the cluster waits for
+        # who the cluster waits for
+        self.stalls = StallTracker(cfg.cluster.heartbeat_s, cfg.cluster.dead_after_s, self.clock)
 
     # ------------------------------------------------------------ helpers
     def elapsed(self) -> float:
-        return time.monotonic() - (self.started or self.created)
+        return self.clock() - (self.started or self.created)
 
     def node(self, node_id: int) -> Node:
         node = self.nodes.get(node_id)
         if node is None:
             raise ProtocolError(Status.BAD_STATE, f"unknown node id {node_id}; register first")
-        node.last_seen = time.monotonic()
+        node.last_seen = self.clock()
         return node
 
     def members(self, *roles: str) -> list[Node]:
@@ -90,7 +96,7 @@ class Coordinator(Service):
     def begin_stop(self, reason: str) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
-            self.stop_since = time.monotonic()
+            self.stop_since = self.clock()
             log.info("stopping the cluster: %s", reason)
             self.runlog.record("stop", t=self.elapsed(), reason=reason, global_steps=self.global_steps())
 
@@ -107,7 +113,7 @@ class Coordinator(Service):
         if known is not None:
             return self._readmit(known, msg)
         node_id = len(self.nodes) + 1
-        self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, time.monotonic(),
+        self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, self.clock(),
                                    profiled_speed=msg.speed, host=msg.host, replica_address=msg.replica_address)
         log.info("registered %s %d as node %d %s", msg.role, msg.rank, node_id, msg.address)
         self.runlog.record("register", t=round(self.elapsed(), 4), node=f"{msg.role}{msg.rank}", host=msg.host,
@@ -146,7 +152,7 @@ class Coordinator(Service):
             self.failures.append({"kind": "shard_restarted", "node": f"ps{node.rank}",
                                   "t": round(self.elapsed(), 3), "was_dead": node.dead})
         node.dead = node.left = False
-        node.last_seen = time.monotonic()
+        node.last_seen = self.clock()
         log.info("%s %d came back as node %d", msg.role, msg.rank, node.node_id)
         state.save(self)
         return Welcome(node_id=node.node_id, role=msg.role, rank=msg.rank)
@@ -251,7 +257,7 @@ class Coordinator(Service):
             speeds={str(n.node_id): round(n.speed, 3) for n in shards + workers},
             **self._grouping({n.node_id: n.speed for n in workers}))
         plan = failover.with_backups(plan, self.nodes, self.cfg.cluster.replicas)
-        self.started = time.monotonic()  # the run's clock starts when the plan goes out
+        self.started = self.clock()  # the run's clock starts when the plan goes out
         for n in shards + workers:  # waiting for the plan is not silence: heartbeats start once it arrives
             n.last_seen = self.started
         self._publish(plan)
@@ -279,7 +285,7 @@ class Coordinator(Service):
         silent shard is recorded: its tensors cannot move, so workers retry
         until it comes back (restarted from its checkpoint) or their request
         timeout ends the run."""
-        now = time.monotonic()
+        now = self.clock()
         for n in self.members("worker", "ps"):
             silent = now - n.last_seen
             if n.gone or silent <= self.cfg.cluster.dead_after_s:
@@ -300,7 +306,7 @@ class Coordinator(Service):
 
     def _publish(self, plan: ClusterPlan) -> None:
         self.plan = plan
-        self.plan_checked = time.monotonic()
+        self.plan_checked = self.clock()
         self.runlog.write_plan(plan.to_dict())
         state.save(self)
         self.runlog.record("plan", t=round(self.elapsed(), 4), plan_id=plan.plan_id, groups=plan.groups,
@@ -317,9 +323,9 @@ class Coordinator(Service):
         drifted beyond the hysteresis and k-means now forms different groups."""
         params = self.cfg.algorithm.params
         if (not self.formation.may_regroup(params) or self.stop_reason
-                or time.monotonic() - self.plan_checked < params.regroup_every_s):
+                or self.clock() - self.plan_checked < params.regroup_every_s):
             return
-        self.plan_checked = time.monotonic()
+        self.plan_checked = self.clock()
         workers = [n for n in self.members("worker") if n.node_id in self.plan.worker_ids()]
         speeds = {n.node_id: n.speed for n in workers}
         old = {w: self.plan.speeds.get(str(w), 1.0) for w in speeds}
@@ -371,7 +377,7 @@ class Coordinator(Service):
         # the evaluator goes after the workers, so its last evaluation sees their last pushes
         before = ("worker",) if node.role == "evaluator" else ("worker", "evaluator")
         others_gone = all(n.gone for n in self.members(*before))
-        return others_gone or time.monotonic() - self.stop_since > STOP_GRACE_S
+        return others_gone or self.clock() - self.stop_since > STOP_GRACE_S
 
     def tick(self) -> None:
         """Run the timers (startup timeout, failure detection, re-grouping,
@@ -412,7 +418,7 @@ class Coordinator(Service):
             self.runlog.record("stall", t=round(self.elapsed(), 4), **rec)
 
     def _save_when_due(self) -> None:
-        if time.monotonic() - self.state_saved > state.SAVE_EVERY_S:
+        if self.clock() - self.state_saved > state.SAVE_EVERY_S:
             state.save(self)
 
     def _check_limits(self) -> None:
@@ -429,7 +435,7 @@ class Coordinator(Service):
         if self.plan is None:  # stopped before training began: nothing to wait for
             return True
         everyone_left = all(n.gone for n in self.nodes.values())
-        return everyone_left or time.monotonic() - self.stop_since > EXIT_GRACE_S
+        return everyone_left or self.clock() - self.stop_since > EXIT_GRACE_S
 
     def summary(self) -> dict:
         return status.run_summary(self)

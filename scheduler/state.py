@@ -40,7 +40,7 @@ def read(run_dir: Path | None) -> dict | None:
 def save(coord, finished: bool = False) -> None:
     """Write the coordinator's state (no-op without a run directory);
     `finished`: the run ended, a later scheduler must not carry it on."""
-    if coord.runlog.run_dir is None:
+    if coord.runlog.run_dir is None or not getattr(coord, "keeps_state", True):
         return
     coord.state_saved = time.monotonic()
     write_json_atomic(coord.runlog.run_dir / STATE_FILE, {

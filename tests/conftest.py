@@ -21,7 +21,7 @@ def run_dir(tmp_path):
 # its module), `inproc` (roles over the in-process transport or real sockets inside this process),
 # `unit` (pure functions). `make test` runs all three; `make test-unit`, `test-inproc`,
 # `test-cluster` run one.
-IN_PROCESS = ("MemServer", "shard_harness", "mem://", "make_server(", "bind_to_random_port")
+IN_PROCESS = ("MemServer", "shard_harness", "mem://", "make_server(", "bind_to_random_port", "hetps.sim")
 
 
 def pytest_configure(config):

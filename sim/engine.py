@@ -1,0 +1,280 @@
+"""`hetps simulate`: one process, one event loop on a virtual clock, running
+the real coordinator (registration, plans, k-means groups, data shares,
+placement, heartbeats, failure detection, re-grouping, stop rules, the run
+directory), the real shards (store, consistency policy, torch.optim
+updater) and the workers' real forward/backward on real data. Only time is
+simulated: compute, links and shard service take the virtual seconds of the
+cost model (events.py, docs/simulation.md).
+
+    hetps simulate configs/default.yaml 'cluster.workers={count: 64, speeds: {lognormal: {sigma: 0.5}}}'
+
+Blocking; deterministic for a config and seed on one machine (one torch thread).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from hetps.proto.algorithms import algorithm
+from hetps.proto.codec import decode
+from hetps.proto.config import ConfigError, NodeConfig, RunConfig, dump_config
+from hetps.proto.messages import Bye, Error, Heartbeat, Init, Pull, Register, Report
+from hetps.proto.plan import schema_hash
+from hetps.ps.shard import Shard
+from hetps.scheduler.coordinator import Coordinator
+from hetps.scheduler.report import plot_run
+from hetps.worker.data import Datasets, load_datasets
+from hetps.worker.evaluator import evaluate
+from hetps.worker.models import build_model
+from hetps.worker.state import ModelState, model_specs
+
+from .events import EventQueue, Link, ServiceQueue, nbytes_of, speed_factor, transfer
+from .wire import SimServer, call, dispatch, node_of, request, request_ids
+from .workers import SimMember, SimWorker, base_step_s
+
+log = logging.getLogger(__name__)
+SUPPORTED_LOOPS = ("gradients",)
+
+
+class SimulationError(ConfigError):
+    """The config asks for something the simulator does not model."""
+
+
+def check_simulable(cfg: RunConfig) -> None:
+    """Refuse, naming the key, what the simulator does not model."""
+    problems = []
+    algo = algorithm(cfg.algorithm.name)
+    if algo.worker_loop not in SUPPORTED_LOOPS:
+        problems.append(f"algorithm.name: {cfg.algorithm.name} (local steps, then a model) is not simulated yet; "
+                        "allowed: sync, async, ssp, grouping, eager")
+    if cfg.cluster.chunk_bytes:
+        problems.append("cluster.chunk_bytes: must be 0 under simulate (tensors are not cut)")
+    if cfg.comm.overlap or cfg.comm.compression != "none" or not cfg.comm.fuse_pull:
+        problems.append("comm: simulate runs comm.overlap=false, comm.compression=none, comm.fuse_pull=true")
+    if cfg.cluster.faults.drop or cfg.cluster.faults.delay:
+        problems.append("cluster.faults: dropped or delayed messages are not simulated; set drop and delay to 0")
+    for i, kill in enumerate(cfg.cluster.kill):
+        if not kill.node.startswith("worker") or kill.restart_after_s is not None:
+            problems.append(f"cluster.kill.{i}: simulate kills workers only, without restart; got {kill.node}")
+    if problems:
+        raise SimulationError(problems)
+
+
+class Simulation:
+    def __init__(self, cfg: RunConfig, run_dir: Path | None, data: Datasets | None = None):
+        """`data`: the loaded datasets of `cfg.data` (e.g. shared by the runs of a comparison)."""
+        check_simulable(cfg)
+        self.cfg, self.run_dir = cfg, run_dir
+        self.q = EventQueue()
+        self.ids = request_ids()
+        torch.manual_seed(cfg.seed)
+        self.data = data or load_datasets(cfg.data, cfg.seed)
+        model = build_model(cfg.model, self.data.in_shape, self.data.num_classes)
+        self.state = ModelState(model, torch.device("cpu"))
+        self.eval_model = build_model(cfg.model, self.data.in_shape, self.data.num_classes)
+        self.coord = Coordinator(SimServer("sim://scheduler"), cfg, run_dir, run_id=f"sim{cfg.seed}",
+                                 clock=self.q.clock)
+        self.coord.keeps_state = False  # its restart file, written per registration and BYE, costs O(N^2) here
+        self.shard_nodes: list[NodeConfig] = list(cfg.cluster.shards)
+        self.shards: dict[int, Shard] = {}       # node id -> shard (ids from the coordinator)
+        self.shard_links: dict[int, Link] = {}
+        self.queues: dict[int, ServiceQueue] = {}
+        self.workers: dict[int, SimWorker] = {}  # node id -> worker
+        self.evaluator_id = 0
+        self.kills = [(int(k.node[len("worker"):]), k.at_s) for k in cfg.cluster.kill]  # (rank, virtual s)
+        self.stalled = False
+
+    # ------------------------------------------------------------ start-up: register, plan, INIT
+    def start(self) -> None:
+        specs = model_specs(self.state.model)
+        wire_specs, schema = [s.to_wire() for s in specs], schema_hash(specs)
+        shard_ids = [self._register("ps", rank, address=f"sim://ps{rank}",
+                                    speed=self.cfg.sim.shard_bytes_per_s / node.slowdown)
+                     for rank, node in enumerate(self.shard_nodes)]
+        # a worker registers with the speed its cost gives (the real one profiles its compute)
+        worker_ids = [self._register("worker", rank, tensor_specs=wire_specs, schema_hash=schema,
+                                     speed=self.cfg.data.batch_size / (base_step_s(self.cfg, node) * node.slowdown))
+                      for rank, node in enumerate(self.cfg.cluster.workers)]
+        if self.cfg.eval.enabled:
+            self.evaluator_id = self._register("evaluator", 0)
+        plan = self.coord.plan
+        if plan is None:
+            raise RuntimeError("the coordinator made no plan from the simulated registrations")
+        for rank, node_id in enumerate(shard_ids):
+            shard = Shard(SimServer(f"sim://ps{rank}"), node_id, plan, self.cfg)
+            shard.clock = self.q.clock
+            self.shards[node_id] = shard
+            self.shard_links[node_id] = Link.of(self.shard_nodes[rank])
+            self.queues[node_id] = ServiceQueue(self.cfg.sim.shard_bytes_per_s)
+        values = self.state.values()
+        for i, entry in enumerate(plan.shards):
+            part = {t.name: values[t.name] for t in plan.owned(i)}
+            frames, _ = request(Init(plan_id=plan.plan_id, tensors=part), worker_ids[0], self.ids)
+            self._expect_ok(dispatch(self.shards[entry.node_id], worker_ids[0], frames))
+        for rank, node_id in enumerate(worker_ids):
+            self.workers[node_id] = SimWorker(self.cfg, self.cfg.cluster.workers[rank], SimMember(node_id, rank),
+                                              plan, self.state, self.data)
+        self.plan_sent = plan.plan_id
+        for w in self.workers.values():
+            for i, pull in w.first_pulls():
+                self._send(w, i, pull)
+        self.q.at(self.cfg.cluster.heartbeat_s, self._heartbeat)
+        if self.cfg.eval.enabled:
+            self.q.at(self.cfg.eval.every_s, self._evaluate)
+        for rank, at_s in self.kills:
+            self.q.at(at_s, self._kill, rank)
+
+    def _register(self, role: str, rank: int, **fields) -> int:
+        return call(self.coord, 0, self.ids, Register(role=role, rank=rank, host="sim", **fields)).node_id
+
+    def _expect_ok(self, replies) -> None:
+        for _, frames, _ in replies:
+            msg = decode(frames).msg
+            if isinstance(msg, Error):
+                raise RuntimeError(f"a simulated shard refused a request: {msg.message}")
+
+    # ------------------------------------------------------------ messages on the virtual network
+    def _shard_id(self, i: int, w: SimWorker) -> int:
+        return w.client.plan.shards[i].node_id
+
+    def _send(self, w: SimWorker, i: int, msg) -> None:
+        sid = self._shard_id(i, w)
+        frames, nbytes = request(msg, w.member.node_id, self.ids)
+        w.client.bytes_sent += nbytes
+        arrived = transfer(w.link, self.shard_links[sid], nbytes, self.q.now)
+        self.q.at(arrived, self._arrive, sid, w.member.node_id, frames, nbytes)
+
+    def _arrive(self, sid: int, src: int, frames: list, nbytes: int) -> None:
+        slowdown = speed_factor(self.shard_nodes[self.shards[sid].node_rank()], self.q.now)
+        self.q.at(self.queues[sid].finish(self.q.now, nbytes, slowdown), self._handle, sid, src, frames)
+
+    def _handle(self, sid: int, src: int, frames: list) -> None:
+        self._deliver_all(sid, dispatch(self.shards[sid], src, frames))
+
+    def _deliver_all(self, sid: int, replies) -> None:
+        index = {e.node_id: i for i, e in enumerate(self.shards[sid].plan.shards)}[sid]
+        for dst, frames, nbytes in replies:
+            w = self.workers.get(dst)
+            if w is None or not w.alive:
+                continue  # a killed worker's replies are lost
+            arrived = transfer(self.shard_links[sid], w.link, nbytes, self.q.now)
+            self.q.at(arrived, self._reply, dst, index, frames, nbytes)
+
+    def _reply(self, dst: int, i: int, frames: list, nbytes: int) -> None:
+        w = self.workers[dst]
+        if not w.alive:
+            return
+        msg = decode(frames).msg
+        if isinstance(msg, Error):
+            raise RuntimeError(f"shard {i} refused worker {w.member.rank}: {msg.message}")
+        if w.take_reply(i, msg, nbytes):
+            w.finish_step(self.q.now)
+            self._step(w)
+
+    def _step(self, w: SimWorker) -> None:
+        if self.coord.stop_reason is not None or not w.alive:
+            return
+        compute_s = w.start_step(self.q.now, self.coord.plan)
+        if compute_s is not None:
+            self.q.after(compute_s, self._push, w)
+
+    def _push(self, w: SimWorker) -> None:
+        if not w.alive:
+            return
+        for i, push in w.pushes(self.q.now):
+            self._send(w, i, push)
+
+    # ------------------------------------------------------------ heartbeats, plans, evaluation, faults
+    def _heartbeat(self) -> None:
+        now = self.q.now
+        for w in self.workers.values():
+            if not w.alive:
+                continue
+            beat = Heartbeat(node_id=w.member.node_id, stats=w.stats(), records=w.take_records(now))
+            ack = call(self.coord, w.member.node_id, self.ids, beat)
+            if ack.stop:
+                w.alive = False
+            w.known_plan_id = max(w.known_plan_id, ack.plan_id)
+        for sid, shard in self.shards.items():
+            call(self.coord, sid, self.ids, Heartbeat(node_id=sid, stats=self._shard_stats(sid)))
+        self.coord.tick()
+        if self.coord.plan.plan_id > self.plan_sent:  # shards learn a new plan from their heartbeat's ACK
+            self.plan_sent = self.coord.plan.plan_id
+            for sid, shard in self.shards.items():
+                shard.adopt(self.coord.plan)  # closes open rounds: parked pulls may be answered now
+                self._deliver_all(sid, self._drain(shard))
+        if self.coord.stop_reason is None:
+            self.q.after(self.cfg.cluster.heartbeat_s, self._heartbeat)
+
+    def _drain(self, shard: Shard) -> list:
+        sent, shard.server.inbox.sent = shard.server.inbox.sent, []
+        return [(node_of(peer), frames, nbytes_of(frames)) for peer, frames in sent]
+
+    def _shard_stats(self, sid: int) -> dict:
+        # busy_s: the cost model's service seconds (the real handler's CPU time is not virtual time)
+        return {**self.shards[sid].stats(), "busy_s": round(self.queues[sid].busy_s, 6)}
+
+    def _evaluate(self, final: bool = False) -> None:
+        values = {}
+        for sid, shard in self.shards.items():
+            frames, _ = request(Pull(plan_id=shard.plan.plan_id, clock=-1), self.evaluator_id, self.ids)
+            for _, reply, _ in dispatch(shard, self.evaluator_id, frames):
+                values.update(decode(reply).msg.tensors)
+        ModelState(self.eval_model, torch.device("cpu")).load(values)
+        accuracy, loss = evaluate(self.eval_model, self.data.test, self.cfg.data.eval_batch_size, torch.device("cpu"))
+        call(self.coord, self.evaluator_id, self.ids, Report(node_id=self.evaluator_id, kind="eval", values={
+            "accuracy": accuracy, "loss": loss, "final": final, "num_classes": self.data.num_classes}))
+        if not final and self.coord.stop_reason is None:
+            self.q.after(self.cfg.eval.every_s + self.cfg.sim.eval_s, self._evaluate)
+
+    def _kill(self, rank: int) -> None:
+        for w in self.workers.values():
+            if w.member.rank == rank:
+                w.alive = False  # silent from now on: the coordinator declares it dead after dead_after_s
+
+    # ------------------------------------------------------------ the loop and the end
+    def run(self) -> None:
+        """Run to the coordinator's stop (target, limits, divergence), then the
+        final evaluation and every node's BYE."""
+        self.start()
+        while self.coord.stop_reason is None:
+            if not self.q.run_next():
+                self.stalled = True
+                self.coord.begin_stop("simulation stalled: no event left (every worker waits)")
+        if self.cfg.eval.enabled:
+            self._evaluate(final=True)
+        for w in self.workers.values():
+            beat = Heartbeat(node_id=w.member.node_id, stats=w.stats(), records=w.take_records(self.q.now))
+            call(self.coord, w.member.node_id, self.ids, beat)
+            call(self.coord, w.member.node_id, self.ids, Bye(node_id=w.member.node_id, stats=w.stats()))
+        if self.evaluator_id:
+            call(self.coord, self.evaluator_id, self.ids, Bye(node_id=self.evaluator_id))
+        for sid in self.shards:
+            call(self.coord, sid, self.ids, Bye(node_id=sid, stats=self._shard_stats(sid)))
+        self.coord.close()
+
+
+def simulate(cfg: RunConfig, run_dir: Path, plot: bool = True, data: Datasets | None = None) -> dict:
+    """Run `cfg` in virtual time and write the run directory; returns the
+    summary (blocking). `data`: `cfg.data` already loaded. Raises
+    SimulationError (a ConfigError) for what the simulator does not model."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", "summary.json"):
+        (run_dir / stale).unlink(missing_ok=True)
+    dump_config(cfg, run_dir / "config.yaml")
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    sim = Simulation(cfg, run_dir, data)
+    sim.run()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["mode"] = "simulated"
+    summary["simulation"] = {"virtual_s": round(sim.q.now, 6), "events": sim.q.processed,
+                             "stalled": sim.stalled, "real_wall_s": round(time.perf_counter() - started, 3)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if plot:
+        plot_run(run_dir, f"{cfg.name}: {cfg.algorithm.name} (simulated, virtual seconds)")
+    return summary

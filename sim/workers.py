@@ -1,0 +1,162 @@
+"""A simulated worker of the gradient-pushing loop (sync, async, ssp,
+grouping, eager): the real worker's data share, batches and
+forward/backward (`Trainer.use_plan`, `Trainer.compute`, run on one model
+shared by all simulated workers), and real PUSH/PULL messages; the
+simulator (engine.py) carries them on its clock.
+
+What a worker keeps between steps: its clock, plan, data stream (the
+indices of its share and a position), the shard versions it holds, a step
+timer and its unsent step records. Parameters live only for the instant a
+step's gradient is computed (the values a reply brought are loaded into the
+shared model at once), and the gradient lives while it is in flight (its
+compute time plus the network), so memory grows with the workers in flight,
+not with the number of workers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetps.proto.config import NodeConfig, RunConfig
+from hetps.proto.messages import Params, Pull, Push
+from hetps.proto.plan import ClusterPlan
+from hetps.worker.client import ack_of
+from hetps.worker.data import Datasets
+from hetps.worker.state import ModelState
+from hetps.worker.straggler import straggler_of
+from hetps.worker.trainer import StepTimer, Trainer
+
+from .events import Link, speed_factor
+
+
+def base_step_s(cfg: RunConfig, node: NodeConfig) -> float:
+    """A worker's step at slowdown 1: its `step_s`, else `sim.sample_s` x the batch size."""
+    return node.step_s or cfg.sim.sample_s * cfg.data.batch_size
+
+
+@dataclass
+class SimMember:
+    """What the Trainer methods reused here read of a worker's membership."""
+
+    node_id: int
+    rank: int
+
+
+class SimClient:
+    """The worker's view of the shards: the plan, the versions it holds, bytes moved."""
+
+    def __init__(self, plan: ClusterPlan):
+        self.plan = plan
+        self.versions = [0] * len(plan.shards)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def adopt(self, plan: ClusterPlan) -> None:
+        if plan.placement_id != self.plan.placement_id:
+            raise ValueError(f"plan {plan.plan_id} moves tensors; live re-placement is not supported")
+        self.plan = plan
+
+    def split(self, tensors: dict) -> list[dict]:
+        """Per shard, the tensors it owns (chunked tensors are refused by the engine)."""
+        return [{t.name: tensors[t.name] for t in self.plan.owned(i) if t.name in tensors}
+                for i in range(len(self.plan.shards))]
+
+
+class SimWorker:
+    use_plan = Trainer.use_plan   # share and batch stream from the plan (reads client, member, data, cfg)
+    compute = Trainer.compute     # one forward/backward on the next batch (reads stream, state)
+
+    def __init__(self, cfg: RunConfig, node: NodeConfig, member: SimMember, plan: ClusterPlan,
+                 state: ModelState, data: Datasets):
+        self.cfg, self.node, self.member, self.state, self.data = cfg, node, member, state, data
+        self.client = SimClient(plan)
+        self.link = Link.of(node)
+        self.timer = StepTimer()
+        self.clock = 0
+        self.staleness = 0
+        self.alive = True
+        self.known_plan_id = plan.plan_id
+        self.records: list[dict] = []
+        self.replies: dict[int, Params] = {}
+        self.outgoing: dict | None = None   # the gradient in flight
+        self.step_started = self.pushed_at = 0.0
+        self.loss = 0.0
+        self.compute_s = 0.0
+        self.use_plan(plan)
+
+    # ------------------------------------------------------------ the cost model
+    def step_compute_s(self, t: float) -> float:
+        """Virtual seconds of one step's forward/backward at time `t`."""
+        base = base_step_s(self.cfg, self.node)
+        extra = 0.0
+        n = len(self.cfg.cluster.workers)
+        if self.cfg.cluster.straggler > 0 and n > 1 and straggler_of(self.cfg.seed, self.clock, n) == self.index:
+            extra = self.cfg.cluster.straggler  # the eager-SGD imbalance model (worker/straggler.py)
+        return base * speed_factor(self.node, t) * (1.0 + extra)
+
+    # ------------------------------------------------------------ one step
+    def first_pulls(self) -> list[tuple[int, Pull]]:
+        return [(i, Pull(plan_id=self.client.plan.plan_id, clock=0)) for i in range(len(self.client.plan.shards))]
+
+    def take_reply(self, i: int, reply: Params, nbytes: int) -> bool:
+        """Keep shard `i`'s reply; True once every shard's has come."""
+        self.client.bytes_received += nbytes
+        self.client.versions[i] = reply.version
+        self.replies[i] = reply
+        return len(self.replies) == len(self.client.plan.shards)
+
+    def finish_step(self, now: float) -> None:
+        """The step's replies are in: load them, account the step."""
+        replies, self.replies = self.replies, {}
+        values = {}
+        for reply in replies.values():
+            values.update(reply.tensors)
+        self.state.load(values)
+        acks = [ack_of(r) for r in replies.values() if r.ack]
+        if self.outgoing is None:   # the first pull: no step to account
+            return
+        self.outgoing = None
+        acked = max((now - held for _, held in acks), default=now)
+        push_s, step_s = max(0.0, acked - self.pushed_at), now - self.step_started
+        self.clock += 1
+        self.staleness = max(a.staleness for a, _ in acks)
+        self.known_plan_id = max([self.known_plan_id] + [a.plan_id for a, _ in acks])
+        self.timer.update(self.compute_s, push_s, step_s)
+        self.records.append({"t": now, "worker": self.member.rank, "step": self.clock, "loss": round(self.loss, 5),
+                             "staleness": self.staleness, "group": self.group,
+                             "compute_s": round(self.compute_s, 5), "step_s": round(step_s, 5)})
+
+    def start_step(self, now: float, newest: ClusterPlan) -> float | None:
+        """Compute the next gradient on the loaded values (real forward/backward);
+        returns its virtual compute seconds, or None when this worker is not in
+        the newest plan it knows of (it stops)."""
+        if self.known_plan_id > self.client.plan.plan_id and newest.plan_id > self.client.plan.plan_id:
+            if self.member.node_id not in newest.worker_ids():
+                self.alive = False
+                return None
+            self.use_plan(newest)
+        self.step_started = now
+        self.loss = self.compute()
+        self.outgoing = {n: t.clone() for n, t in self.state.outgoing().items()}
+        self.compute_s = self.step_compute_s(now)
+        return self.compute_s
+
+    def pushes(self, now: float) -> list[tuple[int, Push]]:
+        """The step's fused PUSH+PULL to every shard."""
+        self.pushed_at = now
+        plan = self.client.plan
+        return [(i, Push(plan_id=plan.plan_id, clock=self.clock, base_version=self.client.versions[i],
+                         n_samples=self.cfg.data.batch_size, pull=True, tensors=part))
+                for i, part in enumerate(self.client.split(self.outgoing))]
+
+    # ------------------------------------------------------------ reporting
+    def take_records(self, now: float) -> list[dict]:
+        out, self.records = self.records, []
+        return [{**{k: v for k, v in r.items() if k != "t"}, "ago": round(now - r["t"], 6)} for r in out]
+
+    def stats(self) -> dict:
+        bs = self.cfg.data.batch_size
+        return {"steps": self.clock, "bytes_sent": self.client.bytes_sent,
+                "bytes_received": self.client.bytes_received, "step_time_s": self.timer.step_s,
+                "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id, "group": self.group,
+                "staleness": self.staleness, "speed": self.timer.speed(bs), "push_s": self.timer.push_s,
+                "samples_per_s": bs / self.timer.step_s if self.timer.step_s else 0.0}
