@@ -187,7 +187,8 @@ class Coordinator(Service):
         for rec in env.msg.records:  # checked at decode: plain values, `ago` a finite number of seconds
             ago = rec.pop("ago")
             self.runlog.record("step", t=round(now - ago, 4), **rec)
-            if node.role == "worker" and self.guard.loss(rec.get("loss"), f"worker{node.rank} at step {rec.get('step')}"):
+            where = f"worker{node.rank} at step {rec.get('step')}"
+            if node.role == "worker" and self.guard.loss(rec.get("loss"), where):
                 self.begin_stop(DIVERGED)
         stop = self._tell_stop(node)
         return Ack(plan_id=self.plan.plan_id if self.plan else 0, stop=stop,
