@@ -1,4 +1,4 @@
-"""The scheduler's control plane: registration and node ids, the versioned
+"""The scheduler's control plane: registration and node ids (registration.py), the versioned
 PLAN, heartbeats, barriers, evaluation reports, and a clean stop of the
 whole cluster. No tensor passes through it.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from hetps.proto.algorithms import algorithm, resolved_params
 from hetps.proto.codec import Envelope, ProtocolError
 from hetps.proto.config import RunConfig
-from hetps.proto.messages import Ack, Error, Plan, Status, Welcome
+from hetps.proto.messages import Ack, Error, Plan, Status
 from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, chunk_specs
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
@@ -29,9 +29,9 @@ from .formation import FORMATIONS
 from .grouping import drifted
 from . import failover, state, status
 from .outcome import DIVERGED, DivergenceGuard, startup_failure
-from .status import ROLES
 from .placement import place
-from .nodes import EvalTrack, Node, free_rank
+from .nodes import EvalTrack, Node
+from .registration import Registration
 from .runlog import RunLog
 from .stalls import StallTracker
 
@@ -40,7 +40,7 @@ STOP_GRACE_S = 20.0   # longest wait for workers/evaluator to leave before shard
 EXIT_GRACE_S = 40.0   # longest wait for everyone to leave after a stop began
 
 
-class Coordinator(Service):
+class Coordinator(Registration, Service):
     def __init__(self, server: ServerTransport, cfg: RunConfig, run_dir: Path | None = None,
                  run_id: str | None = None, clock: Callable[[], float] | None = None):
         """`clock`: seconds, monotonic; every timer reads it (None: `time.monotonic`, looked up at
@@ -101,70 +101,6 @@ class Coordinator(Service):
             self.runlog.record("stop", t=self.elapsed(), reason=reason, global_steps=self.global_steps())
 
     # ------------------------------------------------------------ handlers
-    def on_register(self, peer: bytes, env: Envelope):
-        msg = env.msg
-        if msg.role not in ROLES:
-            raise ProtocolError(Status.MALFORMED, f"role {msg.role!r} not in {ROLES}")
-        if msg.role == "worker":
-            self._check_schema(msg.tensor_specs, msg.schema_hash)
-        if msg.rank < 0:  # `--rank auto`: the node takes the rank given here (nodes.free_rank)
-            msg = dataclasses.replace(msg, rank=self._claim_rank(msg.role))
-        known = self._known(msg)
-        if known is not None:
-            return self._readmit(known, msg)
-        node_id = len(self.nodes) + 1
-        self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, self.clock(),
-                                   profiled_speed=msg.speed, host=msg.host, replica_address=msg.replica_address)
-        log.info("registered %s %d as node %d %s", msg.role, msg.rank, node_id, msg.address)
-        self.runlog.record("register", t=round(self.elapsed(), 4), node=f"{msg.role}{msg.rank}", host=msg.host,
-                           **({"startup": msg.startup} if msg.startup else {}))
-        self._maybe_plan()
-        if msg.role == "worker" and self.plan is not None and node_id not in self.plan.worker_ids():
-            self._replan(f"worker {msg.rank} joined as node {node_id}")
-        state.save(self)
-        return Welcome(node_id=node_id, role=msg.role, rank=msg.rank)
-
-    def _claim_rank(self, role: str) -> int:
-        rank = free_rank(list(self.nodes.values()), role, self.expected.get(role, 0))
-        if rank is None:
-            raise ProtocolError(Status.BAD_STATE, f"--rank auto: every {role} rank 0..{self.expected[role] - 1} "
-                                                  "is held by a live node")
-        return rank
-
-    def _known(self, msg) -> Node | None:
-        """The node a registration comes back as: the one whose id it names
-        (a node re-registering, e.g. after a scheduler restart), or, for a
-        shard, the plan's shard of that rank (a restarted shard process)."""
-        node = self.nodes.get(msg.node_id) if msg.node_id else None
-        if node is not None and (node.role, node.rank) == (msg.role, msg.rank):
-            return node
-        if msg.role == "ps" and self.plan is not None:
-            return next((self.nodes[s.node_id] for s in self.plan.shards if s.rank == msg.rank), None)
-        return None
-
-    def _readmit(self, node: Node, msg) -> Welcome:
-        failover.check_readmit(self.plan, node)
-        planned = {s.node_id: s.address for s in self.plan.shards} if self.plan else {}
-        if node.node_id in planned and msg.address != planned[node.node_id]:
-            raise ProtocolError(Status.BAD_STATE, f"shard {msg.rank} must come back at {planned[node.node_id]} "
-                                                  f"(the plan's address), not {msg.address}")
-        if node.role == "ps":
-            self.failures.append({"kind": "shard_restarted", "node": f"ps{node.rank}",
-                                  "t": round(self.elapsed(), 3), "was_dead": node.dead})
-        node.dead = node.left = False
-        node.last_seen = self.clock()
-        log.info("%s %d came back as node %d", msg.role, msg.rank, node.node_id)
-        state.save(self)
-        return Welcome(node_id=node.node_id, role=msg.role, rank=msg.rank)
-
-    def _check_schema(self, specs: list[TensorSpec], schema_hash: str) -> None:
-        if self.specs is None:
-            self.specs = list(specs)  # checked at decode (records.read_tensor_specs)
-            self.schema = schema_hash
-        elif schema_hash != self.schema:
-            raise ProtocolError(Status.BAD_STATE,
-                                f"model schema {schema_hash} differs from the cluster's {self.schema}")
-
     def on_get_plan(self, peer: bytes, env: Envelope):
         if self.plan is not None and self.plan.plan_id > env.msg.after:
             return Plan(plan_id=self.plan.plan_id, plan=self.plan)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import subprocess
@@ -32,7 +31,7 @@ from hetps.proto.startup import process_age_s
 from .faults import FaultInjector
 from .outcome import EXIT_CODES, INTERRUPTED
 from .report import Progress, format_summary, plot_run
-from .runlog import write_json_atomic
+from .runlog import mark_failed, read_summary, write_json_atomic
 from .startup_report import startup_line, startup_section
 from .resume import ResumePoint, checkpoints_root
 from .state import STATE_FILE
@@ -325,20 +324,6 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 child.popen.kill()
                 child.popen.wait(timeout=5.0)
-
-
-def read_summary(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def mark_failed(run_dir: Path, summary: dict, node: str, detail: str) -> None:
-    """Write summary.json as a failed run's (the scheduler's own summary, if any, kept)."""
-    write_json_atomic(run_dir / "summary.json", {**summary, "status": "failed", "failed_node": node,
-                                                  "detail": detail,
-                                                  "stop_reason": summary.get("stop_reason") or detail})
 
 
 def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool = False,

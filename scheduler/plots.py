@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .report import read_metrics
+from .runlog import read_summary
 
 X_AXES = {"time": ("t", "wall-clock time (s)"), "steps": ("global_steps", "global steps (all workers)"),
           "bytes": ("bytes", "bytes moved by the workers (sent + received)")}
@@ -121,13 +122,6 @@ def lane_members(records: list[dict], lanes: dict) -> dict[tuple[int, int], list
     return {key: sorted(ws) for key, ws in members.items()}
 
 
-def read_summary(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def run_title(summary: dict, fallback: str = "") -> str:
     """E.g. `default: grouping, 4 workers: 95% reached at 3.6 s (final 0.9630)`."""
     name = f"{summary.get('name', '')}: {summary.get('algorithm', '')}".strip(": ") or fallback
@@ -147,7 +141,7 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     from metrics.jsonl and summary.json; returns the accuracy plot's path."""
     plt = _pyplot()
     records = read_metrics(run_dir / "metrics.jsonl")
-    summary = read_summary(run_dir)
+    summary = read_summary(run_dir) or {}
     target = summary.get("target_accuracy")
     xs, ys = eval_curve(records, "time")
     losses = [float(r["loss"]) for r in records if r.get("kind") == "eval"]
@@ -229,7 +223,7 @@ def plot_compare(rows: list[dict], out: Path, x: str = "time") -> Path:
     ValueError for an axis the runs did not record."""
     plt = _pyplot()
     bands = compare_bands(rows, x)
-    target = read_summary(Path(rows[0]["runs"][0])).get("target_accuracy") if rows and rows[0]["runs"] else None
+    target = (read_summary(Path(rows[0]["runs"][0])) or {}).get("target_accuracy") if rows and rows[0]["runs"] else None
     fig, ax = plt.subplots(figsize=(8, 5))
     for algorithm, band in bands.items():
         repeats = int(band["n"].max()) if len(band["n"]) else 0

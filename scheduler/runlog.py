@@ -47,3 +47,17 @@ class RunLog:
             self._metrics.close()
         if self.sink is not None:
             self.sink.close()
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def mark_failed(run_dir: Path, summary: dict, node: str, detail: str) -> None:
+    """Write summary.json as a failed run's (the scheduler's own summary, if any, kept)."""
+    write_json_atomic(run_dir / "summary.json", {**summary, "status": "failed", "failed_node": node,
+                                                  "detail": detail,
+                                                  "stop_reason": summary.get("stop_reason") or detail})
