@@ -28,9 +28,11 @@ from hetps.worker.trainer import StepTimer, Trainer
 from .events import Link, speed_factor
 
 
-def base_step_s(cfg: RunConfig, node: NodeConfig) -> float:
-    """A worker's step at slowdown 1: its `step_s`, else `sim.sample_s` x the batch size."""
-    return node.step_s or cfg.sim.sample_s * cfg.data.batch_size
+def base_step_s(cfg: RunConfig, node: NodeConfig, batch: int | None = None) -> float:
+    """A worker's step at slowdown 1 on `batch` samples (default `data.batch_size`):
+    its `step_s` (given for `data.batch_size`, scaled to `batch`), else `sim.sample_s` x the batch."""
+    batch = batch or cfg.data.batch_size
+    return node.step_s * batch / cfg.data.batch_size if node.step_s else cfg.sim.sample_s * batch
 
 
 @dataclass
@@ -73,6 +75,7 @@ class SimWorker:
         self.timer = StepTimer()
         self.clock = 0
         self.staleness = 0
+        self.samples = 0    # training examples computed on (Trainer.compute counts them)
         self.alive = True
         self.known_plan_id = plan.plan_id
         self.records: list[dict] = []
@@ -86,7 +89,7 @@ class SimWorker:
     # ------------------------------------------------------------ the cost model
     def step_compute_s(self, t: float) -> float:
         """Virtual seconds of one step's forward/backward at time `t`."""
-        base = base_step_s(self.cfg, self.node)
+        base = base_step_s(self.cfg, self.node, self.batch_size)  # balanced: the plan's batch
         extra = 0.0
         n = len(self.cfg.cluster.workers)
         if self.cfg.cluster.straggler > 0 and n > 1 and straggler_of(self.cfg.seed, self.clock, n) == self.index:
@@ -145,7 +148,7 @@ class SimWorker:
         self.pushed_at = now
         plan = self.client.plan
         return [(i, Push(plan_id=plan.plan_id, clock=self.clock, base_version=self.client.versions[i],
-                         n_samples=self.cfg.data.batch_size, pull=True, tensors=part))
+                         n_samples=self.batch_size, pull=True, tensors=part))
                 for i, part in enumerate(self.client.split(self.outgoing))]
 
     # ------------------------------------------------------------ reporting
@@ -154,8 +157,8 @@ class SimWorker:
         return [{**{k: v for k, v in r.items() if k != "t"}, "ago": round(now - r["t"], 6)} for r in out]
 
     def stats(self) -> dict:
-        bs = self.cfg.data.batch_size
-        return {"steps": self.clock, "bytes_sent": self.client.bytes_sent,
+        bs = self.batch_size
+        return {"steps": self.clock, "samples": self.samples, "bytes_sent": self.client.bytes_sent,
                 "bytes_received": self.client.bytes_received, "step_time_s": self.timer.step_s,
                 "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id, "group": self.group,
                 "staleness": self.staleness, "speed": self.timer.speed(bs), "push_s": self.timer.push_s,
