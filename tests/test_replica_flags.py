@@ -8,6 +8,7 @@ import threading
 import uuid
 
 import pytest
+import torch
 
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import Error, Register, Status
@@ -82,12 +83,14 @@ def test_register_carries_the_advertised_replica_address():
 
     thread = threading.Thread(target=scheduler, daemon=True)
     thread.start()
+    threads = torch.get_num_threads()  # the daemon sets its node's threads for this whole process
     try:
         code = main(["--config", CONFIG, "--scheduler", sched, "--bind", f"{sched}-shard",
                      "--advertise", "tcp://ps7.example:7100", "--replica-bind", f"{sched}-backup",
                      "--replica-advertise", "tcp://ps7.example:7101", "cluster.replicas=1", "cluster.shards=2",
                      "cluster.profile_steps=1", "cluster.startup_timeout_s=30"])
     finally:
+        torch.set_num_threads(threads)
         thread.join(timeout=40)
         server.close()
     assert code == 1
