@@ -4,6 +4,8 @@ address it registers for its primary to forward to. In one process: the
 shard daemon's main() against a scheduler played on the in-memory transport."""
 from __future__ import annotations
 
+import faulthandler
+import signal
 import threading
 import uuid
 
@@ -19,6 +21,13 @@ from cluster_util import REPO
 
 CONFIG = str(REPO / "configs" / "sync.yaml")
 SCHED = "tcp://scheduler:7000"  # never contacted: --check stops before connecting
+
+
+@pytest.fixture(autouse=True)
+def no_stack_dump_handler_left():
+    """main() points `kill -USR1` stack dumps at this test's captured stderr: undo it after."""
+    yield
+    faulthandler.unregister(signal.SIGUSR1)
 
 
 def check(capfd, *flags: str) -> tuple[int, str, str]:
