@@ -1,7 +1,7 @@
 """The shard daemon.
 
     hetps ps --config CONFIG --rank N [--scheduler tcp://HOST:PORT] [--bind tcp://0.0.0.0:0]
-             [--advertise tcp://HOST:PORT]
+             [--advertise tcp://HOST:PORT] [--replica-bind ADDR] [--replica-advertise ADDR]
     python -m hetps.ps ...   (the same)
 
 The scheduler address comes from --scheduler, else $HETPS_SCHEDULER, else
@@ -11,6 +11,11 @@ address). It registers, waits for the plan, serves until the scheduler says
 stop, then says goodbye. A scheduler silent for cluster.scheduler_grace_s is
 given up on: the shard writes a last checkpoint (when checkpoints are on) and
 exits with status 3, naming the scheduler's address.
+
+With cluster.replicas > 0 the shard also serves the backup it holds on a
+second socket: it binds --replica-bind (default: a random port on
+cluster.host) and registers --replica-advertise (default: the bound address)
+as the address its primary forwards to.
 """
 from __future__ import annotations
 
@@ -50,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="address to bind ($HETPS_BIND; default tcp://<cluster.host>:0)")
     parser.add_argument("--advertise", default=os.environ.get("HETPS_ADVERTISE"),
                         help="address workers should connect to ($HETPS_ADVERTISE; default: the bound one)")
+    parser.add_argument("--replica-bind", default=os.environ.get("HETPS_REPLICA_BIND"),
+                        help="with cluster.replicas: address the backup this shard holds binds "
+                             "($HETPS_REPLICA_BIND; default tcp://<cluster.host>:0)")
+    parser.add_argument("--replica-advertise", default=os.environ.get("HETPS_REPLICA_ADVERTISE"),
+                        help="with cluster.replicas: address other shards forward to it at "
+                             "($HETPS_REPLICA_ADVERTISE; default: the bound one)")
     parser.add_argument("--checkpoint-dir", default=os.environ.get("HETPS_CHECKPOINT_DIR"),
                         help="write checkpoints here and restore the newest of this run at start "
                              "($HETPS_CHECKPOINT_DIR; default checkpoint.dir)")
@@ -60,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                              "but not the old workers' clocks")
     args = parser.parse_intermixed_args(argv)
     cfg, scheduler = daemon_setup(args, "ps")
+    replica_bind = replica_bind_or_exit(args, cfg)
     if args.check:
         check_and_exit("ps", rank=rank_label(args.rank), scheduler=scheduler, bind=args.bind, advertise=args.advertise,
-                       config=args.config)
+                       replicas=cfg.cluster.replicas, replica_bind=replica_bind,
+                       replica_advertise=args.replica_advertise, config=args.config)
     # `--rank auto` (rank < 0): the default node settings, the rank comes at registration
     node = cfg.cluster.shards[args.rank] if 0 <= args.rank < len(cfg.cluster.shards) else NodeConfig()
     torch.set_num_threads(node.threads)
@@ -71,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
         # cluster.replicas: the backup this process will hold is served on a second socket
-        host = (ReplicaHost(make_server(f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes), cfg,
-                            checkpoint_root=args.checkpoint_dir or cfg.checkpoint.dir)
+        host = (ReplicaHost(make_server(replica_bind, cfg.cluster.max_message_bytes), cfg,
+                            checkpoint_root=args.checkpoint_dir or cfg.checkpoint.dir,
+                            advertise=args.replica_advertise)
                 if cfg.cluster.replicas else None)
         member = Membership(scheduler, "ps", args.rank, cfg.cluster)
         phases.mark("config")
@@ -125,6 +139,25 @@ def main(argv: list[str] | None = None) -> int:
         if host is not None:
             host.close()
     return 0
+
+
+def replica_bind_or_exit(args: argparse.Namespace, cfg) -> str | None:
+    """The address the backup's socket binds (None without cluster.replicas;
+    the flags are then ignored, so one manifest serves both). An advertised
+    address needs a bound port it can name: --replica-advertise with a
+    random replica port prints why and exits with status 2."""
+    if not cfg.cluster.replicas:
+        return None
+    bind = args.replica_bind or f"tcp://{cfg.cluster.host}:0"
+    if args.replica_advertise and bind.endswith(":0"):
+        print(f"hetps ps: --replica-advertise {args.replica_advertise} needs --replica-bind with a fixed port "
+              f"(the backup would bind {bind}, a random port other shards cannot know)", file=sys.stderr)
+        raise SystemExit(2)
+    if args.replica_advertise and args.replica_advertise.endswith(":0"):
+        print(f"hetps ps: --replica-advertise {args.replica_advertise}: port 0 cannot be reached; "
+              "name the port --replica-bind binds", file=sys.stderr)
+        raise SystemExit(2)
+    return bind
 
 
 def process_stats(shard: Shard, host: ReplicaHost | None) -> dict:

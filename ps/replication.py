@@ -307,8 +307,10 @@ class ReplicaHost:
     """The backup one shard process holds (for its predecessor in the ring),
     on its own socket; made when the plan names this process as a backup."""
 
-    def __init__(self, server: ServerTransport, cfg, node_id: int = 0, checkpoint_root: str | None = None):
+    def __init__(self, server: ServerTransport, cfg, node_id: int = 0, checkpoint_root: str | None = None,
+                 advertise: str | None = None):
         self.server = server
+        self.advertise = advertise  # what the shard registers (--replica-advertise); default the bound address
         self.checkpoint_root = checkpoint_root
         self.cfg = cfg
         self.node_id = node_id
@@ -316,7 +318,8 @@ class ReplicaHost:
 
     @property
     def address(self) -> str:
-        return self.server.address
+        """Where primaries forward to: the advertised address, else the bound one."""
+        return self.advertise or self.server.address
 
     def follow(self, plan: ClusterPlan) -> None:
         """Take a plan: make the backup it names, promote it when the plan

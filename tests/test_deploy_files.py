@@ -269,7 +269,8 @@ def compose_expectations(name: str) -> dict[str, str]:
         return {"role": "scheduler", "bind": "tcp://0.0.0.0:7000", "run_dir": "/runs/default"}
     if m := re.fullmatch(r"ps(\d+)", name):
         return {"role": "ps", "rank": m.group(1), "bind": "tcp://0.0.0.0:7100",
-                "advertise": f"tcp://{name}:7100", "scheduler": "tcp://scheduler:7000"}
+                "advertise": f"tcp://{name}:7100", "scheduler": "tcp://scheduler:7000",
+                "replica_advertise": f"tcp://{name}:7101"}
     if m := re.fullmatch(r"worker(\d+)", name):
         return {"role": "worker", "rank": m.group(1), "scheduler": "tcp://scheduler:7000"}
     if name == "evaluator":
@@ -304,3 +305,7 @@ def test_compose_advertised_shard_addresses_are_service_names(compose):
             host, port = split_address(argv[argv.index("--advertise") + 1])
             assert host == name and host in services
             assert f"tcp://0.0.0.0:{port}" == argv[argv.index("--bind") + 1]
+        if "--replica-advertise" in argv:  # the backup it holds, with cluster.replicas: a second port
+            host, port = split_address(argv[argv.index("--replica-advertise") + 1])
+            assert host == name and f"tcp://0.0.0.0:{port}" == argv[argv.index("--replica-bind") + 1]
+            assert port != split_address(argv[argv.index("--advertise") + 1])[1]

@@ -53,6 +53,23 @@ def test_failover_promotes_the_backup_and_drops_the_backup_the_dead_one_held():
     assert third.shards[2].address == "tcp://h:201"
 
 
+def test_after_a_failover_the_range_whose_backup_died_waits_for_its_own_restart():
+    """Node 2 dies (3 promotes its backup); then node 1, whose backup was on node 2:
+    its range has no copy left and is lost (not moved), and node 1 may come back
+    as its owner, restoring its checkpoint as without replicas; node 3's backup
+    on node 1 is gone, so nothing is replicated any more."""
+    plan, nodes = three_shards()
+    nodes[2].dead = True
+    new, _ = failover_plan(plan, 2, nodes)
+    nodes[1].dead = True
+    third, lost = failover_plan(new, 1, nodes)
+    assert lost == ["shard 0 (node 1)"]
+    assert third.served_by == {"2": 3} and third.backups == {}
+    assert third.shards[0].address == "tcp://h:101"   # still its own address: a restart serves it again
+    assert not replaced(third, 1)
+    check_readmit(third, nodes[1])                    # admitted (raises when refused)
+
+
 def test_a_range_without_a_live_backup_is_reported_lost():
     plan, nodes = three_shards()
     nodes[2].dead = nodes[3].dead = True   # shard 2's backup is on 3

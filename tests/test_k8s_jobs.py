@@ -195,7 +195,7 @@ def test_gpu_workers(gpu):
 def as_in_jobset(spec: dict) -> dict:
     """A plain Job's spec as the JobSet holds it: its pods named by the JobSet."""
     text = json.dumps(spec).replace("hetps-scheduler.hetps:7000", "hetps-scheduler-0-0.hetps:7000")
-    text = text.replace("tcp://hetps-ps-$(HETPS_RANK).hetps:7100", "tcp://hetps-ps-0-$(HETPS_RANK).hetps:7100")
+    text = text.replace("tcp://hetps-ps-$(HETPS_RANK).hetps:", "tcp://hetps-ps-0-$(HETPS_RANK).hetps:")
     out = json.loads(text)
     for key in ("hostname", "subdomain"):
         out["template"]["spec"].pop(key, None)
@@ -225,13 +225,14 @@ def pods():
     out = [("k8s", "hetps-scheduler", 0, {"role": "scheduler", "bind": "tcp://0.0.0.0:7000",
                                           "run_dir": f"/runs/default-{FAKE_UID}"})]
     out += [("k8s", "hetps-ps", i, {"role": "ps", "rank": str(i), "bind": "tcp://0.0.0.0:7100",
-                                    "advertise": f"tcp://hetps-ps-{i}.hetps:7100", "scheduler": plain})
+                                    "advertise": f"tcp://hetps-ps-{i}.hetps:7100", "scheduler": plain,
+                                    "replica_advertise": f"tcp://hetps-ps-{i}.hetps:7101"})
             for i in range(2)]
     out += [("k8s", "hetps-worker", i, {"role": "worker", "rank": str(i), "scheduler": plain}) for i in (0, 3)]
     out += [("k8s", "hetps-evaluator", 0, {"role": "evaluator", "scheduler": plain}),
             ("gpu", "hetps-worker-gpu", 0, {"role": "worker", "rank": "auto", "scheduler": plain}),
             ("jobset", "ps", 1, {"role": "ps", "rank": "1", "advertise": "tcp://hetps-ps-0-1.hetps:7100",
-                                 "scheduler": js}),
+                                 "replica_advertise": "tcp://hetps-ps-0-1.hetps:7101", "scheduler": js}),
             ("jobset", "worker", 2, {"role": "worker", "rank": "2", "scheduler": js}),
             ("jobset", "scheduler", 0, {"role": "scheduler", "run_dir": f"/runs/default-{FAKE_UID}"})]
     return [pytest.param(*p, id=f"{p[0]}-{p[1]}-{p[2]}") for p in out]

@@ -25,9 +25,11 @@ from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs
 from shard_harness import SHARD_IDS, grads, make_plan, tiny_model, values_of
 
-A, B = 11, 12
+A, B, C = 11, 12, 13
 STEPS = 8
 TIMEOUT_S = 15.0
+# cpsgd: each push is a worker's model after one local step (the period the shards are configured with)
+AVERAGING_INFO = {"steps": 1, "period": 1, "lr": 0.1, "weight_decay": 0.0}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,12 +53,15 @@ class Cluster:
     """Two replicated shard processes served by one thread; `kill(i)` stops
     serving process i for good and publishes the scheduler's failover plan."""
 
-    def __init__(self, algorithm: str, kill_at: tuple | None = None, late: bool = False):
+    def __init__(self, algorithm: str, kill_at: tuple | None = None, late: bool = False,
+                 workers: tuple = (A, B), groups: tuple = (), overrides: tuple = ()):
         self.model = tiny_model()
         self.cfg = load_config(None, [f"algorithm.name={algorithm}", "optimizer.momentum=0.9",
-                                      "cluster.replicas=1"])
+                                      "cluster.replicas=1", *overrides])
+        self.workers = workers
+        self.info = AVERAGING_INFO if algorithm == "cpsgd" else None  # a model push says how it was made
         tag = f"{algorithm}-{id(self)}"
-        plan = make_plan(model_specs(self.model), [A, B], n_shards=2, algorithm=algorithm)
+        plan = make_plan(model_specs(self.model), list(workers), n_shards=2, algorithm=algorithm, groups=groups)
         plan = dataclasses.replace(plan, shards=[dataclasses.replace(s, address=f"mem://repl-{tag}-{i}")
                                                  for i, s in enumerate(plan.shards)])
         hosts = [ReplicaHost(make_server(f"mem://repl-{tag}-backup-{i}"), self.cfg, SHARD_IDS[i]) for i in range(2)]
@@ -157,14 +162,15 @@ class KillableShard(ReplicatedShard):
 def run_sync(cluster: Cluster) -> dict:
     """Both workers train STEPS clocks in their own threads (sync rounds need both)."""
     cluster.thread.start()
-    clients = {n: cluster.client(n) for n in (A, B)}
-    acked = {A: 0, B: 0}
+    clients = {n: cluster.client(n) for n in cluster.workers}
+    acked = {n: 0 for n in cluster.workers}
     errors: list[str] = []
 
     def train(node: int) -> None:
         try:
             for clock in range(STEPS):
-                acks, _ = clients[node].push_pull(grads(cluster.model, 10 * clock + node), clock, 8)
+                acks, _ = clients[node].push_pull(grads(cluster.model, 10 * clock + node), clock, 8,
+                                                  cluster.info)
                 assert all(isinstance(a, Ack) for a in acks)
                 acked[node] += 1
         except Exception as exc:  # handed to the test thread
@@ -172,7 +178,7 @@ def run_sync(cluster: Cluster) -> dict:
 
     try:
         clients[A].init(values_of(cluster.model))
-        threads = [threading.Thread(target=train, args=(n,), daemon=True) for n in (A, B)]
+        threads = [threading.Thread(target=train, args=(n,), daemon=True) for n in cluster.workers]
         for t in threads:
             t.start()
         for t in threads:
@@ -189,14 +195,49 @@ def run_sync(cluster: Cluster) -> dict:
 def run_async(cluster: Cluster) -> dict:
     """A and B push in turn from one thread: the same order in every run."""
     cluster.thread.start()
-    clients = {n: cluster.client(n) for n in (A, B)}
-    acked = {A: 0, B: 0}
+    clients = {n: cluster.client(n) for n in cluster.workers}
+    acked = {n: 0 for n in cluster.workers}
     try:
         clients[A].init(values_of(cluster.model))
         for clock in range(STEPS):
             for node in (A, B):
                 clients[node].push_pull(grads(cluster.model, 10 * clock + node), clock, 8)
                 acked[node] += 1
+    finally:
+        cluster.close()
+        for c in clients.values():
+            c.close()
+    return acked
+
+
+def run_grouped(cluster: Cluster) -> dict:
+    """Grouping, deterministically: at each clock the groups step in turn
+    (group [A, B] together, in two threads, since its round needs both; then
+    C alone), so the groups' updates land in the same order in every run."""
+    cluster.thread.start()
+    clients = {n: cluster.client(n) for n in cluster.workers}
+    acked = {n: 0 for n in cluster.workers}
+    errors: list[str] = []
+
+    def step(node: int, clock: int) -> None:
+        try:
+            acks, _ = clients[node].push_pull(grads(cluster.model, 10 * clock + node), clock, 8)
+            assert all(isinstance(a, Ack) for a in acks)
+            acked[node] += 1
+        except Exception as exc:  # handed to the test thread
+            errors.append(f"{node}@{clock}: {exc!r}")
+
+    try:
+        clients[A].init(values_of(cluster.model))
+        for clock in range(STEPS):
+            for group in cluster.plan.groups:
+                threads = [threading.Thread(target=step, args=(n, clock), daemon=True) for n in group]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(timeout=2 * TIMEOUT_S)
+                assert not any(t.is_alive() for t in threads), f"group {group} still waiting at clock {clock}"
+                assert not errors, errors
     finally:
         cluster.close()
         for c in clients.values():
@@ -211,11 +252,20 @@ def final_values(cluster: Cluster) -> dict:
     return out
 
 
-RUNS = {"sync": run_sync, "async": run_async}
+RUNS = {"sync": run_sync, "async": run_async, "grouping": run_grouped, "cpsgd": run_sync}
+# how each algorithm's cluster is made: workers, groups, config overrides
+SETUPS = {"sync": {}, "async": {},
+          "grouping": {"workers": (A, B, C), "groups": ((A, B), (C,))},
+          "cpsgd": {"overrides": ("algorithm.period=1", "optimizer.name=sgd", "optimizer.momentum=0",
+                                  "optimizer.weight_decay=0")}}
+# shard versions after STEPS clocks: one per round (sync, cpsgd), per push (async), per group round (grouping)
+UPDATES = {"sync": STEPS, "async": 2 * STEPS, "grouping": 2 * STEPS, "cpsgd": STEPS}
 
 
 CASES = [(a, when, victim, False) for a in ("sync", "async") for when in ("before", "after") for victim in (0, 1)]
 CASES += [(a, when, 1, True) for a in ("sync", "async") for when in ("before", "after")]
+CASES += [(a, when, victim, late) for a in ("grouping", "cpsgd") for when, victim, late in
+          (("before", 0, False), ("after", 1, False), ("after", 0, True))]
 
 
 @pytest.mark.parametrize("algorithm,when,victim,late", CASES)
@@ -223,22 +273,22 @@ def test_a_killed_primary_fails_over_to_its_backup_with_nothing_lost(algorithm, 
     """`when`: the primary dies before or after forwarding B's clock-3 push;
     `late`: B's re-sent request reaches the backup before its process learned
     of the failover (it is kept, and answered once promoted)."""
-    reference = Cluster(algorithm)
+    reference = Cluster(algorithm, **SETUPS[algorithm])
     RUNS[algorithm](reference)
-    cluster = Cluster(algorithm, kill_at=(victim, B, 3, when), late=late)
+    cluster = Cluster(algorithm, kill_at=(victim, B, 3, when), late=late, **SETUPS[algorithm])
     acked = RUNS[algorithm](cluster)
     assert cluster.killed.is_set(), "the primary never saw the push it was to die at"
     assert not late or cluster.early >= 1, "no request reached the backup before its promotion"
-    assert acked == {A: STEPS, B: STEPS}
+    assert acked == {n: STEPS for n in cluster.workers}
     promoted = cluster.serving(victim)
     assert promoted.role == "primary" and promoted is cluster.processes[1 - victim].host.shadow
     assert cluster.plan.served_by == {str(SHARD_IDS[victim]): SHARD_IDS[1 - victim]}
     assert cluster.plan.backups == {}  # the survivor's backup died with the victim
-    updates = STEPS if algorithm == "sync" else 2 * STEPS
     for i in range(2):  # every push applied exactly once, on both shards
         shard, ref = cluster.serving(i), reference.serving(i)
-        assert shard.policy.counts["accepted"] == ref.policy.counts["accepted"] == 2 * STEPS
-        assert shard.store.version == ref.store.version == updates
+        assert shard.policy.counts["accepted"] == ref.policy.counts["accepted"] == len(cluster.workers) * STEPS
+        assert shard.store.version == ref.store.version == UPDATES[algorithm]
+        assert shard.policy.state_dict() == ref.policy.state_dict()
     expected, got = final_values(reference), final_values(cluster)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
