@@ -351,7 +351,8 @@ class Coordinator(Registration, Service):
     def _track_stalls(self) -> None:
         """Name who the cluster waits for (stalls.py): `stall` records while
         training, every open stall ended once the run stops."""
-        for rec in self.stalls.update(self.nodes, stopping=self.stop_reason is not None):
+        replaced = frozenset(int(k) for k in self.plan.served_by) if self.plan is not None else frozenset()
+        for rec in self.stalls.update(self.nodes, stopping=self.stop_reason is not None, replaced=replaced):
             self.runlog.record("stall", t=round(self.elapsed(), 4), **rec)
 
     def _save_when_due(self) -> None:

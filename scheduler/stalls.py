@@ -114,13 +114,14 @@ class StallTracker:
         self.shards[node.node_id] = sample
 
     # ------------------------------------------------------------ combining
-    def blockers(self, nodes: dict) -> list[Blocker]:
-        """The nodes holding others up now, by node id `nodes` (coordinator Nodes)."""
+    def blockers(self, nodes: dict, replaced: frozenset = frozenset()) -> list[Blocker]:
+        """The nodes holding others up now, by node id `nodes` (coordinator Nodes);
+        the shards in `replaced` are served by their promoted backups."""
         now = self.clock()
         live_workers = sum(1 for n in nodes.values() if n.role == "worker" and not n.gone)
         found: dict[str, Blocker] = {}
         busy = set()
-        for shard in (n for n in nodes.values() if n.role == "ps" and not n.left):
+        for shard in (n for n in nodes.values() if n.role == "ps" and not n.left and n.node_id not in replaced):
             reason = self._silence(shard, now)
             if reason:
                 found[name_of(shard)] = Blocker(name_of(shard), reason, shard.last_seen, live_workers)
@@ -167,16 +168,17 @@ class StallTracker:
         return {n: (s, max(len(waiters.get(n, ())), counts.get(n, 0))) for n, s in since.items()}
 
     # ------------------------------------------------------------ stalls over time
-    def update(self, nodes: dict, stopping: bool = False) -> list[dict]:
+    def update(self, nodes: dict, stopping: bool = False, replaced: frozenset = frozenset()) -> list[dict]:
         """Re-assess (at most ASSESS_PER_HEARTBEAT times per heartbeat
         interval; `stopping`: end every stall now). Returns the `stall` records to write: one per stall
         that ended, one per stall still open whose last record is at least a
-        heartbeat old."""
+        heartbeat old. `replaced`: shard node ids a promoted backup serves
+        (cluster.replicas): a dead one holds nobody up."""
         now = self.clock()
         if not stopping and now - self.last_update < self.heartbeat_s / ASSESS_PER_HEARTBEAT:
             return []
         self.last_update = now
-        current = {} if stopping else {b.node: b for b in self.blockers(nodes)}
+        current = {} if stopping else {b.node: b for b in self.blockers(nodes, replaced)}
         out = []
         for name, stall in list(self.open.items()):
             if name not in current:  # it ended after the last update that named it

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster_util import assert_reached_target, log_tails, records, run_hetps, summary
+from cluster_util import FINAL_SLACK, log_tails, records, run_hetps, summary
 
 pytestmark = pytest.mark.cluster
 DEAD_AFTER_S = 2.0
@@ -16,14 +16,18 @@ DEAD_AFTER_S = 2.0
 def test_a_killed_shard_fails_over_to_its_backup_without_a_restart(run_dir):
     result = run_hetps(["run", "configs/sync.yaml", "--out", str(run_dir), "--quiet", "cluster.replicas=1",
                         "cluster.workers=2", f"cluster.dead_after_s={DEAD_AFTER_S}", "cluster.retry_s=0.5",
-                        "stop.target_accuracy=0.95",
-                        "stop.max_seconds=120", "cluster.kill=[{node: ps1, at_s: 2.0}]"], timeout_s=240)
+                        # a time limit, not the target: a fast run could reach 95% before the dead shard is
+                        # noticed, and stop without failing over
+                        "stop.target_accuracy=null", "eval.every_s=1.0",
+                        "stop.max_seconds=12", "cluster.kill=[{node: ps1, at_s: 2.0}]"], timeout_s=240)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     assert "exited with" not in result.stderr, result.stderr + log_tails(run_dir)  # every worker went on
     kill = json.loads((run_dir / "faults.jsonl").read_text().splitlines()[0])
     assert (kill["action"], kill["node"]) == ("kill", "ps1")
     s = summary(run_dir)
-    assert_reached_target(s, 0.95)
+    assert s["best_accuracy"] >= 0.95 and s["final_accuracy"] >= 0.95 - FINAL_SLACK, s
+    # after the failover the dead shard held nobody up: its stall ended when its backup took over
+    assert s["stalls"]["ps1"]["held_s"] <= failover_after_kill_s(s, run_dir) + 1.0, s["stalls"]
     kinds = [(f["kind"], f.get("node")) for f in s["failures"]]
     assert ("shard_failover", "ps1") in kinds and not any(k == "shard_restarted" for k, _ in kinds), kinds
     failover = next(f for f in s["failures"] if f["kind"] == "shard_failover")
@@ -41,3 +45,9 @@ def test_a_killed_shard_fails_over_to_its_backup_without_a_restart(run_dir):
         assert steps <= accepted <= steps + workers, (steps, ps0["accepted"], backup)
     # sync: one update per round on both (the round open at the stop may have closed on one only)
     assert abs(ps0["version"] - backup["version"]) <= 1, (ps0, backup)
+
+
+def failover_after_kill_s(s: dict, run_dir) -> float:
+    """Seconds from the kill to the failover (the dead shard's stall lasts that long at most)."""
+    kill = json.loads((run_dir / "faults.jsonl").read_text().splitlines()[0])
+    return next(f["t"] for f in s["failures"] if f["kind"] == "shard_failover") - kill["t"]
