@@ -52,6 +52,7 @@ class Coordinator(Registration, Service):
         self.formation = FORMATIONS[algorithm(cfg.algorithm.name).groups]
         self.run_id = run_id or secrets.token_hex(6)  # names checkpoints; a resumed run keeps it
         self.state_saved = 0.0
+        self.state_dirty = False  # a registration changed the state: saved at the next tick, not per node
         self.resumed_plan: ClusterPlan | None = None  # the stopped run's last plan, when resuming
         self.runlog = RunLog(run_dir)
         self.nodes: dict[int, Node] = {}
@@ -320,7 +321,7 @@ class Coordinator(Registration, Service):
         """Run the timers (startup timeout, failure detection, re-grouping,
         state saving, stop limits); call between requests. Never raises: each
         timer runs guarded like a handler (`_guarded`)."""
-        timers = ((self._check_startup,) if self.started is None else
+        timers = ((self._check_startup, self._save_when_due) if self.started is None else
                   (self._detect_dead, self._maybe_regroup, self._save_when_due, self._check_limits,
                    self._track_stalls))
         for timer in timers:
@@ -356,7 +357,9 @@ class Coordinator(Registration, Service):
             self.runlog.record("stall", t=round(self.elapsed(), 4), **rec)
 
     def _save_when_due(self) -> None:
-        if self.clock() - self.state_saved > state.SAVE_EVERY_S:
+        """Save once per tick at most: a burst of registrations (1,024 nodes)
+        writes the state file a few times, not once per node."""
+        if self.state_dirty or self.clock() - self.state_saved > state.SAVE_EVERY_S:
             state.save(self)
 
     def _check_limits(self) -> None:

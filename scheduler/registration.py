@@ -42,7 +42,10 @@ class Registration:
         self._maybe_plan()
         if msg.role == "worker" and self.plan is not None and node_id not in self.plan.worker_ids():
             self._replan(f"worker {msg.rank} joined as node {node_id}")
-        state.save(self)
+        if self.plan is None:  # the start-up burst: written once per tick (coordinator._save_when_due)
+            self.state_dirty = True
+        else:
+            state.save(self)
         return Welcome(node_id=node_id, role=msg.role, rank=msg.rank)
 
     def _claim_rank(self, role: str) -> int:

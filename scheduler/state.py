@@ -42,7 +42,8 @@ def save(coord, finished: bool = False) -> None:
     `finished`: the run ended, a later scheduler must not carry it on."""
     if coord.runlog.run_dir is None or not getattr(coord, "keeps_state", True):
         return
-    coord.state_saved = time.monotonic()
+    coord.state_saved = coord.clock()
+    coord.state_dirty = False
     write_json_atomic(coord.runlog.run_dir / STATE_FILE, {
         "run_id": coord.run_id,
         "finished": finished,

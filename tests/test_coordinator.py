@@ -105,3 +105,30 @@ def test_a_restarted_scheduler_keeps_the_runs_clock(tmp_path, monkeypatch):
              if r["kind"] == "eval"]
     assert times == [1.15, 2.65]
     assert summary["time_to_target_s"] == 2.65 and summary["wall_s"] >= 2.65
+
+
+def test_a_burst_of_registrations_writes_the_state_once_per_tick(tmp_path):
+    """64 workers registering back to back before the plan: the state file is
+    written by the next tick, once, with every node in it (not 64 times,
+    which made start-up quadratic at 1,024 nodes); after the plan a joining
+    node is saved at once."""
+    import json
+
+    from hetps.scheduler import state
+
+    cfg = load_config(None, ["cluster.workers=65", "cluster.shards=1"])
+    server = MemServer("mem://coordinator-burst")
+    try:
+        coord = Coordinator(server, cfg, run_dir=tmp_path)
+        register(coord, "ps", 0)
+        for rank in range(64):
+            register(coord, "worker", rank)
+        path = tmp_path / state.STATE_FILE
+        assert not path.exists() and coord.state_dirty
+        coord.tick()
+        assert len(json.loads(path.read_text())["nodes"]) == 65 and not coord.state_dirty
+        register(coord, "worker", 64)  # the last one: the plan goes out and is saved with it
+        assert coord.plan is not None
+        assert len(json.loads(path.read_text())["nodes"]) == 66
+    finally:
+        server.close()
