@@ -105,6 +105,9 @@ class Coordinator(Registration, Service):
     def on_get_plan(self, peer: bytes, env: Envelope):
         if self.plan is not None and self.plan.plan_id > env.msg.after:
             return Plan(plan_id=self.plan.plan_id, plan=self.plan)
+        # a node asks for plans one at a time (Membership._plan_lock): its older
+        # parked request is one it gave up on (a push named a plan that never came)
+        self.plan_waiters = [w for w in self.plan_waiters if w[0] != peer]
         self.plan_waiters.append((peer, env.req_id, env.msg.after))
         return None
 

@@ -132,3 +132,24 @@ def test_a_burst_of_registrations_writes_the_state_once_per_tick(tmp_path):
         assert len(json.loads(path.read_text())["nodes"]) == 66
     finally:
         server.close()
+
+
+def test_a_node_parks_one_plan_request_at_most(tmp_path):
+    """A shard that gave up waiting for a plan a push named (a bogus id) asks
+    again later: the scheduler keeps only its newest parked GET_PLAN, so
+    bogus ids cannot grow the waiting list; another node's request stays."""
+    from hetps.proto.messages import GetPlan
+
+    cfg = load_config(None, ["cluster.workers=1", "cluster.shards=1"])
+    server = MemServer("mem://coordinator-parked")
+    try:
+        coord = Coordinator(server, cfg, run_dir=tmp_path)
+        register(coord, "ps", 0)
+        register(coord, "worker", 0)
+        assert coord.plan is not None
+        for req_id, after in enumerate((1_000, 2_000, 3_000), start=10):
+            assert coord.on_get_plan(b"shard", Envelope(GetPlan(after=after), req_id=req_id, src=1)) is None
+        coord.on_get_plan(b"worker", Envelope(GetPlan(after=5), req_id=7, src=2))
+        assert coord.plan_waiters == [(b"shard", 12, 3_000), (b"worker", 7, 5)]
+    finally:
+        server.close()
