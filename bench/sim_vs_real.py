@@ -1,7 +1,7 @@
 """Calibration: the same heterogeneous experiment run really and simulated.
 
     .venv/bin/python bench/sim_vs_real.py [--config configs/default.yaml] [--repeats N] \
-        [--algorithms sync,async,grouping] [--out runs/sim-vs-real] [key=value ...]
+        [--algorithms sync,async,grouping] [--out runs/sim-vs-real] [--reuse] [key=value ...]
 
 For each algorithm, each repeat runs the experiment really (`hetps run`:
 one process per node, ZeroMQ), then simulates it (`hetps simulate`) with a
@@ -21,7 +21,9 @@ the target or `stop.max_seconds`):
 Prints, per algorithm, the median real and simulated time to target
 (seconds; virtual for the simulation), their ratio, and each worker's step
 rate (steps per second up to the end of its run) real and simulated.
-Writes OUT/sim_vs_real.json.
+Writes OUT/sim_vs_real.json. A `cluster.workers=...` override sets the real
+cluster; the simulation replaces it with the measured cost model. `--reuse`
+keeps the real runs already in OUT (re-simulates them only).
 """
 from __future__ import annotations
 
@@ -74,19 +76,24 @@ def summary_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def one_pair(raw: dict, algorithm: str, common: list[str], seed: int, out: Path, r: int) -> dict:
-    """One real run, then its simulation with the measured cost model; blocking."""
+def one_pair(raw: dict, algorithm: str, common: list[str], seed: int, out: Path, r: int,
+             reuse: bool = False) -> dict:
+    """One real run (or, with `reuse`, the one already in `out`), then its
+    simulation with the measured cost model; blocking."""
     extra = DEFAULT_WITH.get(algorithm, [])
     cfg = algorithm_config(raw, algorithm, common, extra, seed)
     real_dir = out / f"{algorithm}-real-{r}"
-    print(f"sim_vs_real: {algorithm} real run {r + 1} -> {real_dir}", file=sys.stderr)
-    if run_local(cfg, real_dir, quiet=True) not in (0, 3):
-        raise RuntimeError(f"{real_dir}: the real run failed; see its logs")
+    if not (reuse and (real_dir / "summary.json").exists()):
+        print(f"sim_vs_real: {algorithm} real run {r + 1} -> {real_dir}", file=sys.stderr)
+        if run_local(cfg, real_dir, quiet=True) not in (0, 3):
+            raise RuntimeError(f"{real_dir}: the real run failed; see its logs")
     n = len(cfg.cluster.workers)
     costs = worker_costs(real_dir, n)
     sim_raw = copy.deepcopy(raw)
     sim_raw.setdefault("cluster", {})["workers"] = costs  # slowdown 1: step_s already includes it
-    sim_cfg = algorithm_config(sim_raw, algorithm, common, extra, seed)
+    # the real cluster's `cluster.workers=` override would replace the measured costs
+    sim_common = [o for o in common if not o.replace(" ", "").startswith("cluster.workers=")]
+    sim_cfg = algorithm_config(sim_raw, algorithm, sim_common, extra, seed)
     sim_dir = out / f"{algorithm}-sim-{r}"
     print(f"sim_vs_real: {algorithm} simulation {r + 1} -> {sim_dir}", file=sys.stderr)
     simulate(sim_cfg, sim_dir, plot=False)
@@ -130,13 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algorithms", default="sync,async,grouping")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default="runs/sim-vs-real")
+    parser.add_argument("--reuse", action="store_true", help="keep the real runs already in --out")
     args = parser.parse_args(argv)
     raw = load_raw(args.config)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for algorithm in [a.strip() for a in args.algorithms.split(",") if a.strip()]:
-        pairs = [one_pair(raw, algorithm, args.overrides, raw.get("seed", 0) + r, out, r)
+        pairs = [one_pair(raw, algorithm, args.overrides, raw.get("seed", 0) + r, out, r, args.reuse)
                  for r in range(args.repeats)]
         rows.append(row(algorithm, pairs))
     (out / "sim_vs_real.json").write_text(json.dumps(rows, indent=2))
