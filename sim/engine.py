@@ -252,7 +252,8 @@ class Simulation:
             for i, push in (w.final_pushes() if w.alive and isinstance(w, SimLocalWorker) else []):
                 self._send(w, i, push)
                 sent = True
-        while sent and self.q.run_next():
+        messages = (self._arrive, self._handle, self._reply)
+        while sent and self.q.holds(messages) and self.q.run_next():  # the clock stops at the last message
             pass
 
     def _kill(self, rank: int) -> None:

@@ -83,6 +83,7 @@ def test_wpsgd_final_average_closes_a_last_round(tmp_path, digits):
     summary, run_dir = run(tmp_path, digits, "wpsgd", "algorithm.name=wpsgd", "algorithm.period_s=0",
                            "optimizer.weight_decay=0.0005", "stop.target_accuracy=null", "stop.max_seconds=0.5")
     assert summary["shard_versions"] == {"ps0": 1, "ps1": 1}   # the one final round
+    assert summary["simulation"]["virtual_s"] < 0.6   # carried to its last message, not to later timers
     stats = summary["shard_stats"]["ps0"]
     weights = stats["weights"]   # W_i = 1 - (1 - lr wd)^T_i, normalised: the slow worker did a third of the steps
     assert weights[0] == pytest.approx(weights[1]) and weights[2] == pytest.approx(weights[0] / 3, rel=0.05)
