@@ -21,8 +21,11 @@ from hetps.scheduler.plots import _pyplot
 def final_accuracies(out: Path) -> dict[str, list[float]]:
     """Algorithm label -> the final accuracy of each repeat (in seed order)."""
     labels = [row["algorithm"] for row in json.loads((out / "compare.json").read_text())]
+    def seed_order(path: Path) -> int:
+        return int(path.parent.name.rsplit("-", 1)[1])
+
     return {label: [json.loads(p.read_text())["final_accuracy"] or 0.0
-                    for p in sorted(out.glob(f"{label}-*/summary.json"), key=lambda p: int(p.parent.name.rsplit("-", 1)[1]))]
+                    for p in sorted(out.glob(f"{label}-*/summary.json"), key=seed_order)]
             for label in labels}
 
 
