@@ -98,3 +98,14 @@ def test_same_config_and_seed_give_the_same_summary(tmp_path, digits, algorithm)
     second, _ = run(tmp_path, digits, "b", *overrides)
     assert first["global_steps"] > 30
     assert comparable(first) == comparable(second)
+
+
+def test_averaging_goes_on_without_a_killed_worker(tmp_path, digits):
+    # worker 2 goes silent at 0.2 s; once it is declared dead the shards adopt the new plan (closing the
+    # open round over the models it has) and the survivors' rounds close without it
+    summary, run_dir = run(tmp_path, digits, "kill", *ALGORITHMS["cpsgd"], "stop.target_accuracy=null",
+                           "stop.max_seconds=1.0", "cluster.kill=[{node: worker2, at_s: 0.2}]")
+    assert summary["plan_id"] == 2 and not summary["simulation"]["stalled"]
+    late = [r for r in rounds_of(run_dir)[0] if r["t"] > 0.2 + 0.5 + 0.1]   # after dead_after_s and a heartbeat
+    assert len(late) >= 3
+    assert all(b["t"] - a["t"] < 0.096 for a, b in zip(late, late[1:]))   # no longer waiting for the slow worker
