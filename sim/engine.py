@@ -34,10 +34,12 @@ from hetps.worker.state import ModelState, model_specs
 
 from .events import EventQueue, Link, ServiceQueue, nbytes_of, speed_factor, transfer
 from .wire import SimServer, call, dispatch, node_of, request, request_ids
+from .local_workers import SimDilocoWorker, SimLocalWorker
 from .workers import SimMember, SimWorker, base_step_s
 
 log = logging.getLogger(__name__)
-SUPPORTED_LOOPS = ("gradients",)
+# the algorithm table's worker loop -> its simulated worker
+SIM_WORKERS = {"gradients": SimWorker, "local_steps": SimLocalWorker, "pseudo_gradients": SimDilocoWorker}
 
 
 class SimulationError(ConfigError):
@@ -48,9 +50,9 @@ def check_simulable(cfg: RunConfig) -> None:
     """Refuse, naming the key, what the simulator does not model."""
     problems = []
     algo = algorithm(cfg.algorithm.name)
-    if algo.worker_loop not in SUPPORTED_LOOPS:
-        problems.append(f"algorithm.name: {cfg.algorithm.name} (local steps, then a model) is not simulated yet; "
-                        "allowed: sync, async, ssp, grouping, eager")
+    if algo.worker_loop not in SIM_WORKERS:
+        problems.append(f"algorithm.name: {cfg.algorithm.name} (worker loop {algo.worker_loop}) is not simulated; "
+                        f"simulated worker loops: {', '.join(SIM_WORKERS)}")
     if cfg.cluster.chunk_bytes:
         problems.append("cluster.chunk_bytes: must be 0 under simulate (tensors are not cut)")
     if cfg.comm.overlap or cfg.comm.compression != "none" or not cfg.comm.fuse_pull:
@@ -115,9 +117,11 @@ class Simulation:
             part = {t.name: values[t.name] for t in plan.owned(i)}
             frames, _ = request(Init(plan_id=plan.plan_id, tensors=part), worker_ids[0], self.ids)
             self._expect_ok(dispatch(self.shards[entry.node_id], worker_ids[0], frames))
+        make = SIM_WORKERS[algorithm(self.cfg.algorithm.name).worker_loop]
+        extra = {} if make is SimWorker else {"clock": self.q.clock}
         for rank, node_id in enumerate(worker_ids):
-            self.workers[node_id] = SimWorker(self.cfg, self.cfg.cluster.workers[rank], SimMember(node_id, rank),
-                                              plan, self.state, self.data)
+            self.workers[node_id] = make(self.cfg, self.cfg.cluster.workers[rank], SimMember(node_id, rank),
+                                         plan, self.state, self.data, **extra)
         self.plan_sent = plan.plan_id
         for w in self.workers.values():
             for i, pull in w.first_pulls():
@@ -183,13 +187,18 @@ class Simulation:
             self.q.after(compute_s, self._push, w)
 
     def _push(self, w: SimWorker) -> None:
-        if not w.alive:
+        if not w.alive or self.coord.stop_reason is not None:
             return
-        for i, push in w.pushes(self.q.now):
-            self._send(w, i, push)
+        messages = w.pushes(self.q.now)
+        for i, msg in messages:
+            self._send(w, i, msg)
+        if not messages:  # a local step that ends no round: the next one follows at once
+            self._step(w)
 
     # ------------------------------------------------------------ heartbeats, plans, evaluation, faults
     def _heartbeat(self) -> None:
+        if self.coord.stop_reason is not None:
+            return  # one left in the queue while the final averages are carried
         now = self.q.now
         for w in self.workers.values():
             if not w.alive:
@@ -219,6 +228,8 @@ class Simulation:
         return {**self.shards[sid].stats(), "busy_s": round(self.queues[sid].busy_s, 6)}
 
     def _evaluate(self, final: bool = False) -> None:
+        if not final and self.coord.stop_reason is not None:
+            return
         values = {}
         for sid, shard in self.shards.items():
             frames, _ = request(Pull(plan_id=shard.plan.plan_id, clock=-1), self.evaluator_id, self.ids)
@@ -230,6 +241,20 @@ class Simulation:
             "accuracy": accuracy, "loss": loss, "final": final, "num_classes": self.data.num_classes}))
         if not final and self.coord.stop_reason is None:
             self.q.after(self.cfg.eval.every_s + self.cfg.sim.eval_s, self._evaluate)
+
+    def _final_averages(self) -> None:
+        """With `final_average` (wpsgd, simuparallel), each worker between
+        rounds pushes its model once more; the messages in flight are carried
+        to the end (no new step starts), so the final evaluation sees the last
+        round's mean when every worker got to push (best effort, as in a real run)."""
+        sent = False
+        for w in self.workers.values():
+            for i, push in (w.final_pushes() if w.alive and isinstance(w, SimLocalWorker) else []):
+                self._send(w, i, push)
+                sent = True
+        messages = (self._arrive, self._handle, self._reply)
+        while sent and self.q.holds(messages) and self.q.run_next():  # the clock stops at the last message
+            pass
 
     def _kill(self, rank: int) -> None:
         for w in self.workers.values():
@@ -245,6 +270,7 @@ class Simulation:
             if not self.q.run_next():
                 self.stalled = True
                 self.coord.begin_stop("simulation stalled: no event left (every worker waits)")
+        self._final_averages()
         if self.cfg.eval.enabled:
             self._evaluate(final=True)
         for w in self.workers.values():

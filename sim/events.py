@@ -37,6 +37,10 @@ class EventQueue:
     def after(self, delay_s: float, fn: Callable, *args) -> None:
         self.at(self.now + delay_s, fn, *args)
 
+    def holds(self, fns: tuple) -> bool:
+        """Whether any event still due calls one of `fns`."""
+        return any(fn in fns for _, _, fn, _ in self._heap)
+
     def run_next(self) -> bool:
         """Advance the clock to the next event and run it; False when none is left."""
         if not self._heap:

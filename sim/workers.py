@@ -41,6 +41,10 @@ class SimMember:
 
     node_id: int
     rank: int
+    plan_id: int = 0   # the newest plan an ACK named (diloco's `note_plan`)
+
+    def note_plan(self, plan_id: int) -> None:
+        self.plan_id = max(self.plan_id, plan_id)
 
 
 class SimClient:
@@ -128,15 +132,22 @@ class SimWorker:
                              "staleness": self.staleness, "group": self.group,
                              "compute_s": round(self.compute_s, 5), "step_s": round(step_s, 5)})
 
+    def follow_plan(self, newest: ClusterPlan) -> bool:
+        """Between steps, switch to `newest` if this worker knows of a newer
+        plan; False (and not alive) when it is not a worker of it."""
+        if self.known_plan_id > self.client.plan.plan_id and newest.plan_id > self.client.plan.plan_id:
+            if self.member.node_id not in newest.worker_ids():
+                self.alive = False
+                return False
+            self.use_plan(newest)
+        return True
+
     def start_step(self, now: float, newest: ClusterPlan) -> float | None:
         """Compute the next gradient on the loaded values (real forward/backward);
         returns its virtual compute seconds, or None when this worker is not in
         the newest plan it knows of (it stops)."""
-        if self.known_plan_id > self.client.plan.plan_id and newest.plan_id > self.client.plan.plan_id:
-            if self.member.node_id not in newest.worker_ids():
-                self.alive = False
-                return None
-            self.use_plan(newest)
+        if not self.follow_plan(newest):
+            return None
         self.step_started = now
         self.loss = self.compute()
         self.outgoing = {n: t.clone() for n, t in self.state.outgoing().items()}

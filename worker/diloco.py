@@ -25,6 +25,7 @@ from hetps.proto.rpc import Aborted
 from hetps.proto.speed_shares import local_steps
 
 from .local import LocalSgdTrainer
+from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class DilocoTrainer(LocalSgdTrainer):
                            p.period, p.min_period)
 
     def use_plan(self, plan: ClusterPlan) -> None:
-        super().use_plan(plan)
+        Trainer.use_plan(self, plan)  # not super(): the simulated worker borrows this method
         if hasattr(self, "start_values"):  # not while constructing: __init__ sets the period
             self.period = self.period_for(plan)
 
@@ -60,10 +61,20 @@ class DilocoTrainer(LocalSgdTrainer):
             out[n] = self.start_values[n] - now if kind == "param" else now
         return out
 
+    def due(self) -> bool:
+        return self.steps_in_round >= self.period
+
+    def round_request(self) -> tuple[dict, int, int, dict]:
+        """What this round's push carries: (pseudo-gradient, clock, n_samples, info)."""
+        return self.pseudo_gradient(), self.round, self.steps_in_round * self.batch_size, self.info()
+
     def sync_round(self) -> dict:
         """Push the pseudo-gradient, load the new global model; fields for the step record."""
-        acks, values = self.client.push_pull(self.pseudo_gradient(), self.round,
-                                             self.steps_in_round * self.batch_size, self.info())
+        acks, values = self.client.push_pull(*self.round_request())
+        return self.take_round(acks, values)
+
+    def take_round(self, acks: list, values: dict) -> dict:
+        """Load the new global model, start the next round from it; fields for the step record."""
         self.state.load(values)
         self.start_values = self.params()
         self.round += 1
@@ -89,7 +100,7 @@ class DilocoTrainer(LocalSgdTrainer):
                 record = {"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5),
                           "staleness": self.staleness, "compute_s": round(compute_s, 5)}
                 push_s = 0.0
-                if self.steps_in_round >= self.period:
+                if self.due():
                     record.update(self.sync_round())
                     push_s = self.client.last_push_s
                 self.timer.update(compute_s, push_s, time.perf_counter() - started)

@@ -66,15 +66,21 @@ class LocalSgdTrainer(Trainer):
     def __init__(self, cfg: RunConfig, node: NodeConfig, member: Membership, plan: ClusterPlan,
                  state: ModelState, data: Datasets):
         super().__init__(cfg, node, member, plan, state, data)
-        self.optimizer = build_optimizer(list(state.model.parameters()), cfg.optimizer)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer.schedule)
-        period = PERIODS[algorithm(cfg.algorithm.name).period](cfg.algorithm.params)
+        self.now = time.monotonic  # seconds for time-based periods; virtual under `hetps simulate`
+        self.init_local()
+
+    def init_local(self) -> None:
+        """The local optimizer and the round bookkeeping (reads cfg, state, now;
+        the simulated worker calls it too)."""
+        self.optimizer = build_optimizer(list(self.state.model.parameters()), self.cfg.optimizer)
+        self.scheduler = build_lr_scheduler(self.optimizer, self.cfg.optimizer.schedule)
+        period = PERIODS[algorithm(self.cfg.algorithm.name).period](self.cfg.algorithm.params)
         self.period_s = period.seconds   # time-based periods
         self.period = period.steps       # step-based periods
         self.final_average = period.final_average
         self.round = 0            # averages this worker took part in (= its push clock)
         self.steps_in_round = 0
-        self.round_started = time.monotonic()
+        self.round_started = self.now()
         self.in_flight = False    # a push was sent whose mean has not come back
 
     def stats(self) -> dict:
@@ -86,7 +92,7 @@ class LocalSgdTrainer(Trainer):
 
     def due(self) -> bool:
         if self.period_s is not None:
-            return self.period_s > 0 and time.monotonic() - self.round_started >= self.period_s
+            return self.period_s > 0 and self.now() - self.round_started >= self.period_s
         return self.steps_in_round >= self.period
 
     def info(self) -> dict:
@@ -96,25 +102,39 @@ class LocalSgdTrainer(Trainer):
     def local_step(self) -> tuple[float, float]:
         """One local optimizer step; returns (loss, compute seconds incl. emulated slowness)."""
         work_started = work_clock(self.device)
+        loss = self.optimizer_step()
+        compute_s = self.slowdown.stretch(work_clock(self.device) - work_started)
+        compute_s += straggle(self.cfg, self.index, self.clock - 1, compute_s)
+        return loss, compute_s
+
+    def optimizer_step(self) -> float:
+        """Forward, backward and a step of the local optimizer and its lr
+        schedule; counts the step. Returns the loss."""
         loss = self.compute()
         self.optimizer.step()
-        compute_s = self.slowdown.stretch(work_clock(self.device) - work_started)
-        compute_s += straggle(self.cfg, self.index, self.clock, compute_s)
         self.scheduler.step()
         self.clock += 1
         self.steps_in_round += 1
-        return loss, compute_s
+        return loss
 
     def average(self) -> dict:
         """Push the model, load the mean; returns fields for the step record."""
         self.in_flight = True
-        acks, values = self.client.push_pull(self.model_values(), self.round,
-                                             self.steps_in_round * self.cfg.data.batch_size, self.info())
+        acks, values = self.client.push_pull(*self.average_request())
+        return self.take_average(acks, values)
+
+    def average_request(self) -> tuple[dict, int, int, dict]:
+        """What this round's push carries: (model, clock, n_samples, info)."""
+        return self.model_values(), self.round, self.steps_in_round * self.cfg.data.batch_size, self.info()
+
+    def take_average(self, acks: list, values: dict) -> dict:
+        """Load the round's mean and take the next period from the ACKs (in
+        shard order); returns fields for the step record."""
         self.in_flight = False
         self.state.load(values)
         self.round += 1
         self.steps_in_round = 0
-        self.round_started = time.monotonic()
+        self.round_started = self.now()
         periods = [int(a.info["period"]) for a in acks if "period" in a.info]
         if periods:
             self.period = min(periods)  # shards decide on their own tensors: the most frequent wins
@@ -129,7 +149,7 @@ class LocalSgdTrainer(Trainer):
         self.client.init(self.state.values())
         self.state.load(self.client.pull(0))
         self.slowdown.start()
-        self.round_started = time.monotonic()
+        self.round_started = self.now()
         with contextlib.suppress(Aborted):  # stop came while an average was waiting
             while not self.member.stop_requested.is_set():
                 started = time.perf_counter()
