@@ -5,18 +5,11 @@
 
 For each algorithm, each repeat runs the experiment really (`hetps run`:
 one process per node, ZeroMQ), then simulates it (`hetps simulate`) with a
-cost model measured from that real run (blocking; each real run lasts until
-the target or `stop.max_seconds`):
-
-- each worker's `step_s` is the median `compute_s` of its step records
-  (measured compute, already stretched by its `slowdown`, and slowed by
-  whatever CPU contention the real run had); the simulated worker runs at
-  slowdown 1, so its step costs exactly that;
-- each worker's `latency_ms` is half the smallest per-worker median of
-  `step_s - compute_s` (a step's time outside compute: push, reply and the
-  worker's own overhead; the smallest is the worker that waited least for
-  others), since a step's push and reply each pay the worker's one-way
-  latency (shards get none).
+cost model measured from that real run (sim/costs.py: each worker's median
+compute per step, and half the smallest per-worker median of a step's time
+outside compute as every worker's one-way latency; `hetps simulate --replay`
+does the same for one run). Blocking; each real run lasts until the target
+or `stop.max_seconds`.
 
 Prints, per algorithm, the median real and simulated time to target
 (seconds; virtual for the simulation), their ratio, and each worker's step
@@ -37,29 +30,11 @@ from pathlib import Path
 from hetps.proto.config import load_raw
 from hetps.scheduler.compare import algorithm_config, median_or_none
 from hetps.scheduler.launcher import run_local
-from hetps.scheduler.report import read_metrics
+from hetps.sim.costs import measured_costs, step_records
 from hetps.sim.engine import simulate
 
 # the learning rates docs/results.md uses for these on configs/default.yaml (4 workers)
 DEFAULT_WITH = {"sync": ["optimizer.lr=0.05"], "async": ["optimizer.lr=0.0125"], "ssp": ["optimizer.lr=0.0125"]}
-
-
-def step_records(run_dir: Path) -> list[dict]:
-    return [m for m in read_metrics(run_dir / "metrics.jsonl") if m["kind"] == "step"]
-
-
-def worker_costs(run_dir: Path, n_workers: int) -> list[dict]:
-    """Per worker of a real run, the simulator's `{step_s, latency_ms}` (see the module doc)."""
-    steps = step_records(run_dir)
-    compute, outside = [], []
-    for rank in range(n_workers):
-        mine = [s for s in steps if s["worker"] == rank]
-        if not mine:
-            raise RuntimeError(f"{run_dir}: worker{rank} recorded no step")
-        compute.append(statistics.median(s["compute_s"] for s in mine))
-        outside.append(statistics.median(max(0.0, s["step_s"] - s["compute_s"]) for s in mine))
-    latency_ms = min(outside) / 2 * 1000
-    return [{"step_s": round(c, 6), "latency_ms": round(latency_ms, 3)} for c in compute]
 
 
 def step_rates(run_dir: Path, n_workers: int) -> list[float]:
@@ -88,7 +63,7 @@ def one_pair(raw: dict, algorithm: str, common: list[str], seed: int, out: Path,
         if run_local(cfg, real_dir, quiet=True) not in (0, 3):
             raise RuntimeError(f"{real_dir}: the real run failed; see its logs")
     n = len(cfg.cluster.workers)
-    costs = worker_costs(real_dir, n)
+    costs = measured_costs(real_dir, n)
     sim_raw = copy.deepcopy(raw)
     sim_raw.setdefault("cluster", {})["workers"] = costs  # slowdown 1: step_s already includes it
     # the real cluster's `cluster.workers=` override would replace the measured costs

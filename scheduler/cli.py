@@ -4,7 +4,8 @@
     hetps run --resume RUN_DIR [key=value ...]                          continue a stopped run
     hetps compare CONFIG --algorithms a,b,c [--repeats N] [--with ALGO key=value] [--out DIR] [--x time|steps|bytes]
                   [--simulate]
-    hetps simulate CONFIG [key=value ...] [--out DIR]   the same experiment in virtual time, one process
+    hetps simulate CONFIG [key=value ...] [--out DIR] [--replay RUN_DIR]
+                                           the same experiment in virtual time, one process
     hetps plot    RUN_DIR_OR_COMPARE_DIR [--x time|steps|bytes]   draw a run's or a comparison's plots again
     hetps scheduler --config CONFIG [--bind ADDR] [--run-dir DIR]
     hetps ps        --config CONFIG --rank N [--scheduler ADDR]
@@ -73,7 +74,22 @@ def simulate_command(argv: list[str]) -> int:
     parser.add_argument("config", help="YAML experiment, e.g. configs/default.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     parser.add_argument("--out", default=None, help="run directory (default: out_dir/NAME-ALGO-TIME)")
+    parser.add_argument("--replay", metavar="RUN_DIR", default=None,
+                        help="the workers' cost model measured in a real run's directory (sim/costs.py): "
+                             "each worker's compute per step and the link latency, replacing cluster.workers")
     args = parser.parse_intermixed_args(argv)
+    if args.replay:
+        from hetps.sim.costs import measured_costs, workers_override
+
+        try:
+            costs = measured_costs(Path(args.replay))
+        except ConfigError as exc:
+            print(f"hetps simulate: {exc}", file=sys.stderr)
+            return 2
+        args.overrides.append(workers_override(costs))
+        print(f"hetps simulate: {len(costs)} workers measured in {args.replay}: "
+              + ", ".join(f"{c['step_s'] * 1000:.1f} ms" for c in costs)
+              + f" a step, {costs[0]['latency_ms']:.1f} ms latency each way", file=sys.stderr)
     cfg = load_or_exit(args.config, args.overrides, import_targets=True)
     run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     try:
