@@ -223,7 +223,7 @@ class Coordinator(Registration, Service):
         until it comes back (restarted from its checkpoint) or their request
         timeout ends the run."""
         now = self.clock()
-        for n in self.members("worker", "ps"):
+        for n in self.members("worker", "ps", "spare"):
             silent = now - n.last_seen
             if n.gone or silent <= self.cfg.cluster.dead_after_s:
                 continue
@@ -234,7 +234,7 @@ class Coordinator(Registration, Service):
             log.warning("%s %d (node %d) silent for %.1fs: declared dead", n.role, n.rank, n.node_id, silent)
             if n.role == "worker" and self.plan is not None and self.stop_reason is None:
                 self._replan(f"worker {n.rank} dead")
-            if n.role == "ps":
+            if n.role in ("ps", "spare"):
                 failover.on_shard_dead(self, n)
 
     def _grouping(self, speeds: dict[int, float]) -> dict:

@@ -9,7 +9,7 @@ import math
 from .efficiency import run_efficiency
 from .outcome import environment, run_status
 
-ROLES = ("ps", "worker", "evaluator")
+ROLES = ("ps", "spare", "worker", "evaluator")
 
 
 def count(stats: dict, key: str) -> int:
