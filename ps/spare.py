@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 
 import zmq
 
-from hetps.proto.membership import Membership
+from hetps.proto.daemon import scheduler_lost_exit
+from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.plan import ClusterPlan
-from hetps.proto.rpc import Aborted
-from hetps.proto.transport import ServerTransport
+from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
+from hetps.proto.transport import ServerTransport, TransportError, make_server
 
 from .replication import ReplicaHost
 
@@ -103,3 +105,51 @@ def serve_spare(spare: Spare, member: Membership, poll_s: float = 0.05) -> None:
                     raise
                 except Exception:  # as the shard's PlanFollower: keep serving what it has
                     log.exception("spare: could not follow plan %d", member.latest_plan_id)
+
+
+def slot_addresses(base: str, count: int) -> list[str]:
+    """`count` addresses from `base`: port 0 stays random for each; a fixed
+    port P gives P, P+1, ... (one per slot)."""
+    host, _, port = base.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return [base] * count
+    return [f"{host}:{int(port) + k}" for k in range(count)]
+
+
+def run_spare(args, cfg, scheduler: str, phases) -> int:
+    """`hetps ps --spare`: bind one backup socket per configured shard
+    (--replica-bind / --replica-advertise as the first, the next ports for the
+    others), register as a spare, follow plans until the scheduler says stop.
+    Returns the exit status."""
+    slots = max(1, len(cfg.cluster.shards))
+    binds = slot_addresses(args.replica_bind or f"tcp://{cfg.cluster.host}:0", slots)
+    adverts = slot_addresses(args.replica_advertise, slots) if args.replica_advertise else [None] * slots
+    root = args.checkpoint_dir or cfg.checkpoint.dir
+    try:
+        spare = Spare([make_server(b, cfg.cluster.max_message_bytes) for b in binds], cfg, checkpoint_root=root)
+        for slot, advertise in zip(spare.slots, adverts):
+            slot.advertise = advertise
+        member = Membership(scheduler, "spare", args.rank, cfg.cluster)
+    except TransportError as exc:
+        print(f"hetps ps --spare {args.rank}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        member.join(startup=phases.as_dict(), spare_slots=spare.addresses)
+        spare.set_node_id(member.node_id)
+        plan = member.wait_plan()
+        member.start_heartbeats(spare.stats)
+        spare.follow(plan)
+        log.info("spare %d (node %d) waiting with %d backup slots at %s", member.rank, member.node_id, slots,
+                 ", ".join(spare.addresses))
+        serve_spare(spare, member)
+        spare.final_checkpoint()
+        if member.scheduler_lost:
+            return scheduler_lost_exit("spare", member.rank, member.stop_reason)
+        member.bye(spare.stats())
+    except (SchedulerUnreachable, RequestTimeout, RemoteError) as exc:
+        print(f"hetps ps --spare {args.rank}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        member.close()
+        spare.close()
+    return 0

@@ -195,7 +195,8 @@ class Coordinator(Registration, Service):
             **self._grouping({n.node_id: n.speed for n in workers}))
         plan = failover.with_backups(plan, self.nodes, self.cfg.cluster.replicas)
         self.started = self.clock()  # the run's clock starts when the plan goes out
-        for n in shards + workers:  # waiting for the plan is not silence: heartbeats start once it arrives
+        # waiting for the plan is not silence: heartbeats start once it arrives
+        for n in shards + workers + self.members("spare"):
             n.last_seen = self.started
         self._publish(plan)
 
