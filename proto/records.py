@@ -303,11 +303,10 @@ def _str_keyed_numbers(where: str, value: Any) -> dict[str, float]:
 
 
 def read_addresses(where: str, value: Any) -> list[str]:
-    """A short list of addresses (a spare's backup slots): at most 64 strings of 1-MAX_TEXT characters."""
-    if type(value) is not list or len(value) > 64 or not all(type(a) is str and 0 < len(a) <= MAX_TEXT
-                                                            for a in value):
-        _bad(where, f"must be a list of at most 64 addresses, got {value!r:.60}")
-    return list(value)
+    """A spare's backup slots: at most 64 addresses of 1-MAX_TEXT characters."""
+    if type(value) is list and len(value) <= 64 and all(type(a) is str and 0 < len(a) <= MAX_TEXT for a in value):
+        return list(value)
+    _bad(where, f"must be a list of at most 64 addresses, got {value!r:.60}")
 
 
 def read_plan(value: Any) -> ClusterPlan:
@@ -380,10 +379,9 @@ READERS: dict[type, dict[str, Callable[[Any], Any]]] = {
     m.Bye: {"stats": NodeStats.read},
     m.Register: {"tensor_specs": read_tensor_specs, "speed": read_speed, "startup": read_startup,
                  "spare_slots": lambda v: read_addresses("spare_slots", v)},
-    m.Snapshot: {"plan": read_plan},
     m.Push: {"info": PushInfo.read},
     m.Params: {"ack": FusedAck.read},
-    m.Plan: {"plan": read_plan},
+    m.Plan: {"plan": read_plan}, m.Snapshot: {"plan": read_plan},
 }
 
 

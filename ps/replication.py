@@ -241,12 +241,7 @@ class ReplicatedShard(Shard):
         return Ack(plan_id=self.plan.plan_id)
 
     def on_snapshot(self, peer: bytes, env: Envelope):
-        """A backup made after training began takes its primary's whole state (state_copy.py)."""
-        if self.role == "backup" and self.primary_peer is None:
-            self.primary_peer = peer
-        if self.role != "backup" or peer != self.primary_peer:
-            raise ProtocolError(Status.BAD_STATE, "SNAPSHOT is only sent to a backup, by its primary")
-        return load_snapshot(self, env.msg)
+        return load_snapshot(self, peer, env.msg)  # a backup made after training began (state_copy.py)
 
     def _apply_push(self, env: Envelope) -> Ack:
         if self.role != "primary":

@@ -89,11 +89,16 @@ def snapshot_of(shard) -> Snapshot:
     return Snapshot(plan=shard.plan, state=state, tensors=tensors)
 
 
-def load_snapshot(shard, msg: Snapshot) -> Ack:
-    """Make backup `shard` an exact copy of the primary that sent `msg`: its
-    plan, values, optimizer, policy (open rounds and all, unlike a checkpoint
-    restore, which realigns), last ACK per worker and counts.
-    Raises ProtocolError when the state is not of this shard."""
+def load_snapshot(shard, peer: bytes, msg: Snapshot) -> Ack:
+    """Make backup `shard` an exact copy of the primary that sent `msg` (from
+    `peer`): its plan, values, optimizer, policy (open rounds and all, unlike a
+    checkpoint restore, which realigns), last ACK per worker and counts.
+    Raises ProtocolError (BAD_STATE) unless `shard` is a backup and `peer` its
+    primary's connection, (MALFORMED) when the state is not of this shard."""
+    if shard.role == "backup" and shard.primary_peer is None:
+        shard.primary_peer = peer  # the first message a backup gets is from its primary
+    if shard.role != "backup" or peer != shard.primary_peer:
+        raise ProtocolError(Status.BAD_STATE, "SNAPSHOT is only sent to a backup, by its primary")
     state = from_wire(msg.state, msg.tensors)
     try:
         for key, mine in (("algorithm", shard.plan.algorithm), ("run_id", shard.plan.run_id)):

@@ -207,7 +207,7 @@ class LocalCluster:
             self.spawn(f"ps{rank}", "hetps.ps", "--rank", str(rank), "--scheduler", addr,
                        "--checkpoint-dir", str(self.checkpoint_root), *restore)
         for rank in range(self.cfg.cluster.spare_shards):  # idle until a failover names them (ps/spare.py)
-            self.spawn(f"spare{rank}", "hetps.ps", "--spare", "--rank", str(rank), "--scheduler", addr,
+            self.spawn(f"spare{rank}", "hetps.ps", "--spare", *("--rank", str(rank), "--scheduler", addr),
                        "--checkpoint-dir", str(self.checkpoint_root))
         for rank in range(len(self.cfg.cluster.workers)):
             self.spawn(f"worker{rank}", "hetps.worker", "--rank", str(rank), "--scheduler", addr)
@@ -237,6 +237,7 @@ class LocalCluster:
                             target=stop.target_accuracy, max_seconds=stop.max_seconds, max_steps=stop.max_steps)
         last_print = 0.0
         tolerated: set[str] = set()
+        tolerable = ("worker", "ps", "spare") if self.cfg.cluster.replicas else ("worker",)  # may die in training
         faults = FaultInjector(self.cfg.cluster.kill, self.run_dir, self.checkpoint_root, self.respawn)
         while self.children[0].popen.poll() is None or faults.restarting("scheduler"):
             time.sleep(0.25)
@@ -246,10 +247,8 @@ class LocalCluster:
                 if (code in (None, 0) or child.name in tolerated or child.name in faults.killed
                         or self.interrupted):  # after Ctrl-C, nodes waiting for a plan exit with an error
                     continue
-                replicated = self.cfg.cluster.replicas and child.name.startswith(("ps", "spare"))
-                if (child.name.startswith("worker") or replicated) and (self.run_dir / "plan.json").exists():
-                    # training began: the scheduler notices the silence and re-plans without it (a
-                    # replicated shard: fails over to its backup)
+                if child.name.startswith(tolerable) and (self.run_dir / "plan.json").exists():
+                    # training began: the scheduler notices the silence and re-plans (or fails over) without it
                     tolerated.add(child.name)
                     print(f"\nhetps run: {child.name} exited with {code}; the cluster goes on without it",
                           file=sys.stderr)
