@@ -79,8 +79,10 @@ class Spare:
         return handled
 
     def stats(self) -> dict:
-        """For heartbeats: `backups`, one entry per held backup (of, role, version, ...)."""
-        return {"backups": [s.stats()["backup"] for s in self.slots if s.shadow is not None]}
+        """For heartbeats: `backups`, one entry per held backup (of, role, version, ...); `ready`:
+        it holds the primary's state (the copy arrived), so the scheduler may promote it."""
+        return {"backups": [{**s.stats()["backup"], "ready": s.shadow.policy is not None}
+                            for s in self.slots if s.shadow is not None]}
 
     def final_checkpoint(self) -> None:
         for s in self.slots:

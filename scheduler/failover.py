@@ -34,6 +34,14 @@ def host_of(plan: ClusterPlan, shard_id: int) -> int:
     return plan.served_by.get(str(shard_id), shard_id)
 
 
+def holds_copy(node, shard_id: int) -> bool:
+    """Whether backup process `node` can take over shard `shard_id`: a ring
+    backup always can (it replayed from the INIT on); a spare only once its last
+    heartbeat reported the primary's state copied in (ps/spare.py `ready`)."""
+    return node.role != "spare" or any(isinstance(b, dict) and b.get("of") == shard_id and b.get("ready")
+                                       for b in node.stats.get("backups") or ())
+
+
 def failover_plan(plan: ClusterPlan, dead: int, nodes: dict) -> tuple[ClusterPlan | None, list[str]]:
     """The plan after shard process `dead` is lost: every range it served is
     served by its backup (when that one is alive), and the backup it held is
@@ -45,7 +53,7 @@ def failover_plan(plan: ClusterPlan, dead: int, nodes: dict) -> tuple[ClusterPla
         if host_of(plan, s.node_id) != dead:
             continue
         backup = backups.pop(str(s.node_id), None)
-        if backup is None or nodes[backup["node"]].gone:
+        if backup is None or nodes[backup["node"]].gone or not holds_copy(nodes[backup["node"]], s.node_id):
             lost.append(f"shard {s.rank} (node {s.node_id})")
             continue
         shards[i] = dataclasses.replace(s, address=backup["address"])

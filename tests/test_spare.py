@@ -18,6 +18,8 @@ import torch
 
 from hetps.proto.config import ClusterConfig, load_config
 from hetps.proto.messages import Ack
+from hetps.proto.plan import NodeEntry
+from hetps.proto.records import NodeStats
 from hetps.proto.transport import make_server
 from hetps.ps.replication import ReplicaHost, ReplicatedShard
 from hetps.ps.spare import Spare
@@ -85,6 +87,7 @@ class SpareCluster:
         self.alive[index] = False
         dead = SHARD_IDS[index]
         self.nodes[dead].dead = True
+        self.nodes[SPARE].stats = NodeStats.read(self.spare.stats())  # as its last heartbeat said
         new, lost = failover_plan(self.plan, dead, self.nodes)
         assert new is not None and not lost
         new = with_spares(new, self.nodes)
@@ -310,3 +313,72 @@ def test_state_wire_form_round_trips_and_refuses_what_it_does_not_make():
             from_wire(bad, tensors)
     with pytest.raises(TypeError):
         to_wire({"f": object()})
+
+
+# ---------------------------------------------------------------- the scheduler's side
+
+def two_shards_and_a_spare(ready: bool = True) -> tuple:
+    """A ring plan of shards 1, 2 (fastest first), spare node 3 with two slots; shard 1 has failed over to 2."""
+    plan = make_plan(model_specs(tiny_model()), [11, 12], n_shards=2)
+    plan = dataclasses.replace(plan, shards=[NodeEntry(i, r, f"tcp://h:{100 + i}") for r, i in enumerate((1, 2))])
+    nodes = {i: Node(i, "ps", r, f"tcp://h:{100 + i}", 0.0, replica_address=f"tcp://h:{200 + i}")
+             for r, i in enumerate((1, 2))}
+    nodes[3] = Node(3, "spare", 0, "", 0.0, spare_slots=["tcp://h:301", "tcp://h:302"])
+    plan = with_spares(with_backups(plan, nodes, 1), nodes)
+    assert plan.backups == {"1": {"node": 2, "address": "tcp://h:202"}, "2": {"node": 1, "address": "tcp://h:201"}}
+    nodes[1].dead = True
+    first, lost = failover_plan(plan, 1, nodes)
+    first = with_spares(first, nodes)
+    if ready:
+        nodes[3].stats = NodeStats.read({"backups": [{"of": 1, "ready": True}, {"of": 2, "ready": True}]})
+    return first, nodes
+
+
+def test_a_failover_gives_the_spares_slots_to_the_ranges_left_without_a_backup():
+    first, nodes = two_shards_and_a_spare()
+    assert first.served_by == {"1": 2}
+    assert first.backups == {"1": {"node": 3, "address": "tcp://h:301"}, "2": {"node": 3, "address": "tcp://h:302"}}
+    nodes[2].dead = True
+    second, lost = failover_plan(first, 2, nodes)
+    assert not lost and second.served_by == {"1": 3, "2": 3} and second.backups == {}
+    assert [s.address for s in second.shards] == ["tcp://h:301", "tcp://h:302"]
+    assert with_spares(second, nodes) is second  # the spare serves both: no slot of another process is free
+
+
+def test_a_spare_that_has_not_reported_its_copy_is_not_promoted():
+    """The copy is confirmed by the spare's heartbeat: without it the range is lost, not served half-made."""
+    first, nodes = two_shards_and_a_spare(ready=False)
+    nodes[3].stats = NodeStats.read({"backups": [{"of": 1, "ready": True}, {"of": 2, "ready": False}]})
+    nodes[2].dead = True
+    second, lost = failover_plan(first, 2, nodes)
+    assert lost == ["shard 1 (node 2)"] and second.served_by == {"1": 3}
+
+
+def test_a_spare_registering_after_a_failover_becomes_the_backup_in_a_new_plan():
+    from hetps.proto.codec import Envelope
+    from hetps.proto.messages import Register, Welcome
+    from hetps.scheduler.coordinator import Coordinator
+    first, nodes = two_shards_and_a_spare()
+    del nodes[3]
+    first = dataclasses.replace(first, backups={})  # as without spares: both ranges on node 2, unreplicated
+    cfg = load_config(None, ["cluster.replicas=1", "cluster.spare_shards=1", "cluster.workers=2"])
+    coord = Coordinator(make_server(f"mem://spare-coord-{id(nodes)}"), cfg)
+    coord.keeps_state = False
+    coord.nodes, coord.plan, coord.started = nodes, first, 0.0
+    try:
+        welcome = coord.on_register(b"peer", Envelope(Register(role="spare", rank=0, spare_slots=["tcp://h:9"]),
+                                                      1, 0))
+        assert isinstance(welcome, Welcome) and welcome.role == "spare"
+        assert coord.plan.plan_id == first.plan_id + 1
+        # one slot: the first range without a backup gets it
+        assert coord.plan.backups == {"1": {"node": welcome.node_id, "address": "tcp://h:9"}}
+    finally:
+        coord.server.close()
+
+
+def test_spare_shards_needs_replicas():
+    from hetps.proto.config import ConfigError
+    with pytest.raises(ConfigError, match="cluster.spare_shards.*replicas"):
+        load_config(None, ["cluster.spare_shards=1"])
+    with pytest.raises(ConfigError, match="cluster.spare_shards: must be >= 0"):
+        load_config(None, ["cluster.replicas=1", "cluster.spare_shards=-1"])
