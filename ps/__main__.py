@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a spare (cluster.spare_shards): own no tensors, hold new backups after failovers")
     args = parser.parse_intermixed_args(argv)
     cfg, scheduler = daemon_setup(args, "ps")
+    replica_bind = replica_bind_or_exit(args, cfg)
     if args.spare:
         from .spare import run_spare
-        return run_spare(args, cfg, scheduler, phases)
-    replica_bind = replica_bind_or_exit(args, cfg)
+        return run_spare(args, cfg, scheduler, phases, replica_bind)
     if args.check:
         check_and_exit("ps", rank=rank_label(args.rank), scheduler=scheduler, bind=args.bind, advertise=args.advertise,
                        replicas=cfg.cluster.replicas, replica_bind=replica_bind,

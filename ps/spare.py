@@ -17,7 +17,7 @@ import sys
 
 import zmq
 
-from hetps.proto.daemon import scheduler_lost_exit
+from hetps.proto.daemon import check_and_exit, scheduler_lost_exit
 from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
@@ -118,15 +118,21 @@ def slot_addresses(base: str, count: int) -> list[str]:
     return [f"{host}:{int(port) + k}" for k in range(count)]
 
 
-def run_spare(args, cfg, scheduler: str, phases) -> int:
+def run_spare(args, cfg, scheduler: str, phases, replica_bind: str | None) -> int:
     """`hetps ps --spare`: bind one backup socket per configured shard
-    (--replica-bind / --replica-advertise as the first, the next ports for the
+    (`replica_bind` / --replica-advertise as the first, the next ports for the
     others), register as a spare, follow plans until the scheduler says stop.
-    Returns the exit status."""
+    Returns the exit status (2: the config has no replicas to back up)."""
+    if replica_bind is None:
+        print("hetps ps --spare: a spare needs cluster.replicas: 1 (it becomes a backup after a failover)",
+              file=sys.stderr)
+        return 2
     slots = max(1, len(cfg.cluster.shards))
-    binds = slot_addresses(args.replica_bind or f"tcp://{cfg.cluster.host}:0", slots)
+    binds = slot_addresses(replica_bind, slots)
     adverts = slot_addresses(args.replica_advertise, slots) if args.replica_advertise else [None] * slots
     root = args.checkpoint_dir or cfg.checkpoint.dir
+    if args.check:
+        check_and_exit("ps --spare", rank=args.rank, scheduler=scheduler, slots=",".join(binds), config=args.config)
     try:
         spare = Spare([make_server(b, cfg.cluster.max_message_bytes) for b in binds], cfg, checkpoint_root=root)
         for slot, advertise in zip(spare.slots, adverts):

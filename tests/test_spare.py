@@ -382,3 +382,29 @@ def test_spare_shards_needs_replicas():
         load_config(None, ["cluster.spare_shards=1"])
     with pytest.raises(ConfigError, match="cluster.spare_shards: must be >= 0"):
         load_config(None, ["cluster.replicas=1", "cluster.spare_shards=-1"])
+
+
+# ---------------------------------------------------------------- `hetps ps --spare`
+
+def test_spare_slots_take_consecutive_ports_or_random_ones():
+    from hetps.ps.spare import slot_addresses
+    assert slot_addresses("tcp://0.0.0.0:7101", 3) == ["tcp://0.0.0.0:7101", "tcp://0.0.0.0:7102", "tcp://0.0.0.0:7103"]
+    assert slot_addresses("tcp://127.0.0.1:0", 2) == ["tcp://127.0.0.1:0"] * 2
+
+
+def test_the_spare_daemon_checks_its_flags(capfd):
+    import faulthandler
+    import signal
+    from hetps.ps.__main__ import main
+    from cluster_util import REPO
+    config = str(REPO / "configs" / "sync.yaml")
+    try:
+        with pytest.raises(SystemExit) as ended:
+            main(["--config", config, "--scheduler", "tcp://scheduler:7000", "--check", "--spare", "--rank", "1",
+                  "--replica-bind", "tcp://0.0.0.0:7101", "cluster.replicas=1", "cluster.spare_shards=1"])
+        assert ended.value.code == 0
+        assert "slots=tcp://0.0.0.0:7101,tcp://0.0.0.0:7102" in capfd.readouterr().out  # one per shard
+        assert main(["--config", config, "--scheduler", "tcp://scheduler:7000", "--spare", "--rank", "0"]) == 2
+        assert "a spare needs cluster.replicas: 1" in capfd.readouterr().err
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)  # main() pointed stack dumps at the captured stderr
