@@ -161,9 +161,9 @@ class SpareCluster:
 
 
 def run(cluster: SpareCluster) -> dict:
-    """STEPS clocks of A and B. Sync: each worker in its own thread (a round
-    needs both); async: A and B in turn from this thread (the same order in
-    every run). Returns the acknowledged pushes per worker."""
+    """STEPS clocks of A and B. Sync, grouping: each worker in its own thread
+    (a round needs both); async, ssp: A and B in turn from this thread (the
+    same order in every run). Returns the acknowledged pushes per worker."""
     cluster.thread.start()
     clients = {n: cluster.client(n) for n in (A, B)}
     acked = {A: 0, B: 0}
@@ -183,7 +183,7 @@ def run(cluster: SpareCluster) -> dict:
 
     try:
         clients[A].init(values_of(cluster.model))
-        if cluster.plan.algorithm == "async":
+        if cluster.plan.algorithm in ("async", "ssp"):
             for clock in range(STEPS):
                 for node in (A, B):
                     step(node, clock)
@@ -206,11 +206,11 @@ def final_values(cluster: SpareCluster) -> dict:
     return {n: t.clone() for i in range(2) for n, t in cluster.serving(i).store.tensors.items()}
 
 
-# shard versions after STEPS clocks: one per round (sync), one per push (async)
-UPDATES = {"sync": STEPS, "async": 2 * STEPS}
+# shard versions after STEPS clocks: one per round (sync, grouping with one group), one per push (async, ssp)
+UPDATES = {"sync": STEPS, "async": 2 * STEPS, "grouping": STEPS, "ssp": 2 * STEPS}
 
 
-@pytest.mark.parametrize("algorithm", ["sync", "async"])
+@pytest.mark.parametrize("algorithm", list(UPDATES))
 def test_the_spare_becomes_the_new_backup_and_then_takes_over_with_nothing_lost(algorithm):
     reference = SpareCluster(algorithm)
     run(reference)
