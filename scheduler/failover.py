@@ -78,7 +78,7 @@ def on_shard_dead(coord, node) -> None:
         log.error("%s has no live backup: its tensors wait for a restart", words)
     if plan is not None:
         plan = with_spares(plan, coord.nodes)
-        coord.failures.append({"kind": "shard_failover", "node": f"ps{node.rank}", "node_id": node.node_id,
+        coord.failures.append({"kind": "shard_failover", "node": f"{node.role}{node.rank}", "node_id": node.node_id,
                                "t": round(coord.elapsed(), 3), "plan_id": plan.plan_id,
                                "served_by": dict(plan.served_by), "backups": dict(plan.backups)})
         log.warning("shard %d (node %d) dead: plan %d promotes its backup", node.rank, node.node_id, plan.plan_id)

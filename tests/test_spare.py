@@ -408,3 +408,13 @@ def test_the_spare_daemon_checks_its_flags(capfd):
         assert "a spare needs cluster.replicas: 1" in capfd.readouterr().err
     finally:
         faulthandler.unregister(signal.SIGUSR1)  # main() pointed stack dumps at the captured stderr
+
+
+def test_a_dead_spare_leaves_its_backups_to_the_next_spare():
+    first, nodes = two_shards_and_a_spare()
+    nodes[4] = Node(4, "spare", 1, "", 0.0, spare_slots=["tcp://h:401", "tcp://h:402"])
+    nodes[3].dead = True
+    new, lost = failover_plan(first, 3, nodes)
+    assert not lost and new.backups == {} and new.served_by == first.served_by
+    new = with_spares(new, nodes)
+    assert new.backups == {"1": {"node": 4, "address": "tcp://h:401"}, "2": {"node": 4, "address": "tcp://h:402"}}
