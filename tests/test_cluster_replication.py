@@ -65,7 +65,7 @@ def test_grouping_fails_over_when_a_shard_is_killed_at_a_step_count(run_dir):
             "algorithm.groups=2", "algorithm.regroup=false",
             "cluster.workers=[{slowdown: 1}, {slowdown: 1}, {slowdown: 4}]",
             f"cluster.dead_after_s={DEAD_AFTER_S}", "cluster.retry_s=0.5", "stop.target_accuracy=null",
-            "eval.every_s=1.0", "stop.max_seconds=9"]
+            "eval.every_s=1.0", "stop.max_seconds=8"]
     with background_run(args) as proc:
         try:
             wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(records(run_dir, "step")) >= KILL_AT_STEPS,
