@@ -34,6 +34,15 @@ class SlotHost(ReplicaHost):
     def primary_in(self, plan: ClusterPlan) -> int | None:
         return next((int(k) for k, b in plan.backups.items() if b["address"] == self.address), None)
 
+    def follow(self, plan: ClusterPlan) -> None:
+        shadow = self.shadow
+        if (shadow is not None and shadow.role == "backup" and self.primary_in(plan) != shadow.node_id
+                and plan.served_by.get(str(shadow.node_id)) != self.node_id):
+            # neither backed up here nor promoted: its range was lost, the slot is free for another one
+            log.warning("slot %s: no longer the backup of shard node %d", self.address, shadow.node_id)
+            self.shadow = None
+        super().follow(plan)
+
 
 class Spare:
     """A spare's backup slots. Not thread-safe; serve it from one loop."""

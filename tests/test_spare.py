@@ -418,3 +418,20 @@ def test_a_dead_spare_leaves_its_backups_to_the_next_spare():
     assert not lost and new.backups == {} and new.served_by == first.served_by
     new = with_spares(new, nodes)
     assert new.backups == {"1": {"node": 4, "address": "tcp://h:401"}, "2": {"node": 4, "address": "tcp://h:402"}}
+
+
+def test_a_slot_whose_range_was_lost_takes_another_range():
+    cfg = load_config(None, ["cluster.replicas=1", "cluster.spare_shards=1"])
+    plan = make_plan(model_specs(tiny_model()), [A, B], n_shards=2)
+    spare = Spare([make_server(f"mem://spare-lost-{id(cfg)}")], cfg, SPARE)
+    slot = spare.addresses[0]
+    try:
+        spare.follow(dataclasses.replace(plan, plan_id=2, backups={"21": {"node": SPARE, "address": slot}}))
+        assert spare.slots[0].shadow.node_id == 21
+        spare.follow(dataclasses.replace(plan, plan_id=3, backups={"22": {"node": SPARE, "address": slot}}))
+        assert spare.slots[0].shadow.node_id == 22 and spare.slots[0].shadow.role == "backup"
+        promoted = dataclasses.replace(plan, plan_id=4, served_by={"22": SPARE})
+        spare.follow(promoted)  # promoted, not dropped
+        assert spare.slots[0].shadow.node_id == 22 and spare.slots[0].shadow.role == "primary"
+    finally:
+        spare.close()
