@@ -290,7 +290,8 @@ def decode(frames: Sequence, catalog: TensorCatalog | None = None,
         elif f.default is MISSING and f.default_factory is MISSING:
             raise ProtocolError(Status.MALFORMED, f"{cls.OP.name}: missing field {f.name!r}", req_id)
     if has_tensors(cls):
-        values["tensors"] = _decode_tensors(header, frames[1:], catalog, max_tensor_bytes, req_id)
+        values["tensors"] = _decode_tensors(header, frames[1:], catalog if cls.CATALOGUED else None,
+                                            max_tensor_bytes, req_id)
     elif len(frames) != 1:
         raise ProtocolError(Status.MALFORMED, f"{len(frames) - 1} tensor frames for 0 tensor specs", req_id)
     try:

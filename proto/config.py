@@ -130,6 +130,7 @@ class ClusterConfig:
     nonfinite: str = "reject"              # NaN/Inf in a push: reject (NONFINITE) | skip (ack, not applied) | clip
     clip_value: float = 1.0                # nonfinite=clip: NaN -> 0, +-Inf -> +-clip_value
     replicas: int = 0                      # backups of each shard's state on the next shard process (0 | 1)
+    spare_shards: int = 0                  # idle shard processes that become new backups after a failover
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,11 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
     elif cluster.replicas == 1 and len(cluster.shards) < 2:
         out.append(f"cluster.replicas: 1 needs at least 2 shards (a backup lives on another shard process), "
                    f"got {len(cluster.shards)}")
+    if cluster.spare_shards < 0:
+        out.append(f"cluster.spare_shards: must be >= 0 (idle shard processes), got {cluster.spare_shards!r}")
+    elif cluster.spare_shards and cluster.replicas != 1:
+        out.append(f"cluster.spare_shards: {cluster.spare_shards} needs cluster.replicas: 1 (a spare becomes a "
+                   f"backup after a failover), got replicas {cluster.replicas!r}")
     if cfg.comm.compression == "topk" and cfg.comm.topk_ratio <= 0.0:
         out.append("comm.topk_ratio: must be > 0 with comm.compression: topk")
     if optimizer.schedule.name == "cosine" and optimizer.schedule.total_steps <= 0:

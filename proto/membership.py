@@ -62,14 +62,15 @@ class Membership:
         self._plan_lock = threading.Lock()  # newer_plan is also asked from a worker's waits (failover)
 
     def join(self, address: str = "", tensor_specs: list | None = None, schema_hash: str = "",
-             speed: float = 0.0, startup: dict | None = None, replica_address: str = "") -> int:
+             speed: float = 0.0, startup: dict | None = None, replica_address: str = "",
+             spare_slots: list[str] | None = None) -> int:
         """Register; returns this node's id. Raises SchedulerUnreachable, naming
         the address and the timeout, if the scheduler does not answer in time.
         `startup`: {phase: seconds} this node took before registering (proto/startup.py)."""
         self._registration = Register(role=self.role, rank=self.rank, address=address,
                                       tensor_specs=tensor_specs or [], schema_hash=schema_hash, speed=speed,
                                       host=socket.gethostname(), startup=startup or {},
-                                      replica_address=replica_address)
+                                      replica_address=replica_address, spare_slots=spare_slots or [])
         try:
             welcome = self.rpc.call(self._registration, timeout_s=self.cluster.startup_timeout_s)
         except RequestTimeout:

@@ -43,6 +43,7 @@ class Op(enum.IntEnum):
     REPORT = 14    # evaluator -> scheduler: one evaluation result
     BYE = 15       # node -> scheduler: leaving cleanly
     FAILED = 16    # node -> scheduler: it cannot start (the run ends at once, naming it)
+    SNAPSHOT = 17  # primary shard -> its new backup: the primary's whole state at one point of its push order
 
 
 class Status(enum.IntEnum):
@@ -70,6 +71,7 @@ class Message:
     raises ProtocolError there, in the sender as in the decoder."""
 
     OP: ClassVar[Op]
+    CATALOGUED: ClassVar[bool] = True  # its tensors must be ones the receiving shard holds (codec.decode)
 
     def __post_init__(self):
         from .records import READERS, read_fields  # records imports this module's classes
@@ -90,6 +92,7 @@ class Register(Message):
     host: str = ""                # the node's host name (recorded in the run directory)
     startup: dict = field(default_factory=dict)  # {phase: seconds} before registering (proto/startup.py)
     replica_address: str = ""     # shards with cluster.replicas > 0: where it serves the backup it holds
+    spare_slots: list = field(default_factory=list)  # a spare (cluster.spare_shards): its backup sockets' addresses
 
 
 @dataclass(frozen=True)
@@ -214,10 +217,22 @@ class Failed(Message):
     node_id: int = 0              # 0 when it failed before registering
 
 
+@dataclass(frozen=True)
+class Snapshot(Message):
+    """A primary's whole state for a backup that starts after training began;
+    the primary forwards its pushes behind it. Only a backup takes it, and only
+    from its primary's connection."""
+    OP: ClassVar[Op] = Op.SNAPSHOT
+    CATALOGUED: ClassVar[bool] = False  # optimizer moments and open rounds, not the plan's tensors
+    plan: dict                    # the primary's plan at the snapshot (read into a ClusterPlan)
+    state: dict                   # the shard's state_dict, tensors replaced by references (ps/state_copy.py)
+    tensors: dict = field(default_factory=dict)
+
+
 MESSAGES: dict[Op, type[Message]] = {
     cls.OP: cls
     for cls in (Register, Welcome, GetPlan, Plan, Heartbeat, Init, Push, Pull,
-                Params, Ack, Barrier, Stop, Error, Report, Bye, Failed)
+                Params, Ack, Barrier, Stop, Error, Report, Bye, Failed, Snapshot)
 }
 
 

@@ -302,6 +302,13 @@ def _str_keyed_numbers(where: str, value: Any) -> dict[str, float]:
     return {k: read_number(f"{where}.{k}", v, MAX_RATE) for k, v in value.items()}
 
 
+def read_addresses(where: str, value: Any) -> list[str]:
+    """A spare's backup slots: at most 64 addresses of 1-MAX_TEXT characters."""
+    if type(value) is list and len(value) <= 64 and all(type(a) is str and 0 < len(a) <= MAX_TEXT for a in value):
+        return list(value)
+    _bad(where, f"must be a list of at most 64 addresses, got {value!r:.60}")
+
+
 def read_plan(value: Any) -> ClusterPlan:
     """A plan as the scheduler sends it, checked for consistency: every tensor
     placed on an existing shard, groups made of the plan's workers, finite
@@ -370,10 +377,11 @@ def _batches(value: Any, workers: set[int]) -> dict[str, float]:
 READERS: dict[type, dict[str, Callable[[Any], Any]]] = {
     m.Heartbeat: {"stats": NodeStats.read, "records": read_step_records},
     m.Bye: {"stats": NodeStats.read},
-    m.Register: {"tensor_specs": read_tensor_specs, "speed": read_speed, "startup": read_startup},
+    m.Register: {"tensor_specs": read_tensor_specs, "speed": read_speed, "startup": read_startup,
+                 "spare_slots": lambda v: read_addresses("spare_slots", v)},
     m.Push: {"info": PushInfo.read},
     m.Params: {"ack": FusedAck.read},
-    m.Plan: {"plan": read_plan},
+    m.Plan: {"plan": read_plan}, m.Snapshot: {"plan": read_plan},
 }
 
 

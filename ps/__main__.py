@@ -2,6 +2,7 @@
 
     hetps ps --config CONFIG --rank N [--scheduler tcp://HOST:PORT] [--bind tcp://0.0.0.0:0]
              [--advertise tcp://HOST:PORT] [--replica-bind ADDR] [--replica-advertise ADDR]
+    hetps ps --spare --config CONFIG --rank N ...   (a spare: cluster.spare_shards, ps/spare.py)
     python -m hetps.ps ...   (the same)
 
 The scheduler address comes from --scheduler, else $HETPS_SCHEDULER, else
@@ -69,9 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="a resumed run (`hetps run --resume`): restore values, optimizer and versions, "
                              "but not the old workers' clocks")
+    parser.add_argument("--spare", action="store_true",
+                        help="a spare (cluster.spare_shards): own no tensors, hold new backups after failovers")
     args = parser.parse_intermixed_args(argv)
     cfg, scheduler = daemon_setup(args, "ps")
     replica_bind = replica_bind_or_exit(args, cfg)
+    if args.spare:
+        from .spare import run_spare
+        return run_spare(args, cfg, scheduler, phases, replica_bind)
     if args.check:
         check_and_exit("ps", rank=rank_label(args.rank), scheduler=scheduler, bind=args.bind, advertise=args.advertise,
                        replicas=cfg.cluster.replicas, replica_bind=replica_bind,

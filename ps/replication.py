@@ -43,6 +43,7 @@ from hetps.proto.plan import ClusterPlan
 from hetps.proto.transport import ServerTransport, make_client
 
 from .shard import Shard
+from .state_copy import load_snapshot, snapshot_of
 
 log = logging.getLogger(__name__)
 PENDING_POLL_S = 0.001  # while the backup's confirmation is due, the longest block on the workers' socket
@@ -239,6 +240,9 @@ class ReplicatedShard(Shard):
         self.adopt(env.msg.plan)
         return Ack(plan_id=self.plan.plan_id)
 
+    def on_snapshot(self, peer: bytes, env: Envelope):
+        return load_snapshot(self, peer, env.msg)  # a backup made after training began (state_copy.py)
+
     def _apply_push(self, env: Envelope) -> Ack:
         if self.role != "primary":
             return super()._apply_push(env)
@@ -294,13 +298,12 @@ class ReplicatedShard(Shard):
             self.replicator.drop()
             self.replicator = None
         if address and self.replicator is None:
-            if self.policy is not None:  # a backup must start from the same state: it has not
-                log.error("shard node %d: plan %d names a new backup at %s after training began; "
-                          "copying state to a new backup is not supported, serving unreplicated",
-                          self.node_id, plan.plan_id, address)
-                return
             self.replicator = Replicator(address, self.cfg.cluster.max_message_bytes,
                                          lambda peer, req, msg: Shard.reply(self, peer, req, msg))
+            if self.policy is not None:  # training began: the new backup starts from a copy of this state
+                log.warning("shard node %d: copying state (version %d) to the new backup at %s (plan %d)",
+                            self.node_id, self.store.version, address, plan.plan_id)
+                self.replicator.forward(snapshot_of(self), 0, self.node_id)
 
 
 class ReplicaHost:
@@ -326,7 +329,7 @@ class ReplicaHost:
         says this process serves its tensors now, or pass the plan on to a
         promoted one."""
         if self.shadow is None:
-            primary = backed_by(plan, self.node_id)
+            primary = self.primary_in(plan)
             if primary is None:
                 return
             self.shadow = ReplicatedShard(self.server, primary, plan, self.cfg, role="backup")
@@ -338,6 +341,10 @@ class ReplicaHost:
             self._start_checkpoints()
         elif shadow.role == "primary" and plan.plan_id > shadow.plan.plan_id:
             shadow.adopt(plan)
+
+    def primary_in(self, plan: ClusterPlan) -> int | None:
+        """The shard whose backup `plan` puts here, or None."""
+        return backed_by(plan, self.node_id)
 
     def _start_checkpoints(self) -> None:
         """A promoted backup checkpoints into the dead shard's folder (under

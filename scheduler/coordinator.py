@@ -199,7 +199,8 @@ class Coordinator(Registration, Service):
             **self._grouping({n.node_id: n.speed for n in workers}))
         plan = failover.with_backups(plan, self.nodes, self.cfg.cluster.replicas)
         self.started = self.clock()  # the run's clock starts when the plan goes out
-        for n in shards + workers:  # waiting for the plan is not silence: heartbeats start once it arrives
+        # waiting for the plan is not silence: heartbeats start once it arrives
+        for n in shards + workers + self.members("spare"):
             n.last_seen = self.started
         self._publish(plan)
 
@@ -227,7 +228,7 @@ class Coordinator(Registration, Service):
         until it comes back (restarted from its checkpoint) or their request
         timeout ends the run."""
         now = self.clock()
-        for n in self.members("worker", "ps"):
+        for n in self.members("worker", "ps", "spare"):
             silent = now - n.last_seen
             if n.gone or silent <= self.cfg.cluster.dead_after_s:
                 continue
@@ -238,7 +239,7 @@ class Coordinator(Registration, Service):
             log.warning("%s %d (node %d) silent for %.1fs: declared dead", n.role, n.rank, n.node_id, silent)
             if n.role == "worker" and self.plan is not None and self.stop_reason is None:
                 self._replan(f"worker {n.rank} dead")
-            if n.role == "ps":
+            if n.role in ("ps", "spare"):
                 failover.on_shard_dead(self, n)
 
     def _grouping(self, speeds: dict[int, float]) -> dict:

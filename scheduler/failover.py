@@ -34,6 +34,14 @@ def host_of(plan: ClusterPlan, shard_id: int) -> int:
     return plan.served_by.get(str(shard_id), shard_id)
 
 
+def holds_copy(node, shard_id: int) -> bool:
+    """Whether backup process `node` can take over shard `shard_id`: a ring
+    backup always can (it replayed from the INIT on); a spare only once its last
+    heartbeat reported the primary's state copied in (ps/spare.py `ready`)."""
+    return node.role != "spare" or any(isinstance(b, dict) and b.get("of") == shard_id and b.get("ready")
+                                       for b in node.stats.get("backups") or ())
+
+
 def failover_plan(plan: ClusterPlan, dead: int, nodes: dict) -> tuple[ClusterPlan | None, list[str]]:
     """The plan after shard process `dead` is lost: every range it served is
     served by its backup (when that one is alive), and the backup it held is
@@ -45,7 +53,7 @@ def failover_plan(plan: ClusterPlan, dead: int, nodes: dict) -> tuple[ClusterPla
         if host_of(plan, s.node_id) != dead:
             continue
         backup = backups.pop(str(s.node_id), None)
-        if backup is None or nodes[backup["node"]].gone:
+        if backup is None or nodes[backup["node"]].gone or not holds_copy(nodes[backup["node"]], s.node_id):
             lost.append(f"shard {s.rank} (node {s.node_id})")
             continue
         shards[i] = dataclasses.replace(s, address=backup["address"])
@@ -69,11 +77,39 @@ def on_shard_dead(coord, node) -> None:
     for words in lost:
         log.error("%s has no live backup: its tensors wait for a restart", words)
     if plan is not None:
-        coord.failures.append({"kind": "shard_failover", "node": f"ps{node.rank}", "node_id": node.node_id,
+        plan = with_spares(plan, coord.nodes)
+        coord.failures.append({"kind": "shard_failover", "node": f"{node.role}{node.rank}", "node_id": node.node_id,
                                "t": round(coord.elapsed(), 3), "plan_id": plan.plan_id,
-                               "served_by": dict(plan.served_by)})
+                               "served_by": dict(plan.served_by), "backups": dict(plan.backups)})
         log.warning("shard %d (node %d) dead: plan %d promotes its backup", node.rank, node.node_id, plan.plan_id)
         coord._publish(plan)
+
+
+def with_spares(plan: ClusterPlan, nodes: dict) -> ClusterPlan:
+    """`plan` with a free backup slot of a live spare (`cluster.spare_shards`)
+    given to every range that has no backup, never on the process serving that
+    range. The primary copies its state there (ps/state_copy.py)."""
+    backups = dict(plan.backups)
+    used = {b["address"] for b in backups.values()} | {s.address for s in plan.shards}
+    free = [(n.node_id, a) for n in sorted(nodes.values(), key=lambda n: n.node_id)
+            if n.role == "spare" and not n.gone for a in n.spare_slots if a not in used]
+    for s in plan.shards:
+        slot = next((f for f in free if f[0] != host_of(plan, s.node_id)), None)
+        if str(s.node_id) in backups or slot is None:
+            continue
+        free.remove(slot)
+        backups[str(s.node_id)] = {"node": slot[0], "address": slot[1]}
+        log.warning("shard %d (node %d): new backup on spare node %d at %s", s.rank, s.node_id, *slot)
+    return plan if backups == plan.backups else dataclasses.replace(plan, backups=backups)
+
+
+def on_spare_joined(coord) -> None:
+    """A spare registered while training: ranges without a backup get one on it, in a new plan."""
+    if not coord.cfg.cluster.replicas or coord.plan is None or coord.stop_reason is not None:
+        return
+    plan = with_spares(coord.plan, coord.nodes)
+    if plan is not coord.plan:
+        coord._publish(dataclasses.replace(plan, plan_id=plan.plan_id + 1, info={"reason": "a spare joined"}))
 
 
 def replaced(plan: ClusterPlan | None, node_id: int) -> bool:

@@ -82,7 +82,7 @@ def strip_resume(args: tuple) -> tuple:
 
 def client_names(cfg: RunConfig) -> list[str]:
     """The processes of a local run that connect to a server (named as in `LocalCluster.start`)."""
-    names = [f"ps{r}" for r in range(len(cfg.cluster.shards))]
+    names = [f"ps{r}" for r in range(len(cfg.cluster.shards))] + [f"spare{r}" for r in range(cfg.cluster.spare_shards)]
     names += [f"worker{r}" for r in range(len(cfg.cluster.workers))]
     return names + ["evaluator"] if cfg.eval.enabled else names
 
@@ -206,6 +206,9 @@ class LocalCluster:
                        if self.resume else ())
             self.spawn(f"ps{rank}", "hetps.ps", "--rank", str(rank), "--scheduler", addr,
                        "--checkpoint-dir", str(self.checkpoint_root), *restore)
+        for rank in range(self.cfg.cluster.spare_shards):  # idle until a failover names them (ps/spare.py)
+            self.spawn(f"spare{rank}", "hetps.ps", "--spare", *("--rank", str(rank), "--scheduler", addr),
+                       "--checkpoint-dir", str(self.checkpoint_root))
         for rank in range(len(self.cfg.cluster.workers)):
             self.spawn(f"worker{rank}", "hetps.worker", "--rank", str(rank), "--scheduler", addr)
         if self.cfg.eval.enabled:
@@ -234,6 +237,7 @@ class LocalCluster:
                             target=stop.target_accuracy, max_seconds=stop.max_seconds, max_steps=stop.max_steps)
         last_print = 0.0
         tolerated: set[str] = set()
+        tolerable = ("worker", "ps", "spare") if self.cfg.cluster.replicas else ("worker",)  # may die in training
         faults = FaultInjector(self.cfg.cluster.kill, self.run_dir, self.checkpoint_root, self.respawn)
         while self.children[0].popen.poll() is None or faults.restarting("scheduler"):
             time.sleep(0.25)
@@ -243,8 +247,8 @@ class LocalCluster:
                 if (code in (None, 0) or child.name in tolerated or child.name in faults.killed
                         or self.interrupted):  # after Ctrl-C, nodes waiting for a plan exit with an error
                     continue
-                if child.name.startswith("worker") and (self.run_dir / "plan.json").exists():
-                    # training began: the scheduler notices the silence and re-plans without it
+                if child.name.startswith(tolerable) and (self.run_dir / "plan.json").exists():
+                    # training began: the scheduler notices the silence and re-plans (or fails over) without it
                     tolerated.add(child.name)
                     print(f"\nhetps run: {child.name} exited with {code}; the cluster goes on without it",
                           file=sys.stderr)

@@ -21,6 +21,7 @@ class Node:
     dead: bool = False    # silent for longer than cluster.dead_after_s
     host: str = ""        # as the node reported it when it registered
     replica_address: str = ""  # a shard with cluster.replicas: where it serves the backup it holds
+    spare_slots: list = field(default_factory=list)  # a spare: the addresses of its backup sockets
 
     def __post_init__(self):
         self.stats = NodeStats.read(self.stats)  # a restored state holds the plain map

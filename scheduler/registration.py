@@ -35,11 +35,14 @@ class Registration:
             return self._readmit(known, msg)
         node_id = len(self.nodes) + 1
         self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, self.clock(),
-                                   profiled_speed=msg.speed, host=msg.host, replica_address=msg.replica_address)
+                                   profiled_speed=msg.speed, host=msg.host, replica_address=msg.replica_address,
+                                   spare_slots=msg.spare_slots)
         log.info("registered %s %d as node %d %s", msg.role, msg.rank, node_id, msg.address)
         self.runlog.record("register", t=round(self.elapsed(), 4), node=f"{msg.role}{msg.rank}", host=msg.host,
                            **({"startup": msg.startup} if msg.startup else {}))
         self._maybe_plan()
+        if msg.role == "spare":  # a range left without a backup by an earlier failover gets one now
+            failover.on_spare_joined(self)
         if msg.role == "worker" and self.plan is not None and node_id not in self.plan.worker_ids():
             self._replan(f"worker {msg.rank} joined as node {node_id}")
         if self.plan is None:  # the start-up burst: written once per tick (coordinator._save_when_due)

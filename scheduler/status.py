@@ -9,7 +9,7 @@ import math
 from .efficiency import run_efficiency
 from .outcome import environment, run_status
 
-ROLES = ("ps", "worker", "evaluator")
+ROLES = ("ps", "spare", "worker", "evaluator")
 
 
 def count(stats: dict, key: str) -> int:
@@ -47,6 +47,8 @@ def run_summary(coord) -> dict:
         "communication_rounds": max((count(n.stats, "rounds") or count(n.stats, "version")
                                      for n in coord.members("ps")), default=0),
         "shard_stats": {f"ps{n.rank}": n.stats.as_dict() for n in coord.members("ps")},
+        **({"spare_stats": {f"spare{n.rank}": n.stats.as_dict() for n in coord.members("spare")}}
+           if coord.members("spare") else {}),
         "plan_id": coord.plan.plan_id if coord.plan else 0,
         "stop_reason": coord.stop_reason, "failures": coord.failures, "not_left": stragglers,
         "hosts": {f"{n.role}{n.rank}": n.host for n in sorted(coord.nodes.values(), key=lambda n: n.node_id)},

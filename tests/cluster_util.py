@@ -106,6 +106,16 @@ def worker_pid(run_dir: Path, rank: int) -> int:
     raise AssertionError(f"no worker {rank} process")
 
 
+def shard_pid(run_dir, rank: int) -> int:
+    """The pid of `hetps run`'s shard `rank` (not a spare) in `run_dir`."""
+    for pid in processes_mentioning(str(run_dir)):
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").split()
+        if (b"hetps.ps" in cmdline and b"--spare" not in cmdline and b"--rank" in cmdline
+                and cmdline[cmdline.index(b"--rank") + 1] == str(rank).encode()):
+            return pid
+    raise AssertionError(f"no shard {rank} process")
+
+
 class Daemons:
     """Daemons started one by one with `hetps ROLE ...` (the multi-host path),
     each logging to DIR/N.log; `close()` kills and reaps any still running."""

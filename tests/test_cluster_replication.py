@@ -4,13 +4,17 @@ process, is promoted and training goes on to the target."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import traceback
 
 import pytest
 
-from cluster_util import FINAL_SLACK, log_tails, records, run_hetps, summary
+from cluster_util import FINAL_SLACK, background_run, log_tails, records, run_hetps, shard_pid, summary, wait_for
 
 pytestmark = pytest.mark.cluster
 DEAD_AFTER_S = 2.0
+KILL_AT_STEPS = 30
 
 
 def test_a_killed_shard_fails_over_to_its_backup_without_a_restart(run_dir):
@@ -51,3 +55,38 @@ def failover_after_kill_s(s: dict, run_dir) -> float:
     """Seconds from the kill to the failover (the dead shard's stall lasts that long at most)."""
     kill = json.loads((run_dir / "faults.jsonl").read_text().splitlines()[0])
     return next(f["t"] for f in s["failures"] if f["kind"] == "shard_failover") - kill["t"]
+
+
+def test_grouping_fails_over_when_a_shard_is_killed_at_a_step_count(run_dir):
+    """Grouping-SGD (a fast group of two, a slow one of one): ps1 is killed with
+    SIGKILL once the workers recorded KILL_AT_STEPS steps (an event, not a time);
+    its backup on ps0 takes over and both groups go on updating both ranges."""
+    args = ["configs/default.yaml", "--out", str(run_dir), "--quiet", "cluster.replicas=1",
+            "algorithm.groups=2", "algorithm.regroup=false",
+            "cluster.workers=[{slowdown: 1}, {slowdown: 1}, {slowdown: 4}]",
+            f"cluster.dead_after_s={DEAD_AFTER_S}", "cluster.retry_s=0.5", "stop.target_accuracy=null",
+            "eval.every_s=1.0", "stop.max_seconds=8"]
+    with background_run(args) as proc:
+        try:
+            wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(records(run_dir, "step")) >= KILL_AT_STEPS,
+                     90, f"{KILL_AT_STEPS} training steps")
+            os.kill(shard_pid(run_dir, 1), signal.SIGKILL)
+            _, err = proc.communicate(timeout=90)
+        except BaseException:
+            raise AssertionError(f"{traceback.format_exc()}\n{log_tails(run_dir)}") from None
+    assert proc.returncode == 0, err + log_tails(run_dir)
+    s = summary(run_dir)
+    failover = next(f for f in s["failures"] if f["kind"] == "shard_failover")
+    assert failover["node"] == "ps1" and list(failover["served_by"]) == [str(failover["node_id"])], failover
+    plan = json.loads((run_dir / "plan-1.json").read_text())
+    assert len(plan["groups"]) == 2, plan
+    # both groups stepped after the failover (each step is recorded with its worker's group)
+    after = {r["group"] for r in records(run_dir, "step") if r["t"] > failover["t"]}
+    assert after == {0, 1}, after
+    ps0 = s["shard_stats"]["ps0"]
+    backup = ps0["backup"]
+    assert backup["role"] == "primary" and backup["of"] == failover["node_id"], backup
+    steps, workers = s["global_steps"], 3
+    for accepted in (ps0["accepted"], backup["accepted"]):  # every acknowledged push applied once on each range
+        assert steps <= accepted <= steps + workers, (steps, ps0["accepted"], backup)
+    assert abs(ps0["version"] - backup["version"]) <= len(plan["groups"]), (ps0, backup)

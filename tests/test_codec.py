@@ -52,6 +52,12 @@ SAMPLES: dict[Op, m.Message] = {
     Op.REPORT: m.Report(node_id=9, kind="eval", values={"accuracy": 0.93, "loss": 0.2}),
     Op.BYE: m.Bye(node_id=11, stats={"pushes": 100}),
     Op.FAILED: m.Failed(role="worker", rank=3, error="ValueError: no data (at data.py:12 in load)", host="h1"),
+    Op.SNAPSHOT: m.Snapshot(plan={"plan_id": 5, "algorithm": "sync",
+                                  "workers": [{"node_id": 2, "rank": 0, "address": ""}],
+                                  "shards": [{"node_id": 1, "rank": 0, "address": "tcp://h:1"}],
+                                  "tensors": [["a", "float32", [2, 3], "param"]], "placement": {"a": 0},
+                                  "groups": [[2]]},
+                            state={"d": [["version", 3], [0, {"t": "w.f32"}]]}, tensors=sample_tensors()),
 }
 
 
@@ -100,6 +106,16 @@ def test_round_trip(op, pack_below):
     # also when the frames arrive as plain bytes (as from the in-process transport)
     env2 = decode([bytes(f) for f in frames])
     assert_same_message(env2.msg, msg)
+
+
+def test_a_snapshot_skips_the_tensor_catalog_a_push_is_checked_against():
+    """A SNAPSHOT carries optimizer moments and open rounds, not the shard's tensors."""
+    catalog = {"a": ("float32", (2, 3))}
+    env = decode(encode(SAMPLES[Op.SNAPSHOT]), catalog)
+    assert_same_tensors(env.msg.tensors, SAMPLES[Op.SNAPSHOT].tensors)
+    with pytest.raises(ProtocolError) as err:
+        decode(encode(SAMPLES[Op.PUSH]), catalog)
+    assert err.value.status == Status.UNKNOWN_TENSOR
 
 
 def test_round_trip_defaults():
