@@ -67,7 +67,9 @@ class TensorStore:
         self.arena, self.tensors = arena, dict(views)
 
     def state_dict(self) -> dict:
-        return {"tensors": self.tensors, "versions": self.versions, "version": self.version}
+        # each tensor on its own memory: torch.save refuses views of one storage as several dtypes
+        return {"tensors": {n: t.clone() for n, t in self.tensors.items()}, "versions": self.versions,
+                "version": self.version}
 
     def load_state_dict(self, state: dict) -> None:
         """Values and versions from a checkpoint of this same tensor set."""

@@ -99,9 +99,22 @@ class Updater:
             names = self.arena.run_names(dtype)
             ordered = {n: grads[n] for n in names}
             runs = flat_runs(ordered)
-            if len(runs) == 1 and runs[0][1] == names and runs[0][0].shape == flat.shape \
-                    and runs[0][0].dtype == dtype:
-                flat.grad = runs[0][0]
-                continue
+            if len(runs) == 1 and runs[0][1] == names and runs[0][0].dtype == dtype:
+                pushed = _widened(runs[0][0], flat.numel())
+                if pushed is not None:
+                    flat.grad = pushed
+                    continue
             torch._foreach_copy_([self._grad_views[n] for n in names], list(ordered.values()))
             flat.grad = own
+
+
+def _widened(run: torch.Tensor, numel: int) -> torch.Tensor | None:
+    """`run` extended to `numel` entries over the same memory (the padding
+    after its last tensor, which a pack frame holds), or None if that memory
+    is not there."""
+    if run.numel() == numel:
+        return run
+    storage = run.untyped_storage()
+    if run.numel() > numel or (run.storage_offset() + numel) * run.element_size() > storage.nbytes():
+        return None
+    return run.new_empty(0).set_(storage, run.storage_offset(), (numel,), (1,))
