@@ -42,7 +42,10 @@ class Updater:
                     self._grad_views[n] = grad[start:start + view.numel()].view(view.shape)
         else:
             targets = list(self.params.values())
-        self.optimizer = build_optimizer(targets, cfg) if names else None
+        # one flat run per dtype already makes a step a few kernels; not torch's foreach implementation,
+        # which writes into the gradients (SGD's Nesterov term), and a flat gradient may be a peer's frame
+        foreach = False if self.arena is not None else None
+        self.optimizer = build_optimizer(targets, cfg, foreach) if names else None
         self.scheduler = (build_lr_scheduler(self.optimizer, cfg.schedule)
                           if self.optimizer else None)
         self.updates = 0
@@ -64,6 +67,8 @@ class Updater:
             optimizer = state["optimizer"]
             if self.arena is not None:
                 optimizer = flat_state(optimizer, self.arena, self.names)
+                for group, live in zip(optimizer["param_groups"], self.optimizer.param_groups):
+                    group["foreach"] = live["foreach"]  # how this layout steps, whoever wrote the state
             self.optimizer.load_state_dict(optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
 
