@@ -16,6 +16,7 @@ their declared dtype and shape here (compression.py), so no caller sees either.
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -313,15 +314,17 @@ def _pack_views(frames: Sequence, specs: list[Spec], sizes: list[int], packed: l
     views, offset = {}, 0
     for i in packed:
         s = specs[i]
-        if i not in encodings and s.numel:
-            typed = as_dtype.get(s.dtype)
+        if s.numel and i not in encodings:
+            dtype = s.dtype
+            typed = as_dtype.get(dtype)
             if typed is None:
-                typed = as_dtype[s.dtype] = base.view(s.dtype)
-            views[i] = typed.as_strided(s.shape, _strides(s.shape), offset // s.dtype.itemsize)
+                typed = as_dtype[dtype] = base.view(dtype)
+            views[i] = typed.as_strided(s.shape, _strides(s.shape), offset // dtype.itemsize)
         offset += aligned(sizes[i])
     return views
 
 
+@functools.lru_cache(maxsize=1024)  # a model has a few dozen shapes; each decode asks for them all
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for d in reversed(shape):
