@@ -15,10 +15,13 @@ proto/layout.py). So:
 place. `move_to` puts the arena in other memory and re-seats every view and
 flat run on it (the same tensor objects: the optimizer and the store keep
 theirs). Padding entries of a flat run stay zero under SGD/Adam/AdamW (zero
-value, zero gradient). Not thread-safe.
+value, zero gradient) unless a peer's push carried other bytes in its pack
+padding (the optimizer may read a packed push in place): either way they are
+read by nobody, a receiver skips padding. Not thread-safe.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -39,7 +42,7 @@ class Arena:
         offset = 0
         for name, dtype, shape, is_param in ordered:
             self.offsets[name] = offset
-            nbytes = aligned(dtype.itemsize * _numel(shape))
+            nbytes = aligned(dtype.itemsize * math.prod(shape))
             if is_param:
                 run = runs.setdefault(dtype, [offset, offset])
                 run[1] = offset + nbytes
@@ -80,13 +83,6 @@ class Arena:
         for dtype, flat in self.flat.items():
             start, end = self._runs[dtype]
             flat.set_(storage, (base + start) // dtype.itemsize, ((end - start) // dtype.itemsize,), (1,))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:

@@ -74,8 +74,8 @@ def test_header_keys_and_dtypes():
 def test_constants():
     values = {r["constant"]: int(r["value"]) for r in table("Constants")}
     assert values == {"PROTOCOL_VERSION": messages.PROTOCOL_VERSION, "PACK_BELOW": layout.PACK_BELOW,
-                      "PACK_ALL_BELOW": layout.PACK_ALL_BELOW, "ALIGN": layout.ALIGN, "ZERO_COPY_BYTES": messages.ZERO_COPY_BYTES,
-                      "MAX_HEADER_BYTES": codec.MAX_HEADER_BYTES}
+                      "PACK_ALL_BELOW": layout.PACK_ALL_BELOW, "ALIGN": layout.ALIGN,
+                      "ZERO_COPY_BYTES": messages.ZERO_COPY_BYTES, "MAX_HEADER_BYTES": codec.MAX_HEADER_BYTES}
     text = DOC.read_text()
     assert f"must equal the receiver's ({messages.PROTOCOL_VERSION})" in text
     assert f"smaller than {layout.PACK_BELOW:,} bytes" in text and f"multiple of {layout.ALIGN} bytes" in text
