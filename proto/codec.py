@@ -16,6 +16,7 @@ their declared dtype and shape here (compression.py), so no caller sees either.
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -29,8 +30,9 @@ from . import dtypes as _dt
 from .compression import Compressed, check_encoding, decompress, payload_nbytes
 from .errors import ProtocolError
 from .lazy import lazy_module
-from .layout import PACK_BELOW, build_pack, choose_packed, split_frames
+from .layout import PACK_BELOW, aligned, build_pack, byte_view, choose_packed, split_frames
 from .records import READERS, to_wire
+from .runs import flat_runs
 from .messages import (MESSAGES, PROTOCOL_VERSION, Error, Message, Op, Status,
                        has_tensors, header_fields)
 
@@ -99,11 +101,18 @@ class EncodedTensors:
     frames: list
 
 
-def encode_tensors(tensors: Mapping[str, Any], pack_below: int = PACK_BELOW) -> EncodedTensors:
+def encode_tensors(tensors: Mapping[str, Any], pack_below: int = PACK_BELOW,
+                   arena: torch.Tensor | None = None) -> EncodedTensors:
     """Specs and payload frames of `tensors` (CPU; `Compressed` values travel
     compressed). Payloads under `pack_below` bytes share one pack frame at
-    the end (0: one frame each). Large payloads are views of the tensors: do
-    not write them until every message that carries them was sent."""
+    the end (0: one frame each; all of them if their total is small, see
+    layout.choose_packed). Large payloads are views of the tensors: do
+    not write them until every message that carries them was sent.
+    `arena`: a uint8 tensor that holds `tensors`, in order, in the pack
+    layout (ps/arena.py): it is sent as it is, as the one pack frame."""
+    if arena is not None and _is_pack_of(tensors, arena):
+        specs = [[n, _dt.DTYPE_NAMES[t.dtype], list(t.shape)] for n, t in tensors.items()]
+        return EncodedTensors({"tensors": specs, "packed": list(range(len(specs)))}, [tensor_frame(arena)])
     specs, payloads, encodings = [], [], []
     names = _dt.DTYPE_NAMES
     for i, (name, t) in enumerate(tensors.items()):
@@ -122,6 +131,19 @@ def encode_tensors(tensors: Mapping[str, Any], pack_below: int = PACK_BELOW) -> 
     in_pack = set(packed)
     own = [p for i, p in enumerate(payloads) if i not in in_pack]
     return EncodedTensors(fields, [*own, build_pack([payloads[i] for i in packed])])
+
+
+def _is_pack_of(tensors: Mapping[str, Any], arena: torch.Tensor) -> bool:
+    """Whether `arena`'s bytes are exactly `tensors` packed back to back (layout.py)."""
+    if len(tensors) < 2 or arena.dtype != torch.uint8 or not arena.is_contiguous():
+        return False
+    at, offset = arena.data_ptr(), 0
+    for t in tensors.values():
+        if type(t) is not torch.Tensor or not t.is_contiguous() or t.data_ptr() != at + offset \
+                or t.dtype not in _dt.DTYPE_NAMES:
+            return False
+        offset += aligned(t.numel() * t.element_size())
+    return offset == arena.numel()
 
 
 def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_BELOW,
@@ -270,9 +292,45 @@ def _decode_tensors(header: dict, frames: Sequence, catalog: TensorCatalog | Non
     payloads = split_frames(frames, sizes, header.get("packed", []), req_id)
     if catalog is not None:
         check_catalog(specs, catalog, req_id)
-    return {s.name: _dense_view(s, p) if i not in encodings
+    in_pack = _pack_views(frames, specs, sizes, header.get("packed", []), encodings)
+    return {s.name: in_pack[i] if i in in_pack else _dense_view(s, p) if i not in encodings
             else decompress(*encodings[i], s.dtype, s.shape, p, s.name, req_id)
             for i, (s, p) in enumerate(zip(specs, payloads))}
+
+
+def _pack_views(frames: Sequence, specs: list[Spec], sizes: list[int], packed: list[int],
+                encodings: dict) -> dict[int, torch.Tensor]:
+    """The dense packed tensors as views of one tensor over the pack frame
+    (split_frames checked its length), so that the tensors of one dtype that
+    lie back to back can be read as one run (`nonfinite_names`, the shard's
+    flat gradients)."""
+    if not packed:
+        return {}
+    pack = byte_view(frames[-1])
+    if not pack.nbytes:
+        return {}
+    base = torch.frombuffer(pack, dtype=torch.uint8)
+    as_dtype: dict = {}  # the whole frame as each dtype (its length is a multiple of ALIGN)
+    views, offset = {}, 0
+    for i in packed:
+        s = specs[i]
+        if s.numel and i not in encodings:
+            dtype = s.dtype
+            typed = as_dtype.get(dtype)
+            if typed is None:
+                typed = as_dtype[dtype] = base.view(dtype)
+            views[i] = typed.as_strided(s.shape, _strides(s.shape), offset // dtype.itemsize)
+        offset += aligned(sizes[i])
+    return views
+
+
+@functools.lru_cache(maxsize=1024)  # a model has a few dozen shapes; each decode asks for them all
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def decode(frames: Sequence, catalog: TensorCatalog | None = None,
@@ -302,13 +360,19 @@ def decode(frames: Sequence, catalog: TensorCatalog | None = None,
 
 
 def nonfinite_names(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """Names of the floating-point tensors that hold a NaN or an Inf. One sum
-    per tensor: a finite sum proves every entry finite (a NaN or Inf makes the
-    sum NaN or Inf); only a tensor whose sum is not finite (or overflowed) gets
-    the exact, slower element-wise test."""
-    return [name for name, t in tensors.items()
-            if t.is_floating_point() and t.numel() and not math.isfinite(float(t.sum()))
-            and not bool(torch.isfinite(t).all())]
+    """Names of the floating-point tensors that hold a NaN or an Inf. One
+    sum per run: floating tensors of one dtype that lie back to back in one
+    buffer (a pack frame, an arena; padding between them included) are
+    checked as one tensor; only a run that is not all finite gets the exact
+    test per tensor."""
+    bad = []
+    for run, names in flat_runs(tensors):
+        # a finite sum proves every entry finite (a NaN or Inf makes it NaN or Inf), and costs a
+        # fraction of isfinite(run).all(), which writes a mask; only a run whose sum is not finite
+        # (or overflowed) gets the exact test
+        if not math.isfinite(float(run.sum())) and not bool(torch.isfinite(run).all()):
+            bad += [n for n in names if not bool(torch.isfinite(tensors[n]).all())]
+    return bad
 
 
 def error_frames(err: ProtocolError, src: int = 0) -> list:

@@ -5,7 +5,9 @@ A frame costs a send call, a receive call and a Frame object in Python and
 ZeroMQ, whatever its size; a small model's push of ten tensors would pay that
 ten times. So payloads smaller than PACK_BELOW bytes (which ZeroMQ would copy
 anyway) travel back to back in one frame, the last of the message, each at an
-8-byte aligned offset so that a view of any dtype is aligned. Larger payloads
+8-byte aligned offset so that a view of any dtype is aligned. When all the
+payloads together are at most PACK_ALL_BELOW bytes, all of them are packed,
+so a small model's message has one tensor frame. Otherwise larger payloads
 keep a frame of their own (zero-copy from ZERO_COPY_BYTES on); received ones
 are views of the frames either way. The header's optional
 `packed` field lists the indices (into `tensors`) of the packed payloads in
@@ -27,6 +29,10 @@ ALIGN = 8
 # too, being smaller than ZERO_COPY_BYTES): worth it for small payloads, where
 # a frame's fixed cost dominates, not for those of tens of kilobytes and more.
 PACK_BELOW = 64 * 1024
+# A message whose payloads total at most this many bytes (a small model's
+# push) packs them all, large ones too: one frame, one length check, and on
+# the shard one contiguous run per dtype (one finiteness check, no gather).
+PACK_ALL_BELOW = 512 * 1024
 _PAD = bytes(ALIGN)
 
 
@@ -36,8 +42,12 @@ def aligned(nbytes: int) -> int:
 
 
 def choose_packed(sizes: Sequence[int], pack_below: int) -> list[int]:
-    """Indices of the payloads to pack: those under `pack_below` bytes, when
-    there are at least two of them (one small frame gains nothing)."""
+    """Indices of the payloads to pack: all of them when they total at most
+    PACK_ALL_BELOW bytes, else those under `pack_below` bytes; either only
+    when there are at least two (one small frame gains nothing). `pack_below`
+    0: none."""
+    if pack_below > 0 and len(sizes) >= 2 and sum(aligned(n) for n in sizes) <= PACK_ALL_BELOW:
+        return list(range(len(sizes)))
     small = [i for i, n in enumerate(sizes) if n < pack_below]
     return small if len(small) >= 2 else []
 

@@ -12,14 +12,18 @@ import torch
 from .config import OptimizerConfig, ScheduleConfig
 
 
-def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig,
+                    foreach: bool | None = None) -> torch.optim.Optimizer:
+    """`foreach`: torch.optim's multi-tensor implementation (None: torch's default for the device)."""
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                               weight_decay=cfg.weight_decay)
+                               weight_decay=cfg.weight_decay, foreach=foreach)
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                                foreach=foreach)
     if cfg.name == "adamw":  # decoupled weight decay (DiLoCo's inner optimizer)
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                                 foreach=foreach)
     raise ValueError(f"optimizer.name: unknown value {cfg.name!r}; allowed: sgd, adam, adamw")
 
 

@@ -144,7 +144,7 @@ class Shard(Service):
         return Ack(version=self.store.version, plan_id=self.plan.plan_id, info={"first": first})
 
     def _make_policy(self) -> None:
-        updater = Updater(self.store.tensors, self.store.param_names(), self.cfg.optimizer)
+        updater = Updater(self.store.tensors, self.store.param_names(), self.cfg.optimizer, self.store.arena)
         self.policy = POLICIES[self.algorithm.policy](self.store, updater, self.plan, self.cfg.algorithm.params)
 
     def on_push(self, peer: bytes, env: Envelope):

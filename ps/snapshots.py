@@ -9,7 +9,9 @@ calls `settle`: if a reply may still read their memory (its transport's
 tracker is not `done`, or the aliases were handed out and never tracked at
 all, e.g. to an in-process caller), the live tensors move to other memory
 (a copy, into the memory of an older reply that has finished when there is
-one) and the replies keep the old memory, unchanged for good. In a worker's
+one) and the replies keep the old memory, unchanged for good. A store whose
+tensors are views of one arena (arena.py) passes it: the arena moves as a
+whole and its views are re-seated. In a worker's
 push-then-pull loop the previous reply has arrived before the next push, so
 no copy is made at all.
 
@@ -32,6 +34,7 @@ class _Lend:
     aliases: dict[str, torch.Tensor]              # views of one generation of the live memory
     untracked: int = 0                            # handed out, no tracker heard of yet
     trackers: list = field(default_factory=list)
+    memory: torch.Tensor | None = None            # the arena memory they view, if any
 
     def in_flight(self) -> bool:
         return self.untracked > 0 or not all(t.done for t in self.trackers)
@@ -49,11 +52,12 @@ class Snapshots:
         self.moves = 0                     # settles that had to copy the live tensors
         self.reused = 0                    # of which into older memory
 
-    def lend(self, live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Aliases of `live` for a reply (the same dict until the next settle);
-        counted as in flight until `track` hears of it."""
+    def lend(self, live: Mapping[str, torch.Tensor], arena=None) -> dict[str, torch.Tensor]:
+        """Aliases of `live` (views of `arena`, if given) for a reply (the same
+        dict until the next settle); counted as in flight until `track` hears of it."""
         if self.current is None:
-            self.current = _Lend({n: t.detach() for n, t in live.items()})
+            self.current = _Lend({n: t.detach() for n, t in live.items()},
+                                 memory=arena.memory.detach() if arena is not None else None)
         self.current.untracked += 1
         return self.current.aliases
 
@@ -67,10 +71,21 @@ class Snapshots:
                     lend.trackers.append(tracker)
                 return
 
-    def settle(self, live: Mapping[str, torch.Tensor]) -> None:
-        """Call before writing `live` in place: afterwards no reply reads their memory."""
+    def lent_memory(self, aliases: dict) -> torch.Tensor | None:
+        """The arena memory that `aliases` (lent) view, or None."""
+        for lend in (self.current, *self.older):
+            if lend is not None and lend.aliases is aliases:
+                return lend.memory
+        return None
+
+    def settle(self, live: Mapping[str, torch.Tensor], arena=None) -> None:
+        """Call before writing `live` (views of `arena`, if given) in place:
+        afterwards no reply reads their memory."""
         lend, self.current = self.current, None
         if lend is None or not lend.in_flight():
+            return
+        if arena is not None:
+            self._move_arena(arena, lend)
             return
         spare = next((o for o in self.older if not o.in_flight() and o.fits(live)), None)
         if spare is None:
@@ -82,5 +97,18 @@ class Snapshots:
         torch._foreach_copy_(targets, list(live.values()))
         for t, target in zip(live.values(), targets):
             t.set_(target)  # the same tensor objects (the optimizer holds them), other memory
+        self.moves += 1
+        self.older = [o for o in (*self.older, lend) if o.untracked == 0][-KEEP:]
+
+    def _move_arena(self, arena, lend: _Lend) -> None:
+        spare = next((o for o in self.older if not o.in_flight() and o.memory is not None
+                      and o.memory.numel() == arena.nbytes), None)
+        if spare is None:
+            target = torch.empty_like(arena.memory)
+        else:
+            self.older.remove(spare)
+            self.reused += 1
+            target = spare.memory
+        arena.move_to(target)
         self.moves += 1
         self.older = [o for o in (*self.older, lend) if o.untracked == 0][-KEEP:]

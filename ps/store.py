@@ -3,6 +3,9 @@
 Holds the tensors the plan assigned to this shard (parameters and buffers),
 their per-tensor versions, and a shard-level version (updates applied). The
 store is model-agnostic: it knows names, dtypes, shapes and kinds only.
+The tensors are views of one arena (arena.py): the parameters of each dtype
+form one flat run for the optimizer, and a pull reply sends the arena as one
+frame.
 Not thread-safe: owned by the shard's single loop.
 """
 from __future__ import annotations
@@ -12,10 +15,13 @@ from typing import Mapping
 
 import torch
 
+from hetps.proto import dtypes
+from hetps.proto.layout import PACK_BELOW
 from hetps.proto.codec import EncodedTensors, ProtocolError, TensorCatalog, encode_tensors
 from hetps.proto.messages import Status
 from hetps.proto.plan import TensorSpec
 
+from .arena import Arena
 from .snapshots import Snapshots
 
 log = logging.getLogger(__name__)
@@ -25,7 +31,8 @@ class TensorStore:
     def __init__(self, specs: list[TensorSpec]):
         self.specs = {s.name: s for s in specs}
         self.catalog: TensorCatalog = {s.name: (s.dtype, s.shape) for s in specs}
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, torch.Tensor] = {}  # views of `arena`, in its order, once initialized
+        self.arena: Arena | None = None
         self.versions: dict[str, int] = {s.name: 0 for s in specs}
         self.version = 0
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -49,11 +56,20 @@ class TensorStore:
         missing = sorted(set(self.specs) - set(values))
         if missing:
             raise ProtocolError(Status.MALFORMED, f"INIT lacks tensors {missing[:5]}")
-        self.tensors = {n: values[n].clone() for n in self.specs}
+        self._fill(values)
         return True
 
+    def _fill(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Lay the tensors out in a new arena and copy `values` in."""
+        arena = Arena((s.name, dtypes.DTYPES[s.dtype], tuple(s.shape), s.kind == "param") for s in self.specs.values())
+        views = arena.views
+        torch._foreach_copy_([views[n] for n in arena.order], [values[n] for n in arena.order])
+        self.arena, self.tensors = arena, dict(views)
+
     def state_dict(self) -> dict:
-        return {"tensors": self.tensors, "versions": self.versions, "version": self.version}
+        # each tensor on its own memory: torch.save refuses views of one storage as several dtypes
+        return {"tensors": {n: t.clone() for n, t in self.tensors.items()}, "versions": self.versions,
+                "version": self.version}
 
     def load_state_dict(self, state: dict) -> None:
         """Values and versions from a checkpoint of this same tensor set."""
@@ -61,7 +77,7 @@ class TensorStore:
         if set(tensors) != set(self.specs):
             raise ValueError(f"checkpoint holds tensors {sorted(tensors)[:5]}..., this shard owns "
                              f"{sorted(self.specs)[:5]}...: not the same placement")
-        self.tensors = {n: tensors[n] for n in self.specs}
+        self._fill(tensors)
         self.versions = dict(state["versions"])
         self.version = int(state["version"])
         self._snapshot = None
@@ -91,7 +107,7 @@ class TensorStore:
         snapshots.py). Hand the dict to `track` once it was sent."""
         if self._snapshot is None and self.snapshots.current is not None:
             log.error("shard tensors were written without settle(): a reply in flight may have seen it")
-        self._snapshot = (self.version, self.snapshots.lend(self.tensors))
+        self._snapshot = (self.version, self.snapshots.lend(self.tensors, self.arena))
         return self._snapshot[1]
 
     def encoded(self, snapshot: dict) -> EncodedTensors:
@@ -99,7 +115,9 @@ class TensorStore:
         reply that carries it: a new write makes a new snapshot dict, so the
         identity of the dict is the key (the cache holds it: no id is reused)."""
         if self._encoded is None or self._encoded[0] is not snapshot:
-            self._encoded = (snapshot, encode_tensors(snapshot))
+            memory = self.snapshots.lent_memory(snapshot)
+            self._encoded = (snapshot, encode_tensors(snapshot, PACK_BELOW, memory)
+                             if memory is not None else encode_tensors(snapshot))
         return self._encoded[1]
 
     def track(self, snapshot: dict, tracker) -> None:
@@ -110,4 +128,4 @@ class TensorStore:
     def settle(self) -> None:
         """Call before writing the tensors in place: replies still reading
         their memory keep it, the tensors move to other memory."""
-        self.snapshots.settle(self.tensors)
+        self.snapshots.settle(self.tensors, self.arena)

@@ -7,7 +7,7 @@ import torch
 
 from hetps.proto import messages as m
 from hetps.proto.codec import (ProtocolError, decode, encode, error_frames)
-from hetps.proto.layout import PACK_BELOW
+from hetps.proto.layout import PACK_ALL_BELOW, PACK_BELOW, aligned
 from hetps.proto.messages import MESSAGES, PROTOCOL_VERSION, Op, Status
 
 
@@ -86,9 +86,13 @@ def assert_same_message(got: m.Message, want: m.Message) -> None:
 
 def expected_frames(msg: m.Message, pack_below: int) -> int:
     """1 header + one frame per payload of `pack_below` bytes or more + one pack
-    frame for the smaller ones, when there are at least two."""
+    frame for the smaller ones, when there are at least two; all of them in
+    one pack frame when they total at most PACK_ALL_BELOW bytes."""
     if not m.has_tensors(type(msg)):
         return 1
+    sizes = [aligned(t.numel() * t.element_size()) for t in msg.tensors.values()]
+    if pack_below and len(sizes) >= 2 and sum(sizes) <= PACK_ALL_BELOW:
+        return 2
     small = sum(t.numel() * t.element_size() < pack_below for t in msg.tensors.values())
     return 1 + len(msg.tensors) - small + (1 if small >= 2 else small)
 

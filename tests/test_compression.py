@@ -16,6 +16,7 @@ from hetps.proto.codec import ProtocolError, decode, encode
 from hetps.proto.compression import (Compressed, Fp16Compressor, TopKCompressor, index_dtype, make_compressor,
                                      payload_nbytes)
 from hetps.proto.config import ClusterConfig
+from hetps.proto.layout import PACK_ALL_BELOW
 from hetps.proto.messages import Status
 from hetps.proto.plan import TensorSpec
 from hetps.proto.rpc import RemoteError
@@ -144,9 +145,10 @@ def test_ps_client_compresses_float_parameter_gradients_only():
 
 
 def test_large_topk_payload_has_its_own_frame_and_decodes():
-    g = grads(4, 1 << 20)
+    g = grads(4, 1 << 21)
     sent = TopKCompressor(0.05).compress({"w": g}, {"w"})["w"]
-    assert index_dtype(g.numel()) == torch.int32 and sent.nbytes >= 64 * 1024
+    # large enough that it is not packed with the rest (layout.choose_packed)
+    assert index_dtype(g.numel()) == torch.int32 and sent.nbytes > PACK_ALL_BELOW
     frames = encode(m.Push(plan_id=1, clock=0, base_version=0, tensors={"w": sent, "b": torch.ones(3)}))
     assert len(frames) == 3  # header, the topk payload, a frame for the small dense one
     got = decode(frames).msg.tensors["w"]

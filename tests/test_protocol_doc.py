@@ -74,11 +74,12 @@ def test_header_keys_and_dtypes():
 def test_constants():
     values = {r["constant"]: int(r["value"]) for r in table("Constants")}
     assert values == {"PROTOCOL_VERSION": messages.PROTOCOL_VERSION, "PACK_BELOW": layout.PACK_BELOW,
-                      "ALIGN": layout.ALIGN, "ZERO_COPY_BYTES": messages.ZERO_COPY_BYTES,
-                      "MAX_HEADER_BYTES": codec.MAX_HEADER_BYTES}
+                      "PACK_ALL_BELOW": layout.PACK_ALL_BELOW, "ALIGN": layout.ALIGN,
+                      "ZERO_COPY_BYTES": messages.ZERO_COPY_BYTES, "MAX_HEADER_BYTES": codec.MAX_HEADER_BYTES}
     text = DOC.read_text()
     assert f"must equal the receiver's ({messages.PROTOCOL_VERSION})" in text
     assert f"smaller than {layout.PACK_BELOW:,} bytes" in text and f"multiple of {layout.ALIGN} bytes" in text
+    assert f"total at most\n{layout.PACK_ALL_BELOW:,} bytes" in text
 
 
 def test_plan_fields_are_the_plans_dict():
@@ -87,13 +88,14 @@ def test_plan_fields_are_the_plans_dict():
 
 
 def test_the_pack_layout_described_is_what_encode_makes():
-    """Two small tensors and a large one: the large one in its own frame, the
-    small ones packed in the last frame, each padded to 8 bytes, little-endian."""
+    """Two small tensors and a large one (the three more than PACK_ALL_BELOW
+    bytes): the large one in its own frame, the small ones packed in the last
+    frame, each padded to 8 bytes, little-endian."""
     import torch
 
     from hetps.proto.messages import Push
 
-    big = torch.arange(layout.PACK_BELOW // 4, dtype=torch.float32)
+    big = torch.arange(layout.PACK_ALL_BELOW // 4, dtype=torch.float32)
     small = {"a": torch.tensor([1, 2, 3], dtype=torch.int32), "b": torch.tensor([[1.5]], dtype=torch.float64)}
     frames = codec.encode(Push(plan_id=1, clock=0, base_version=0, tensors={"a": small["a"], "big": big,
                                                                               "b": small["b"]}), req_id=7)
@@ -103,5 +105,20 @@ def test_the_pack_layout_described_is_what_encode_makes():
     assert pack == (small["a"].numpy().astype("<i4").tobytes() + bytes(4)
                     + small["b"].numpy().astype("<f8").tobytes())
     header = codec._unpack_header(frames[0])
-    assert header["packed"] == [0, 2] and header["tensors"][1] == ["big", "float32", [layout.PACK_BELOW // 4]]
+    assert header["packed"] == [0, 2] and header["tensors"][1] == ["big", "float32", [layout.PACK_ALL_BELOW // 4]]
     assert re.fullmatch(r"\d+", str(header["id"])) and header["v"] == messages.PROTOCOL_VERSION
+
+
+def test_a_small_message_is_one_pack_frame():
+    """Payloads totalling at most PACK_ALL_BELOW bytes: all of them, the one
+    of PACK_BELOW bytes too, back to back in the one pack frame."""
+    import torch
+
+    from hetps.proto.messages import Push
+
+    big = torch.arange(layout.PACK_BELOW // 4, dtype=torch.float32)
+    small = torch.tensor([1, 2, 3], dtype=torch.int32)
+    frames = codec.encode(Push(plan_id=1, clock=0, base_version=0, tensors={"a": small, "big": big}), req_id=7)
+    assert len(frames) == 1 + 1
+    assert bytes(frames[1]) == small.numpy().astype("<i4").tobytes() + bytes(4) + big.numpy().astype("<f4").tobytes()
+    assert codec._unpack_header(frames[0])["packed"] == [0, 1]
