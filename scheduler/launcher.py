@@ -191,8 +191,8 @@ class LocalCluster:
         # the scheduler (exec'd, no torch) starts while the first fork waits for the fork server's imports
         scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir), *run_id)
         self.start_check()
+        self.timeline["fork_server"] = time.time()  # the check is forked once the fork server imported torch
         addr = self._scheduler_address(scheduler)
-        self.timeline["scheduler_up"] = time.time()
         if not self.interrupted:  # Ctrl-C before the scheduler was up: it stops; start nobody else
             self._spawn_nodes(addr)
             self.wait_check()
@@ -226,6 +226,7 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise LaunchError(f"scheduler did not publish its address within {ADDR_WAIT_S}s")
             time.sleep(0.05)
+        self.timeline["scheduler_up"] = path.stat().st_mtime  # when it bound, not when this loop looked
         return path.read_text().strip()
 
     # ------------------------------------------------------------ watching

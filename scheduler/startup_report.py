@@ -53,7 +53,7 @@ def startup_section(run_dir: Path, timeline: dict[str, float]) -> dict:
         for name, s in (r.get("startup") or {}).items():
             phases.setdefault(role, {})[name] = max(phases.get(role, {}).get(name, 0.0), s)
         if "scheduler_up" in timeline:
-            registered.append(timeline["scheduler_up"] + r.get("t", 0.0))
+            registered.append(timeline["scheduler_up"] + r.get("t", 0.0))  # its clock starts when it binds
     if phases:
         out["node_phases_s"] = phases
     if registered:
@@ -77,7 +77,7 @@ def startup_line(section: dict) -> str:
     first = section.get("first_step_s")
     head = f"start-up: first step at {first:.1f}s" if first is not None else "start-up: no step"
     marks = [f"{k[:-2].replace('_', ' ')} {section[k]:.1f}s" for k in
-             ("scheduler_up_s", "checked_s", "registered_s", "plan_s") if k in section]
+             ("scheduler_up_s", "fork_server_s", "checked_s", "registered_s", "plan_s") if k in section]
     slowest = {name: max((p.get(name, 0.0) for p in section.get("node_phases_s", {}).values()), default=0.0)
                for name in PHASES}
     nodes = ", ".join(f"{k} {v:.1f}s" for k, v in slowest.items() if v)
