@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from cluster_util import (FINAL_SLACK, REPO, Daemons, background_run, log_tails, processes_mentioning, records,
-                          run_hetps, summary, wait_for, worker_pid)
+                          summary, wait_for, worker_pid)
 
 pytestmark = pytest.mark.cluster
 DEAD_AFTER_S = 2.0
@@ -72,4 +72,3 @@ def test_late_worker_joins_a_group_and_its_pushes_are_applied(tmp_path):
     assert shard["accepted"] == shard["contributions"] + shard["pending"]
     assert shard["accepted"] >= s["global_steps"]  # the late worker's pushes are among those applied
     assert not processes_mentioning(str(tmp_path))
-
