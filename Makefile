@@ -1,10 +1,12 @@
 # `make run`: create .venv, install, train the default experiment offline.
-# `make test`: create .venv if needed, install, run the whole suite.
+# `make test`: create .venv if needed, install, run the whole suite: the unit and inproc tiers
+# on $(WORKERS) pytest-xdist processes, then the cluster tier (real processes) serially.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 CONFIG ?= configs/default.yaml
 ARGS   ?=
+WORKERS ?= 2
 
 .PHONY: run test test-unit test-inproc test-cluster install bench clean
 
@@ -21,11 +23,19 @@ install: $(VENV)/.installed-test
 run: $(VENV)/.installed-data
 	$(VENV)/bin/hetps run $(CONFIG) $(ARGS)
 
+# both tiers run even when the first fails; exit status 5 (no test selected, e.g. ARGS names
+# one file) is not a failure of a tier
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q $(ARGS)
+	@status=0; \
+	$(PY) -m pytest -q -n $(WORKERS) -m "not cluster" $(ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) -m pytest -q -m cluster $(ARGS) || [ $$? -eq 5 ] || status=1; \
+	exit $$status
 
-test-unit test-inproc test-cluster: test-%: $(VENV)/.installed-test
-	$(PY) -m pytest -q -m $* $(ARGS)
+test-unit test-inproc: test-%: $(VENV)/.installed-test
+	$(PY) -m pytest -q -n $(WORKERS) -m $* $(ARGS)
+
+test-cluster: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m cluster $(ARGS)
 
 bench: $(VENV)/.installed-test
 	$(PY) bench/transport.py --sizes lenet,4K,64K,1M,16M,64M

@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cluster_util import kill_leftovers
+
+# One intra-op thread in the test process: `make test` runs the unit and inproc tiers on two
+# pytest-xdist processes on a 2-core machine, and torch's default (one thread per core) would
+# make them fight over the cores. Daemons set their own (`node.threads`).
+torch.set_num_threads(1)
 
 
 @pytest.fixture
@@ -19,7 +25,8 @@ def run_dir(tmp_path):
 # ------------------------------------------------------------ tiers
 # Every test is in one tier, selectable with -m: `cluster` (real processes on loopback; marked in
 # its module), `inproc` (roles over the in-process transport or real sockets inside this process),
-# `unit` (pure functions). `make test` runs all three; `make test-unit`, `test-inproc`,
+# `unit` (pure functions). `make test` runs all three (unit and inproc on 2 xdist processes, then
+# cluster serially: real clusters would compete for the cores); `make test-unit`, `test-inproc`,
 # `test-cluster` run one.
 IN_PROCESS = ("MemServer", "shard_harness", "mem://", "make_server(", "bind_to_random_port", "hetps.sim")
 

@@ -53,9 +53,13 @@ def test_across_hosts_the_scheduler_itself_names_the_failed_worker(tmp_path):
         addr = wait_for(lambda: addr_file.exists() and addr_file.read_text(), 60, "the scheduler address")
         daemons.start(["ps", "--config", config, "--rank", "0", "--scheduler", addr, *common])
         daemons.start(["worker", "--config", config, "--rank", "0", "--scheduler", addr, *common])
+        # the failing worker starts once the others registered: they are told at once, not left to
+        # find the scheduler gone and wait out startup_timeout_s
+        registered = lambda: {r["node"] for r in records(run_dir, "register")} >= {"ps0", "worker0"}
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and registered(), 60, "ps0 and worker0 registered")
         daemons.start(["worker", "--config", config, "--rank", "1", "--scheduler", addr, *common,
                        "cluster.workers.1.device=cuda:99"])  # this host's own setting: a GPU it lacks
-        codes = daemons.wait(120)  # the others: answered at once if they registered, else startup_timeout_s
+        codes = daemons.wait(120)
     finally:
         daemons.close()
     assert codes[0] == 1 and codes[3] == 1, (codes, daemons.tails())
@@ -89,9 +93,12 @@ def test_a_model_factory_that_raises_ends_the_run_quoting_it(run_dir, tmp_path):
 
 def test_a_diverging_run_stops_with_exit_3_and_names_the_learning_rate(run_dir):
     every_s, after, warmup_s = 1.0, 3, 5.0
+    stop_by_s = warmup_s + 3 * after * every_s + 5   # the latest stop allowed below
     # dead_after_s: workers whose NaN pushes the shards refuse exit, and must not end the run first
+    # ("no live workers left"); once the guard stopped it (by stop_by_s), their being declared dead
+    # lets the shards and the scheduler go without waiting out the stop grace periods (40 s)
     result = run_hetps(["run", "configs/async.yaml", *SMALL, "optimizer.lr=10000", "stop.max_seconds=120",
-                        "cluster.dead_after_s=60",
+                        f"cluster.dead_after_s={stop_by_s + 1}",
                         f"eval.every_s={every_s}", f"stop.diverged_after={after}",
                         f"stop.diverge_warmup_s={warmup_s}", "--out", str(run_dir), "--quiet"], timeout_s=240)
     assert result.returncode == 3, result.stderr + log_tails(run_dir)
@@ -102,7 +109,7 @@ def test_a_diverging_run_stops_with_exit_3_and_names_the_learning_rate(run_dir):
     # stopped by the guard within its window (the warm-up and `after` evaluations, which a loaded
     # machine may stretch up to 3x), long before the time limit
     (stop,) = records(run_dir, "stop")
-    assert stop["reason"] == "diverged" and stop["t"] <= warmup_s + 3 * after * every_s + 5, stop
+    assert stop["reason"] == "diverged" and stop["t"] <= stop_by_s, stop
 
 
 def tensorboard_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:

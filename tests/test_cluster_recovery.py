@@ -26,8 +26,9 @@ def test_killed_shard_restarts_from_its_checkpoint_and_the_run_reaches_target(ru
                         "stop.max_seconds=150", "cluster.kill=[{node: ps1, at_s: 1.5, restart_after_s: 1}]"],
                        timeout_s=240)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
+    assert "fault injection: killing ps1" in result.stderr
     kill, restart = faults(run_dir)
-    assert (kill["action"], restart["action"]) == ("kill", "restart")
+    assert (kill["action"], kill["node"], restart["action"]) == ("kill", "ps1", "restart")
     assert kill["checkpoint_version"] is not None and kill["checkpoint_version"] >= 25
     s = summary(run_dir)
     ps1 = s["shard_stats"]["ps1"]
