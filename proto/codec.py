@@ -283,12 +283,7 @@ def _decode_tensors(header: dict, frames: Sequence, catalog: TensorCatalog | Non
     for key in ("tensors", "enc", "packed"):  # field types first, like every header field
         if not isinstance(header.get(key, []), list):
             raise ProtocolError(Status.MALFORMED, f"field {key!r} must be a list", req_id)
-    raw_specs = header.get("tensors", [])
-    specs = [_read_spec(s, max_bytes, req_id) for s in raw_specs]
-    if len({s.name for s in specs}) != len(specs):
-        raise ProtocolError(Status.MALFORMED, "duplicate tensor names", req_id)
-    encodings = _read_encodings(header.get("enc", []), specs, req_id)
-    sizes = [_payload_size(s, encodings.get(i)) for i, s in enumerate(specs)]
+    specs, encodings, sizes = _checked_layout(header, max_bytes, req_id)
     payloads = split_frames(frames, sizes, header.get("packed", []), req_id)
     if catalog is not None:
         check_catalog(specs, catalog, req_id)
@@ -296,6 +291,33 @@ def _decode_tensors(header: dict, frames: Sequence, catalog: TensorCatalog | Non
     return {s.name: in_pack[i] if i in in_pack else _dense_view(s, p) if i not in encodings
             else decompress(*encodings[i], s.dtype, s.shape, p, s.name, req_id)
             for i, (s, p) in enumerate(zip(specs, payloads))}
+
+
+_last_layout: tuple | None = None  # (key, specs, sizes) of the last dense layout checked: see _checked_layout
+
+
+def _checked_layout(header: dict, max_bytes: int, req_id: int) -> tuple[list[Spec], dict, list[int]]:
+    """The header's tensor specs, encodings and payload sizes, checked. A
+    worker and a shard exchange the same specs in every message, so the last
+    dense layout (no `enc`) that passed is remembered and a header that
+    repeats it exactly is not checked again. `repr` is the key: it tells
+    True from 1 and 1.0 from 1, which `==` would not (the checks refuse them)."""
+    global _last_layout
+    raw_specs = header.get("tensors", [])
+    key = None
+    if "enc" not in header:
+        key = (repr(raw_specs), max_bytes)
+        last = _last_layout  # one read: another thread may replace it meanwhile
+        if last is not None and last[0] == key:
+            return last[1], {}, last[2]
+    specs = [_read_spec(s, max_bytes, req_id) for s in raw_specs]
+    if len({s.name for s in specs}) != len(specs):
+        raise ProtocolError(Status.MALFORMED, "duplicate tensor names", req_id)
+    encodings = _read_encodings(header.get("enc", []), specs, req_id)
+    sizes = [_payload_size(s, encodings.get(i)) for i, s in enumerate(specs)]
+    if key is not None:
+        _last_layout = (key, specs, sizes)
+    return specs, encodings, sizes
 
 
 def _pack_views(frames: Sequence, specs: list[Spec], sizes: list[int], packed: list[int],

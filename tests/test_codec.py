@@ -323,6 +323,25 @@ def test_bad_tensor_spec(spec):
     assert err.req_id == 77
 
 
+@pytest.mark.parametrize("dims", [[True, 4], [1.0, 4], [1, 4.0]])
+def test_a_remembered_layout_is_not_reused_for_a_lookalike_spec(dims):
+    """A header that repeats the last checked layout skips the spec checks,
+    but one equal to it only under `==` (True == 1 == 1.0) is checked and refused."""
+    good = pack(hdr(Op.PARAMS, version=1, tensors=[["a", "float32", [1, 4]]]))
+    assert decode([good, b"\0" * 16]).msg.tensors["a"].shape == (1, 4)
+    assert decode([good, b"\0" * 16]).msg.tensors["a"].shape == (1, 4)  # the remembered layout
+    err = refused([pack(hdr(Op.PARAMS, version=1, tensors=[["a", "float32", dims]])), b"\0" * 16])
+    assert err.status == Status.MALFORMED
+
+
+def test_a_remembered_layout_still_meets_each_limit_and_frame_check():
+    frames = params_frames(a=torch.zeros(100))  # 400 bytes
+    assert decode(frames).msg.tensors["a"].shape == (100,)
+    assert refused(frames, max_tensor_bytes=399).status == Status.TOO_LARGE
+    assert refused([frames[0], bytes(frames[1])[:-4]]).status == Status.MALFORMED
+    assert refused(frames, {"a": ("float32", (99,))}).status == Status.SHAPE_MISMATCH
+
+
 def test_tensors_not_a_list():
     err = refused([pack(hdr(Op.PARAMS, version=1, tensors={"a": "float32"})), b"\0" * 4])
     assert err.status == Status.MALFORMED
