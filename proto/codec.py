@@ -297,11 +297,8 @@ _last_layout: tuple | None = None  # (key, specs, sizes) of the last dense layou
 
 
 def _checked_layout(header: dict, max_bytes: int, req_id: int) -> tuple[list[Spec], dict, list[int]]:
-    """The header's tensor specs, encodings and payload sizes, checked. A
-    worker and a shard exchange the same specs in every message, so the last
-    dense layout (no `enc`) that passed is remembered and a header that
-    repeats it exactly is not checked again. `repr` is the key: it tells
-    True from 1 and 1.0 from 1, which `==` would not (the checks refuse them)."""
+    """The header's specs, encodings and payload sizes, checked; a header repeating the last dense layout
+    that passed (peers send the same in every message) is not checked again. `repr` tells True from 1."""
     global _last_layout
     raw_specs = header.get("tensors", [])
     key = None
