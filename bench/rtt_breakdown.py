@@ -9,8 +9,9 @@ Stages are timed by wrapping the functions that do them (the wrappers cost
 ~1 us each, included). Worker: encode (message -> frames), send (frames into
 ZeroMQ), wait (until the reply is readable: the shard's time and the wire),
 recv (frames out of ZeroMQ), decode (frames -> message, incl. validation).
-Shard: recv (with the empty non-blocking try before each idle wait), decode (incl. validation against the catalogue), handle (the PUSH
-handler without the update: policy, accept, ACK, reply building), update
+Shard: recv (with the empty non-blocking try before each idle wait),
+decode (incl. validation against the catalogue), handle (the PUSH handler
+without the update: policy, accept, ACK, reply building), update
 (the optimizer step, thread CPU time as the shard counts it), encode and send
 of the reply. Means per round trip, in microseconds.
 """
