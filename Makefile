@@ -1,6 +1,7 @@
 # `make run`: create .venv, install, train the default experiment offline.
 # `make test`: create .venv if needed, install, run the whole suite: the unit and inproc tiers
-# on $(WORKERS) pytest-xdist processes, then the cluster tier (real processes) serially.
+# on $(WORKERS) pytest-xdist processes, then the cluster tier (real processes) on $(WORKERS) too,
+# then the cluster tests marked `exclusive` (they compare timings or measured speeds) alone.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -23,19 +24,23 @@ install: $(VENV)/.installed-test
 run: $(VENV)/.installed-data
 	$(VENV)/bin/hetps run $(CONFIG) $(ARGS)
 
-# both tiers run even when the first fails; exit status 5 (no test selected, e.g. ARGS names
-# one file) is not a failure of a tier
+# every part runs even when one fails; exit status 5 (no test selected, e.g. ARGS names
+# one file) is not a failure of a part
 test: $(VENV)/.installed-test
 	@status=0; \
 	$(PY) -m pytest -q -n $(WORKERS) -m "not cluster" $(ARGS) || [ $$? -eq 5 ] || status=1; \
-	$(PY) -m pytest -q -m cluster $(ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "cluster and not exclusive" $(ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) -m pytest -q -m exclusive $(ARGS) || [ $$? -eq 5 ] || status=1; \
 	exit $$status
 
 test-unit test-inproc: test-%: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n $(WORKERS) -m $* $(ARGS)
 
 test-cluster: $(VENV)/.installed-test
-	$(PY) -m pytest -q -m cluster $(ARGS)
+	@status=0; \
+	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "cluster and not exclusive" $(ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) -m pytest -q -m exclusive $(ARGS) || [ $$? -eq 5 ] || status=1; \
+	exit $$status
 
 bench: $(VENV)/.installed-test
 	$(PY) bench/transport.py --sizes lenet,4K,64K,1M,16M,64M

@@ -20,6 +20,7 @@ def check_efficiency(s: dict) -> None:
     assert eff["standalone_samples_per_s"] > 0 and 0 < eff["heterogeneity_efficiency"] < 2, eff
 
 
+@pytest.mark.exclusive  # batches from profiled speeds: other tests' load would blur them
 def test_balanced_workers_train_on_the_plans_speed_proportional_batches(run_dir):
     result = run_hetps(["run", "configs/balanced.yaml", "stop.max_seconds=6", "stop.target_accuracy=1.0",
                         "algorithm.regroup=false", "--out", str(run_dir), "--quiet"], timeout_s=150)

@@ -10,7 +10,7 @@ import pytest
 
 from cluster_util import background_run, log_tails, records, run_hetps, summary, wait_for, worker_pid
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.exclusive]  # stalls named within heartbeat periods
 HB = 1.0        # cluster.heartbeat_s
 SLACK_S = 1.0   # upper bound on a loaded machine's scheduling delay on top of two heartbeats
 

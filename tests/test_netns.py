@@ -71,6 +71,7 @@ def test_cluster_trains_across_namespaces(run_dir, tmp_path):
     assert not processes_mentioning(str(tmp_path))
 
 
+@pytest.mark.exclusive  # compares measured speeds: other tests' load would blur them
 def test_tc_limited_worker_is_measured_and_grouped_slow(run_dir, tmp_path):
     """Four equal workers under Grouping-SGD; worker 1's link is capped at
     4 Mbit/s each way with tc. A LeNet-5 push is ~250 kB, so its pushes take
