@@ -95,6 +95,17 @@ def records(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
+def trained_to_after_replan(run_dir: Path, accuracy: float) -> bool:
+    """A plan after the first (a re-plan or a failover), then steps and an
+    evaluation at `accuracy` or more after it: what a test waits for before
+    it stops a run that had a fault."""
+    replans = [r["t"] for r in records(run_dir, "plan") if r["plan_id"] > 1]
+    if not replans:
+        return False
+    return (any(r["t"] > replans[0] for r in records(run_dir, "step"))
+            and any(r["t"] > replans[0] and r["accuracy"] >= accuracy for r in records(run_dir, "eval")))
+
+
 def worker_pid(run_dir: Path, rank: int) -> int:
     """The pid of `hetps run`'s worker `rank` (not the evaluator) in `run_dir`."""
     for pid in processes_mentioning(str(run_dir)):

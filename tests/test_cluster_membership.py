@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from cluster_util import (FINAL_SLACK, REPO, Daemons, background_run, log_tails, processes_mentioning, records,
-                          summary, wait_for, worker_pid)
+                          summary, trained_to_after_replan, wait_for, worker_pid)
 
 pytestmark = pytest.mark.cluster
 DEAD_AFTER_S = 2.0
@@ -45,15 +45,6 @@ def test_killed_worker_leaves_the_plan_and_the_run_reaches_target(config, run_di
     assert len(plan["workers"]) == 3
     # and the others kept training after it
     assert any(r["t"] > replans[0]["t"] for r in records(run_dir, "step"))
-
-
-def trained_to_after_replan(run_dir, accuracy: float) -> bool:
-    """A plan after the first, then steps and an evaluation at `accuracy` or more after it."""
-    replans = [r["t"] for r in records(run_dir, "plan") if r["plan_id"] > 1]
-    if not replans:
-        return False
-    return (any(r["t"] > replans[0] for r in records(run_dir, "step"))
-            and any(r["t"] > replans[0] and r["accuracy"] >= accuracy for r in records(run_dir, "eval")))
 
 
 def test_late_worker_joins_a_group_and_its_pushes_are_applied(tmp_path):

@@ -92,7 +92,7 @@ def test_a_model_factory_that_raises_ends_the_run_quoting_it(run_dir, tmp_path):
 
 
 def test_a_diverging_run_stops_with_exit_3_and_names_the_learning_rate(run_dir):
-    every_s, after, warmup_s = 1.0, 3, 5.0
+    every_s, after, warmup_s = 0.5, 3, 3.0
     stop_by_s = warmup_s + 3 * after * every_s + 5   # the latest stop allowed below
     # dead_after_s: workers whose NaN pushes the shards refuse exit, and must not end the run first
     # ("no live workers left"); once the guard stopped it (by stop_by_s), their being declared dead

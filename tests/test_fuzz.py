@@ -59,8 +59,8 @@ N_TENSOR_ERRORS = 2500
 N_MIXED = 1500
 N_COMPRESSED = 1500
 # Messages sent to the live daemons.
-N_SHARD = 2200
-N_SCHEDULER = 1200
+N_SHARD = 1100   # the in-process fuzz tests above send many more of each kind
+N_SCHEDULER = 600
 
 # ---------------------------------------------------------------- value strategies
 
@@ -961,8 +961,7 @@ def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
         print(f"shard: {raw_shard.sent} sent in {shard_s:.1f}s, {raw_shard.dropped} dropped, {raw_shard.statuses}")
         print(f"scheduler: {raw_sched.sent} sent in {sched_s:.1f}s, {raw_sched.dropped} dropped, "
               f"{raw_sched.statuses}")
-        assert raw_shard.sent >= 2000 and raw_sched.sent >= 1000
-        assert raw_shard.sent + raw_sched.sent >= 3000
+        assert raw_shard.sent >= 1000 and raw_sched.sent >= 500
 
         # --- afterwards: bit-identical tensors, same version, valid requests served
         after = shard.call(m.Pull(plan_id=plan.plan_id, clock=1))

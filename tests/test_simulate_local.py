@@ -109,3 +109,20 @@ def test_averaging_goes_on_without_a_killed_worker(tmp_path, digits):
     late = [r for r in rounds_of(run_dir)[0] if r["t"] > 0.2 + 0.5 + 0.1]   # after dead_after_s and a heartbeat
     assert len(late) >= 3
     assert all(b["t"] - a["t"] < 0.096 for a, b in zip(late, late[1:]))   # no longer waiting for the slow worker
+
+
+def test_adpsgd_periods_start_at_one_and_never_shrink(tmp_path, digits):
+    summary, run_dir = run(tmp_path, digits, "adpsgd", *ALGORITHMS["adpsgd"], "stop.target_accuracy=null",
+                           "stop.max_seconds=1.0")
+    periods = {w: [r["period"] for r in rs] for w, rs in rounds_of(run_dir).items()}
+    assert set(periods) == {0, 1, 2}, periods
+    for worker, ps in periods.items():
+        assert ps[0] == 1 and ps == sorted(ps), (worker, ps)
+    assert max(max(ps) for ps in periods.values()) > 1, periods   # the period grew
+
+
+def test_simuparallel_weights_every_worker_equally(tmp_path, digits):
+    summary, _ = run(tmp_path, digits, "simuparallel", "algorithm.name=simuparallel", "algorithm.period_s=0",
+                     "stop.target_accuracy=null", "stop.max_seconds=0.5")
+    weights = summary["shard_stats"]["ps0"]["weights"]   # unequal local work (slowdown 3), equal weights
+    assert weights == pytest.approx([1 / 3] * 3), weights
