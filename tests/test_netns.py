@@ -85,7 +85,7 @@ def test_tc_limited_worker_is_measured_and_grouped_slow(run_dir, tmp_path):
     nodes = ["scheduler", "ps0", "ps1", *workers, "evaluator"]
     config = str(REPO / "configs" / "default.yaml")
     overrides = ["cluster.workers=[{}, {}, {}, {}]", "algorithm.regroup_every_s=1",
-                 "stop.target_accuracy=null", "stop.max_seconds=20", "cluster.profile_steps=10",
+                 "stop.target_accuracy=null", "stop.max_seconds=12", "cluster.profile_steps=10",
                  "eval.every_s=2.0"]
     started = time.monotonic()
     with virtual_network(nodes) as net:
