@@ -34,12 +34,13 @@ class SyncParams:
 
 @dataclass(frozen=True)
 class AsyncParams:
-    """Async-SGD has no parameters."""
+    scale_lr: bool = False     # staleness-aware: a push computed k updates ago is applied with lr / max(1, k)
 
 
 @dataclass(frozen=True)
 class SspParams:
     staleness: int = 2         # a worker may be at most this many clocks ahead of the slowest
+    scale_lr: bool = False     # staleness-aware: a push computed k updates ago is applied with lr / max(1, k)
 
     def __post_init__(self):
         _check_params("algorithm", self, {}, {"staleness": 0})

@@ -100,7 +100,9 @@ def check_plan_algorithm(cfg_algorithm, plan) -> None:
     mine = {"name": cfg_algorithm.name, **resolved_params(cfg_algorithm)}
     theirs = {"name": plan.algorithm, **plan.algorithm_params}
     if plan.algorithm != cfg_algorithm.name or (plan.algorithm_params and theirs != mine):
-        differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        # another algorithm: its parameters differ by nature, the name says it all
+        differ = ["name"] if plan.algorithm != cfg_algorithm.name else \
+            sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
         raise AlgorithmMismatch(
             f"algorithm mismatch in {', '.join(differ)}: this node's config says {_brief(mine, differ)}, "
             f"the plan (the scheduler's config) says {_brief(theirs, differ)}; start every node with the "

@@ -102,8 +102,8 @@ def test_the_plan_carries_the_resolved_parameters(tmp_path):
         plan = coord.plan
     finally:
         server.close()
-    assert (plan.algorithm, plan.algorithm_params) == ("ssp", {"staleness": 5})
-    assert plan.to_dict()["algorithm_params"] == {"staleness": 5}  # it travels in PLAN messages
+    assert (plan.algorithm, plan.algorithm_params) == ("ssp", {"staleness": 5, "scale_lr": False})
+    assert plan.to_dict()["algorithm_params"] == {"staleness": 5, "scale_lr": False}  # it travels in PLAN messages
 
 
 def plan_for(overrides: list[str]):

@@ -616,3 +616,28 @@ def test_push_made_under_a_plan_the_shard_left_is_applied_alone(harness):
     h.plan_id = PLAN_ID + 1
     h.push(A, 0, grad(1))  # under the new plan: waits for the whole new group
     assert h.versions() == [1] and shard.stats()["pending"] == 1
+
+
+@pytest.mark.parametrize("algorithm", ["async", "ssp"])
+def test_async_scale_lr_divides_the_lr_by_each_pushs_staleness(harness, algorithm):
+    h = harness(plain_sgd() + [f"algorithm.name={algorithm}", "algorithm.scale_lr=true"], groups=[[A], [B]],
+                algorithm=algorithm, workers=(A, B))
+    h.init(initial())
+    expected = initial()
+    ga, gb, ga2 = grad(1), grad(2), grad(3)
+    # A and B both computed on version 0: A's push is fresh (staleness 0: the plain lr), B's one update stale
+    h.push(A, 0, ga)
+    expected = sgd_step(expected, ga, LR)
+    acks = h.push(B, 0, gb)
+    assert [a.staleness for a in acks] == [1]
+    expected = sgd_step(expected, gb, LR)            # staleness 1: lr / 1
+    h.push(A, 1, ga2)                                 # base version 0, two updates since: lr / 2
+    expected = sgd_step(expected, ga2, LR / 2)
+    assert_values(h.values(), expected)
+    assert h.stats()[0]["lr"] == pytest.approx(LR)   # the base lr again after a scaled update
+    plain = harness(plain_sgd() + [f"algorithm.name={algorithm}"], groups=[[A], [B]], algorithm=algorithm,
+                    workers=(A, B))
+    plain.init(initial())
+    for node, g in ((A, ga), (B, gb), (A, ga2)):
+        plain.push(node, 0 if g is not ga2 else 1, g)
+    assert_values(plain.values(), sgd_step(sgd_step(sgd_step(initial(), ga, LR), gb, LR), ga2, LR))
