@@ -25,10 +25,10 @@ class AsyncPolicy(ConsistencyPolicy):
     def on_push(self, worker: int, push: Push) -> int:
         got = self.accept(worker, push)
         if not got.duplicate:
-            self.apply_update(got.tensors, got.buffers, 1.0 / len(self.workers), self.lr_scale(got.staleness))
+            self.apply_update(got.tensors, got.buffers, 1.0 / len(self.workers), self.staleness_scale(got.staleness))
         return got.staleness
 
-    def lr_scale(self, staleness: int) -> float:
+    def staleness_scale(self, staleness: int) -> float:
         """1 / staleness with `scale_lr` (Zhang et al. 2016, staleness-aware
         async SGD: a gradient computed k updates ago moves the model 1/k as
         far), else 1."""
