@@ -6,6 +6,10 @@ Two implementations behind one interface:
 - in-process (`mem://NAME`): thread-safe queues, for protocol and policy
   tests in one process without sockets.
 
+With `set_shared_memory(min_bytes)` (from `comm.shm_bytes`), a client's
+frames of at least `min_bytes` go through shared memory and the server takes
+them in place (shm.py): for processes on one host.
+
 A node's link can be capped (`set_link_cap`, from `link_mbps` in the
 config) to emulate a slow network on one machine.
 
@@ -20,6 +24,7 @@ the `timeout_s` it is given. Sockets are not thread-safe: one per thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -32,6 +37,10 @@ from zmq.utils.monitor import recv_monitor_message
 from .errors import HetpsError
 from .messages import ZERO_COPY_BYTES
 from .security import SecurityError, secure_socket
+from .shm import SegmentPool, SegmentReader, ShmRefused, is_descriptor
+
+
+log = logging.getLogger(__name__)
 
 
 class TransportError(HetpsError):
@@ -70,6 +79,16 @@ def set_link_cap(mbit_per_s: float) -> None:
     _LINK.clear()
     if mbit_per_s > 0:
         _LINK.update(out=LinkCap(mbit_per_s * 1e6 / 8), inn=LinkCap(mbit_per_s * 1e6 / 8))
+
+
+_SHM = {"min_bytes": 0}  # this process's `comm.shm_bytes`: sockets made from now on use it
+
+
+def set_shared_memory(min_bytes: int) -> None:
+    """ZeroMQ sockets made by this process from now on send frames of at least
+    `min_bytes` through shared memory, and servers take such frames in (0:
+    off). Only for peers on this host running as the same user (shm.py)."""
+    _SHM["min_bytes"] = min_bytes
 
 
 def _carry(direction: str, frames: Sequence) -> None:
@@ -177,13 +196,27 @@ class ZmqServer(ServerTransport):
             self.sock.close(0)
             raise TransportError(f"cannot bind {address}: {exc}") from None
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.shm = SegmentReader() if _SHM["min_bytes"] else None
 
     def recv(self, timeout_s: float):
         frames = _recv_frames(self.sock, timeout_s)
         if frames is None:
             return None
         _carry("inn", frames[1:])
+        if len(frames) > 1 and is_descriptor(frames[1]):
+            return bytes(frames[0]), self._from_shared_memory(frames[1:])
         return bytes(frames[0]), frames[1:]
+
+    def _from_shared_memory(self, frames: list) -> list:
+        """The frames a descriptor stands for; on a refusal the message without
+        them (the codec then refuses it, MALFORMED, and the peer is told)."""
+        try:
+            if self.shm is None:
+                raise ShmRefused("shared-memory frames, but comm.shm_bytes is 0 here")
+            return self.shm.restore(frames)
+        except ShmRefused as exc:
+            log.warning("shared-memory frames refused: %s", exc)
+            return frames[1:]
 
     def send(self, peer: bytes, frames: Sequence) -> zmq.MessageTracker | None:
         _carry("out", frames)
@@ -193,6 +226,8 @@ class ZmqServer(ServerTransport):
 
     def close(self) -> None:
         self.sock.close(0)
+        if self.shm is not None:
+            self.shm.close()
 
 
 class ZmqClient(ClientTransport):
@@ -201,6 +236,7 @@ class ZmqClient(ClientTransport):
         self.sock = _zmq_socket(zmq.DEALER, max_message_bytes)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)  # before connecting: sees the first
         self.connects = 0
+        self.shm = SegmentPool(_SHM["min_bytes"]) if _SHM["min_bytes"] else None
         try:
             self.sock.connect(address)
         except zmq.ZMQError as exc:
@@ -221,7 +257,8 @@ class ZmqClient(ClientTransport):
     def send(self, frames: Sequence) -> None:
         self.bytes_sent += frames_nbytes(frames)
         _carry("out", frames)
-        _send_parts(self.sock, _zero_copy(frames, track=False)[0])
+        staged = self.shm.stage(frames) if self.shm is not None else None
+        _send_parts(self.sock, staged if staged is not None else _zero_copy(frames, track=False)[0])
 
     def recv(self, timeout_s: float):
         frames = _recv_frames(self.sock, timeout_s)
@@ -233,6 +270,8 @@ class ZmqClient(ClientTransport):
     def close(self) -> None:
         self.monitor.close(0)
         self.sock.close(0)
+        if self.shm is not None:
+            self.shm.close()
 
 
 # ---------------------------------------------------------------- in-process
