@@ -5,14 +5,14 @@ socket, out of it) and freshly allocated on the receiving side. With shared
 memory on, a client writes each frame of at least `shm_bytes` into a segment
 of its own (a sealed memfd) and sends, ahead of the usual frames, a small
 descriptor frame that names the segment and where each frame lies; those
-frames travel empty. The server maps the segment and hands the codec
+frames travel empty. The server maps the segment once and hands the codec
 read-only views of it in their place, so a shard's optimizer reads the
 gradient where the worker wrote it.
 
 Buffer lifetime: a segment carries one message at a time. Its first byte is
 set busy by the client before it writes, and cleared by the server only when
-the last view of that message's mapping is gone (a finalizer on the mapping
-object, which every view keeps alive): a client never overwrites a frame the
+the last view of that message is gone (a finalizer on one object per message
+that every view keeps alive): a client never overwrites a frame the
 server still reads. A client with no free segment (at most MAX_SEGMENTS)
 sends through the socket as usual; nothing ever blocks on a segment.
 
@@ -26,6 +26,7 @@ Linux only.
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -134,20 +135,19 @@ class SegmentPool:
 
 
 class _Opened:
-    """A client's segment as the server holds it: the fd, its size, and a
-    writable mapping of the first page (the busy flag)."""
+    """A client's segment as the server holds it: the fd, its size, and one
+    mapping of the whole (the busy flag and every message's frames)."""
 
     def __init__(self, fd: int, size: int, ino: int):
         self.fd, self.size, self.ino = fd, size, ino
-        self.flag = mmap.mmap(fd, PAGE)
+        self.map = mmap.mmap(fd, size)
 
     def close(self) -> None:
-        os.close(self.fd)  # the flag mapping goes with its last reference (a finalizer may still hold it)
+        os.close(self.fd)  # the mapping goes with its last reference: views and finalizers may hold it
 
 
-def _release(flag: mmap.mmap) -> None:
-    if not flag.closed:
-        flag[0] = 0
+def _release(segment_map: mmap.mmap) -> None:
+    segment_map[0] = 0
 
 
 class SegmentReader:
@@ -176,13 +176,13 @@ class SegmentReader:
             if not i < len(out) or memoryview(out[i]).nbytes or offset + n > seg.size - PAGE:
                 raise ShmRefused(f"frame place {place} outside the message or the segment")
             low, high = min(low, offset), max(high, offset + n)
-        start = low // PAGE * PAGE
-        region = mmap.mmap(seg.fd, high - start, prot=mmap.PROT_READ, offset=PAGE + start,
-                           flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        weakref.finalize(region, _release, seg.flag)  # when the last view of this message is gone
-        whole = memoryview(region)
+        # one object per message that every view of its frames keeps alive (a memoryview's
+        # exporter): when it goes, the message is consumed and the client may write the segment again
+        region = (ctypes.c_ubyte * (high - low)).from_buffer(seg.map, PAGE + low)
+        weakref.finalize(region, _release, seg.map)
+        whole = memoryview(region).cast("B").toreadonly()
         for i, offset, n in places:
-            out[i] = whole[offset - start:offset - start + n]
+            out[i] = whole[offset - low:offset - low + n]
         return out
 
     def _open(self, pid: int, fd: int) -> _Opened:
