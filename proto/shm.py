@@ -18,7 +18,9 @@ sends through the socket as usual; nothing ever blocks on a segment.
 
 TRUST BOUNDARY, with a narrower trust than the socket: the server opens
 `/proc/PID/fd/FD` of the descriptor, so only peers running as the same user
-on this host can use it, and it checks that the file is a hetps memfd sealed
+on this host can use it (the descriptor names the host's boot id and the
+segment's inode: a sender on another host or in another pid namespace is
+refused, not misread), and it checks that the file is a hetps memfd sealed
 against shrinking (no SIGBUS from a truncated file) and that every frame lies
 inside it. A descriptor that fails a check is dropped with a log line; the
 message then reaches the codec with empty frames and is refused MALFORMED.
@@ -45,6 +47,15 @@ PAGE = mmap.PAGESIZE     # the first page holds the busy flag; frames start at t
 ALIGN = 64
 MAX_SEGMENTS = 4         # per client: messages in flight through shared memory at once
 OPEN_SEGMENTS = 64       # per server: segments kept open (least recently used closed first)
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+BOOT_ID = _boot_id()  # this host's kernel: a descriptor from another host is refused
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -66,6 +77,7 @@ class Segment:
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
         self.map = mmap.mmap(self.fd, PAGE + capacity)
         self.view = memoryview(self.map)
+        self.ino = os.fstat(self.fd).st_ino
 
     def free(self) -> bool:
         return self.view[0] == 0
@@ -110,7 +122,7 @@ class SegmentPool:
             places.append([i, offset, n])
             offset += _aligned(n)
         self.staged += 1
-        desc = msgpack.packb([os.getpid(), segment.fd, places])
+        desc = msgpack.packb([BOOT_ID, os.getpid(), segment.fd, segment.ino, places])
         moved = set(large)
         return [MARK + desc, *(b"" if i in moved else f for i, f in enumerate(frames))]
 
@@ -161,12 +173,14 @@ class SegmentReader:
     def restore(self, frames: Sequence) -> list:
         """`frames` (descriptor first) as the client meant them. Raises ShmRefused."""
         try:
-            pid, fd, places = msgpack.unpackb(bytes(frames[0][len(MARK):]), raw=False)
+            boot, pid, fd, ino, places = msgpack.unpackb(bytes(frames[0][len(MARK):]), raw=False)
         except Exception as exc:  # msgpack raises several unrelated types; a bad shape fails to unpack
             raise ShmRefused(f"undecodable descriptor: {exc}") from None
-        if not (type(pid) is int and type(fd) is int and type(places) is list and places):
-            raise ShmRefused("descriptor must be [pid, fd, [[frame, offset, bytes], ...]]")
-        seg = self._open(pid, fd)
+        if not (type(pid) is int and type(fd) is int and type(ino) is int and type(places) is list and places):
+            raise ShmRefused("descriptor must be [boot id, pid, fd, inode, [[frame, offset, bytes], ...]]")
+        if boot != BOOT_ID:
+            raise ShmRefused("the sender runs on another host (comm.shm_bytes is for processes on one host)")
+        seg = self._open(pid, fd, ino)
         out = list(frames[1:])
         low, high = seg.size, 0
         for place in places:
@@ -185,10 +199,12 @@ class SegmentReader:
             out[i] = whole[offset - low:offset - low + n]
         return out
 
-    def _open(self, pid: int, fd: int) -> _Opened:
+    def _open(self, pid: int, fd: int, want_ino: int) -> _Opened:
         path = f"/proc/{pid}/fd/{fd}"
         try:
             ino = os.stat(path).st_ino
+            if ino != want_ino:  # another process of that pid (another pid namespace): not the sender's
+                raise ShmRefused(f"{path} is not the sender's segment")
             seg = self.opened.get((pid, fd))
             if seg is not None and seg.ino == ino:
                 self.opened.move_to_end((pid, fd))
