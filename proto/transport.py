@@ -8,7 +8,8 @@ Two implementations behind one interface:
 
 With `set_shared_memory(min_bytes)` (from `comm.shm_bytes`), a client's
 frames of at least `min_bytes` go through shared memory and the server takes
-them in place (shm.py): for processes on one host.
+them in place (shm.py); its large replies to such a client go back the same
+way. For processes on one host.
 
 A node's link can be capped (`set_link_cap`, from `link_mbps` in the
 config) to emulate a slow network on one machine.
@@ -29,6 +30,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from typing import Sequence
 
 import zmq
@@ -82,6 +84,8 @@ def set_link_cap(mbit_per_s: float) -> None:
 
 
 _SHM = {"min_bytes": 0}  # this process's `comm.shm_bytes`: sockets made from now on use it
+REPLY_SEGMENTS = 2       # a server's segments per peer for replies through shared memory
+REPLY_PEERS = 256        # peers a server keeps reply segments for (least recently heard closed first)
 
 
 def set_shared_memory(min_bytes: int) -> None:
@@ -197,29 +201,46 @@ class ZmqServer(ServerTransport):
             raise TransportError(f"cannot bind {address}: {exc}") from None
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.shm = SegmentReader() if _SHM["min_bytes"] else None
+        # peers whose shared-memory frames were taken (so on this host, opted in): replies to them
+        # go back the same way, through segments of this server's own (least recently heard first out)
+        self.reply_pools: OrderedDict[bytes, SegmentPool] = OrderedDict()
 
     def recv(self, timeout_s: float):
         frames = _recv_frames(self.sock, timeout_s)
         if frames is None:
             return None
         _carry("inn", frames[1:])
+        peer = bytes(frames[0])
         if len(frames) > 1 and is_descriptor(frames[1]):
-            return bytes(frames[0]), self._from_shared_memory(frames[1:])
-        return bytes(frames[0]), frames[1:]
+            return peer, self._from_shared_memory(peer, frames[1:])
+        return peer, frames[1:]
 
-    def _from_shared_memory(self, frames: list) -> list:
+    def _from_shared_memory(self, peer: bytes, frames: list) -> list:
         """The frames a descriptor stands for; on a refusal the message without
         them (the codec then refuses it, MALFORMED, and the peer is told)."""
         try:
             if self.shm is None:
                 raise ShmRefused("shared-memory frames, but comm.shm_bytes is 0 here")
-            return self.shm.restore(frames)
+            restored = self.shm.restore(frames)
         except ShmRefused as exc:
             log.warning("shared-memory frames refused: %s", exc)
             return frames[1:]
+        if peer not in self.reply_pools:
+            self.reply_pools[peer] = SegmentPool(_SHM["min_bytes"], REPLY_SEGMENTS)
+            while len(self.reply_pools) > REPLY_PEERS:
+                self.reply_pools.popitem(last=False)[1].close()
+        self.reply_pools.move_to_end(peer)
+        return restored
 
     def send(self, peer: bytes, frames: Sequence) -> zmq.MessageTracker | None:
+        """To a peer that sent shared-memory frames, large frames go back the
+        same way, copied into a segment (no tracker: the frames are free at once)."""
         _carry("out", frames)
+        pool = self.reply_pools.get(peer)
+        staged = pool.stage(frames) if pool is not None else None
+        if staged is not None:
+            _send_parts(self.sock, [peer, *staged])
+            return None
         parts, tracker = _zero_copy(frames, track=True)
         _send_parts(self.sock, [peer, *parts])
         return tracker
@@ -228,6 +249,8 @@ class ZmqServer(ServerTransport):
         self.sock.close(0)
         if self.shm is not None:
             self.shm.close()
+        for pool in self.reply_pools.values():
+            pool.close()
 
 
 class ZmqClient(ClientTransport):
@@ -237,6 +260,7 @@ class ZmqClient(ClientTransport):
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)  # before connecting: sees the first
         self.connects = 0
         self.shm = SegmentPool(_SHM["min_bytes"]) if _SHM["min_bytes"] else None
+        self.shm_replies = SegmentReader(REPLY_SEGMENTS) if _SHM["min_bytes"] else None
         try:
             self.sock.connect(address)
         except zmq.ZMQError as exc:
@@ -263,15 +287,29 @@ class ZmqClient(ClientTransport):
     def recv(self, timeout_s: float):
         frames = _recv_frames(self.sock, timeout_s)
         if frames is not None:
-            self.bytes_received += frames_nbytes(frames)
             _carry("inn", frames)
+            if frames and is_descriptor(frames[0]):
+                frames = self._from_shared_memory(frames)
+            self.bytes_received += frames_nbytes(frames)
         return frames
+
+    def _from_shared_memory(self, frames: list) -> list:
+        """A reply's frames from the server's segment; on a refusal without them
+        (the codec then refuses the reply)."""
+        try:
+            if self.shm_replies is None:
+                raise ShmRefused("shared-memory frames, but comm.shm_bytes is 0 here")
+            return self.shm_replies.restore(frames)
+        except ShmRefused as exc:
+            log.warning("shared-memory reply refused: %s", exc)
+            return frames[1:]
 
     def close(self) -> None:
         self.monitor.close(0)
         self.sock.close(0)
         if self.shm is not None:
             self.shm.close()
+            self.shm_replies.close()
 
 
 # ---------------------------------------------------------------- in-process

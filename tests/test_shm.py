@@ -206,3 +206,26 @@ def test_a_server_without_shared_memory_refuses_such_frames(shm_on):
 def test_bad_shm_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, overrides)
+
+
+def test_replies_go_back_through_shared_memory_only_to_peers_that_used_it(shm_on):
+    from hetps.proto.messages import Init, Params, Pull
+
+    shard = shard_over_tcp(["optimizer.momentum=0.0"], [10, 11])
+    near = RpcClient(shard.server.address, src=10, timeout_s=5.0)
+    set_shared_memory(0)
+    far = RpcClient(shard.server.address, src=11, timeout_s=5.0)  # made with shared memory off
+    set_shared_memory(MIN_BYTES)
+    try:
+        start = {"w": torch.randn(N), "b": torch.randn(8)}
+        call(shard, near, Init(plan_id=PLAN_ID, tensors=start))
+        for client in (near, far):
+            reply = call(shard, client, Pull(plan_id=PLAN_ID, clock=0))
+            assert isinstance(reply, Params) and torch.equal(reply.tensors["w"], start["w"])
+        pools = list(shard.server.reply_pools.values())
+        assert len(pools) == 1 and pools[0].staged == 1  # the pull of `near` only
+        assert near.transport.shm_replies.opened and far.transport.shm is None
+    finally:
+        near.close()
+        far.close()
+        shard.server.close()
