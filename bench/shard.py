@@ -17,7 +17,9 @@ sends the next when its ACK comes. Printed per row:
 - shard us/update: the shard's busy CPU time per push (its handler time,
   `busy_s` / pushes): the per-message cost, comparable across N;
 - traffic/bw: the memory traffic of the updates per second, over the memory
-  bandwidth measured here (torch copy of 256 MiB: read + write). Per
+  bandwidth measured here just before the row (`bw GB/s`: the best of five
+  torch copies of 256 MiB, read + write; on a shared machine it moves with
+  the load, so each row gets its own). Per
   gradient byte: the SGD-momentum step reads the gradient, the parameter and
   the momentum and writes the latter two (5), the finiteness check reads the
   gradient (1), and the way in copies it: over the socket once into the
@@ -221,22 +223,23 @@ def main() -> None:
     args = parser.parse_args()
     mp.set_start_method("spawn")
     torch.set_num_threads(1)
-    bandwidth = memory_bandwidth()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; memory bandwidth "
-          f"{bandwidth / 1e9:.2f} GB/s (copy of 256 MiB, read + write); {args.generators} load generators; "
-          f"shared memory: {f'frames >= {args.shm} bytes' if args.shm else 'off'}")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+          f"{args.generators} load generators; shared memory: {f'frames >= {args.shm} bytes' if args.shm else 'off'}")
     if args.raw_mib:
         for kind, address in (("tcp", "tcp://127.0.0.1:*"), ("ipc", f"ipc://{tempfile.mkdtemp()}/raw")):
             rate = raw_throughput(address, args.raw_mib * MIB)
             print(f"raw pyzmq {kind}, {args.raw_mib} MiB messages: {rate / 1e6:.0f} MB/s "
                   f"({1e3 * args.raw_mib * MIB / rate:.0f} ms each)", flush=True)
     per_byte = TRAFFIC_PER_GRAD_BYTE["shm" if args.shm else "socket"]
-    print(f"{'set':>6} {'workers':>7} {'updates/s':>10} {'grad MB/s':>10} {'shard us/update':>16} {'traffic/bw':>11}")
+    print(f"{'set':>6} {'workers':>7} {'updates/s':>10} {'grad MB/s':>10} {'shard us/update':>16} {'bw GB/s':>8} "
+          f"{'traffic/bw':>11}")
     for row in args.rows.split(","):
         name, workers = row.split(":")
+        bandwidth = memory_bandwidth()
         r = bench_row(name, int(workers), args.seconds, args.generators, args.shm)
         print(f"{r['set']:>6} {r['workers']:>7} {r['updates_s']:>10.1f} {r['grad_Bps'] / 1e6:>10.1f} "
-              f"{r['shard_us']:>16.1f} {per_byte * r['grad_Bps'] / bandwidth:>11.2f}", flush=True)
+              f"{r['shard_us']:>16.1f} {bandwidth / 1e9:>8.2f} {per_byte * r['grad_Bps'] / bandwidth:>11.2f}",
+              flush=True)
 
 
 if __name__ == "__main__":
