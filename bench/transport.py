@@ -2,7 +2,8 @@
 same bytes, measured in the same run on the same machine.
 
     .venv/bin/python bench/transport.py [--sizes lenet,4K,64K,1M,16M,64M,256M] [--seconds 1.5]
-        [--repeats 3] [--raw-frames one|per-tensor] [--fuse-pull on|off] [--curve] [--profile DIR]
+        [--repeats 3] [--raw-frames one|per-tensor] [--fuse-pull on|off] [--curve] [--shm BYTES]
+        [--profile DIR]
 
 Each row is a tensor set: SIZE is one float32 tensor of that many bytes;
 `lenet` is the real LeNet-5 parameter set (10 tensors, 61,706 floats).
@@ -15,7 +16,9 @@ Each row is a tensor set: SIZE is one float32 tensor of that many bytes;
   whose PARAMS reply carries the ACK (`comm.fuse_pull`, the default), or with
   `--fuse-pull off` a PUSH and a PULL back to back. `--curve`: hetps with
   CurveZMQ on both sockets (keys in a temporary directory), the raw echo
-  still plain, so the ratio includes what encryption costs.
+  still plain, so the ratio includes what encryption costs. `--shm BYTES`:
+  hetps frames of at least BYTES through shared memory (`comm.shm_bytes`,
+  proto/shm.py) both ways; the raw echo still over the socket.
 Both move the set's bytes each way per round trip. The shard's update (the
 SGD step, which the echo does not do) is timed inside the shard (thread CPU
 seconds per push); `excl. update` is the ratio with that time taken out of
@@ -88,13 +91,14 @@ def use_curve(keys_dir: str, role: str) -> None:
         security.configure(cfg, role, client_key=CURVE_CLIENT)
 
 
-def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str, keys_dir: str) -> None:
+def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str, keys_dir: str, shm_bytes: int = 0) -> None:
     torch.set_num_threads(1)
     from hetps.proto.config import load_config
-    from hetps.proto.transport import make_server
+    from hetps.proto.transport import make_server, set_shared_memory
     from hetps.ps.shard import Shard
 
     use_curve(keys_dir, "ps")
+    set_shared_memory(shm_bytes)
 
     cfg = load_config(None, ["algorithm.name=async", "optimizer.momentum=0.0"])
     server = make_server("tcp://127.0.0.1:0")
@@ -148,17 +152,19 @@ def bench_raw(specs: list, seconds: float, per_tensor: bool) -> float:
 
 
 def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True,
-                keys_dir: str = "") -> tuple[float, float]:
+                keys_dir: str = "", shm_bytes: int = 0) -> tuple[float, float]:
     """(seconds per push+pull round trip, shard update seconds per push)."""
     from hetps.proto.config import ClusterConfig
+    from hetps.proto.transport import set_shared_memory
     from hetps.worker.client import PSClient
 
     specs = tensor_set(row)
     q: mp.Queue = mp.Queue()
     stop = mp.Event()
-    proc = mp.Process(target=hetps_shard_server, args=(row, q, stop, profile, keys_dir), daemon=True)
+    proc = mp.Process(target=hetps_shard_server, args=(row, q, stop, profile, keys_dir, shm_bytes), daemon=True)
     proc.start()
     use_curve(keys_dir, "worker")
+    set_shared_memory(shm_bytes)
     client = PSClient(one_shard_plan(specs, q.get(timeout=60)), 2, ClusterConfig(), fuse_pull=fuse_pull)
     try:
         client.init({s.name: torch.zeros(s.shape) for s in specs})
@@ -178,6 +184,7 @@ def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True,
             prof.dump_stats(os.path.join(profile, f"client-{row}.prof"))
     finally:
         client.close()
+        set_shared_memory(0)
         stop.set()
         if keys_dir:
             from hetps.proto import security
@@ -197,7 +204,7 @@ def bench_row(row: str, args) -> dict:
     for r in range(args.repeats):
         raw.append(bench_raw(specs, args.seconds, args.raw_frames == "per-tensor"))
         rt, upd = bench_hetps(row, args.seconds, args.profile if r == args.repeats - 1 else "",
-                              args.fuse_pull == "on", args.keys_dir)
+                              args.fuse_pull == "on", args.keys_dir, args.shm)
         ours.append(rt)
         update.append(upd)
     raw_s, ours_s, upd_s = statistics.median(raw), statistics.median(ours), statistics.median(update)
@@ -221,6 +228,8 @@ def main() -> None:
     parser.add_argument("--raw-frames", choices=["one", "per-tensor"], default="one")
     parser.add_argument("--fuse-pull", choices=["on", "off"], default="on")
     parser.add_argument("--curve", action="store_true", help="hetps over CurveZMQ (raw stays plain)")
+    parser.add_argument("--shm", type=int, default=0, metavar="BYTES",
+                        help="hetps frames of at least BYTES through shared memory (0: off)")
     parser.add_argument("--profile", default="", metavar="DIR")
     args = parser.parse_args()
     args.keys_dir = ""
@@ -236,7 +245,8 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {cpu_model()}, "
           f"Python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
           f"libzmq {zmq.zmq_version()}; medians of {args.repeats}, raw frames: {args.raw_frames}, "
-          f"fused push+pull: {args.fuse_pull}, curve: {'on' if args.curve else 'off'}")
+          f"fused push+pull: {args.fuse_pull}, curve: {'on' if args.curve else 'off'}, "
+          f"shared memory: {f'frames >= {args.shm} bytes' if args.shm else 'off'}")
     print(f"{'row':>6} {'tensors':>7} {'bytes':>10} {'raw us':>9} {'hetps us':>9} {'update us':>9} "
           f"{'raw MB/s':>9} {'hetps MB/s':>10} {'ratio':>6} {'excl. update':>12}")
     try:

@@ -174,6 +174,7 @@ class CommConfig:
     compression: str = "none"  # none | fp16 | topk  (worker -> shard gradients)
     topk_ratio: float = 0.01   # topk: fraction of each tensor's entries sent (error feedback keeps the rest)
     fuse_pull: bool = True     # a push asks for the next values itself: one reply carries ACK and values
+    shm_bytes: int = 0         # worker -> shard frames of >= this many bytes via shared memory (one host; 0: off)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ NUMBER_RULES: dict[str, Rule] = {
     "checkpoint.every_s": NON_NEGATIVE,
     "checkpoint.keep": AT_LEAST_1,
     "comm.topk_ratio": FRACTION,
+    "comm.shm_bytes": (lambda v: v == 0 or v >= 4096, "must be 0 (off) or >= 4096 (bytes)"),
     "sim.sample_s": POSITIVE,
     "sim.shard_bytes_per_s": POSITIVE,
     "sim.eval_s": NON_NEGATIVE,
@@ -169,6 +170,8 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
     elif cluster.spare_shards and cluster.replicas != 1:
         out.append(f"cluster.spare_shards: {cluster.spare_shards} needs cluster.replicas: 1 (a spare becomes a "
                    f"backup after a failover), got replicas {cluster.replicas!r}")
+    if cfg.comm.shm_bytes and cfg.security.curve:
+        out.append("comm.shm_bytes: shared-memory frames bypass CurveZMQ; allowed with security.curve: false only")
     if cfg.comm.compression == "topk" and cfg.comm.topk_ratio <= 0.0:
         out.append("comm.topk_ratio: must be > 0 with comm.compression: topk")
     if optimizer.schedule.name == "cosine" and optimizer.schedule.total_steps <= 0:

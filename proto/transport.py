@@ -6,6 +6,11 @@ Two implementations behind one interface:
 - in-process (`mem://NAME`): thread-safe queues, for protocol and policy
   tests in one process without sockets.
 
+With `set_shared_memory(min_bytes)` (from `comm.shm_bytes`), a client's
+frames of at least `min_bytes` go through shared memory and the server takes
+them in place (shm.py); its large replies to such a client go back the same
+way. For processes on one host.
+
 A node's link can be capped (`set_link_cap`, from `link_mbps` in the
 config) to emulate a slow network on one machine.
 
@@ -20,10 +25,12 @@ the `timeout_s` it is given. Sockets are not thread-safe: one per thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from typing import Sequence
 
 import zmq
@@ -32,6 +39,10 @@ from zmq.utils.monitor import recv_monitor_message
 from .errors import HetpsError
 from .messages import ZERO_COPY_BYTES
 from .security import SecurityError, secure_socket
+from .shm import SegmentPool, SegmentReader, ShmRefused, is_descriptor
+
+
+log = logging.getLogger(__name__)
 
 
 class TransportError(HetpsError):
@@ -70,6 +81,18 @@ def set_link_cap(mbit_per_s: float) -> None:
     _LINK.clear()
     if mbit_per_s > 0:
         _LINK.update(out=LinkCap(mbit_per_s * 1e6 / 8), inn=LinkCap(mbit_per_s * 1e6 / 8))
+
+
+_SHM = {"min_bytes": 0}  # this process's `comm.shm_bytes`: sockets made from now on use it
+REPLY_SEGMENTS = 2       # a server's segments per peer for replies through shared memory
+REPLY_PEERS = 256        # peers a server keeps reply segments for (least recently heard closed first)
+
+
+def set_shared_memory(min_bytes: int) -> None:
+    """ZeroMQ sockets made by this process from now on send frames of at least
+    `min_bytes` through shared memory, and servers take such frames in (0:
+    off). Only for peers on this host running as the same user (shm.py)."""
+    _SHM["min_bytes"] = min_bytes
 
 
 def _carry(direction: str, frames: Sequence) -> None:
@@ -177,22 +200,57 @@ class ZmqServer(ServerTransport):
             self.sock.close(0)
             raise TransportError(f"cannot bind {address}: {exc}") from None
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.shm = SegmentReader() if _SHM["min_bytes"] else None
+        # peers whose shared-memory frames were taken (so on this host, opted in): replies to them
+        # go back the same way, through segments of this server's own (least recently heard first out)
+        self.reply_pools: OrderedDict[bytes, SegmentPool] = OrderedDict()
 
     def recv(self, timeout_s: float):
         frames = _recv_frames(self.sock, timeout_s)
         if frames is None:
             return None
         _carry("inn", frames[1:])
-        return bytes(frames[0]), frames[1:]
+        peer = bytes(frames[0])
+        if len(frames) > 1 and is_descriptor(frames[1]):
+            return peer, self._from_shared_memory(peer, frames[1:])
+        return peer, frames[1:]
+
+    def _from_shared_memory(self, peer: bytes, frames: list) -> list:
+        """The frames a descriptor stands for; on a refusal the message without
+        them (the codec then refuses it, MALFORMED, and the peer is told)."""
+        try:
+            if self.shm is None:
+                raise ShmRefused("shared-memory frames, but comm.shm_bytes is 0 here")
+            restored = self.shm.restore(frames)
+        except ShmRefused as exc:
+            log.warning("shared-memory frames refused: %s", exc)
+            return frames[1:]
+        if peer not in self.reply_pools:
+            self.reply_pools[peer] = SegmentPool(_SHM["min_bytes"], REPLY_SEGMENTS)
+            while len(self.reply_pools) > REPLY_PEERS:
+                self.reply_pools.popitem(last=False)[1].close()
+        self.reply_pools.move_to_end(peer)
+        return restored
 
     def send(self, peer: bytes, frames: Sequence) -> zmq.MessageTracker | None:
+        """To a peer that sent shared-memory frames, large frames go back the
+        same way, copied into a segment (no tracker: the frames are free at once)."""
         _carry("out", frames)
+        pool = self.reply_pools.get(peer)
+        staged = pool.stage(frames) if pool is not None else None
+        if staged is not None:
+            _send_parts(self.sock, [peer, *staged])
+            return None
         parts, tracker = _zero_copy(frames, track=True)
         _send_parts(self.sock, [peer, *parts])
         return tracker
 
     def close(self) -> None:
         self.sock.close(0)
+        if self.shm is not None:
+            self.shm.close()
+        for pool in self.reply_pools.values():
+            pool.close()
 
 
 class ZmqClient(ClientTransport):
@@ -201,6 +259,8 @@ class ZmqClient(ClientTransport):
         self.sock = _zmq_socket(zmq.DEALER, max_message_bytes)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)  # before connecting: sees the first
         self.connects = 0
+        self.shm = SegmentPool(_SHM["min_bytes"]) if _SHM["min_bytes"] else None
+        self.shm_replies = SegmentReader(REPLY_SEGMENTS) if _SHM["min_bytes"] else None
         try:
             self.sock.connect(address)
         except zmq.ZMQError as exc:
@@ -221,18 +281,35 @@ class ZmqClient(ClientTransport):
     def send(self, frames: Sequence) -> None:
         self.bytes_sent += frames_nbytes(frames)
         _carry("out", frames)
-        _send_parts(self.sock, _zero_copy(frames, track=False)[0])
+        staged = self.shm.stage(frames) if self.shm is not None else None
+        _send_parts(self.sock, staged if staged is not None else _zero_copy(frames, track=False)[0])
 
     def recv(self, timeout_s: float):
         frames = _recv_frames(self.sock, timeout_s)
         if frames is not None:
-            self.bytes_received += frames_nbytes(frames)
             _carry("inn", frames)
+            if frames and is_descriptor(frames[0]):
+                frames = self._from_shared_memory(frames)
+            self.bytes_received += frames_nbytes(frames)
         return frames
+
+    def _from_shared_memory(self, frames: list) -> list:
+        """A reply's frames from the server's segment; on a refusal without them
+        (the codec then refuses the reply)."""
+        try:
+            if self.shm_replies is None:
+                raise ShmRefused("shared-memory frames, but comm.shm_bytes is 0 here")
+            return self.shm_replies.restore(frames)
+        except ShmRefused as exc:
+            log.warning("shared-memory reply refused: %s", exc)
+            return frames[1:]
 
     def close(self) -> None:
         self.monitor.close(0)
         self.sock.close(0)
+        if self.shm is not None:
+            self.shm.close()
+            self.shm_replies.close()
 
 
 # ---------------------------------------------------------------- in-process

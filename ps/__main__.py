@@ -34,7 +34,7 @@ from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.startup import Phases, process_age_s
-from hetps.proto.transport import TransportError, make_server, set_link_cap
+from hetps.proto.transport import TransportError, make_server, set_link_cap, set_shared_memory
 
 from hetps.proto.algorithms import AlgorithmMismatch
 from hetps.proto.config import NodeConfig
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a spare (cluster.spare_shards): own no tensors, hold new backups after failovers")
     args = parser.parse_intermixed_args(argv)
     cfg, scheduler = daemon_setup(args, "ps")
+    set_shared_memory(cfg.comm.shm_bytes)  # co-located worker -> shard frames (docs/big-messages.md)
     replica_bind = replica_bind_or_exit(args, cfg)
     if args.spare:
         from .spare import run_spare

@@ -32,7 +32,7 @@ from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.optim import build_optimizer
 from hetps.proto.plan import schema_hash
-from hetps.proto.transport import TransportError, set_link_cap
+from hetps.proto.transport import TransportError, set_link_cap, set_shared_memory
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.startup import Phases, process_age_s
 
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     node = workers[args.rank] if not args.evaluator and 0 <= args.rank < len(workers) else NodeConfig()
     torch.set_num_threads(node.threads)
     set_link_cap(node.link_mbps)
+    set_shared_memory(cfg.comm.shm_bytes)  # co-located worker -> shard frames (docs/big-messages.md)
     member = Membership(scheduler, role, args.rank, cfg.cluster)
     phases.mark("config")
     runner = None
