@@ -305,6 +305,26 @@ class MemClient(ClientTransport):
         """Nothing to release: the in-process queues go with the object."""
 
 
+def wait_readable(servers: Sequence[ServerTransport], timeout_s: float) -> None:
+    """Block until one of `servers` has a request queued, at most `timeout_s`
+    seconds (one process serving several sockets from one thread). ZeroMQ
+    servers are polled together; in-process ones are looked at every
+    millisecond, as there is no socket to poll."""
+    zmq_socks = [s.sock for s in servers if isinstance(s, ZmqServer)]
+    if len(zmq_socks) == len(servers):
+        poller = zmq.Poller()
+        for sock in zmq_socks:
+            poller.register(sock, zmq.POLLIN)
+        poller.poll(max(0, int(timeout_s * 1000)))
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(isinstance(s, MemServer) and not s.inbox.empty() for s in servers) or \
+                any(s.sock.poll(0) for s in servers if isinstance(s, ZmqServer)):
+            return
+        time.sleep(0.001)
+
+
 def make_server(address: str, max_message_bytes: int | None = None) -> ServerTransport:
     if address.startswith("mem://"):
         return MemServer(address)
