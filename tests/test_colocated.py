@@ -5,6 +5,7 @@ transport, a worker played with the real Membership and PSClient."""
 from __future__ import annotations
 
 import faulthandler
+import json
 import signal
 import threading
 import uuid
@@ -25,6 +26,8 @@ from hetps.scheduler.coordinator import Coordinator
 from hetps.scheduler.local_sockets import UNIX_PATH_MAX, LocalSockets, process_name, shard_groups
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs, model_tensors
+
+from cluster_util import log_tails, run_hetps, summary
 
 JOIN_S = 30.0  # upper bound on any thread's end
 LR = 0.1
@@ -155,9 +158,9 @@ def test_two_ranks_in_one_process_register_apart_and_both_apply_pushes(tmp_path:
         for name, v in values.items():  # three plain SGD steps on each rank's own tensors
             assert torch.allclose(pulled[name], v - 3 * LR * 0.5), name
         coord.begin_stop("test done")
+        member.bye({})  # the scheduler stops the shards once the workers left
         shards.join(JOIN_S)
         assert not shards.is_alive() and shards.error is None and shards.result == 0, shards.error
-        member.bye({})
         scheduler.join(JOIN_S)
         assert not scheduler.is_alive() and scheduler.error is None
         ps_nodes = [n for n in coord.nodes.values() if n.role == "ps"]
@@ -174,3 +177,26 @@ def test_two_ranks_in_one_process_register_apart_and_both_apply_pushes(tmp_path:
         shards.join(JOIN_S)
         scheduler.join(JOIN_S)
         server.close()
+
+
+# ---------------------------------------------------------------- the one real run
+
+@pytest.mark.cluster
+def test_hetps_run_serves_both_shards_from_one_process_over_ipc(run_dir):
+    """`hetps run` with cluster.shard_processes: 1: one shard process (ps0-1) serves
+    ranks 0 and 1, each on its own unix socket in the run directory, and both
+    apply pushes while sync training reaches a modest accuracy."""
+    result = run_hetps(["run", "configs/sync.yaml", "cluster.shard_processes=1", "cluster.workers=2",
+                        "stop.target_accuracy=0.85", "stop.max_seconds=60", "eval.every_s=1.0",
+                        "--out", str(run_dir), "--quiet"], timeout_s=120)
+    assert result.returncode == 0, result.stderr + log_tails(run_dir)
+    s = summary(run_dir)
+    assert s["best_accuracy"] >= 0.85 and s["failures"] == [] and s["not_left"] == [], s
+    assert all(s["shard_stats"][f"ps{r}"]["pushes"] > 0 for r in (0, 1)), s["shard_stats"]
+    assert s["shard_versions"]["ps0"] == s["shard_versions"]["ps1"] > 0  # sync: both ranks took every round
+    logs = {p.stem for p in (run_dir / "logs").glob("ps*.log")}
+    assert logs == {"ps0-1"}, logs
+    sockets = (run_dir / "sockets").resolve()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert sorted(sh["address"] for sh in plan["shards"]) == [f"ipc://{sockets}/ps0", f"ipc://{sockets}/ps1"]
+    assert (run_dir / "scheduler.addr").read_text().strip() == f"ipc://{sockets}/scheduler"
