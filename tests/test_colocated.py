@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from hetps.proto import checkpoint
+from hetps.proto import checkpoint, security
 from hetps.proto.config import ConfigError, load_config
 from hetps.proto.membership import Membership
 from hetps.proto.plan import schema_hash
-from hetps.proto.transport import MemServer
+from hetps.proto.transport import MemServer, make_client, make_server
 from hetps.ps.__main__ import main as ps_main
 from hetps.ps.colocated import rank_binds
 from hetps.scheduler.coordinator import Coordinator
@@ -94,6 +94,32 @@ def test_a_colocated_process_refuses_backups_and_a_shared_fixed_address(capfd):
     assert "put {rank} in it" in capfd.readouterr().err
     assert ps_main([*cfg_args, "--ranks", "0,1", "cluster.replicas=1"]) == 2
     assert "backups need one process per shard" in capfd.readouterr().err
+
+
+def test_curve_and_its_allow_list_hold_over_ipc(tmp_path, monkeypatch):
+    """CurveZMQ is the same over unix sockets: the allowed client is answered,
+    a plaintext client on the same socket path gets nothing."""
+    monkeypatch.delenv("HETPS_KEYS_DIR", raising=False)
+    monkeypatch.delenv("HETPS_CLIENT_KEY", raising=False)
+    security.write_keys(tmp_path / "keys", ["client-0"])
+    cfg = load_config(None, ["security.curve=true", f"security.keys_dir={tmp_path / 'keys'}"])
+    server = plain = client = None
+    try:
+        security.configure(cfg, "ps")  # this process is both the server and the allowed client
+        server = make_server(f"ipc://{tmp_path}/ps0")
+        client = make_client(server.address)
+        client.send([b"allowed"])
+        got = server.recv(5.0)
+        assert got is not None and bytes(got[1][0]) == b"allowed"
+        security.reset()
+        plain = make_client(server.address)
+        plain.send([b"plaintext"])
+        assert server.recv(1.0) is None, "a plaintext client got through a curve server over ipc"
+    finally:
+        for sock in (plain, client, server):
+            if sock is not None:
+                sock.close()
+        security.reset()
 
 
 # ---------------------------------------------------------------- two ranks, one process
