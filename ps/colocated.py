@@ -34,7 +34,7 @@ from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.startup import Phases
-from hetps.proto.transport import ServerTransport, TransportError, make_server, set_link_cap, wait_readable
+from hetps.proto.transport import ServerPoll, ServerTransport, TransportError, make_server, set_link_cap
 
 from .shard import Shard, profile_update_speed
 
@@ -171,6 +171,7 @@ def serve_ranks(shards: list[Shard], members: list[Membership], servers: list[Se
     from .__main__ import PlanFollower
 
     followers = [PlanFollower(shard, member) for shard, member in zip(shards, members)]
+    poll = ServerPoll(servers)
     with contextlib.suppress(Aborted):  # the scheduler was lost while a newer plan was fetched
         while not all(m.stop_requested.is_set() for m in members):
             for shard, member, plans in zip(shards, members, followers):
@@ -180,4 +181,4 @@ def serve_ranks(shards: list[Shard], members: list[Membership], servers: list[Se
                     if not shard.serve_once(0):
                         break
                 plans.tick()
-            wait_readable(servers, poll_s)
+            poll.wait(poll_s)
