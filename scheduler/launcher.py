@@ -29,7 +29,7 @@ from hetps.proto.security import keys_for_run
 from hetps.proto.startup import process_age_s
 
 from .faults import FaultInjector
-from .local_sockets import LocalSockets, process_name, shard_groups
+from .local_sockets import LocalSockets, shard_groups, shard_process
 from .outcome import EXIT_CODES, INTERRUPTED
 from .report import Progress, format_summary, plot_run
 from .runlog import mark_failed, read_summary, write_json_atomic
@@ -206,12 +206,8 @@ class LocalCluster:
     def _spawn_nodes(self, addr: str) -> None:
         """Start the shards, the workers and the evaluator (each waits for the plan)."""
         for ranks in shard_groups(self.cfg):  # cluster.shard_processes: several ranks in one process
-            restore = (("--resume", "--restore-version", ",".join(str(self.resume.versions[r]) for r in ranks))
-                       if self.resume else ())
-            which = ("--rank", str(ranks[0])) if len(ranks) == 1 else ("--ranks", ",".join(map(str, ranks)))
-            self.spawn(process_name(ranks), "hetps.ps", *which, "--scheduler", addr,
-                       *self.sockets.bind_args(process_name(ranks) if len(ranks) == 1 else "ps{rank}"),
-                       "--checkpoint-dir", str(self.checkpoint_root), *restore)
+            name, args = shard_process(ranks, self.sockets, self.resume.versions if self.resume else None)
+            self.spawn(name, "hetps.ps", *args, "--scheduler", addr, "--checkpoint-dir", str(self.checkpoint_root))
         for rank in range(self.cfg.cluster.spare_shards):  # idle until a failover names them (ps/spare.py)
             self.spawn(f"spare{rank}", "hetps.ps", "--spare", *("--rank", str(rank), "--scheduler", addr),
                        "--checkpoint-dir", str(self.checkpoint_root))

@@ -71,3 +71,18 @@ def shard_groups(cfg: RunConfig) -> list[list[int]]:
 def process_name(ranks: list[int]) -> str:
     """The launcher's name of the process serving `ranks`: ps3, or ps0-2 for ranks 0, 1, 2."""
     return f"ps{ranks[0]}" if len(ranks) == 1 else f"ps{ranks[0]}-{ranks[-1]}"
+
+
+def shard_process(ranks: list[int], sockets: LocalSockets, versions: dict[int, int] | None = None
+                  ) -> tuple[str, tuple[str, ...]]:
+    """(launcher name, `hetps ps` arguments) of the process serving `ranks`:
+    --rank or --ranks, its --bind, and with `versions` (each rank's checkpoint
+    version, by rank: a resumed run) --resume --restore-version."""
+    name = process_name(ranks)
+    if len(ranks) == 1:
+        args = ("--rank", str(ranks[0]), *sockets.bind_args(name))
+    else:
+        args = ("--ranks", ",".join(map(str, ranks)), *sockets.bind_args("ps{rank}"))
+    if versions is not None:
+        args += ("--resume", "--restore-version", ",".join(str(versions[r]) for r in ranks))
+    return name, args

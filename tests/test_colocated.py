@@ -23,7 +23,7 @@ from hetps.proto.transport import MemServer, make_client, make_server
 from hetps.ps.__main__ import main as ps_main
 from hetps.ps.colocated import rank_binds
 from hetps.scheduler.coordinator import Coordinator
-from hetps.scheduler.local_sockets import UNIX_PATH_MAX, LocalSockets, process_name, shard_groups
+from hetps.scheduler.local_sockets import UNIX_PATH_MAX, LocalSockets, process_name, shard_groups, shard_process
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs, model_tensors
 
@@ -63,6 +63,15 @@ def test_shard_groups_pack_contiguous_ranks(shards, processes, groups):
 def test_bad_colocation_settings_name_the_key(overrides, named):
     with pytest.raises(ConfigError, match=named):
         load_config(None, ["cluster.shards=2", *overrides])
+
+
+def test_shard_process_arguments_name_the_ranks_their_sockets_and_versions(tmp_path):
+    sockets = LocalSockets(load_config(None, ["comm.local_transport=ipc"]), tmp_path)
+    folder = tmp_path.resolve() / "sockets"
+    assert shard_process([2], sockets) == ("ps2", ("--rank", "2", "--bind", f"ipc://{folder}/ps2"))
+    name, args = shard_process([0, 1], sockets, versions={0: 7, 1: 9})
+    assert name == "ps0-1"
+    assert args == ("--ranks", "0,1", "--bind", f"ipc://{folder}/ps{{rank}}", "--resume", "--restore-version", "7,9")
 
 
 def test_rank_binds_fill_in_the_rank_or_refuse_one_address_for_several():
