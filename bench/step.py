@@ -197,13 +197,16 @@ def machine() -> str:
 def bench_one(name: str, world: int, args, tmp: Path) -> list[str]:
     """Table rows for one model and worker count: one per comm setting.
     Repeats are interleaved (DDP, then each hetps setting, again), so a
-    change in the machine's load hits every column alike."""
+    change in the machine's load hits every column alike; each repeat starts
+    the settings one further along, so none always runs right after DDP."""
     overrides = [*COMMON, *MODELS[name]]
     ddp_runs, runs = [], {label: [] for label in args.settings}
-    for _ in range(args.repeats):
+    labels = list(args.settings)
+    for repeat in range(args.repeats):
         ddp_runs.append(ddp_step_s(overrides, world, args.warmup, args.steps))
-        for label, setting in args.settings.items():
-            runs[label].append(hetps_step_s(overrides, world, args.shards, setting, args.warmup, args.steps, tmp))
+        for label in labels[repeat % len(labels):] + labels[:repeat % len(labels)]:
+            runs[label].append(hetps_step_s(overrides, world, args.shards, args.settings[label], args.warmup,
+                                            args.steps, tmp))
     ddp = statistics.median(ddp_runs)
     rows = []
     for label in args.settings:
