@@ -36,6 +36,7 @@ from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.startup import Phases
 from hetps.proto.transport import ServerPoll, ServerTransport, TransportError, make_server, set_link_cap
 
+from .__main__ import PlanFollower, setup_checkpoints  # the daemon's module (it imports this one only in main())
 from .shard import Shard, profile_update_speed
 
 log = logging.getLogger("hetps.ps")
@@ -64,9 +65,11 @@ def run_colocated(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phas
             raise ValueError(f"--ranks {','.join(map(str, ranks))} names a rank twice")
         if cfg.cluster.replicas:
             raise ValueError("--ranks with cluster.replicas: backups need one process per shard")
-        if args.advertise or args.restore_version and len(args.restore_version) != len(ranks):
-            raise ValueError("--ranks takes no --advertise (each rank advertises its bound address) and one "
-                             "--restore-version per rank")
+        if args.advertise:
+            raise ValueError("--ranks takes no --advertise: each rank advertises the address it bound")
+        if args.restore_version and len(args.restore_version) != len(ranks):
+            raise ValueError(f"--restore-version needs one version per rank ({len(ranks)}), "
+                             f"got {len(args.restore_version)}")
     except ValueError as exc:
         print(f"hetps ps: {exc}", file=sys.stderr)
         return 2
@@ -81,10 +84,7 @@ def run_colocated(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phas
         ranks_served.open(binds, scheduler)
         phases.mark("config")
         return ranks_served.run(phases, args)
-    except TransportError as exc:
-        print(f"hetps ps {','.join(map(str, ranks))}: {exc}", file=sys.stderr)
-        return 1
-    except (SchedulerUnreachable, RequestTimeout, RemoteError) as exc:
+    except (TransportError, SchedulerUnreachable, RequestTimeout, RemoteError) as exc:
         print(f"hetps ps {','.join(map(str, ranks))}: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -130,8 +130,6 @@ class ColocatedRanks:
         return self.finish()
 
     def _make_shard(self, i: int, plan, slowdown: Slowdown, args: argparse.Namespace) -> Shard:
-        from .__main__ import setup_checkpoints  # the daemon's own module: imported once it runs
-
         member, rank = self.members[i], self.ranks[i]
         slowdown.start()
         with member.starting({AlgorithmMismatch: 2}):
@@ -168,8 +166,6 @@ def serve_ranks(shards: list[Shard], members: list[Membership], servers: list[Se
     scheduler is lost): a rank takes what is queued for it (up to DRAIN
     requests), runs its plan timer, and the thread then waits on all sockets
     at once, at most `poll_s` seconds. A rank told to stop is served no more."""
-    from .__main__ import PlanFollower
-
     followers = [PlanFollower(shard, member) for shard, member in zip(shards, members)]
     poll = ServerPoll(servers)
     with contextlib.suppress(Aborted):  # the scheduler was lost while a newer plan was fetched

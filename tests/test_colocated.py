@@ -103,6 +103,8 @@ def test_a_colocated_process_refuses_backups_and_a_shared_fixed_address(capfd):
     assert "put {rank} in it" in capfd.readouterr().err
     assert ps_main([*cfg_args, "--ranks", "0,1", "cluster.replicas=1"]) == 2
     assert "backups need one process per shard" in capfd.readouterr().err
+    assert ps_main([*cfg_args, "--ranks", "0,1", "--restore-version", "4"]) == 2
+    assert "--restore-version needs one version per rank (2), got 1" in capfd.readouterr().err
 
 
 def test_curve_and_its_allow_list_hold_over_ipc(tmp_path, monkeypatch):
