@@ -14,7 +14,9 @@ Failure semantics: the ranks live and die together. A start-up failure of
 one rank ends the process (every rank); killing the process kills every rank
 it serves; a shard `slowdown` stretches the whole process's serving; the
 link cap (`link_mbps`) and torch threads are per process, taken from the
-first rank's node settings. Backups (cluster.replicas) are refused: a
+first rank's node settings; a rank fetching a plan a push named (at most
+PLAN_FETCH_S) holds up the others meanwhile; with a fixed --metrics-port P,
+rank i of the process serves /metrics on P + i. Backups (cluster.replicas) are refused: a
 primary and the backup of its neighbour could share the process that dies.
 """
 from __future__ import annotations
