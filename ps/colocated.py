@@ -75,6 +75,7 @@ def run_colocated(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phas
     except ValueError as exc:
         print(f"hetps ps: {exc}", file=sys.stderr)
         return 2
+    label_log_lines(ranks)
     if args.check:
         check_and_exit("ps", ranks=",".join(map(str, ranks)), scheduler=scheduler, bind=",".join(binds),
                        config=args.config)
@@ -91,6 +92,14 @@ def run_colocated(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phas
         return 1
     finally:
         ranks_served.close()
+
+
+def label_log_lines(ranks: list[int]) -> None:
+    """Log lines say `ps0,1` (every rank served), not the single rank daemon_setup assumed."""
+    label = "ps" + ",".join(map(str, ranks))
+    for handler in logging.getLogger().handlers:
+        if type(handler) is logging.StreamHandler:  # the one basicConfig made, not a test runner's
+            handler.setFormatter(logging.Formatter(f"%(asctime)s {label} %(levelname)s %(name)s: %(message)s"))
 
 
 class ColocatedRanks:
