@@ -27,7 +27,7 @@ from hetps.scheduler.local_sockets import UNIX_PATH_MAX, LocalSockets, process_n
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs, model_tensors
 
-from cluster_util import log_tails, run_hetps, summary
+from cluster_util import REPO, log_tails, run_hetps, summary
 
 JOIN_S = 30.0  # upper bound on any thread's end
 LR = 0.1
@@ -98,7 +98,7 @@ def test_local_sockets_go_to_the_run_dir_or_a_short_tmp_dir(tmp_path):
 
 
 def test_a_colocated_process_refuses_backups_and_a_shared_fixed_address(capfd):
-    cfg_args = ["--config", "configs/sync.yaml", "--scheduler", "tcp://scheduler:7000"]
+    cfg_args = ["--config", str(REPO / "configs" / "sync.yaml"), "--scheduler", "tcp://scheduler:7000"]
     assert ps_main([*cfg_args, "--ranks", "0,1", "--bind", "tcp://127.0.0.1:7000"]) == 2
     assert "put {rank} in it" in capfd.readouterr().err
     assert ps_main([*cfg_args, "--ranks", "0,1", "cluster.replicas=1"]) == 2
