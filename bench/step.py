@@ -4,7 +4,7 @@ same run.
 
     .venv/bin/python bench/step.py [--models lenet5,mlp10m] [--workers 2,4] [--steps 60]
                                    [--warmup 15] [--repeats 3] [--shards 2] [--overlap off,on]
-                                   [--fuse-pull on,off]
+                                   [--fuse-pull on,off] [--local-transport tcp,ipc] [--shard-processes 0,1]
 
 For each model and worker count P:
 - DDP: P processes (torch.multiprocessing, spawn), each with
@@ -25,10 +25,14 @@ median over the repeats. The ratio is hetps / DDP (1.0 = as fast as DDP).
 `--overlap off,on` runs hetps both ways (`comm.overlap`), and
 `--fuse-pull on,off` with and without the fused push+pull (`comm.fuse_pull`),
 every combination against one DDP figure per model and P.
+`--local-transport tcp,ipc` (comm.local_transport: loopback tcp or unix
+sockets) and `--shard-processes 0,1` (cluster.shard_processes: one process
+per shard, or all shards in one) multiply the settings the same way.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -193,13 +197,16 @@ def machine() -> str:
 def bench_one(name: str, world: int, args, tmp: Path) -> list[str]:
     """Table rows for one model and worker count: one per comm setting.
     Repeats are interleaved (DDP, then each hetps setting, again), so a
-    change in the machine's load hits every column alike."""
+    change in the machine's load hits every column alike; each repeat starts
+    the settings one further along, so none always runs right after DDP."""
     overrides = [*COMMON, *MODELS[name]]
     ddp_runs, runs = [], {label: [] for label in args.settings}
-    for _ in range(args.repeats):
+    labels = list(args.settings)
+    for repeat in range(args.repeats):
         ddp_runs.append(ddp_step_s(overrides, world, args.warmup, args.steps))
-        for label, setting in args.settings.items():
-            runs[label].append(hetps_step_s(overrides, world, args.shards, setting, args.warmup, args.steps, tmp))
+        for label in labels[repeat % len(labels):] + labels[:repeat % len(labels)]:
+            runs[label].append(hetps_step_s(overrides, world, args.shards, args.settings[label], args.warmup,
+                                            args.steps, tmp))
     ddp = statistics.median(ddp_runs)
     rows = []
     for label in args.settings:
@@ -211,10 +218,15 @@ def bench_one(name: str, world: int, args, tmp: Path) -> list[str]:
     return rows
 
 
-def comm_settings(overlap: list[str], fuse: list[str]) -> dict[str, list[str]]:
-    """Label ("overlap, fuse") -> overrides, for each combination to time."""
-    return {f"{o}, {f}": [f"comm.overlap={o == 'on'}".lower(), f"comm.fuse_pull={f == 'on'}".lower()]
-            for o in overlap for f in fuse}
+def comm_settings(overlap: list[str], fuse: list[str], transports: list[str] = ("ipc",),
+                  shard_processes: list[str] = ("0",)) -> dict[str, list[str]]:
+    """Label ("overlap, fuse[, transport, N shard processes]") -> overrides, for each combination to time."""
+    settings = {}
+    for o, f, t, n in itertools.product(overlap, fuse, transports, shard_processes):
+        label = f"{o}, {f}" + (f", {t}, {n} shard proc." if len(transports) > 1 or len(shard_processes) > 1 else "")
+        settings[label] = [f"comm.overlap={o == 'on'}".lower(), f"comm.fuse_pull={f == 'on'}".lower(),
+                           f"comm.local_transport={t}", f"cluster.shard_processes={n}"]
+    return settings
 
 
 def main() -> None:
@@ -227,8 +239,12 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=2, help="hetps shard processes (configs/sync.yaml: 2)")
     parser.add_argument("--overlap", default="off", help="comm.overlap settings to run: off | on | off,on")
     parser.add_argument("--fuse-pull", default="on", help="comm.fuse_pull settings to run: on | off | on,off")
+    parser.add_argument("--local-transport", default="ipc", help="comm.local_transport settings: ipc | tcp | tcp,ipc")
+    parser.add_argument("--shard-processes", default="0",
+                        help="cluster.shard_processes settings: 0 (one per shard) | 1 | 0,1")
     args = parser.parse_args()
-    args.settings = comm_settings(args.overlap.split(","), args.fuse_pull.split(","))
+    args.settings = comm_settings(args.overlap.split(","), args.fuse_pull.split(","),
+                                  args.local_transport.split(","), args.shard_processes.split(","))
     os.environ["OMP_NUM_THREADS"] = "1"  # as `hetps run` gives its children
     print(f"machine: {machine()}; hetps: {args.shards} shard(s), scheduler, no evaluator")
     print("| model | P | overlap, fused push+pull | hetps sync ms | hetps compute ms | DDP-gloo ms | ratio |")

@@ -3,7 +3,7 @@ same bytes, measured in the same run on the same machine.
 
     .venv/bin/python bench/transport.py [--sizes lenet,4K,64K,1M,16M,64M,256M] [--seconds 1.5]
         [--repeats 3] [--raw-frames one|per-tensor] [--fuse-pull on|off] [--curve] [--shm BYTES]
-        [--profile DIR]
+        [--profile DIR] [--address-scheme tcp|ipc]
 
 Each row is a tensor set: SIZE is one float32 tensor of that many bytes;
 `lenet` is the real LeNet-5 parameter set (10 tensors, 61,706 floats).
@@ -24,7 +24,9 @@ SGD step, which the echo does not do) is timed inside the shard (thread CPU
 seconds per push); `excl. update` is the ratio with that time taken out of
 the hetps round trip. Medians over `--repeats` runs (raw and hetps
 alternate). `--profile DIR` writes cProfile files of the hetps client and
-shard of the last repeat of each row.
+shard of the last repeat of each row. `--address-scheme ipc`: both the raw
+echo and the shard bind a unix socket (ipc://, in a temporary directory)
+instead of tcp loopback, as `hetps run` does with comm.local_transport: ipc.
 """
 from __future__ import annotations
 
@@ -69,16 +71,32 @@ def one_shard_plan(specs: list, address: str):
                        shards=[NodeEntry(1, 0, address)], tensors=specs, placement={s.name: 0 for s in specs})
 
 
-def raw_echo_server(port_queue: mp.Queue) -> None:
+def bind_address(scheme: str) -> str:
+    """A fresh address to bind: a random tcp loopback port, or a unix socket in a new temporary directory."""
+    if scheme == "ipc":
+        return f"ipc://{tempfile.mkdtemp(prefix='hetps-bench-', dir='/tmp')}/s"
+    return "tcp://127.0.0.1:0"
+
+
+def remove_socket_dir(address: str) -> None:
+    """The temporary directory of an ipc:// address made by `bind_address` (tcp: nothing)."""
+    if address.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(address[len("ipc://"):]), ignore_errors=True)
+
+
+def raw_echo_server(address_queue: mp.Queue, scheme: str) -> None:
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    port_queue.put(sock.bind_to_random_port("tcp://127.0.0.1"))
+    address = bind_address(scheme)
+    sock.bind(address.replace(":0", ":*") if scheme == "tcp" else address)
+    address_queue.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
     while True:
         frames = sock.recv_multipart(copy=False)
         if len(frames) == 2 and len(frames[1]) == 0:
             break
         sock.send_multipart(frames, copy=False)
     sock.close(0)
+    remove_socket_dir(address)
 
 
 def use_curve(keys_dir: str, role: str) -> None:
@@ -91,7 +109,8 @@ def use_curve(keys_dir: str, role: str) -> None:
         security.configure(cfg, role, client_key=CURVE_CLIENT)
 
 
-def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str, keys_dir: str, shm_bytes: int = 0) -> None:
+def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str, keys_dir: str, scheme: str,
+                       shm_bytes: int = 0) -> None:
     torch.set_num_threads(1)
     from hetps.proto.config import load_config
     from hetps.proto.transport import make_server, set_shared_memory
@@ -101,7 +120,7 @@ def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str, keys_dir: 
     set_shared_memory(shm_bytes)
 
     cfg = load_config(None, ["algorithm.name=async", "optimizer.momentum=0.0"])
-    server = make_server("tcp://127.0.0.1:0")
+    server = make_server(bind_address(scheme))
     shard = Shard(server, 1, one_shard_plan(tensor_set(row), server.address), cfg)
     queue.put(server.address)
     prof = cProfile.Profile() if profile else None
@@ -114,6 +133,7 @@ def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str, keys_dir: 
         prof.dump_stats(os.path.join(profile, f"shard-{row}.prof"))
     queue.put(shard.stats())
     server.close()
+    remove_socket_dir(server.address)
 
 
 def time_loop(step, seconds: float) -> tuple[int, float]:
@@ -126,14 +146,14 @@ def time_loop(step, seconds: float) -> tuple[int, float]:
     return n, time.perf_counter() - started
 
 
-def bench_raw(specs: list, seconds: float, per_tensor: bool) -> float:
+def bench_raw(specs: list, seconds: float, per_tensor: bool, scheme: str = "tcp") -> float:
     """Seconds per raw round trip."""
     q: mp.Queue = mp.Queue()
-    proc = mp.Process(target=raw_echo_server, args=(q,), daemon=True)
+    proc = mp.Process(target=raw_echo_server, args=(q, scheme), daemon=True)
     proc.start()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{q.get(timeout=30)}")
+    sock.connect(q.get(timeout=30))
     frames = ([torch.ones(s.shape).reshape(-1).numpy() for s in specs] if per_tensor
               else [torch.ones(set_nbytes(specs) // 4).numpy()])
 
@@ -152,7 +172,7 @@ def bench_raw(specs: list, seconds: float, per_tensor: bool) -> float:
 
 
 def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True,
-                keys_dir: str = "", shm_bytes: int = 0) -> tuple[float, float]:
+                keys_dir: str = "", scheme: str = "tcp", shm_bytes: int = 0) -> tuple[float, float]:
     """(seconds per push+pull round trip, shard update seconds per push)."""
     from hetps.proto.config import ClusterConfig
     from hetps.proto.transport import set_shared_memory
@@ -161,7 +181,8 @@ def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True,
     specs = tensor_set(row)
     q: mp.Queue = mp.Queue()
     stop = mp.Event()
-    proc = mp.Process(target=hetps_shard_server, args=(row, q, stop, profile, keys_dir, shm_bytes), daemon=True)
+    proc = mp.Process(target=hetps_shard_server, args=(row, q, stop, profile, keys_dir, scheme, shm_bytes),
+                      daemon=True)
     proc.start()
     use_curve(keys_dir, "worker")
     set_shared_memory(shm_bytes)
@@ -202,9 +223,9 @@ def bench_row(row: str, args) -> dict:
     specs = tensor_set(row)
     raw, ours, update = [], [], []
     for r in range(args.repeats):
-        raw.append(bench_raw(specs, args.seconds, args.raw_frames == "per-tensor"))
+        raw.append(bench_raw(specs, args.seconds, args.raw_frames == "per-tensor", args.address_scheme))
         rt, upd = bench_hetps(row, args.seconds, args.profile if r == args.repeats - 1 else "",
-                              args.fuse_pull == "on", args.keys_dir, args.shm)
+                              args.fuse_pull == "on", args.keys_dir, args.address_scheme, args.shm)
         ours.append(rt)
         update.append(upd)
     raw_s, ours_s, upd_s = statistics.median(raw), statistics.median(ours), statistics.median(update)
@@ -231,6 +252,8 @@ def main() -> None:
     parser.add_argument("--shm", type=int, default=0, metavar="BYTES",
                         help="hetps frames of at least BYTES through shared memory (0: off)")
     parser.add_argument("--profile", default="", metavar="DIR")
+    parser.add_argument("--address-scheme", choices=["tcp", "ipc"], default="tcp",
+                        help="bind tcp loopback or unix sockets (ipc://), raw and hetps alike")
     args = parser.parse_args()
     args.keys_dir = ""
     if args.curve:
@@ -246,7 +269,8 @@ def main() -> None:
           f"Python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
           f"libzmq {zmq.zmq_version()}; medians of {args.repeats}, raw frames: {args.raw_frames}, "
           f"fused push+pull: {args.fuse_pull}, curve: {'on' if args.curve else 'off'}, "
-          f"shared memory: {f'frames >= {args.shm} bytes' if args.shm else 'off'}")
+          f"shared memory: {f'frames >= {args.shm} bytes' if args.shm else 'off'}, "
+          f"address scheme: {args.address_scheme}")
     print(f"{'row':>6} {'tensors':>7} {'bytes':>10} {'raw us':>9} {'hetps us':>9} {'update us':>9} "
           f"{'raw MB/s':>9} {'hetps MB/s':>10} {'ratio':>6} {'excl. update':>12}")
     try:

@@ -131,6 +131,7 @@ class ClusterConfig:
     clip_value: float = 1.0                # nonfinite=clip: NaN -> 0, +-Inf -> +-clip_value
     replicas: int = 0                      # backups of each shard's state on the next shard process (0 | 1)
     spare_shards: int = 0                  # idle shard processes that become new backups after a failover
+    shard_processes: int = 0               # hetps run: serve the shard ranks from this many processes (0: one each)
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ class CommConfig:
     topk_ratio: float = 0.01   # topk: fraction of each tensor's entries sent (error feedback keeps the rest)
     fuse_pull: bool = True     # a push asks for the next values itself: one reply carries ACK and values
     shm_bytes: int = 0         # worker -> shard frames of >= this many bytes via shared memory (one host; 0: off)
+    local_transport: str = "ipc"  # hetps run on one host: scheduler and shards bind ipc (unix sockets) | tcp (loopback)
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer.schedule.name": ("constant", "step", "cosine"),
     "cluster.nonfinite": ("reject", "skip", "clip"),
     "comm.compression": ("none", "fp16", "topk"),
+    "comm.local_transport": ("ipc", "tcp"),
 }
 
 

@@ -172,6 +172,7 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
                    f"backup after a failover), got replicas {cluster.replicas!r}")
     if cfg.comm.shm_bytes and cfg.security.curve:
         out.append("comm.shm_bytes: shared-memory frames bypass CurveZMQ; allowed with security.curve: false only")
+    out += _check_shard_processes(cluster)
     if cfg.comm.compression == "topk" and cfg.comm.topk_ratio <= 0.0:
         out.append("comm.topk_ratio: must be > 0 with comm.compression: topk")
     if optimizer.schedule.name == "cosine" and optimizer.schedule.total_steps <= 0:
@@ -182,6 +183,26 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
         out.append(f"optimizer.betas: must be two numbers in [0, 1), got {optimizer.betas!r}")
     if not cfg.data.synthetic.shape or min(cfg.data.synthetic.shape) < 1:
         out.append(f"data.synthetic.shape: must be a non-empty list of sizes >= 1, got {cfg.data.synthetic.shape!r}")
+    return out
+
+
+def _check_shard_processes(cluster) -> list[str]:
+    """cluster.shard_processes: a count of processes, never more than shards;
+    co-located ranks die together, so neither backups nor per-shard kills apply."""
+    n = cluster.shard_processes
+    if not isinstance(n, int) or not 0 <= n <= len(cluster.shards):
+        return [f"cluster.shard_processes: must be 0 (one process per shard) up to the number of shards "
+                f"({len(cluster.shards)}), got {n!r}"]
+    if not n or n == len(cluster.shards):
+        return []
+    out = []
+    if cluster.replicas:
+        out.append(f"cluster.shard_processes: {n} puts several shards in one process, which cannot hold "
+                   "backups for each other; use 0 with cluster.replicas: 1")
+    for i, kill in enumerate(cluster.kill):
+        if kill.node.startswith("ps"):
+            out.append(f"cluster.kill.{i}.node: {kill.node} shares its process with other shards under "
+                       f"cluster.shard_processes: {n}; use 0 to kill one shard")
     return out
 
 

@@ -382,6 +382,35 @@ class MemClient(ClientTransport):
         """Nothing to release: the in-process queues go with the object."""
 
 
+class ServerPoll:
+    """Waits on several servers at once (one process serving several sockets
+    from one thread). ZeroMQ servers are polled together; in-process ones are
+    looked at every millisecond, as there is no socket to poll. Not thread-safe."""
+
+    def __init__(self, servers: Sequence[ServerTransport]):
+        self.servers = list(servers)
+        self.poller = None
+        if all(isinstance(s, ZmqServer) for s in self.servers):
+            self.poller = zmq.Poller()
+            for server in self.servers:
+                self.poller.register(server.sock, zmq.POLLIN)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until one server has a request queued, at most `timeout_s` seconds."""
+        if self.poller is not None:
+            self.poller.poll(max(0, int(timeout_s * 1000)))
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not any(self._queued(s) for s in self.servers):
+            time.sleep(0.001)
+
+    @staticmethod
+    def _queued(server: ServerTransport) -> bool:
+        if isinstance(server, MemServer):
+            return not server.inbox.empty()
+        return bool(server.sock.poll(0))
+
+
 def make_server(address: str, max_message_bytes: int | None = None) -> ServerTransport:
     if address.startswith("mem://"):
         return MemServer(address)

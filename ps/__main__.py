@@ -3,6 +3,7 @@
     hetps ps --config CONFIG --rank N [--scheduler tcp://HOST:PORT] [--bind tcp://0.0.0.0:0]
              [--advertise tcp://HOST:PORT] [--replica-bind ADDR] [--replica-advertise ADDR]
     hetps ps --spare --config CONFIG --rank N ...   (a spare: cluster.spare_shards, ps/spare.py)
+    hetps ps --config CONFIG --ranks 0,1 [--bind 'ipc:///run/ps{rank}'] ...   (several ranks, ps/colocated.py)
     python -m hetps.ps ...   (the same)
 
 The scheduler address comes from --scheduler, else $HETPS_SCHEDULER, else
@@ -65,11 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir", default=os.environ.get("HETPS_CHECKPOINT_DIR"),
                         help="write checkpoints here and restore the newest of this run at start "
                              "($HETPS_CHECKPOINT_DIR; default checkpoint.dir)")
-    parser.add_argument("--restore-version", type=int, default=None,
-                        help="restore the checkpoint of exactly this version (default: the newest)")
+    parser.add_argument("--restore-version", type=int_list, default=None,
+                        help="restore the checkpoint of exactly this version (default: the newest); "
+                             "with --ranks, one version per rank, comma-separated")
     parser.add_argument("--resume", action="store_true",
                         help="a resumed run (`hetps run --resume`): restore values, optimizer and versions, "
                              "but not the old workers' clocks")
+    parser.add_argument("--ranks", type=int_list, default=None,
+                        help="serve these shard ranks (comma-separated) from this one process, each on its own "
+                             "socket: --bind may name one address with {rank} in it (cluster.shard_processes)")
     parser.add_argument("--spare", action="store_true",
                         help="a spare (cluster.spare_shards): own no tensors, hold new backups after failovers")
     args = parser.parse_intermixed_args(argv)
@@ -79,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.spare:
         from .spare import run_spare
         return run_spare(args, cfg, scheduler, phases, replica_bind)
+    if args.ranks is not None:
+        from .colocated import run_colocated
+        return run_colocated(args, cfg, scheduler, phases)
     if args.check:
         check_and_exit("ps", rank=rank_label(args.rank), scheduler=scheduler, bind=args.bind, advertise=args.advertise,
                        replicas=cfg.cluster.replicas, replica_bind=replica_bind,
@@ -120,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                 shard = ReplicatedShard(server, member.node_id, plan, cfg, slowdown)
                 host.node_id = member.node_id
                 host.follow(plan)
-            setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank, args.restore_version,
-                              args.resume)
+            setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank,
+                              args.restore_version[0] if args.restore_version else None, args.resume)
 
         shard.park_future_pushes = True  # PlanFollower fetches the plans they wait for
         log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
@@ -146,6 +154,17 @@ def main(argv: list[str] | None = None) -> int:
         if host is not None:
             host.close()
     return 0
+
+
+def int_list(value: str) -> list[int]:
+    """A flag's comma-separated non-negative integers ("3" or "0,1"). Raises ArgumentTypeError."""
+    try:
+        numbers = [int(v) for v in value.split(",")]
+    except ValueError:
+        numbers = [-1]
+    if min(numbers) < 0:
+        raise argparse.ArgumentTypeError(f"want integers >= 0, comma-separated, got {value!r}")
+    return numbers
 
 
 def replica_bind_or_exit(args: argparse.Namespace, cfg) -> str | None:

@@ -29,6 +29,7 @@ from hetps.proto.security import keys_for_run
 from hetps.proto.startup import process_age_s
 
 from .faults import FaultInjector
+from .local_sockets import LocalSockets, shard_groups, shard_process
 from .outcome import EXIT_CODES, INTERRUPTED
 from .report import Progress, format_summary, plot_run
 from .runlog import mark_failed, read_summary, write_json_atomic
@@ -119,6 +120,7 @@ class LocalCluster:
         self.cfg, self.own_keys = keys_for_run(with_local_devices(self.cfg), run_dir / "keys",
                                                client_names(self.cfg))
         self.config_path = run_dir / "config.yaml"
+        self.sockets = LocalSockets(self.cfg, run_dir)  # comm.local_transport: ipc sockets, or tcp loopback
         dump_config(self.cfg, self.config_path)
         self.interrupted = 0
         self.failed_as: tuple[str, str] | None = None  # (node, error) once a process failed
@@ -160,7 +162,8 @@ class LocalCluster:
 
     def client_key_args(self, name: str) -> tuple[str, ...]:
         """With keys made for this run, every process but the scheduler uses its own client key."""
-        return ("--client-key", name) if self.own_keys and name != "scheduler" else ()
+        # a process of co-located shards (ps0-1) uses its first rank's key
+        return ("--client-key", name.split("-")[0]) if self.own_keys and name != "scheduler" else ()
 
     def start_check(self) -> subprocess.Popen:
         """Start the dry forward+backward of the model on one batch (hetps.worker.preflight)."""
@@ -189,7 +192,8 @@ class LocalCluster:
         if not self.resume:  # a new run in a reused directory must not carry an old one on
             (self.run_dir / STATE_FILE).unlink(missing_ok=True)
         # the scheduler (exec'd, no torch) starts while the first fork waits for the fork server's imports
-        scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir), *run_id)
+        scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir), *run_id,
+                               *self.sockets.bind_args("scheduler"))
         self.start_check()
         self.timeline["fork_server"] = time.time()  # the check is forked once the fork server imported torch
         addr = self._scheduler_address(scheduler)
@@ -201,11 +205,9 @@ class LocalCluster:
 
     def _spawn_nodes(self, addr: str) -> None:
         """Start the shards, the workers and the evaluator (each waits for the plan)."""
-        for rank in range(len(self.cfg.cluster.shards)):
-            restore = (("--resume", "--restore-version", str(self.resume.versions[rank]))
-                       if self.resume else ())
-            self.spawn(f"ps{rank}", "hetps.ps", "--rank", str(rank), "--scheduler", addr,
-                       "--checkpoint-dir", str(self.checkpoint_root), *restore)
+        for ranks in shard_groups(self.cfg):  # cluster.shard_processes: several ranks in one process
+            name, args = shard_process(ranks, self.sockets, self.resume.versions if self.resume else None)
+            self.spawn(name, "hetps.ps", *args, "--scheduler", addr, "--checkpoint-dir", str(self.checkpoint_root))
         for rank in range(self.cfg.cluster.spare_shards):  # idle until a failover names them (ps/spare.py)
             self.spawn(f"spare{rank}", "hetps.ps", "--spare", *("--rank", str(rank), "--scheduler", addr),
                        "--checkpoint-dir", str(self.checkpoint_root))
@@ -329,6 +331,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 child.popen.kill()
                 child.popen.wait(timeout=5.0)
+        self.sockets.close()
 
 
 def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool = False,
