@@ -202,3 +202,35 @@ def test_a_settle_moves_the_arena_and_keeps_the_optimizer_on_it():
     flat = store.arena.flat[torch.float32]
     assert store.tensors["conv.bias"].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     assert updater.optimizer.param_groups[0]["params"][0] is flat
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("sgd")] + ["sgd-dampened-maximized"])
+def test_direct_sgd_steps_are_bit_equal_to_torch_optim(case):
+    """Plain SGD over the flat runs steps through updater.sgd_step after its
+    first step: values, momentum buffers and lr equal torch.optim's bit for bit,
+    under an lr schedule and damped steps, from packed pushes and gathered ones."""
+    overrides = CASES.get(case, ["optimizer.momentum=0.5", "optimizer.nesterov=false",
+                                 "optimizer.weight_decay=0.02"])
+    cfg = load_config(None, overrides)
+    (store, direct), (ref_store, reference) = flat_shard(cfg), flat_shard(cfg)
+    assert direct._direct
+    reference._direct = False  # torch.optim's step every time
+    if case == "sgd-dampened-maximized":
+        for opt in (direct.optimizer, reference.optimizer):
+            opt.param_groups[0].update(dampening=0.25, maximize=True)
+    for step in range(STEPS):
+        grads = gradients(step)
+        if step % 2:  # a one-frame push: the flat gradient is the frame itself
+            grads = decode(encode(Push(plan_id=1, clock=step, base_version=0, tensors=grads))).msg.tensors
+        direct.apply(grads, lr_scale=SCALES[step])
+        reference.apply(grads, lr_scale=SCALES[step])
+        assert direct.lr == reference.lr
+    for n in store.tensors:
+        assert torch.equal(store.tensors[n], ref_store.tensors[n]), n
+        assert not torch.equal(store.tensors[n], initial_values()[n]) or n not in PARAMS, n
+    mine, theirs = direct.optimizer.state_dict(), reference.optimizer.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    for i, entry in theirs["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(mine["state"][i][key], value), (i, key)
+    assert direct.updates == reference.updates == STEPS
