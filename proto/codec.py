@@ -34,6 +34,7 @@ from .records import READERS, to_wire
 from .runs import flat_runs
 from . import known_layouts
 from .known_layouts import CheckedLayout, Spec, contiguous_strides
+from .pack_templates import packed_fields_and_frame
 from .messages import (MESSAGES, PROTOCOL_VERSION, Error, Message, Op, Status,
                        has_tensors, header_fields)
 
@@ -114,6 +115,10 @@ def encode_tensors(tensors: Mapping[str, Any], pack_below: int = PACK_BELOW,
     if arena is not None and _is_pack_of(tensors, arena):
         specs = [[n, _dt.DTYPE_NAMES[t.dtype], list(t.shape)] for n, t in tensors.items()]
         return EncodedTensors({"tensors": specs, "packed": list(range(len(specs)))}, [tensor_frame(arena)])
+    template = packed_fields_and_frame(tensors, pack_below)  # a repeated tensor list of one dtype
+    if template is not None:
+        fields, frame = template
+        return EncodedTensors(fields, [frame])
     specs, payloads, encodings = [], [], []
     names = _dt.DTYPE_NAMES
     for i, (name, t) in enumerate(tensors.items()):

@@ -1,14 +1,19 @@
-"""Layouts the decoder remembers (proto/known_layouts.py): a repeated pack-frame
-layout decodes to the same tensors and runs as a first one, and every check
-that depends on the message or the receiver still runs (no sockets)."""
+"""Repeated layouts. The decoder remembers the ones it checked
+(proto/known_layouts.py): a repeated pack-frame layout decodes to the same
+tensors and runs as a first one, and every check that depends on the message
+or the receiver still runs. The sender keeps a template per tensor list
+(proto/pack_templates.py) whose frames are the bytes of the general way.
+No sockets."""
 from __future__ import annotations
 
 import msgpack
 import pytest
 import torch
 
-from hetps.proto import known_layouts
-from hetps.proto.codec import ProtocolError, decode, encode, nonfinite_names
+from hetps.proto import known_layouts, pack_templates
+from hetps.proto.codec import (DTYPE_NAMES, ProtocolError, decode, encode, encode_tensors, nonfinite_names,
+                               tensor_frame)
+from hetps.proto.layout import PACK_ALL_BELOW, PACK_BELOW, build_pack
 from hetps.proto.messages import Push, Status
 from hetps.proto.runs import RunTensors, flat_runs
 
@@ -109,3 +114,41 @@ def test_the_remembered_layouts_are_bounded():
     for n in range(known_layouts.MAX_LAYOUTS + 5):
         decode(push_frames({f"t{n}": torch.zeros(2), "u": torch.zeros(3)}))
     assert len(known_layouts._known) <= known_layouts.MAX_LAYOUTS
+
+
+# ---------------------------------------------------------------- the sender's side (pack_templates.py)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8,
+                                   torch.bool])
+def test_a_repeated_tensor_list_packs_to_the_bytes_of_the_general_way(dtype):
+    g = torch.Generator().manual_seed(5)
+    shapes = [(3, 5), (7,), (), (0, 4), (2, 3, 1), (1,)]  # odd sizes: padding after most of them
+    for step in range(3):  # the first makes the template, the others use it
+        values = {f"t{i}": (torch.randn(s, generator=g) * 50).to(dtype) for i, s in enumerate(shapes)}
+        values["t1"] = values["t1"][::1]  # a view works like any tensor
+        encoded = encode_tensors(values)
+        assert len(encoded.frames) == 1
+        assert encoded.fields == {"tensors": [[n, DTYPE_NAMES[dtype], list(t.shape)] for n, t in values.items()],
+                                  "packed": list(range(len(shapes)))}
+        assert bytes(encoded.frames[0]) == build_pack([tensor_frame(t) for t in values.values()])
+    assert sum(1 for key in pack_templates._templates if key[0][0] == "t0" and key[0][1] == dtype) == 1
+
+
+def test_tensor_lists_a_template_does_not_fit_go_the_general_way():
+    mixed_dtypes = {"a": torch.ones(3), "b": torch.ones(2, dtype=torch.float64)}
+    strided = {"a": torch.arange(12.0).reshape(3, 4).t(), "b": torch.ones(2)}
+    large = {"a": torch.ones(PACK_ALL_BELOW // 4), "b": torch.ones(2)}
+    for values in (mixed_dtypes, strided, large):
+        for _ in range(2):
+            got = decode(encode(Push(plan_id=1, clock=0, base_version=0, tensors=values))).msg.tensors
+            assert all(torch.equal(got[n], t) for n, t in values.items())
+    assert pack_templates.packed_fields_and_frame(mixed_dtypes, PACK_BELOW) is None
+    assert pack_templates.packed_fields_and_frame(large, PACK_BELOW) is None
+    assert pack_templates.packed_fields_and_frame(strided, 0) is None  # packing turned off
+
+
+def test_a_disallowed_dtype_is_still_refused_when_sent_twice():
+    for _ in range(2):
+        with pytest.raises(ProtocolError) as info:
+            encode_tensors({"a": torch.ones(3, dtype=torch.int8), "b": torch.ones(2, dtype=torch.int8)})
+        assert info.value.status == Status.DTYPE_NOT_ALLOWED
