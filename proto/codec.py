@@ -112,7 +112,7 @@ def encode_tensors(tensors: Mapping[str, Any], pack_below: int = PACK_BELOW,
     not write them until every message that carries them was sent.
     `arena`: a uint8 tensor that holds `tensors`, in order, in the pack
     layout (ps/arena.py): it is sent as it is, as the one pack frame."""
-    if arena is not None and _is_pack_of(tensors, arena):
+    if arena is not None and is_pack_of(tensors, arena):
         specs = [[n, _dt.DTYPE_NAMES[t.dtype], list(t.shape)] for n, t in tensors.items()]
         return EncodedTensors({"tensors": specs, "packed": list(range(len(specs)))}, [tensor_frame(arena)])
     template = packed_fields_and_frame(tensors, pack_below)  # a repeated tensor list of one dtype
@@ -139,7 +139,7 @@ def encode_tensors(tensors: Mapping[str, Any], pack_below: int = PACK_BELOW,
     return EncodedTensors(fields, [*own, build_pack([payloads[i] for i in packed])])
 
 
-def _is_pack_of(tensors: Mapping[str, Any], arena: torch.Tensor) -> bool:
+def is_pack_of(tensors: Mapping[str, Any], arena: torch.Tensor) -> bool:
     """Whether `arena`'s bytes are exactly `tensors` packed back to back (layout.py)."""
     if len(tensors) < 2 or arena.dtype != torch.uint8 or not arena.is_contiguous():
         return False
