@@ -8,6 +8,9 @@ free-form fields: stats, info, ack, plan, tensor specs) and raises `ProtocolErro
 never allocates memory sized by an unchecked header value (a compressed
 tensor's dense size passed the same size limit as any tensor's) and never
 unpickles anything.
+A tensor layout (specs, `packed`) that passed these checks is remembered
+(known_layouts.py): a message repeating it exactly skips the spec checks,
+never the checks of its frames or of a new catalogue.
 
 Received tensors are read-only views of the frame buffers (zero-copy): callers
 must copy before writing into them. Small tensors travel together in one pack
