@@ -47,7 +47,8 @@ class PackTemplate:
         return memoryview(torch.cat(parts).detach().view(torch.uint8).numpy())
 
 
-_templates: dict[tuple, PackTemplate | None] = {}
+_templates: dict[tuple, PackTemplate | None] = {}  # None: a tensor list no template fits
+_UNSEEN = object()
 
 
 def packed_fields_and_frame(tensors: Mapping, pack_below: int) -> tuple[dict, memoryview] | None:
@@ -63,12 +64,12 @@ def packed_fields_and_frame(tensors: Mapping, pack_below: int) -> tuple[dict, me
             return None
         key.append((name, t.dtype, t.shape))
     key = tuple(key)
-    if key in _templates:
-        template = _templates[key]
-    else:
-        template = _templates[key] = _template(key, pack_below)
-        if len(_templates) > MAX_TEMPLATES:
+    template = _templates.get(key, _UNSEEN)  # one read: another thread may clear the dict meanwhile
+    if template is _UNSEEN:
+        template = _template(key, pack_below)
+        if len(_templates) >= MAX_TEMPLATES:
             _templates.clear()
+        _templates[key] = template
     if template is None:
         return None
     try:

@@ -152,3 +152,11 @@ def test_a_disallowed_dtype_is_still_refused_when_sent_twice():
         with pytest.raises(ProtocolError) as info:
             encode_tensors({"a": torch.ones(3, dtype=torch.int8), "b": torch.ones(2, dtype=torch.int8)})
         assert info.value.status == Status.DTYPE_NOT_ALLOWED
+
+
+def test_the_kept_templates_are_bounded():
+    for n in range(pack_templates.MAX_TEMPLATES + 5):
+        values = {f"t{n}": torch.full((3,), float(n)), "u": torch.ones(2)}
+        assert torch.equal(decode(encode(Push(plan_id=1, clock=0, base_version=0, tensors=values)))
+                           .msg.tensors[f"t{n}"], values[f"t{n}"])
+    assert len(pack_templates._templates) <= pack_templates.MAX_TEMPLATES
