@@ -8,6 +8,9 @@ free-form fields: stats, info, ack, plan, tensor specs) and raises `ProtocolErro
 never allocates memory sized by an unchecked header value (a compressed
 tensor's dense size passed the same size limit as any tensor's) and never
 unpickles anything.
+A tensor layout (specs, `packed`) that passed these checks is remembered
+(known_layouts.py): a message repeating it exactly skips the spec checks,
+never the checks of its frames or of a new catalogue.
 
 Received tensors are read-only views of the frame buffers (zero-copy): callers
 must copy before writing into them. Small tensors travel together in one pack
@@ -16,12 +19,11 @@ their declared dtype and shape here (compression.py), so no caller sees either.
 """
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import warnings
 from dataclasses import MISSING, dataclass
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, Sequence
 
 import msgpack
 import numpy
@@ -30,9 +32,12 @@ from . import dtypes as _dt
 from .compression import Compressed, check_encoding, decompress, payload_nbytes
 from .errors import ProtocolError
 from .lazy import lazy_module
-from .layout import PACK_BELOW, aligned, build_pack, byte_view, choose_packed, split_frames
+from .layout import PACK_BELOW, aligned, build_pack, byte_view, check_packed, choose_packed, split_frames
 from .records import READERS, to_wire
 from .runs import flat_runs
+from . import known_layouts
+from .known_layouts import CheckedLayout, Spec, contiguous_strides
+from .pack_templates import packed_fields_and_frame
 from .messages import (MESSAGES, PROTOCOL_VERSION, Error, Message, Op, Status,
                        has_tensors, header_fields)
 
@@ -110,9 +115,13 @@ def encode_tensors(tensors: Mapping[str, Any], pack_below: int = PACK_BELOW,
     not write them until every message that carries them was sent.
     `arena`: a uint8 tensor that holds `tensors`, in order, in the pack
     layout (ps/arena.py): it is sent as it is, as the one pack frame."""
-    if arena is not None and _is_pack_of(tensors, arena):
+    if arena is not None and is_pack_of(tensors, arena):
         specs = [[n, _dt.DTYPE_NAMES[t.dtype], list(t.shape)] for n, t in tensors.items()]
         return EncodedTensors({"tensors": specs, "packed": list(range(len(specs)))}, [tensor_frame(arena)])
+    template = packed_fields_and_frame(tensors, pack_below)  # a repeated tensor list of one dtype
+    if template is not None:
+        fields, frame = template
+        return EncodedTensors(fields, [frame])
     specs, payloads, encodings = [], [], []
     names = _dt.DTYPE_NAMES
     for i, (name, t) in enumerate(tensors.items()):
@@ -133,7 +142,7 @@ def encode_tensors(tensors: Mapping[str, Any], pack_below: int = PACK_BELOW,
     return EncodedTensors(fields, [*own, build_pack([payloads[i] for i in packed])])
 
 
-def _is_pack_of(tensors: Mapping[str, Any], arena: torch.Tensor) -> bool:
+def is_pack_of(tensors: Mapping[str, Any], arena: torch.Tensor) -> bool:
     """Whether `arena`'s bytes are exactly `tensors` packed back to back (layout.py)."""
     if len(tensors) < 2 or arena.dtype != torch.uint8 or not arena.is_contiguous():
         return False
@@ -200,15 +209,6 @@ def _read_op(header: dict) -> tuple[type[Message], int, int]:
     except ValueError:
         raise ProtocolError(Status.UNKNOWN_OP, f"unknown op {header['op']}", req_id) from None
     return cls, req_id, header["src"]
-
-
-class Spec(NamedTuple):
-    """A checked tensor spec: name, dtype, shape, element count."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    numel: int
 
 
 def _read_spec(spec: Any, max_bytes: int, req_id: int) -> Spec:
@@ -283,7 +283,12 @@ def _decode_tensors(header: dict, frames: Sequence, catalog: TensorCatalog | Non
     for key in ("tensors", "enc", "packed"):  # field types first, like every header field
         if not isinstance(header.get(key, []), list):
             raise ProtocolError(Status.MALFORMED, f"field {key!r} must be a list", req_id)
-    specs, encodings, sizes = _checked_layout(header, max_bytes, req_id)
+    layout, specs, encodings, sizes = _checked_layout(header, max_bytes, req_id)
+    if layout is not None and layout.fits(frames):  # a layout seen before, in one pack frame of its length
+        if catalog is not None and layout.catalog is not catalog:
+            check_catalog(layout.specs, catalog, req_id)
+            layout.catalog = catalog
+        return layout.tensors(frames[0])
     payloads = split_frames(frames, sizes, header.get("packed", []), req_id)
     if catalog is not None:
         check_catalog(specs, catalog, req_id)
@@ -293,28 +298,24 @@ def _decode_tensors(header: dict, frames: Sequence, catalog: TensorCatalog | Non
             for i, (s, p) in enumerate(zip(specs, payloads))}
 
 
-_last_layout: tuple | None = None  # (key, specs, sizes) of the last dense layout checked: see _checked_layout
-
-
-def _checked_layout(header: dict, max_bytes: int, req_id: int) -> tuple[list[Spec], dict, list[int]]:
-    """The header's specs, encodings and payload sizes, checked; a header repeating the last dense layout
-    that passed (peers send the same in every message) is not checked again. `repr` tells True from 1."""
-    global _last_layout
-    raw_specs = header.get("tensors", [])
-    key = None
-    if "enc" not in header:
-        key = (repr(raw_specs), max_bytes)
-        last = _last_layout  # one read: another thread may replace it meanwhile
-        if last is not None and last[0] == key:
-            return last[1], {}, last[2]
-    specs = [_read_spec(s, max_bytes, req_id) for s in raw_specs]
+def _checked_layout(header: dict, max_bytes: int, req_id: int
+                    ) -> tuple[CheckedLayout | None, list[Spec], dict[int, tuple[str, int]], list[int]]:
+    """The header's layout, checked: the dense one remembered (known_layouts.py; None for compressed
+    tensors), the specs, the encodings and the payload sizes."""
+    key = known_layouts.key_of(header, max_bytes)
+    layout = known_layouts.known(key)
+    if layout is not None:
+        return layout, layout.specs, {}, layout.sizes
+    specs = [_read_spec(s, max_bytes, req_id) for s in header.get("tensors", [])]
     if len({s.name for s in specs}) != len(specs):
         raise ProtocolError(Status.MALFORMED, "duplicate tensor names", req_id)
     encodings = _read_encodings(header.get("enc", []), specs, req_id)
     sizes = [_payload_size(s, encodings.get(i)) for i, s in enumerate(specs)]
-    if key is not None:
-        _last_layout = (key, specs, sizes)
-    return specs, encodings, sizes
+    if key is None:
+        return None, specs, encodings, sizes
+    layout = CheckedLayout(specs, sizes, check_packed(header.get("packed", []), len(specs), req_id))
+    known_layouts.remember(key, layout)
+    return layout, specs, encodings, sizes
 
 
 def _pack_views(frames: Sequence, specs: list[Spec], sizes: list[int], packed: list[int],
@@ -338,18 +339,9 @@ def _pack_views(frames: Sequence, specs: list[Spec], sizes: list[int], packed: l
             typed = as_dtype.get(dtype)
             if typed is None:
                 typed = as_dtype[dtype] = base.view(dtype)
-            views[i] = typed.as_strided(s.shape, _strides(s.shape), offset // dtype.itemsize)
+            views[i] = typed.as_strided(s.shape, contiguous_strides(s.shape), offset // dtype.itemsize)
         offset += aligned(sizes[i])
     return views
-
-
-@functools.lru_cache(maxsize=1024)  # a model has a few dozen shapes; each decode asks for them all
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
 
 
 def decode(frames: Sequence, catalog: TensorCatalog | None = None,

@@ -69,7 +69,8 @@ def byte_view(frame: Any) -> memoryview:
     return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
-def _check_packed(packed: Any, n: int, req_id: int) -> list[int]:
+def check_packed(packed: Any, n: int, req_id: int) -> list[int]:
+    """`packed` (a header field) if it is increasing indices below `n`; raises ProtocolError (MALFORMED)."""
     if not isinstance(packed, list) or not all(type(i) is int for i in packed):
         raise ProtocolError(Status.MALFORMED, "field 'packed' must be a list of tensor indices", req_id)
     if packed and not (0 <= packed[0] and packed[-1] < n
@@ -83,7 +84,7 @@ def split_frames(frames: Sequence, sizes: Sequence[int], packed: Any, req_id: in
     long. `frames` are the message's frames after the header. Raises
     ProtocolError (MALFORMED) on a wrong frame count or length."""
     n = len(sizes)
-    packed = _check_packed(packed, n, req_id)
+    packed = check_packed(packed, n, req_id)
     expected = n - len(packed) + (1 if packed else 0)
     if len(frames) != expected:
         raise ProtocolError(Status.MALFORMED, f"{len(frames)} tensor frames for {n} tensor specs"

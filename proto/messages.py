@@ -74,9 +74,19 @@ class Message:
     CATALOGUED: ClassVar[bool] = True  # its tensors must be ones the receiving shard holds (codec.decode)
 
     def __post_init__(self):
-        from .records import READERS, read_fields  # records imports this module's classes
-        if type(self) in READERS:
-            read_fields(self)
+        records = _records or _import_records()
+        if type(self) in records.READERS:
+            records.read_fields(self)
+
+
+_records = None  # records.py, once imported: it imports this module's classes, so not at the top
+
+
+def _import_records():
+    global _records
+    from . import records
+    _records = records
+    return records
 
 
 @dataclass(frozen=True)

@@ -235,20 +235,29 @@ class FusedAck:
     info: dict = field(default_factory=dict)   # the policy's reply extras (e.g. the next period)
     held_s: float = 0.0                        # seconds the values waited at the shard after the push
 
+    _FIELDS = ("version", "staleness", "plan_id", "info", "held_s")
+
     @classmethod
     def read(cls, value: Any) -> "FusedAck | None":
         if value is None or isinstance(value, cls):
             return value
-        ack = read_map("ack", value)
-        if not ack:
+        if type(value) is not dict:
+            _bad("ack", f"must be a map, got {type(value).__name__}")
+        if not value:
             return None  # a plain pull's reply
-        if "version" not in ack:
+        if any(k not in cls._FIELDS for k in value):  # a newer peer's keys: plain data, like any map's
+            read_plain("ack", value)
+        if "version" not in value:
             _bad("ack", "missing 'version'")
-        return cls(version=read_count("ack.version", ack["version"]),
-                   staleness=read_count("ack.staleness", ack.get("staleness", 0)),
-                   plan_id=read_int("ack.plan_id", ack.get("plan_id", 0)),
-                   info=read_map("ack.info", ack.get("info", {})),
-                   held_s=read_number("ack.held_s", ack.get("held_s", 0.0), MAX_SECONDS))
+        info = value.get("info", {})
+        if type(info) is not dict:
+            _bad("ack.info", f"must be a map, got {type(info).__name__}")
+        # each field read once, by its own reader (info one level down, as inside the ack map)
+        return cls(version=read_count("ack.version", value["version"]),
+                   staleness=read_count("ack.staleness", value.get("staleness", 0)),
+                   plan_id=read_int("ack.plan_id", value.get("plan_id", 0)),
+                   info=read_plain("ack.info", info, 1),
+                   held_s=read_number("ack.held_s", value.get("held_s", 0.0), MAX_SECONDS))
 
     def to_wire(self) -> dict:
         return {"version": self.version, "staleness": self.staleness, "plan_id": self.plan_id,

@@ -8,9 +8,43 @@ Read-only: nothing here writes or copies a tensor.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from .layout import aligned
+
+
+class RunTensors(dict):
+    """Tensors by name that may know their flat runs already (`runs`, set by
+    whoever laid them out: the decoder of a pack frame). Any change to the
+    dict forgets them, so they never describe other tensors."""
+
+    runs: Any = None
+
+    def __setitem__(self, key, value):
+        self.runs = None
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.runs = None
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self.runs = None
+        return super().__ior__(other)
+
+
+def _forgetting(name: str):
+    method = getattr(dict, name)
+
+    def changed(self, *args, **kwargs):
+        self.runs = None
+        return method(self, *args, **kwargs)
+    changed.__name__ = name
+    return changed
+
+
+for _name in ("pop", "popitem", "clear", "update", "setdefault"):
+    setattr(RunTensors, _name, _forgetting(_name))
 
 
 def flat_runs(tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, list[str]]]:
@@ -18,6 +52,9 @@ def flat_runs(tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, l
     (in order) contiguous tensors of one dtype in one storage, each starting
     at the previous one's aligned end (layout.py). Each run as one 1-D tensor
     over that memory (padding included), with its tensors' names."""
+    known = getattr(tensors, "runs", None)
+    if known is not None:
+        return known
     runs: list[tuple[torch.Tensor, list[str]]] = []
     first = last = None
     names: list[str] = []

@@ -17,7 +17,8 @@ import torch
 
 from hetps.proto import dtypes
 from hetps.proto.layout import PACK_BELOW
-from hetps.proto.codec import EncodedTensors, ProtocolError, TensorCatalog, encode_tensors
+from hetps.proto.codec import (EncodedTensors, ProtocolError, TensorCatalog, encode_tensors, is_pack_of,
+                               tensor_frame)
 from hetps.proto.messages import Status
 from hetps.proto.plan import TensorSpec
 
@@ -37,6 +38,7 @@ class TensorStore:
         self.version = 0
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._encoded: tuple[dict, EncodedTensors] | None = None  # (snapshot, its encoding)
+        self._pack_fields: tuple[Arena, dict] | None = None  # (arena, header fields of its snapshots)
         self.snapshots = Snapshots()
 
     @property
@@ -115,10 +117,20 @@ class TensorStore:
         reply that carries it: a new write makes a new snapshot dict, so the
         identity of the dict is the key (the cache holds it: no id is reused)."""
         if self._encoded is None or self._encoded[0] is not snapshot:
-            memory = self.snapshots.lent_memory(snapshot)
-            self._encoded = (snapshot, encode_tensors(snapshot, PACK_BELOW, memory)
-                             if memory is not None else encode_tensors(snapshot))
+            self._encoded = (snapshot, self._encode(snapshot, self.snapshots.lent_memory(snapshot)))
         return self._encoded[1]
+
+    def _encode(self, snapshot: dict, memory: torch.Tensor | None) -> EncodedTensors:
+        if memory is None:
+            return encode_tensors(snapshot)
+        # a snapshot is the arena's views in its order, each time at the same offsets: once one
+        # proved to be the pack of its memory, every later one is, with the same header fields
+        if self._pack_fields is not None and self._pack_fields[0] is self.arena:
+            return EncodedTensors(self._pack_fields[1], [tensor_frame(memory)])
+        encoded = encode_tensors(snapshot, PACK_BELOW, memory)
+        if is_pack_of(snapshot, memory):
+            self._pack_fields = (self.arena, encoded.fields)
+        return encoded
 
     def track(self, snapshot: dict, tracker) -> None:
         """`snapshot` went out in a reply; the transport is done with its memory

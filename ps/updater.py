@@ -36,8 +36,9 @@ class Updater:
             targets = list(self.arena.flat.values())
             self.flat_grads = [torch.zeros_like(f) for f in targets]  # padding entries stay zero
             self._grad_views = {}
+            self._run_names = {dtype: self.arena.run_names(dtype) for dtype in self.arena.flat}
             for dtype, grad in zip(self.arena.flat, self.flat_grads):
-                for n in self.arena.run_names(dtype):
+                for n in self._run_names[dtype]:
                     start, view = self.arena.offset_in_run(n), self.arena.views[n]
                     self._grad_views[n] = grad[start:start + view.numel()].view(view.shape)
         else:
@@ -49,6 +50,12 @@ class Updater:
         self.scheduler = (build_lr_scheduler(self.optimizer, cfg.schedule)
                           if self.optimizer else None)
         self.updates = 0
+        # plain SGD over the flat runs steps through sgd_step (the same kernels, without torch.optim's
+        # per-step wrappers) from its second step on: the first goes through optimizer.step(), which
+        # the lr scheduler checks for
+        self._direct = (self.arena is not None and type(self.optimizer) is torch.optim.SGD
+                        and len(self.optimizer.param_groups) == 1)
+        self._stepped = False
 
     @property
     def lr(self) -> float:
@@ -87,7 +94,11 @@ class Updater:
             base = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
                 g["lr"] *= lr_scale
-        self.optimizer.step()
+        if self._direct and self._stepped:
+            sgd_step(self.optimizer)
+        else:
+            self.optimizer.step()
+            self._stepped = True
         if lr_scale != 1.0:
             for g, lr in zip(self.optimizer.param_groups, base):
                 g["lr"] = lr
@@ -100,16 +111,20 @@ class Updater:
         """Each flat run's gradient: the pushed memory itself when it already
         lies in the run's layout (a packed push, layout.py), else one foreach
         copy into the run's own gradient buffer."""
+        # runs a decoder found already (a repeated pack layout, codec.decode) are looked up, not searched
+        known = {tuple(names): run for run, names in flat_runs(grads)} if getattr(grads, "runs", None) else {}
         for (dtype, flat), own in zip(self.arena.flat.items(), self.flat_grads):
-            names = self.arena.run_names(dtype)
-            ordered = {n: grads[n] for n in names}
-            runs = flat_runs(ordered)
-            if len(runs) == 1 and runs[0][1] == names and runs[0][0].dtype == dtype:
-                pushed = _widened(runs[0][0], flat.numel())
+            names = self._run_names[dtype]
+            run = known.get(tuple(names))
+            if run is None:
+                runs = flat_runs({n: grads[n] for n in names})
+                run = runs[0][0] if len(runs) == 1 and runs[0][1] == names else None
+            if run is not None and run.dtype == dtype:
+                pushed = _widened(run, flat.numel())
                 if pushed is not None:
                     flat.grad = pushed
                     continue
-            torch._foreach_copy_([self._grad_views[n] for n in names], list(ordered.values()))
+            torch._foreach_copy_([self._grad_views[n] for n in names], [grads[n] for n in names])
             flat.grad = own
 
 
@@ -123,3 +138,31 @@ def _widened(run: torch.Tensor, numel: int) -> torch.Tensor | None:
     if run.numel() > numel or (run.storage_offset() + numel) * run.element_size() > storage.nbytes():
         return None
     return run.new_empty(0).set_(storage, run.storage_offset(), (numel,), (1,))
+
+
+def sgd_step(optimizer: torch.optim.SGD) -> None:
+    """One step of `optimizer` (torch.optim.SGD, one param group, no hooks, parameters
+    that need no grad) with the operations of torch's single-tensor SGD, in its order,
+    so the values are bit-equal; the momentum buffers live in the optimizer's state as
+    there. Saves torch.optim's per-step wrappers (profiler record, hooks, grad mode),
+    which cost more than the kernels on a small model's flat run."""
+    group = optimizer.param_groups[0]
+    lr, weight_decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
+    dampening, nesterov, maximize = group["dampening"], group["nesterov"], group["maximize"]
+    for param in group["params"]:
+        grad = param.grad
+        if grad is None:
+            continue
+        if maximize:
+            grad = -grad
+        if weight_decay != 0:
+            grad = grad.add(param, alpha=weight_decay)
+        if momentum != 0:
+            state = optimizer.state[param]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = grad.detach().clone()
+            else:
+                buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+            grad = grad.add(buf, alpha=momentum) if nesterov else buf
+        param.add_(grad, alpha=-lr)

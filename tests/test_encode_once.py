@@ -42,13 +42,13 @@ def harnesses():
 def encodings(monkeypatch):
     """Counts the store's encodings of pull replies (the real encoder runs)."""
     calls = []
-    real = store_module.encode_tensors
+    real = store_module.TensorStore._encode
 
-    def counting(tensors, *args):
+    def counting(store, tensors, *args):
         calls.append({n: t.clone() for n, t in tensors.items()})  # the values as encoded
-        return real(tensors, *args)
+        return real(store, tensors, *args)
 
-    monkeypatch.setattr(store_module, "encode_tensors", counting)
+    monkeypatch.setattr(store_module.TensorStore, "_encode", counting)
     return calls
 
 

@@ -19,6 +19,9 @@ from hetps.proto.optim import build_lr_scheduler, build_optimizer
 from hetps.proto.plan import TensorSpec
 from hetps.ps.store import TensorStore
 from hetps.ps.updater import Updater
+from hetps.proto.runs import RunTensors
+from hetps.worker.state import model_specs
+from shard_harness import ShardHarness, closing_factory, values_of
 
 # odd sizes (padding inside the float32 run), two parameter dtypes, buffers in between
 SPECS = [TensorSpec("conv.weight", "float32", (3, 1, 3, 3), "param"),
@@ -202,3 +205,73 @@ def test_a_settle_moves_the_arena_and_keeps_the_optimizer_on_it():
     flat = store.arena.flat[torch.float32]
     assert store.tensors["conv.bias"].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     assert updater.optimizer.param_groups[0]["params"][0] is flat
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("sgd")] + ["sgd-dampened-maximized"])
+def test_direct_sgd_steps_are_bit_equal_to_torch_optim(case):
+    """Plain SGD over the flat runs steps through updater.sgd_step after its
+    first step: values, momentum buffers and lr equal torch.optim's bit for bit,
+    under an lr schedule and damped steps, from packed pushes and gathered ones."""
+    overrides = CASES.get(case, ["optimizer.momentum=0.5", "optimizer.nesterov=false",
+                                 "optimizer.weight_decay=0.02"])
+    cfg = load_config(None, overrides)
+    (store, direct), (ref_store, reference) = flat_shard(cfg), flat_shard(cfg)
+    assert direct._direct
+    reference._direct = False  # torch.optim's step every time
+    if case == "sgd-dampened-maximized":
+        for opt in (direct.optimizer, reference.optimizer):
+            opt.param_groups[0].update(dampening=0.25, maximize=True)
+    for step in range(STEPS):
+        grads = gradients(step)
+        if step % 2:  # a one-frame push: the flat gradient is the frame itself
+            grads = decode(encode(Push(plan_id=1, clock=step, base_version=0, tensors=grads))).msg.tensors
+        direct.apply(grads, lr_scale=SCALES[step])
+        reference.apply(grads, lr_scale=SCALES[step])
+        assert direct.lr == reference.lr
+    for n in store.tensors:
+        assert torch.equal(store.tensors[n], ref_store.tensors[n]), n
+        assert not torch.equal(store.tensors[n], initial_values()[n]) or n not in PARAMS, n
+    mine, theirs = direct.optimizer.state_dict(), reference.optimizer.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    for i, entry in theirs["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(mine["state"][i][key], value), (i, key)
+    assert direct.updates == reference.updates == STEPS
+
+
+@pytest.fixture
+def harnesses():
+    yield from closing_factory(ShardHarness)
+
+
+def test_a_shard_hands_the_decoded_push_and_its_runs_to_the_optimizer(monkeypatch, harnesses):
+    """Through a real shard (mem:// transport, async policy): a push of exactly
+    the parameters reaches the updater as the decoded dict itself, whose flat
+    runs the decoder found, so the gradient run is the frame (no gather copy,
+    no search for runs); the values are torch.optim's over the separate tensors."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    seen = []
+    real_apply = Updater.apply
+
+    def recording(self, grads, lr_scale=1.0):
+        seen.append(isinstance(grads, RunTensors) and grads.runs is not None)
+        return real_apply(self, grads, lr_scale)
+
+    monkeypatch.setattr(Updater, "apply", recording)
+    harness = harnesses(model_specs(model), ["optimizer.momentum=0.9", "optimizer.nesterov=true"], [11], 1, "async")
+    harness.init(values_of(model))
+    reference = {n: t.clone() for n, t in values_of(model).items()}
+    ref_opt = build_optimizer(list(reference.values()), harness.cfg.optimizer)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        pushed = {n: torch.randn(t.shape, generator=g) for n, t in reference.items()}
+        harness.push(11, step, pushed, base_version=step)
+        for n, p in reference.items():
+            p.grad = pushed[n]
+        ref_opt.step()
+    updater = harness.shards[0].policy.updater
+    assert seen == [True, True, True]
+    assert not any(g.any() for g in updater.flat_grads)  # its own gradient buffer was never needed
+    for n, value in harness.values().items():
+        torch.testing.assert_close(value, reference[n], **TIGHT)

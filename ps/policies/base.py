@@ -89,6 +89,8 @@ class ConsistencyPolicy(ABC):
 
     def split(self, push: Push) -> tuple[dict, dict]:
         """The push's gradients (all parameters required) and buffers (optional)."""
+        if list(push.tensors) == self.store.param_names():  # just the parameters, in order: the push's
+            return push.tensors, {}                          # own dict, with any runs its decoder found
         grads = {n: push.tensors[n] for n in self.store.param_names() if n in push.tensors}
         if len(grads) != len(self.store.param_names()):
             missing = sorted(set(self.store.param_names()) - set(grads))

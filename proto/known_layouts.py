@@ -1,0 +1,144 @@
+"""Tensor layouts the decoder has checked already, remembered by their header text.
+
+A peer sends the same tensor list in every message of a kind (a worker's
+push to one shard, a shard's pull reply): the same specs, the same `packed`
+indices. Checking them (allow-listed dtypes, size bounds, duplicate names,
+packed indices, the receiving shard's catalogue) and working out where each
+tensor lies in the pack frame is the same work every time, so it is done
+once per layout and kept here. What differs per message is still checked
+per message: the frame count and every frame's length.
+
+A layout is found by the exact bytes of its header fields (`key_of`), so a
+message whose specs differ in any way, even `True` for `1`, is checked in
+full. Thread-safe for reading and adding (a worker's shard
+threads decode at once); at most MAX_LAYOUTS are kept, then all are dropped.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Sequence
+
+import msgpack
+
+from .lazy import lazy_module
+from .layout import aligned, byte_view
+from .runs import RunTensors
+
+torch = lazy_module("torch")
+
+MAX_LAYOUTS = 256  # a process sees one layout per peer and message kind; a flood of others just re-checks
+
+
+class Spec(NamedTuple):
+    """A checked tensor spec: name, dtype, shape, element count."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    numel: int
+
+
+class PackedView(NamedTuple):
+    """Where one packed tensor lies: its dtype's view of the frame, from `offset` entries on."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+class CheckedLayout:
+    """The specs, payload sizes and packed indices of one tensor layout that
+    passed every check that does not depend on the frames. When every
+    tensor is packed (one pack frame: a small model's message) it also
+    knows each tensor's place in the frame and the flat runs (runs.py) of
+    the floating-point tensors, so a message is turned into views with no
+    per-spec work. Not to be changed once made."""
+
+    def __init__(self, specs: list[Spec], sizes: list[int], packed: list[int]):
+        self.specs, self.sizes, self.packed = specs, sizes, packed
+        self.catalog: Any = None  # the last catalogue every spec was found in (compared by identity)
+        self.pack_nbytes = sum(aligned(sizes[i]) for i in packed)
+        self.views: list[PackedView] | None = None
+        self.runs: list[tuple[torch.dtype, int, int, list[str]]] = []
+        if packed and len(packed) == len(specs) and self.pack_nbytes:
+            self._place()
+
+    def _place(self) -> None:
+        """Each tensor's view of the pack frame, and the runs flat_runs would find in them."""
+        views, offset = [], 0
+        last = None  # (dtype, end in bytes) of the last non-empty floating tensor
+        for s, nbytes in zip(self.specs, self.sizes):
+            views.append(PackedView(s.name, s.dtype, s.shape, contiguous_strides(s.shape), offset // s.dtype.itemsize,
+                                    s.numel))
+            if s.numel and s.dtype.is_floating_point:
+                if last is not None and last == (s.dtype, offset):
+                    dtype, start, _, names = self.runs[-1]
+                    names.append(s.name)
+                    self.runs[-1] = (dtype, start, (offset + nbytes - start * dtype.itemsize) // dtype.itemsize,
+                                     names)
+                else:
+                    self.runs.append((s.dtype, offset // s.dtype.itemsize, s.numel, [s.name]))
+                last = (s.dtype, offset + aligned(nbytes))
+            offset += aligned(nbytes)
+        self.views = views
+
+    def fits(self, frames: Sequence) -> bool:
+        """Whether `frames` (after the header) are the one pack frame of the right length."""
+        return self.views is not None and len(frames) == 1 and byte_view(frames[0]).nbytes == self.pack_nbytes
+
+    def tensors(self, frame: Any) -> RunTensors:
+        """Read-only views of a pack frame that `fits`, with their flat runs."""
+        base = torch.frombuffer(byte_view(frame), dtype=torch.uint8)
+        typed: dict = {}
+        views = []
+        for v in self.views:
+            if not v.numel:
+                views.append((v.name, torch.empty(v.shape, dtype=v.dtype)))
+                continue
+            as_dtype = typed.get(v.dtype)
+            if as_dtype is None:
+                as_dtype = typed[v.dtype] = base.view(v.dtype)  # the frame's length is a multiple of ALIGN
+            views.append((v.name, as_dtype.as_strided(v.shape, v.strides, v.offset)))
+        out = RunTensors(views)
+        out.runs = [(typed[dtype].as_strided((count,), (1,), start), list(names))
+                    for dtype, start, count, names in self.runs]
+        return out
+
+
+_known: dict[tuple, CheckedLayout] = {}
+
+
+def key_of(header: dict, max_bytes: int) -> tuple | None:
+    """What tells a header's dense layout from every other: its `tensors` and
+    `packed` fields, packed again as msgpack (which, unlike `==` or a cheap
+    text, keeps `True` from `1` and `1.0`), and the size limit they were
+    checked under. None for compressed tensors (`enc`: checked every time)
+    or fields msgpack cannot pack again (the full check then refuses them)."""
+    if "enc" in header:
+        return None
+    try:
+        return msgpack.packb((header.get("tensors", []), header.get("packed")), use_bin_type=True), max_bytes
+    except Exception:  # e.g. nested deeper than msgpack packs: not a layout anyone sends
+        return None
+
+
+def known(key: tuple | None) -> CheckedLayout | None:
+    return _known.get(key) if key is not None else None
+
+
+def remember(key: tuple, layout: CheckedLayout) -> None:
+    if len(_known) >= MAX_LAYOUTS:
+        _known.clear()
+    _known[key] = layout
+
+
+@functools.lru_cache(maxsize=1024)  # a model has a few dozen shapes
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
