@@ -19,7 +19,7 @@ public key. A process picks its client pair with `--client-key NAME` or
 $HETPS_CLIENT_KEY (a name under DIR/clients, or a path to a .key_secret file;
 default `client-0`). The directory is security.keys_dir, or $HETPS_KEYS_DIR.
 
-Process-global like `transport.set_link_cap`: call `configure` once per
+Process-global like `emulation.set_link_cap`: call `configure` once per
 daemon, before any socket exists; `transport` then calls `secure_socket` on
 every socket it creates. Not meant to be reconfigured while sockets are open.
 """

@@ -11,7 +11,7 @@ frames of at least `min_bytes` go through shared memory and the server takes
 them in place (shm.py); its large replies to such a client go back the same
 way. For processes on one host.
 
-A node's link can be capped (`set_link_cap`, from `link_mbps` in the
+A node's link can be capped (`emulation.set_link_cap`, from `link_mbps` in the
 config) to emulate a slow network on one machine.
 
 With CurveZMQ turned on for the process (`security.configure`), every ZeroMQ
@@ -36,6 +36,7 @@ from typing import Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .emulation import carry as _carry, frames_nbytes
 from .errors import HetpsError
 from .messages import ZERO_COPY_BYTES
 from .security import SecurityError, secure_socket
@@ -49,40 +50,6 @@ class TransportError(HetpsError):
     """Bind/connect failed or the peer is unknown."""
 
 
-def frames_nbytes(frames: Sequence) -> int:
-    return sum(memoryview(f).nbytes for f in frames)
-
-
-class LinkCap:
-    """Emulates a node's link of `bytes_per_s` in one direction: a message of
-    n bytes occupies the link for n / rate seconds after the previous one, and
-    the caller sleeps until it has passed. Thread-safe."""
-
-    def __init__(self, bytes_per_s: float):
-        self.rate = bytes_per_s
-        self.free_at = time.monotonic()
-        self.lock = threading.Lock()
-
-    def carry(self, nbytes: int) -> None:
-        with self.lock:
-            now = time.monotonic()
-            self.free_at = max(now, self.free_at) + nbytes / self.rate
-            wait = self.free_at - now
-        if wait > 0:
-            time.sleep(wait)
-
-
-_LINK: dict[str, LinkCap] = {}  # "out"/"in" -> this process's emulated link, when capped
-
-
-def set_link_cap(mbit_per_s: float) -> None:
-    """Cap every ZeroMQ socket of this process at `mbit_per_s` megabits/s in
-    each direction (0: no cap). Emulates a slow link on one machine."""
-    _LINK.clear()
-    if mbit_per_s > 0:
-        _LINK.update(out=LinkCap(mbit_per_s * 1e6 / 8), inn=LinkCap(mbit_per_s * 1e6 / 8))
-
-
 _SHM = {"min_bytes": 0}  # this process's `comm.shm_bytes`: sockets made from now on use it
 REPLY_SEGMENTS = 2       # a server's segments per peer for replies through shared memory
 REPLY_PEERS = 256        # peers a server keeps reply segments for (least recently heard closed first)
@@ -93,12 +60,6 @@ def set_shared_memory(min_bytes: int) -> None:
     `min_bytes` through shared memory, and servers take such frames in (0:
     off). Only for peers on this host running as the same user (shm.py)."""
     _SHM["min_bytes"] = min_bytes
-
-
-def _carry(direction: str, frames: Sequence) -> None:
-    link = _LINK.get(direction)
-    if link is not None:
-        link.carry(frames_nbytes(frames))
 
 
 class ServerTransport(ABC):

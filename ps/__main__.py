@@ -35,7 +35,8 @@ from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.startup import Phases, process_age_s
-from hetps.proto.transport import TransportError, make_server, set_link_cap, set_shared_memory
+from hetps.proto.emulation import set_link_cap
+from hetps.proto.transport import TransportError, make_server, set_shared_memory
 
 from hetps.proto.algorithms import AlgorithmMismatch
 from hetps.proto.config import NodeConfig

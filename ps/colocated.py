@@ -36,7 +36,8 @@ from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.startup import Phases
-from hetps.proto.transport import ServerPoll, ServerTransport, TransportError, make_server, set_link_cap
+from hetps.proto.emulation import set_link_cap
+from hetps.proto.transport import ServerPoll, ServerTransport, TransportError, make_server
 
 from .__main__ import PlanFollower, setup_checkpoints  # the daemon's module (it imports this one only in main())
 from .shard import Shard, profile_update_speed

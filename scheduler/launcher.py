@@ -34,7 +34,7 @@ from .outcome import EXIT_CODES, INTERRUPTED
 from .report import Progress, format_summary, plot_run
 from .runlog import mark_failed, read_summary, write_json_atomic
 from .startup_report import startup_line, startup_section
-from .resume import ResumePoint, checkpoints_root
+from .resume import ResumePoint, checkpoints_root, strip_resume
 from .state import STATE_FILE
 from .zygote import ForkServer, forking_enabled
 
@@ -66,19 +66,6 @@ class Child:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-
-def strip_resume(args: tuple) -> tuple:
-    """`args` without `--resume` and `--restore-version V`."""
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a == "--restore-version":
-            skip = True
-        elif a != "--resume":
-            out.append(a)
-    return tuple(out)
 
 
 def client_names(cfg: RunConfig) -> list[str]:

@@ -53,3 +53,17 @@ def check_same_shards(run_dir: Path, n_shards: int) -> None:
 
 def checkpoints_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
+
+
+def strip_resume(args: tuple) -> tuple:
+    """A daemon's `args` without `--resume` and `--restore-version V`: a process
+    started again goes on from its own newest checkpoint."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--restore-version":
+            skip = True
+        elif a != "--resume":
+            out.append(a)
+    return tuple(out)

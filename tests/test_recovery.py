@@ -153,7 +153,7 @@ def test_restoring_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
 
 
 def test_a_restarted_process_does_not_resume_again():
-    from hetps.scheduler.launcher import strip_resume
+    from hetps.scheduler.resume import strip_resume
 
     assert strip_resume(("--rank", "1", "--resume", "--restore-version", "40", "--bind", "x")) == \
         ("--rank", "1", "--bind", "x")

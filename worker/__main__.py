@@ -32,7 +32,8 @@ from hetps.proto.membership import Membership, SchedulerUnreachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.optim import build_optimizer
 from hetps.proto.plan import schema_hash
-from hetps.proto.transport import TransportError, set_link_cap, set_shared_memory
+from hetps.proto.emulation import set_link_cap
+from hetps.proto.transport import TransportError, set_shared_memory
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.startup import Phases, process_age_s
 
