@@ -51,13 +51,13 @@ def fuzz_settings(n: int) -> settings:
                     suppress_health_check=list(HealthCheck))
 
 
-# Examples per decoder test: 10,500 in all.
-N_RANDOM_FRAMES = 2000
-N_RANDOM_HEADERS = 2000
-N_FIELD_ERRORS = 2500
-N_TENSOR_ERRORS = 2500
-N_MIXED = 1500
-N_COMPRESSED = 1500
+# Examples per decoder test: 7,200 in all.
+N_RANDOM_FRAMES = 1200
+N_RANDOM_HEADERS = 1200
+N_FIELD_ERRORS = 1500
+N_TENSOR_ERRORS = 1500
+N_MIXED = 900
+N_COMPRESSED = 900
 # Messages sent to the live daemons.
 N_SHARD = 1100   # the in-process fuzz tests above send many more of each kind
 N_SCHEDULER = 600

@@ -240,11 +240,11 @@ def test_overlap_applies_to_gradient_loops_only():
 def test_cluster_with_overlap_and_chunks_trains(run_dir):
     """Real daemons: sync with `comm.overlap`, one tensor cut over both shards."""
     result = run_hetps(["run", "configs/sync.yaml", "comm.overlap=true", "cluster.chunk_bytes=40000",
-                        "cluster.workers=2", "stop.target_accuracy=0.94", "stop.max_seconds=120",
+                        "cluster.workers=2", "stop.target_accuracy=0.92", "stop.max_seconds=120",
                         "eval.every_s=1.0", "--out", str(run_dir), "--quiet"], timeout_s=200)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)
-    assert_reached_target(s, 0.94)
+    assert_reached_target(s, 0.92)
     assert s["failures"] == [] and s["not_left"] == []
     steps = records(run_dir, "step")
     assert {r["worker"] for r in steps} == {0, 1} and all("wait_s" in r for r in steps)
