@@ -2,7 +2,7 @@
 made of in words every role understands. Each role maps these traits to its
 own classes through one registry (scheduler: `scheduler/grouping.py`
 FORMATIONS; shard: `ps/policies` POLICIES and `ps/shard.py` NEUTRAL_PUSH;
-worker: `worker/__main__.py` WORKER_LOOPS and `worker/local.py` PERIODS), so
+worker: `worker/lifecycle.py` WORKER_LOOPS and `worker/local.py` PERIODS), so
 no role ever branches on an algorithm's name. A new algorithm is one line
 here, its parameter dataclass (`algorithm_params.py`), its shard policy (one
 file under `ps/policies/`) and a config; `tests/test_algorithm_table.py`

@@ -39,7 +39,7 @@ from hetps.proto.startup import Phases
 from hetps.proto.emulation import set_link_cap
 from hetps.proto.transport import ServerPoll, ServerTransport, TransportError, make_server
 
-from .__main__ import PlanFollower, setup_checkpoints  # the daemon's module (it imports this one only in main())
+from .serving import PlanFollower, setup_checkpoints
 from .shard import Shard, profile_update_speed
 
 log = logging.getLogger("hetps.ps")

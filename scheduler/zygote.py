@@ -27,8 +27,9 @@ from pathlib import Path
 
 # What every daemon imports before its first step; loaded once, in the fork server
 # (torch._dynamo: torch.optim imports it when a shard builds its optimizer, ~1.3 s of CPU).
-PRELOAD = ["torch", "torch._dynamo", "hetps.ps.__main__", "hetps.worker.__main__", "hetps.scheduler.__main__",
-           "hetps.worker.preflight"]
+# (The scheduler is exec'd, not forked: it imports no torch. The daemons' `__main__` modules parse
+# flags only; their bodies are ps/serving.py and worker/lifecycle.py.)
+PRELOAD = ["torch", "torch._dynamo", "hetps.ps.serving", "hetps.worker.lifecycle", "hetps.worker.preflight"]
 SKLEARN = ["sklearn.cluster"]  # the scheduler's k-means (algorithms with needs_sklearn)
 
 

@@ -25,9 +25,9 @@ def run_dir(tmp_path):
 # ------------------------------------------------------------ tiers
 # Every test is in one tier, selectable with -m: `cluster` (real processes on loopback; marked in
 # its module), `inproc` (roles over the in-process transport or real sockets inside this process),
-# `unit` (pure functions). `make test` runs all three (unit and inproc on 2 xdist processes, then
-# cluster serially: real clusters would compete for the cores); `make test-unit`, `test-inproc`,
-# `test-cluster` run one.
+# `unit` (pure functions). `make test` runs all three: unit and inproc on 2 xdist processes, then the
+# cluster tier on 2, then the cluster tests marked `exclusive` (they compare timings) alone
+# (docs/testing.md); `make test-unit`, `test-inproc`, `test-cluster` run one.
 IN_PROCESS = ("MemServer", "shard_harness", "mem://", "make_server(", "bind_to_random_port", "hetps.sim")
 
 

@@ -26,7 +26,7 @@ from hetps.ps.policies.averaging import ModelAveragingPolicy
 from hetps.ps.shard import NEUTRAL_PUSH, Shard
 from hetps.scheduler.coordinator import Coordinator
 from hetps.scheduler.formation import FORMATIONS
-from hetps.worker.__main__ import WORKER_LOOPS, trainer_class
+from hetps.worker.lifecycle import WORKER_LOOPS, trainer_class
 from hetps.worker.local import PERIODS, LocalSgdTrainer, Period
 from hetps.worker.overlap import OverlapTrainer
 from hetps.worker.state import model_specs

@@ -25,7 +25,7 @@ from cluster_util import assert_reached_target, log_tails, records, run_hetps, s
 from hetps.proto.config import NodeConfig, load_config
 from hetps.proto.plan import NodeEntry, chunk_specs
 from hetps.proto.rpc import Aborted, RequestTimeout
-from hetps.worker.__main__ import trainer_class
+from hetps.worker.lifecycle import trainer_class
 from hetps.worker.data import load_datasets
 from hetps.worker.local import LocalSgdTrainer
 from hetps.worker.models import build_model

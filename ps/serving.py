@@ -1,0 +1,184 @@
+"""A shard daemon's life after its flags are checked (`hetps ps`, ps/__main__.py):
+bind, profile, register, wait for the plan, serve until the scheduler says
+stop, checkpoint, say goodbye. Kept apart from the flag parsing so that
+`hetps ps --check` and a flag error never import torch."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+
+import torch
+
+from hetps.proto import checkpoint
+from hetps.proto.algorithms import AlgorithmMismatch
+from hetps.proto.config import NodeConfig, RunConfig
+from hetps.proto.daemon import scheduler_lost_exit
+from hetps.proto.emulation import Slowdown, set_link_cap
+from hetps.proto.membership import Membership, SchedulerUnreachable
+from hetps.proto.metrics import serve_metrics
+from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
+from hetps.proto.startup import Phases
+from hetps.proto.transport import TransportError, make_server
+
+from .replication import ReplicaHost, ReplicatedShard, serve_round
+from .shard import Shard, profile_update_speed
+
+log = logging.getLogger("hetps.ps")
+PLAN_FETCH_S = 1.0  # longest wait for a plan a push names; the scheduler answers at once when it has it
+
+
+def run_shard(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: Phases,
+              replica_bind: str | None) -> int:
+    """Serve shard `args.rank` until the run stops; the daemon's exit status."""
+    # `--rank auto` (rank < 0): the default node settings, the rank comes at registration
+    node = cfg.cluster.shards[args.rank] if 0 <= args.rank < len(cfg.cluster.shards) else NodeConfig()
+    torch.set_num_threads(node.threads)
+    set_link_cap(node.link_mbps)
+    slowdown = Slowdown(node)
+    try:
+        server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
+        # cluster.replicas: the backup this process will hold is served on a second socket
+        host = (ReplicaHost(make_server(replica_bind, cfg.cluster.max_message_bytes), cfg,
+                            checkpoint_root=args.checkpoint_dir or cfg.checkpoint.dir,
+                            advertise=args.replica_advertise)
+                if cfg.cluster.replicas else None)
+        member = Membership(scheduler, "ps", args.rank, cfg.cluster)
+        phases.mark("config")
+    except TransportError as exc:
+        print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with member.starting():  # reported to the scheduler, which ends the run naming this shard
+            speed = profile_update_speed(slowdown)
+            phases.mark("profile")
+        member.join(address=args.advertise or server.address, speed=speed, startup=phases.as_dict(),
+                    replica_address=host.address if host else "")
+        args.rank = member.rank  # `--rank auto`: from here on, the rank the scheduler gave
+        plan = member.wait_plan()
+        # heartbeats from the moment the plan arrives (the scheduler counts silence from then on):
+        # restoring a large checkpoint may take a while
+        shard = None
+        member.start_heartbeats(lambda: process_stats(shard, host) if shard is not None else {})
+        slowdown.start()
+        with member.starting({AlgorithmMismatch: 2}):  # a mismatching algorithm block is a config error
+            if host is None:
+                shard = Shard(server, member.node_id, plan, cfg, slowdown)
+            else:
+                shard = ReplicatedShard(server, member.node_id, plan, cfg, slowdown)
+                host.node_id = member.node_id
+                host.follow(plan)
+            setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank,
+                              args.restore_version[0] if args.restore_version else None, args.resume)
+
+        shard.park_future_pushes = True  # PlanFollower fetches the plans they wait for
+        log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
+                 len(shard.store.specs), server.address)
+        serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats,
+                      algorithm=cfg.algorithm.name, targets=args.metrics_targets)
+        serve(shard, member, host)
+        log.info("stopping: %s", member.stop_reason)
+        # workers have stopped (or, the scheduler lost, will): a point to resume from
+        shard.maybe_checkpoint(force=True)
+        if host is not None:
+            host.final_checkpoint()
+        if member.scheduler_lost:
+            return scheduler_lost_exit("ps", args.rank, member.stop_reason)
+        member.bye(process_stats(shard, host))
+    except (SchedulerUnreachable, RequestTimeout, RemoteError) as exc:
+        print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        member.close()
+        server.close()
+        if host is not None:
+            host.close()
+    return 0
+
+
+def process_stats(shard: Shard, host: ReplicaHost | None) -> dict:
+    """What heartbeats report: the shard's numbers, and the backup's it holds."""
+    return {**shard.stats(), **(host.stats() if host is not None else {})}
+
+
+def serve(shard: Shard, member: Membership, host: ReplicaHost | None = None) -> None:
+    """Serve until the scheduler says stop (or is lost), adopting newer plans;
+    with `host`, the backup it holds too."""
+    plans = PlanFollower(shard, member, host)
+    with contextlib.suppress(Aborted):  # the scheduler was lost while a newer plan was fetched
+        while not member.stop_requested.is_set():
+            if host is None:
+                shard.serve_once(0.05)
+            else:
+                serve_round(shard, host, 0.05)
+            plans.tick()
+
+
+class PlanFollower:
+    """The serve loop's plan timer: fetch the plan a heartbeat announced, or
+    the one a parked push was made under, and adopt it (which answers the
+    pushes waiting for it). Guarded like a handler: a plan that cannot be
+    fetched or adopted (e.g. one that moves tensors) is logged and counted in
+    the shard's `timer_errors`, and the shard keeps serving the plan it has.
+    `tick` blocks while it fetches: at once when the scheduler has the plan
+    (it gave it to the worker that pushed), at most PLAN_FETCH_S when it does
+    not (a bogus id); the pushes of such a plan are then taken under the
+    shard's plan, and later ones naming it are taken without waiting."""
+
+    def __init__(self, shard: Shard, member: Membership, host: ReplicaHost | None = None):
+        self.shard, self.member, self.host = shard, member, host
+        self.refused = 0  # newest plan id that could not be adopted: not fetched again
+        self.gave_up = 0  # pushes naming plans up to this id do not wait for them
+
+    def tick(self) -> None:
+        shard, member = self.shard, self.member
+        wanted = shard.future_pushes.wanted()
+        try:
+            if wanted > max(shard.plan.plan_id, self.gave_up):
+                try:
+                    self._adopt(member.wait_plan(shard.plan.plan_id, timeout_s=PLAN_FETCH_S))
+                except RequestTimeout:
+                    self.gave_up = wanted
+                    log.warning("plan %d, named by a push, did not come within %ss: taking its pushes under "
+                                "plan %d", wanted, PLAN_FETCH_S, shard.plan.plan_id)
+            elif member.latest_plan_id > max(shard.plan.plan_id, self.refused):
+                newer = member.newer_plan(shard.plan.plan_id)
+                if newer is not None:
+                    self._adopt(newer)
+        except Aborted:
+            raise
+        except Exception:
+            shard.counts["timer_errors"] += 1
+            self.gave_up = max(self.gave_up, wanted)
+            log.exception("could not adopt a newer plan; serving plan %d on", shard.plan.plan_id)
+        if shard.future_pushes.parked and shard.future_pushes.wanted() <= max(self.gave_up, shard.plan.plan_id):
+            shard.take_future_pushes()
+
+    def _adopt(self, plan) -> None:
+        try:
+            self.shard.adopt(plan)
+            if self.host is not None:  # the backup it holds: promoted, or following as a primary
+                self.host.follow(plan)
+        except Exception:
+            self.refused = max(self.refused, plan.plan_id)
+            raise
+
+
+def setup_checkpoints(shard: Shard, root: str | None, rank: int, version: int | None,
+                      resume: bool = False) -> None:
+    """Turn checkpoints on (when a directory is given) and continue from this
+    run's newest one (or `version`) if there is one; `resume`: new workers."""
+    if not root:
+        return
+    folder = checkpoint.shard_dir(root, shard.plan.run_id, rank)
+    path = checkpoint.latest(folder, version)
+    if version is not None and path is None:
+        raise SystemExit(f"hetps ps {rank}: no checkpoint of version {version} in {folder}")
+    if path is not None:
+        shard.restore(checkpoint.load(path), new_workers=resume)
+        checkpoint.abandon_after(folder, shard.store.version)
+    shard.checkpointer = checkpoint.Checkpointer(shard.cfg.checkpoint, folder)
+    shard.checkpointer.last_version = shard.store.version if path is not None else -1
+    log.info("checkpoints in %s%s", folder, f"; restored {path.name}" if path else "")
+

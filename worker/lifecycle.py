@@ -1,0 +1,111 @@
+"""A worker's (or the evaluator's) life after its flags are checked (`hetps
+worker`, worker/__main__.py): build and dry-run the model and data, profile,
+register, wait for the plan, train (or evaluate) until the scheduler says
+stop, say goodbye. Kept apart from the flag parsing so that `hetps worker
+--check` and a flag error never import torch."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from hetps.proto.algorithms import AlgorithmMismatch, algorithm, check_plan_algorithm
+from hetps.proto.config import NodeConfig, RunConfig
+from hetps.proto.daemon import scheduler_lost_exit
+from hetps.proto.devices import pick_device, use_device
+from hetps.proto.emulation import Slowdown, set_link_cap
+from hetps.proto.membership import Membership, SchedulerUnreachable
+from hetps.proto.metrics import serve_metrics
+from hetps.proto.optim import build_optimizer
+from hetps.proto.plan import schema_hash
+from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
+from hetps.proto.startup import Phases
+from hetps.proto.transport import TransportError, set_shared_memory
+
+from .data import DatasetUnavailable
+from .diloco import DilocoTrainer
+from .evaluator import Evaluator
+from .local import LocalSgdTrainer
+from .overlap import OverlapTrainer
+from .preflight import PreflightError, build_checked
+from .state import ModelState, model_specs
+from .trainer import Trainer, profile_speed
+
+log = logging.getLogger("hetps.worker")
+# the table's `worker_loop` -> the loop that runs it
+WORKER_LOOPS = {"gradients": Trainer, "local_steps": LocalSgdTrainer, "pseudo_gradients": DilocoTrainer}
+
+
+def trainer_class(cfg) -> type:
+    """The worker loop for the configured algorithm; `comm.overlap` applies to
+    the gradient-pushing loop only (model averaging has no backward to overlap)."""
+    cls = WORKER_LOOPS[algorithm(cfg.algorithm.name).worker_loop]
+    return OverlapTrainer if cfg.comm.overlap and cls is Trainer else cls
+
+
+def run_node(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: Phases, role: str) -> int:
+    """Run worker `args.rank` (or the evaluator) until the run stops; the daemon's exit status."""
+    workers = cfg.cluster.workers
+    # `--rank auto` (rank < 0): the default node settings, the rank comes at registration
+    node = workers[args.rank] if not args.evaluator and 0 <= args.rank < len(workers) else NodeConfig()
+    torch.set_num_threads(node.threads)
+    set_link_cap(node.link_mbps)
+    set_shared_memory(cfg.comm.shm_bytes)  # co-located worker -> shard frames (docs/big-messages.md)
+    member = Membership(scheduler, role, args.rank, cfg.cluster)
+    phases.mark("config")
+    runner = None
+    try:
+        # a failure from here to the first step is reported to the scheduler, which ends the run
+        with member.starting({DatasetUnavailable: 2, PreflightError: 2}):
+            where = "evaluator device" if args.evaluator else f"cluster.workers.{args.rank}.device"
+            device = pick_device(node.device, where)
+            use_device(device)
+            # the model and data, and one dry step of them, before registering (preflight.py)
+            data, model = build_checked(cfg, device)
+            specs = model_specs(model)
+            if not args.evaluator and issubclass(trainer_class(cfg), LocalSgdTrainer):
+                # its first torch.optim optimizer imports torch._dynamo (~1 s): pay it before joining,
+                # not in the run's clock after the plan (the shards pay it while profiling)
+                build_optimizer(list(model.parameters()), cfg.optimizer)
+            state = ModelState(model, device)
+            phases.mark("build")
+            speed = 0.0 if args.evaluator else profile_speed(state, data, cfg.data.batch_size,
+                                                             cfg.cluster.profile_steps, Slowdown(node))
+            phases.mark("profile")
+        member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=speed,
+                    startup=phases.as_dict())
+        args.rank = member.rank  # `--rank auto`: from here on, the rank the scheduler gave
+        plan = member.wait_plan()
+        with member.starting({AlgorithmMismatch: 2}):  # reported: the scheduler ends the run naming this node
+            check_plan_algorithm(cfg.algorithm, plan)  # this node's YAML must run the scheduler's algorithm
+        # heartbeats from the moment the plan arrives: the scheduler counts silence from then on,
+        # and building the trainer may take seconds on a loaded machine
+        member.start_heartbeats(lambda: runner.stats() if runner is not None else {})
+        with member.starting():
+            model_out = args.model_out or os.environ.get("HETPS_MODEL_OUT")
+            runner = (Evaluator(cfg, member, plan, state, data.test, Path(model_out) if model_out else None,
+                                (data.in_shape, data.num_classes)) if args.evaluator
+                      else trainer_class(cfg)(cfg, node, member, plan, state, data))
+            serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, role, args.rank,
+                          runner.stats, histograms=getattr(getattr(runner, "timer", None), "histograms", None),
+                          algorithm=cfg.algorithm.name, targets=args.metrics_targets)
+        log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)
+        with contextlib.suppress(Aborted):  # the run stopped while a request was waiting
+            runner.run()
+        log.info("stopping: %s", member.stop_reason)
+        if member.scheduler_lost:
+            return scheduler_lost_exit(role, args.rank, member.stop_reason)
+        member.bye(runner.stats())
+        return 0
+    except (RequestTimeout, RemoteError, SchedulerUnreachable, TransportError) as exc:
+        print(f"hetps {role} {args.rank}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if runner is not None:
+            runner.close()
+        member.close()
