@@ -134,15 +134,21 @@ class Membership:
         self._beat_thread.start()
 
     def _beat_loop(self, stats: Callable[[], dict]) -> None:
-        grace = self.cluster.scheduler_grace_s
-        rpc = RpcClient(self.scheduler, src=self.node_id, timeout_s=min(self.cluster.heartbeat_s * 4, grace),
+        grace, period = self.cluster.scheduler_grace_s, self.cluster.heartbeat_s
+        timeout_s = min(period * 4, grace)
+        # a long poll (scheduler/held_beats.py): the scheduler holds the ACK up to a period, answering at
+        # once with news (stop, a newer plan); the next beat goes when the period since this one is over
+        hold_s = period if timeout_s >= 2 * period else 0.0
+        rpc = RpcClient(self.scheduler, src=self.node_id, timeout_s=timeout_s,
                         max_message_bytes=self.cluster.max_message_bytes)
         last_answer = time.monotonic()
         try:
             while not self._closing.is_set():
                 records = self._take_records()
+                sent = time.monotonic()
                 try:
-                    ack = rpc.call(Heartbeat(node_id=self.node_id, stats=stats(), records=self._outgoing(records)))
+                    ack = rpc.call(Heartbeat(node_id=self.node_id, stats=stats(), records=self._outgoing(records),
+                                             hold_s=0.0 if self._closing.is_set() else hold_s))
                     last_answer = time.monotonic()
                     self._on_ack(ack)
                 except RequestTimeout:
@@ -157,7 +163,7 @@ class Membership:
                 if time.monotonic() - last_answer > grace:
                     self._lose_scheduler(time.monotonic() - last_answer)
                     return
-                self._closing.wait(self.cluster.heartbeat_s)
+                self._closing.wait(max(0.0, sent + period - time.monotonic()))
         finally:
             rpc.close()
 
@@ -237,12 +243,13 @@ class Membership:
         self._closing.set()
         if self.scheduler_lost:
             return
-        if self._beat_thread is not None:
-            self._beat_thread.join(timeout=self.cluster.heartbeat_s * 5 + 1)
         try:
+            # this last heartbeat also has the scheduler answer the beat it may hold for the thread
             records = self._outgoing(self._take_records())
             self.rpc.call(Heartbeat(node_id=self.node_id, stats=stats, records=records),
                           timeout_s=timeout_s)
+            if self._beat_thread is not None:
+                self._beat_thread.join(timeout=self.cluster.heartbeat_s * 5 + 1)
             self.rpc.call(Bye(node_id=self.node_id, stats=stats), timeout_s=timeout_s)
         except Exception as exc:
             log.warning("goodbye to scheduler failed: %s", exc)

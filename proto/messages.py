@@ -132,6 +132,9 @@ class Heartbeat(Message):
     node_id: int
     stats: dict = field(default_factory=dict)    # read into records.NodeStats
     records: list = field(default_factory=list)  # step records, each with `ago` seconds
+    # long poll: the scheduler may hold the ACK up to this many seconds (at most cluster.heartbeat_s)
+    # and answers at once when it has news for the node (a newer plan, stop); 0 = answer now
+    hold_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ in this process -- so both ends see the same checked types:
     HEARTBEAT.stats, BYE.stats  -> NodeStats (counts and speed: finite, bounded;
                                    whom a shard waits for: waits.py)
     HEARTBEAT.records           -> list of step records (plain values, `ago` in seconds)
+    HEARTBEAT.hold_s            -> a finite, bounded float
     REGISTER.tensor_specs       -> list[TensorSpec] (dtype allow-list, unique names)
     REGISTER.speed              -> a finite, bounded float
     PUSH.info                   -> PushInfo (known keys only)
@@ -384,7 +385,8 @@ def _batches(value: Any, workers: set[int]) -> dict[str, float]:
 # ---------------------------------------------------------------- which field is read how
 
 READERS: dict[type, dict[str, Callable[[Any], Any]]] = {
-    m.Heartbeat: {"stats": NodeStats.read, "records": read_step_records},
+    m.Heartbeat: {"stats": NodeStats.read, "records": read_step_records,
+                  "hold_s": lambda v: read_number("hold_s", v, MAX_SECONDS)},
     m.Bye: {"stats": NodeStats.read},
     m.Register: {"tensor_specs": read_tensor_specs, "speed": read_speed, "startup": read_startup,
                  "spare_slots": lambda v: read_addresses("spare_slots", v)},

@@ -27,6 +27,7 @@ from hetps.proto.transport import ServerTransport
 
 from .formation import FORMATIONS
 from .grouping import drifted
+from .held_beats import HeldBeat, HeldBeats
 from . import failover, state, status
 from .outcome import DIVERGED, DivergenceGuard, startup_failure
 from .placement import place
@@ -64,6 +65,7 @@ class Coordinator(Registration, Service):
         self.plan_checked = 0.0
         self.regroup_votes: list = []  # consecutive checks proposing the same new grouping
         self.barriers: dict[str, list[tuple[bytes, int]]] = {}
+        self.held_beats = HeldBeats()  # heartbeats held as long polls (held_beats.py)
         self.created = self.clock()
         self.started: float | None = None     # when the first plan went out
         self.stop_reason: str | None = None
@@ -91,6 +93,9 @@ class Coordinator(Registration, Service):
     def members(self, *roles: str) -> list[Node]:
         return [n for n in self.nodes.values() if n.role in roles]
 
+    def _plan_id(self) -> int:
+        return self.plan.plan_id if self.plan is not None else 0
+
     def global_steps(self) -> int:
         return sum(status.count(n.stats, "steps") for n in self.members("worker"))
 
@@ -113,13 +118,15 @@ class Coordinator(Registration, Service):
 
     def on_heartbeat(self, peer: bytes, env: Envelope):
         node = self.node(env.msg.node_id)
+        older = self.held_beats.release(node.node_id)  # a newer beat answers the one still held
+        if older is not None:
+            self.reply(older.peer, older.req_id, self._beat_ack(node))
         if node.dead and node.role == "ps" and not failover.replaced(self.plan, node.node_id):
             # a slow shard is still the only owner of its tensors (unless its backup took them over)
             node.dead = False
             log.warning("shard %d (node %d) is back", node.rank, node.node_id)
         if node.dead:  # declared dead while it was only slow: it must not come back unannounced
-            return Ack(plan_id=self.plan.plan_id if self.plan else 0, stop=True,
-                       info={"reason": f"declared dead after {self.cfg.cluster.dead_after_s}s of silence"})
+            return self._beat_ack(node)
         node.stats = env.msg.stats
         if node.role == "ps":
             self.stalls.on_heartbeat(node)
@@ -130,9 +137,29 @@ class Coordinator(Registration, Service):
             where = f"worker{node.rank} at step {rec.get('step')}"
             if node.role == "worker" and self.guard.loss(rec.get("loss"), where):
                 self.begin_stop(DIVERGED)
-        stop = self._tell_stop(node)
-        return Ack(plan_id=self.plan.plan_id if self.plan else 0, stop=stop,
-                   info={"reason": self.stop_reason} if stop else {})
+        if env.msg.hold_s > 0 and not self._tell_stop(node):  # a long poll: answered by `_answer_held_beats`
+            until = self.clock() + min(env.msg.hold_s, self.cfg.cluster.heartbeat_s)
+            self.held_beats.hold(node.node_id, HeldBeat(peer, env.req_id, until, self._plan_id()))
+            return None
+        return self._beat_ack(node)
+
+    def _beat_ack(self, node: Node) -> Ack:
+        """A heartbeat's ACK: the newest plan's id, and whether the node must stop."""
+        if node.dead:
+            return Ack(plan_id=self._plan_id(), stop=True,
+                       info={"reason": f"declared dead after {self.cfg.cluster.dead_after_s}s of silence"})
+        stop = node.left or self._tell_stop(node)
+        return Ack(plan_id=self._plan_id(), stop=stop, info={"reason": self.stop_reason or "left"} if stop else {})
+
+    def _answer_held_beats(self) -> None:
+        """Answer the held heartbeats that have news (a newer plan, stop) or whose hold ran out."""
+        def has_news(node_id: int) -> bool:
+            node = self.nodes.get(node_id)
+            return node is None or node.left or node.dead or self._tell_stop(node)
+
+        for node_id, beat in self.held_beats.due(self.clock(), self._plan_id(), has_news):
+            node = self.nodes.get(node_id)
+            self.reply(beat.peer, beat.req_id, self._beat_ack(node) if node is not None else Ack(stop=True))
 
     def on_report(self, peer: bytes, env: Envelope):
         self.node(env.msg.node_id)
@@ -325,9 +352,9 @@ class Coordinator(Registration, Service):
         """Run the timers (startup timeout, failure detection, re-grouping,
         state saving, stop limits); call between requests. Never raises: each
         timer runs guarded like a handler (`_guarded`)."""
-        timers = ((self._check_startup, self._save_when_due) if self.started is None else
+        timers = ((self._check_startup, self._save_when_due, self._answer_held_beats) if self.started is None else
                   (self._detect_dead, self._maybe_regroup, self._save_when_due, self._check_limits,
-                   self._track_stalls))
+                   self._track_stalls, self._answer_held_beats))
         for timer in timers:
             self._guarded(timer)
 

@@ -153,3 +153,60 @@ def test_a_node_parks_one_plan_request_at_most(tmp_path):
         assert coord.plan_waiters == [(b"shard", 12, 3_000), (b"worker", 7, 5)]
     finally:
         server.close()
+
+
+def test_held_heartbeats_are_answered_with_news_or_when_their_hold_runs_out(tmp_path):
+    """Heartbeats with `hold_s` are long polls: the ACK comes when the hold
+    (capped at cluster.heartbeat_s) runs out, at once when a newer plan or
+    the node's stop arrives, or when the node's next heartbeat comes; a
+    shard's stop waits for the workers to leave, as without holding."""
+    from hetps.proto.messages import Ack, Bye, Heartbeat
+
+    now = [100.0]
+    cfg = load_config(None, ["cluster.workers=2", "cluster.shards=1", "cluster.heartbeat_s=0.5"])
+    server = MemServer("mem://coordinator-held-beats")
+    try:
+        coord = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
+        shard, worker0, worker1 = register(coord, "ps", 0), register(coord, "worker", 0), register(coord, "worker", 1)
+        assert coord.plan is not None and coord.plan.plan_id == 1
+        sent: list[tuple[bytes, int, Ack]] = []
+        coord.reply = lambda peer, req_id, msg: sent.append((peer, req_id, msg))
+
+        def beat(node: int, req_id: int, hold_s: float = 5.0):
+            return coord.on_heartbeat(b"n%d" % node, Envelope(Heartbeat(node_id=node, hold_s=hold_s),
+                                                               req_id=req_id, src=node))
+
+        now_ack = beat(worker0, 1, hold_s=0.0)  # no hold asked: answered now
+        assert isinstance(now_ack, Ack) and not now_ack.stop and now_ack.plan_id == 1
+        assert beat(worker0, 2) is None and beat(shard, 3) is None and beat(worker1, 4) is None
+        now[0] += 0.4
+        coord.tick()
+        assert sent == []  # nothing new, and the hold (capped at heartbeat_s = 0.5) has not run out
+        now[0] += 0.11
+        coord.tick()
+        assert sorted((p, r) for p, r, _ in sent) == [(b"n%d" % shard, 3), (b"n%d" % worker0, 2),
+                                                      (b"n%d" % worker1, 4)]
+        assert all(a.plan_id == 1 and not a.stop for _, _, a in sent)
+
+        sent.clear()  # a newer beat of the same node answers its held one
+        assert beat(worker0, 5) is None and beat(worker0, 6) is None
+        assert [(r, a.stop) for _, r, a in sent] == [(5, False)]
+
+        sent.clear()  # a new plan (worker 1 left) is news for every held beat
+        assert beat(shard, 7) is None
+        coord.on_bye(b"n%d" % worker1, Envelope(Bye(node_id=worker1), req_id=8, src=worker1))
+        assert coord.plan.plan_id == 2
+        coord.tick()
+        assert sorted((r, a.plan_id, a.stop) for _, r, a in sent) == [(6, 2, False), (7, 2, False)]
+
+        sent.clear()  # stop: the worker hears it at once; the shard once the workers are gone
+        assert beat(worker0, 9) is None and beat(shard, 10) is None
+        coord.begin_stop("test stop")
+        coord.tick()
+        assert [(r, a.stop, a.info.get("reason")) for _, r, a in sent] == [(9, True, "test stop")]
+        coord.on_bye(b"n%d" % worker0, Envelope(Bye(node_id=worker0), req_id=11, src=worker0))
+        coord.tick()
+        assert [(r, a.stop) for _, r, a in sent[1:]] == [(10, True)]
+        assert len(coord.held_beats) == 0
+    finally:
+        server.close()
