@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetps.proto.algorithms import algorithm
 from hetps.proto.config import RunConfig, dump_config
 from hetps.proto.errors import HetpsError
 from hetps.proto.devices import assign_devices, local_gpu_count
@@ -113,8 +112,7 @@ class LocalCluster:
         self.failed_as: tuple[str, str] | None = None  # (node, error) once a process failed
         self.check: subprocess.Popen | None = None
         # every daemon imports torch: fork them from one warm process instead of importing it in each
-        self.forks = (ForkServer(sklearn=algorithm(cfg.algorithm.name).needs_sklearn)
-                      if forking_enabled() else None)
+        self.forks = ForkServer() if forking_enabled() else None
         self.timeline: dict[str, float] = {"launch": time.time() - process_age_s()}  # wall times (startup_report.py)
 
     # ------------------------------------------------------------ processes

@@ -30,7 +30,6 @@ from pathlib import Path
 # (The scheduler is exec'd, not forked: it imports no torch. The daemons' `__main__` modules parse
 # flags only; their bodies are ps/serving.py and worker/lifecycle.py.)
 PRELOAD = ["torch", "torch._dynamo", "hetps.ps.serving", "hetps.worker.lifecycle", "hetps.worker.preflight"]
-SKLEARN = ["sklearn.cluster"]  # the scheduler's k-means (algorithms with needs_sklearn)
 
 
 def forking_enabled() -> bool:
@@ -79,12 +78,12 @@ class ForkedDaemon:
 class ForkServer:
     """One warm fork server per launcher; `start` returns a ForkedDaemon."""
 
-    def __init__(self, sklearn: bool = False):
+    def __init__(self):
         self.context = multiprocessing.get_context("forkserver")
         # the server inherits this environment when it starts (on the first fork): one thread,
         # so no BLAS/OpenMP pool exists in it when it forks (daemons get OMP_NUM_THREADS=1 too)
         os.environ["OMP_NUM_THREADS"] = "1"
-        self.context.set_forkserver_preload(PRELOAD + (SKLEARN if sklearn else []))
+        self.context.set_forkserver_preload(PRELOAD)
 
     def start(self, module: str, argv: list[str], log_path: Path, env: dict[str, str]) -> ForkedDaemon:
         """Fork `python -m module *argv` (non-blocking once the server is warm;
