@@ -103,7 +103,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="run directory (default: a temporary one)")
     args = parser.parse_args()
-    missing = [name for name in ("hetps.scheduler.cli", "zmq", "msgpack", "mlxtend", "sklearn")
+    missing = [name for name in ("hetps.scheduler.cli", "zmq", "msgpack", "mlxtend")
                if importlib.util.find_spec(name.split(".")[0]) is None or not importable(name)]
     if missing:
         print(f"gpu_check: FAIL not importable here: {', '.join(missing)} (pip install -e '.[data]' from the "

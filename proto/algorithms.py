@@ -39,7 +39,6 @@ class Algorithm:
     pushes: str              # PUSHES: what a push carries (gradients are compressed, models travel exact)
     policy: str              # the shard's consistency policy, by name (ps/policies POLICIES)
     fuses_pull: bool = True  # a push may ask for the next values in itself (`comm.fuse_pull`)
-    needs_sklearn: bool = False  # the scheduler imports scikit-learn (k-means) before the run's clock starts
     period: str = ""         # PERIODS: steps (`period`), shard (the shards' ACKs decide), seconds (`period_s`)
 
     def __post_init__(self):
@@ -59,7 +58,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("sync", SyncParams, groups="all", policy="sync", **_GRADIENTS),
     Algorithm("async", AsyncParams, groups="each", policy="async", **_GRADIENTS),
     Algorithm("ssp", SspParams, groups="each", policy="ssp", **_GRADIENTS),
-    Algorithm("grouping", GroupingParams, groups="by_speed", policy="grouping", needs_sklearn=True, **_GRADIENTS),
+    Algorithm("grouping", GroupingParams, groups="by_speed", policy="grouping", **_GRADIENTS),
     Algorithm("eager", EagerParams, groups="all", policy="eager", **_GRADIENTS),
     Algorithm("cpsgd", CpsgdParams, groups="all", policy="cpsgd", period="steps", **_MODELS),
     Algorithm("adpsgd", AdpsgdParams, groups="all", policy="adpsgd", period="shard", **_MODELS),

@@ -129,7 +129,7 @@ def scheduler_lost_exit(role: str, rank: int, reason: str) -> int:
 def fast_exit(code: int) -> None:
     """End the process with `code` once main() returned: run the atexit
     handlers (logging's flush among them), flush stdout and stderr, then skip
-    the interpreter's teardown (os._exit). With torch or scikit-learn
+    the interpreter's teardown (os._exit). With torch
     imported that teardown takes 1-9 s of CPU on a loaded 2-core machine,
     and `hetps run` waits for every process before it reports."""
     atexit._run_exitfuncs()

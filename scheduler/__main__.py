@@ -20,13 +20,12 @@ import signal
 import sys
 from pathlib import Path
 
-from hetps.proto.algorithms import algorithm
 from hetps.proto.daemon import check_and_exit, fast_exit, load_or_exit, metrics_args, security_or_exit
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.transport import make_server
 
-from . import grouping, state, tensorboard
+from . import state, tensorboard
 from .coordinator import Coordinator
 from .nodes import Node
 from .outcome import EXIT_CODES, INTERRUPTED
@@ -86,8 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(server.address)
         os.replace(tmp, run_dir / "scheduler.addr")
     log.info("scheduler at %s, expecting %s", server.address, coordinator.expected)
-    if algorithm(cfg.algorithm.name).needs_sklearn:
-        grouping.preload()  # while the other daemons start (their registrations queue meanwhile)
     serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "scheduler", 0,
                   coordinator.metrics, algorithm=cfg.algorithm.name, targets=args.metrics_targets)
 

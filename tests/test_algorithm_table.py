@@ -48,7 +48,6 @@ def test_every_table_line_resolves_in_every_role(name):
     fields = formation.plan_fields({1: 10.0, 2: 10.0, 3: 1.0}, cfg.algorithm.params, 0)
     assert sorted(w for g in fields["groups"] for w in g) == [1, 2, 3]
     assert formation.regroups == (algo.groups in ("by_speed", "balanced"))
-    assert algo.needs_sklearn == (algo.groups == "by_speed")
     # worker
     loop = WORKER_LOOPS[algo.worker_loop]
     assert trainer_class(cfg) is loop

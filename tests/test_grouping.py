@@ -19,19 +19,10 @@ import torch
 from hetps.proto.algorithm_params import GroupingParams
 from hetps.proto.messages import Ack, Params
 from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec
-from hetps.scheduler.grouping import data_shares, drifted, form_groups
+from hetps.scheduler.grouping import calinski_harabasz, data_shares, drifted, form_groups, kmeans_1d
 from hetps.scheduler.placement import place
 from hetps.worker.data import partition
 from shard_harness import PLAN_ID, ShardHarness, closing_factory, not_answered
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_blas_thread():
-    """k-means through OpenMP/BLAS thread pools is ~10x slower on a loaded 2-core box."""
-    from threadpoolctl import threadpool_limits
-
-    with threadpool_limits(1):
-        yield
 
 
 # ================================================================ form_groups
@@ -132,6 +123,44 @@ def test_deterministic_for_a_seed():
     speeds = {w: rng.uniform(1, 100) for w in range(8)}
     for params in (GroupingParams(), GroupingParams(choose_k="ch"), GroupingParams(groups=3)):
         assert form_groups(speeds, params, seed=5) == form_groups(speeds, params, seed=5)
+
+
+def brute_force_kmeans_cost(values: list[float], k: int) -> float:
+    """The least within-cluster sum of squares over every partition of the
+    sorted values into k runs (the optimal 1-D clusters are runs)."""
+    import itertools
+
+    xs = sorted(values)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(xs)), k - 1):
+        bounds = (0, *cuts, len(xs))
+        runs = [xs[a:b] for a, b in zip(bounds, bounds[1:])]
+        best = min(best, sum(sum((v - sum(r) / len(r)) ** 2 for v in r) for r in runs))
+    return best
+
+
+def test_kmeans_1d_finds_the_optimal_clusters():
+    """Against every partition into k runs (brute force) on random values,
+    ties and duplicates included; labels come back in input order."""
+    rng = random.Random(7)
+    for case in range(150):
+        n = rng.randint(1, 9)
+        values = ([rng.uniform(-3, 5) for _ in range(n)] if case % 3 else
+                  [rng.choice([0.5, 1.0, 2.5]) for _ in range(n)])
+        k = rng.randint(1, n)
+        labels = kmeans_1d(values, k)
+        assert len(labels) == n and set(labels) <= set(range(k))
+        clusters = [[v for v, c in zip(values, labels) if c == j] for j in set(labels)]
+        cost = sum(sum((v - sum(c) / len(c)) ** 2 for v in c) for c in clusters)
+        assert cost == pytest.approx(brute_force_kmeans_cost(values, k), abs=1e-9), (values, k, labels)
+    assert kmeans_1d([5.0, 1.0, 5.1, 1.1], 2) in ([1, 0, 1, 0], [0, 1, 0, 1])
+
+
+def test_calinski_harabasz_by_hand():
+    # clusters {0, 2} and {10}: means 1 and 10, overall 4; between = 2 * 9 + 1 * 36 = 54,
+    # within = 2; score = (54 / (2 - 1)) / (2 / (3 - 2)) = 27
+    assert calinski_harabasz([0.0, 2.0, 10.0], [0, 0, 1]) == pytest.approx(27.0)
+    assert calinski_harabasz([1.0, 1.0, 4.0], [0, 0, 1]) == 1.0  # every cluster a point: defined as 1
 
 
 def random_speeds(rng: random.Random) -> dict[int, float]:
