@@ -42,9 +42,13 @@ test-cluster: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m exclusive $(ARGS) || [ $$? -eq 5 ] || status=1; \
 	exit $$status
 
+# the ratios docs/results.md reports: round trips against raw pyzmq (socket, then shared memory for
+# frames >= 256 KiB), step time against DDP-gloo, and one shard's updates against memory bandwidth
 bench: $(VENV)/.installed-test
 	$(PY) bench/transport.py --sizes lenet,4K,64K,1M,16M,64M
-	$(PY) bench/step.py
+	$(PY) bench/transport.py --sizes 1M,64M --shm 262144
+	$(PY) bench/step.py --models lenet5 --workers 1,2,4,8
+	$(PY) bench/shard.py --rows lenet:4,lenet:64,1M:4,100M:2 --shm 262144
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -22,7 +22,7 @@ def check_efficiency(s: dict) -> None:
 
 @pytest.mark.exclusive  # batches from profiled speeds: other tests' load would blur them
 def test_balanced_workers_train_on_the_plans_speed_proportional_batches(run_dir):
-    result = run_hetps(["run", "configs/balanced.yaml", "stop.max_seconds=6", "stop.target_accuracy=1.0",
+    result = run_hetps(["run", "configs/balanced.yaml", "stop.max_seconds=4", "stop.target_accuracy=1.0",
                         "algorithm.regroup=false", "--out", str(run_dir), "--quiet"], timeout_s=150)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)

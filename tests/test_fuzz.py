@@ -59,8 +59,8 @@ N_TENSOR_ERRORS = 1500
 N_MIXED = 900
 N_COMPRESSED = 900
 # Messages sent to the live daemons.
-N_SHARD = 1100   # the in-process fuzz tests above send many more of each kind
-N_SCHEDULER = 600
+N_SHARD = 700   # the in-process fuzz tests above send many more of each kind
+N_SCHEDULER = 400
 
 # ---------------------------------------------------------------- value strategies
 
@@ -971,7 +971,7 @@ def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
               f"answered late), {raw_shard.statuses}")
         print(f"scheduler: {raw_sched.sent} sent in {sched_s:.1f}s, {raw_sched.dropped} dropped, "
               f"{raw_sched.statuses}")
-        assert raw_shard.sent >= 1000 and raw_sched.sent >= 500
+        assert raw_shard.sent >= N_SHARD * 0.9 and raw_sched.sent >= N_SCHEDULER * 0.9
 
         # --- afterwards: bit-identical tensors, same version, valid requests served
         after = shard.call(m.Pull(plan_id=plan.plan_id, clock=1))
