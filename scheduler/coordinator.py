@@ -289,13 +289,18 @@ class Coordinator(Registration, Service):
 
     def _maybe_regroup(self) -> None:
         """Groups formed by speed: a new plan when measured worker speeds
-        drifted beyond the hysteresis and k-means now forms different groups."""
+        drifted beyond the hysteresis and k-means now forms different groups
+        (not before every worker of the plan has measured one)."""
         params = self.cfg.algorithm.params
         if (not self.formation.may_regroup(params) or self.stop_reason
                 or self.clock() - self.plan_checked < params.regroup_every_s):
             return
         self.plan_checked = self.clock()
         workers = [n for n in self.members("worker") if n.node_id in self.plan.worker_ids()]
+        if not all(n.stats.speed for n in workers):
+            # a profiled speed (compute alone) and a measured one (compute and push) are not comparable:
+            # groups are re-formed once every worker of the plan reported a measured speed
+            return
         speeds = {n.node_id: n.speed for n in workers}
         old = {w: self.plan.speeds.get(str(w), 1.0) for w in speeds}
         if not drifted(old, speeds, params.hysteresis):

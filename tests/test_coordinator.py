@@ -210,3 +210,40 @@ def test_held_heartbeats_are_answered_with_news_or_when_their_hold_runs_out(tmp_
         assert len(coord.held_beats) == 0
     finally:
         server.close()
+
+
+def test_groups_re_form_only_once_every_worker_measured_its_speed(tmp_path):
+    """Grouping-SGD: a worker's profiled speed (compute alone) is not comparable
+    with the others' measured ones (compute and push): while one worker has
+    not reported a measured speed, no re-grouping happens however far the
+    others drifted; once it has, the groups re-form from measured speeds."""
+    from hetps.proto.messages import Heartbeat
+
+    now = [100.0]
+    cfg = load_config(None, ["algorithm.name=grouping", "cluster.workers=3", "cluster.shards=1",
+                             "algorithm.regroup_every_s=1", "algorithm.confirm_checks=1"])
+    server = MemServer("mem://coordinator-measured-speeds")
+    try:
+        coord = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
+        register(coord, "ps", 0)
+        workers = [register(coord, "worker", r) for r in range(3)]  # profiled 1.0 each: one group
+        assert coord.plan.plan_id == 1 and coord.plan.groups == [sorted(workers)]
+
+        def beat(node: int, stats: dict) -> None:
+            coord.on_heartbeat(b"n%d" % node, Envelope(Heartbeat(node_id=node, stats=stats), req_id=3, src=node))
+
+        def beats(third: dict) -> None:
+            beat(workers[0], {"speed": 100.0})
+            beat(workers[1], {"speed": 10.0})  # 10x apart: two groups, were the third speed known
+            beat(workers[2], third)
+            now[0] += 1.5
+            coord.tick()
+
+        for _ in range(3):
+            beats({"steps": 0})  # alive, no step measured yet
+        assert coord.plan.plan_id == 1 and coord.failures == []
+        beats({"speed": 95.0})
+        assert coord.plan.plan_id == 2
+        assert coord.plan.groups == [sorted([workers[0], workers[2]]), [workers[1]]]
+    finally:
+        server.close()
