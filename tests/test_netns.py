@@ -82,9 +82,12 @@ def test_cluster_across_namespaces_trains_and_groups_its_tc_limited_worker_slow(
               f"speeds {speeds}\nplans {history}\n{tails}"
     assert plan["plan_id"] > 1, "never re-grouped on measured speeds: " + context
     assert min(speeds, key=speeds.get) == slow, context
-    others = [v for w, v in speeds.items() if w != slow]
-    assert speeds[slow] * 3 < min(others), "the limited worker is not clearly slower: " + context
-    assert slow in plan["groups"][-1], context  # groups are listed fastest first
+    assert slow in plan["groups"][-1] and len(plan["groups"]) > 1, context  # groups are listed fastest first
+    # how much slower the plan's speeds show it depends on the load: measured while all four were one
+    # synchronous group, the others' speeds include waiting for its rounds (1.8x and 2.4x seen on a slow
+    # machine, 5x on an idle one). Once in a group of its own it falls clearly behind in steps:
+    steps = {r: s_["steps"] for r, s_ in ((r, summary(run_dir)["per_node"][f"worker{r}"]) for r in node_of)}
+    assert steps[limited] * 5 < min(v for r, v in steps.items() if r != limited), f"steps {steps}\n{context}"
     # across the namespaces: each shard bound and advertised its own namespace's address, and it trained
     hosts = [s_["address"].removeprefix("tcp://").rsplit(":", 1)[0] for s_ in plan["shards"]]
     assert all(ipaddress.ip_address(h) in SUBNET for h in hosts), plan["shards"]
