@@ -37,11 +37,9 @@ class HeldBeats:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, node_id: int, beat: HeldBeat) -> HeldBeat | None:
-        """Hold `beat`; returns the node's older held beat, to be answered now."""
-        older = self._held.pop(node_id, None)
+    def hold(self, node_id: int, beat: HeldBeat) -> None:
+        """Hold `beat` (the caller has answered the node's older one: `release`)."""
         self._held[node_id] = beat
-        return older
 
     def release(self, node_id: int) -> HeldBeat | None:
         """The node's held beat, no longer held (None if none)."""
