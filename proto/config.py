@@ -148,6 +148,7 @@ class StopConfig:
 class EvalConfig:
     enabled: bool = True
     every_s: float = 2.0
+    keep_best: bool = True     # also write the best-evaluated model (best.safetensors beside model.safetensors)
 
 
 @dataclass(frozen=True)

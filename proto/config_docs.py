@@ -49,6 +49,7 @@ HELP = {
     "cluster.faults": "fault injection on the wire (keys below)",
     "eval.enabled": "run the evaluator (`hetps run`)",
     "eval.every_s": "seconds between evaluations",
+    "eval.keep_best": "keep a copy of the parameters of the best evaluation and write them as best.safetensors",
     "slowdown": "the new slowdown from then on",
     "algorithm.regroup_every_s": "seconds between the scheduler's checks for drifted speeds",
 }

@@ -241,6 +241,11 @@ def test_own_model_and_data_train_and_come_back(user_pkg, on_path, run_dir, tmp_
     assert meta["final_accuracy"] == pytest.approx(s["final_accuracy"], abs=1e-9)
     assert fresh_accuracy(run_dir / "model.safetensors", user_pkg, on_path) == pytest.approx(
         s["final_accuracy"], abs=0.005)
+    # eval.keep_best: the parameters the best evaluation measured, as they were then
+    best = json.loads((run_dir / "best.json").read_text())
+    assert best["evaluation"] == "best" and best["final_accuracy"] == pytest.approx(s["best_accuracy"], abs=1e-9)
+    assert fresh_accuracy(run_dir / "best.safetensors", user_pkg, on_path) == pytest.approx(
+        s["best_accuracy"], abs=0.005)
 
 
 @pytest.mark.cluster

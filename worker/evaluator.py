@@ -4,11 +4,16 @@ the scheduler, so every algorithm gets the same accuracy-versus-time curve.
 When the run stops it evaluates once more, so the final numbers describe the
 final model (not when the scheduler was lost: nobody would record them), and
 (given `model_out`) writes exactly that model to MODEL_OUT/model.safetensors and
-MODEL_OUT/model.json (export.py). Blocking.
+MODEL_OUT/model.json (export.py). With `eval.keep_best` it also keeps a copy of
+the parameters its best evaluation measured and writes them as
+MODEL_OUT/best.safetensors and best.json: an asynchronous run that stops on a
+target accuracy may swing below it in the updates between that evaluation and
+the stop. Blocking.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -23,9 +28,19 @@ from hetps.proto.rpc import Aborted
 
 from .client import PSClient
 from .data import ArrayDataset
+from .export import describe, state_copy, write_model, write_state
 from .state import ModelState
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class BestEvaluation:
+    """The parameters of the best evaluation so far, copied when it was measured."""
+    accuracy: float
+    loss: float
+    versions: list[int]          # each shard's version the pull returned
+    state: dict[str, torch.Tensor]
 
 
 @torch.no_grad()
@@ -60,6 +75,7 @@ class Evaluator:
         self.evals = 0
         self.accuracy: float | None = None   # of the latest evaluation
         self.loss: float | None = None
+        self.best: BestEvaluation | None = None  # with eval.keep_best
 
     def stats(self) -> dict:
         return {"evals": self.evals, "accuracy": self.accuracy, "loss": self.loss,
@@ -73,6 +89,9 @@ class Evaluator:
                                   self.state.device)
         self.evals += 1
         self.accuracy, self.loss = accuracy, loss
+        if self.cfg.eval.keep_best and (self.best is None or accuracy > self.best.accuracy):
+            self.best = BestEvaluation(accuracy, loss, list(client.versions),
+                                       state_copy(self.state.model.state_dict()))
         self.member.report("eval", {"accuracy": accuracy, "loss": loss, "final": final,
                                     "versions": list(client.versions),
                                     "eval_s": time.perf_counter() - started, "num_classes": self.num_classes})
@@ -91,13 +110,19 @@ class Evaluator:
             self.save_model(self.model_out)
 
     def save_model(self, folder: Path) -> None:
-        """The model of the last evaluation -> folder/model.safetensors and model.json."""
-        from .export import describe, write_model
-
+        """The model of the last evaluation -> folder/model.safetensors and model.json;
+        the best evaluation's (`eval.keep_best`) -> folder/best.safetensors and best.json."""
         in_shape, num_classes = self.shape
         path, _ = write_model(self.state.model, folder / "model.safetensors",
-                              describe(self.cfg, in_shape, num_classes, self.accuracy, self.loss, "evaluator"))
+                              describe(self.cfg, in_shape, num_classes, self.accuracy, self.loss, "evaluator",
+                                       evaluation="final"))
         log.info("model written to %s (test accuracy %s)", path, self.accuracy)
+        if self.best is not None:
+            b = self.best
+            path, _ = write_state(b.state, folder / "best.safetensors",
+                                  describe(self.cfg, in_shape, num_classes, b.accuracy, b.loss, "evaluator",
+                                           evaluation="best", versions=b.versions))
+            log.info("best model written to %s (test accuracy %s)", path, b.accuracy)
 
     def close(self) -> None:
         self.client.close()

@@ -28,7 +28,6 @@ from torch import nn
 from hetps.proto import checkpoint
 from hetps.proto.config import ConfigError, RunConfig, load_config
 
-from .evaluator import evaluate
 from .preflight import PreflightError, build_checked
 from .state import model_tensors
 
@@ -38,8 +37,8 @@ class ExportError(ValueError):
 
 
 def describe(cfg: RunConfig, in_shape, num_classes: int, accuracy: float | None, loss: float | None,
-             source: str) -> dict:
-    """model.json's content."""
+             source: str, **more) -> dict:
+    """model.json's content (`more`: further keys, e.g. which evaluation measured it)."""
     try:
         version = metadata.version("hetps")
     except metadata.PackageNotFoundError:
@@ -49,18 +48,29 @@ def describe(cfg: RunConfig, in_shape, num_classes: int, accuracy: float | None,
             "num_classes": num_classes, "input_shape": list(in_shape),
             "final_accuracy": accuracy, "final_loss": loss, "source": source,
             "hetps_version": version, "torch_version": torch.__version__,
-            "algorithm": cfg.algorithm.name, "seed": cfg.seed}
+            "algorithm": cfg.algorithm.name, "seed": cfg.seed, **more}
 
 
 def write_model(model: nn.Module, out: Path, description: dict) -> tuple[Path, Path]:
     """Write `model`'s state_dict to `out` (safetensors) and `description` to
-    `out` with suffix .json; returns both paths. Tensors are copied, so tied
-    weights are stored once under each of their names (a strict
-    `load_state_dict` finds every key)."""
+    `out` with suffix .json; returns both paths."""
+    return write_state(model.state_dict(), out, description)
+
+
+def state_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A CPU copy of a state_dict, each tensor on its own storage: tied weights
+    are stored once under each of their names (a strict `load_state_dict`
+    finds every key), and later updates of the model do not reach it."""
+    return {name: t.detach().to("cpu").clone().contiguous() for name, t in state.items()}
+
+
+def write_state(state: dict[str, torch.Tensor], out: Path, description: dict) -> tuple[Path, Path]:
+    """`state` (a state_dict) -> `out` (safetensors), `description` -> `out`
+    with suffix .json; returns both paths."""
     from safetensors.torch import save_file
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu").clone().contiguous() for name, t in model.state_dict().items()}
+    tensors = state_copy(state)
     tmp = out.with_name(f".{out.name}.tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(out)
@@ -127,6 +137,7 @@ def export(path: Path, out: Path, config: Path | None = None) -> dict:
     data, model = build_checked(cfg)
     tensors, versions = newest_tensors(shard_dirs)
     assemble(model, tensors)
+    from .evaluator import evaluate  # (evaluator.py imports this module)
     accuracy, loss = evaluate(model, data.test, cfg.data.eval_batch_size, torch.device("cpu"))
     description = describe(cfg, data.in_shape, data.num_classes, accuracy, loss, "checkpoints")
     description["checkpoint_versions"] = versions
