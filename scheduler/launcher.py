@@ -35,7 +35,7 @@ from .runlog import mark_failed, read_summary, write_json_atomic
 from .startup_report import startup_line, startup_section
 from .resume import ResumePoint, checkpoints_root, strip_resume
 from .state import STATE_FILE
-from .zygote import ForkServer, forking_enabled
+from .shared_forks import fork_server
 
 ADDR_WAIT_S = 60.0   # longest wait for the scheduler to publish its address
 TARGETS = "prometheus_targets.json"  # --metrics: each daemon serves /metrics on a free port and adds it here
@@ -112,7 +112,8 @@ class LocalCluster:
         self.failed_as: tuple[str, str] | None = None  # (node, error) once a process failed
         self.check: subprocess.Popen | None = None
         # every daemon imports torch: fork them from one warm process instead of importing it in each
-        self.forks = ForkServer() if forking_enabled() else None
+        # (shared by many runs with $HETPS_FORK_SERVER, scheduler/shared_forks.py)
+        self.forks = fork_server()
         self.timeline: dict[str, float] = {"launch": time.time() - process_age_s()}  # wall times (startup_report.py)
 
     # ------------------------------------------------------------ processes

@@ -1,15 +1,46 @@
 """Fixtures shared by the test modules."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from cluster_util import kill_leftovers
+from cluster_util import kill_leftovers, wait_for
 
 # One intra-op thread in the test process: `make test` runs the unit and inproc tiers on two
 # pytest-xdist processes on a 2-core machine, and torch's default (one thread per core) would
 # make them fight over the cores. Daemons set their own (`node.threads`).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def shared_fork_server(tmp_path_factory):
+    """One warm fork server per test process, shared by every `hetps run` of the cluster tests
+    (scheduler/shared_forks.py): torch is imported once, not once per run (~3 s of CPU each)."""
+    folder = tmp_path_factory.mktemp("forks")
+    folder.chmod(0o700)
+    sock, log = folder / "sock", folder / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "hetps.scheduler.shared_forks", str(sock)], stdout=out,
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: sock.exists() or server.poll() is not None, 120, "the shared fork server")
+        assert server.poll() is None, log.read_text()
+        yield str(sock)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.fixture(autouse=True)
+def _fork_from_the_shared_server(request, monkeypatch):
+    """Cluster tests' runs fork their daemons from the shared server, except those marked
+    `own_fork_server` (they keep the per-run fork server a user's `hetps run` starts)."""
+    node = request.node
+    if node.get_closest_marker("cluster") and not node.get_closest_marker("own_fork_server"):
+        monkeypatch.setenv("HETPS_FORK_SERVER", request.getfixturevalue("shared_fork_server"))
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ ALGORITHMS = {
 }
 
 
+@pytest.mark.own_fork_server  # these runs start daemons as a user's `hetps run` does
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_cluster_trains_to_93_percent(algorithm, run_dir):
     config, *extra = ALGORITHMS[algorithm]

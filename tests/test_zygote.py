@@ -1,13 +1,17 @@
-"""Daemons forked from the warm fork server (scheduler/zygote.py) behave like
+"""Daemons forked from the warm fork server (scheduler/zygote.py), or from
+the one shared by many runs (scheduler/shared_forks.py), behave like
 `python -m MODULE ARGS` started by exec: exit status, signals, own session,
 output in the log, environment, and the command line `ps` shows."""
+import json
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from cluster_util import wait_for
+from hetps.scheduler.shared_forks import PreferShared, SharedForkServer, fork_server
 from hetps.scheduler.zygote import ForkServer, forking_enabled
 
 pytestmark = pytest.mark.cluster  # real processes
@@ -48,3 +52,58 @@ def test_hetps_spawn_exec_turns_forking_off(monkeypatch):
     assert not forking_enabled()
     monkeypatch.delenv("HETPS_SPAWN")
     assert forking_enabled()
+
+
+# ------------------------------------------------------------ the shared server (scheduler/shared_forks.py)
+
+def test_the_shared_server_forks_with_the_launchers_environment_path_and_directory(shared_fork_server, tmp_path,
+                                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the daemon starts where the launcher is, as an exec'd one would
+    monkeypatch.setenv("ZYGOTE_MARKER", "from-the-launcher")  # the launcher's whole environment travels
+    log = tmp_path / "d.log"
+    # zygote_target is importable only through this process's sys.path (tests/), which travels too
+    daemon = SharedForkServer(shared_fork_server).start("zygote_target", ["5", "--rank", "1"], log, {})
+    assert daemon.wait(timeout=120) == 5 and daemon.poll() == 5
+    assert "argv 5 --rank 1 marker from-the-launcher sid True" in log.read_text()
+    assert Path(f"/proc/{daemon.pid}").exists() is False  # reaped by the server
+
+
+def test_a_shared_server_daemon_shows_its_command_line_and_dies_by_signal(shared_fork_server, tmp_path):
+    log = tmp_path / "d.log"
+    daemon = SharedForkServer(shared_fork_server).start("zygote_target", ["wait", str(tmp_path)], log, {})
+    try:
+        wait_for(lambda: log.exists() and "ready" in log.read_text(), 120, "the forked daemon to start")
+        cmdline = Path(f"/proc/{daemon.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert f"-m zygote_target wait {tmp_path}" in cmdline
+        with pytest.raises(subprocess.TimeoutExpired):
+            daemon.wait(timeout=0.2)
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        daemon.kill()
+
+
+def test_the_shared_server_refuses_another_interpreter_and_the_launcher_forks_its_own(shared_fork_server,
+                                                                                       tmp_path):
+    request = {"module": "zygote_target", "argv": ["3"], "log_path": str(tmp_path / "x.log"), "title": "x",
+               "env": {}, "cwd": str(tmp_path), "sys_path": [], "executable": "/elsewhere/python3"}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(30)
+        conn.connect(shared_fork_server)
+        conn.sendall(json.dumps(request).encode() + b"\n")
+        answer = json.loads(conn.makefile().readline())
+    assert "pid" not in answer and "/elsewhere/python3" in answer["error"], answer
+    assert not (tmp_path / "x.log").exists()
+    # a launcher whose shared server is gone forks from a fork server of its own
+    forks = PreferShared(str(tmp_path / "no-such-socket"))
+    log = tmp_path / "d.log"
+    daemon = forks.start("zygote_target", ["4"], log, {"ZYGOTE_MARKER": "own"})
+    assert daemon.wait(timeout=120) == 4 and forks.own is not None
+    assert "marker own" in log.read_text()
+
+
+def test_hetps_fork_server_names_the_shared_server(monkeypatch):
+    monkeypatch.setenv("HETPS_FORK_SERVER", "/run/hetps/forks.sock")
+    assert isinstance(fork_server(), PreferShared)
+    monkeypatch.setenv("HETPS_SPAWN", "exec")  # exec wins over both
+    assert fork_server() is None
