@@ -45,7 +45,8 @@ def make_cgroup(name: str) -> tuple[Path, callable]:
 def one_run(mode: str, config: str, overrides: list[str], index: int) -> dict:
     cgroup, usage = make_cgroup(f"hetps-bench-spawn-{os.getpid()}-{index}-{mode}")
     out = Path(tempfile.mkdtemp(prefix=f"spawn-{mode}-"))
-    env = {**os.environ, "HETPS_SPAWN": mode}
+    # each run's own fork server, never a shared one (HETPS_FORK_SERVER): its CPU is what is measured
+    env = {**{k: v for k, v in os.environ.items() if k != "HETPS_FORK_SERVER"}, "HETPS_SPAWN": mode}
     cmd = [sys.executable, "-m", "hetps.scheduler.cli", "run", config, "--quiet", "--out", str(out), *overrides]
     start = time.monotonic()
     # the child joins the cgroup before it execs, so everything it starts is counted

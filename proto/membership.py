@@ -237,9 +237,11 @@ class Membership:
         """Blocking; raises Aborted once the scheduler is lost."""
         self.rpc.call(Report(node_id=self.node_id, kind=kind, values=values))
 
-    def bye(self, stats: dict, timeout_s: float = 5.0) -> None:
+    def bye(self, stats: dict, timeout_s: float = 5.0, error: str = "", refused: int = 0) -> None:
         """Stop heartbeats, flush records in a last heartbeat, say goodbye
-        (best effort; nothing is sent to a lost scheduler)."""
+        (best effort; nothing is sent to a lost scheduler). `error`: why this
+        node leaves before the run stopped; `refused`: the status of the ERROR
+        reply behind it."""
         self._closing.set()
         if self.scheduler_lost:
             return
@@ -250,7 +252,8 @@ class Membership:
                           timeout_s=timeout_s)
             if self._beat_thread is not None:
                 self._beat_thread.join(timeout=self.cluster.heartbeat_s * 5 + 1)
-            self.rpc.call(Bye(node_id=self.node_id, stats=stats), timeout_s=timeout_s)
+            self.rpc.call(Bye(node_id=self.node_id, stats=stats, error=error, refused=int(refused)),
+                          timeout_s=timeout_s)
         except Exception as exc:
             log.warning("goodbye to scheduler failed: %s", exc)
 

@@ -218,6 +218,8 @@ class Bye(Message):
     OP: ClassVar[Op] = Op.BYE
     node_id: int
     stats: dict = field(default_factory=dict)    # read into records.NodeStats
+    error: str = ""       # why the node leaves before the run stopped ("" = it was told to stop)
+    refused: int = 0      # the Status a peer's ERROR carried, when that error made it leave (0: none)
 
 
 @dataclass(frozen=True)

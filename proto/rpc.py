@@ -8,6 +8,7 @@ peer and the op. Every wait has a deadline.
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import secrets
 import time
@@ -77,6 +78,7 @@ class RpcClient:
     """
 
     # request ids start at a random point, so a restarted process does not reuse its old ids
+    # (re-drawn in every forked child: daemons forked from one warm server must not share it)
     _ids = itertools.count(secrets.randbelow(1 << 40) + 1)
 
     def __init__(self, address: str, src: int = 0, timeout_s: float = 60.0,
@@ -232,6 +234,13 @@ class RpcClient:
 
     def close(self) -> None:
         self.transport.close()
+
+
+def _fresh_request_ids() -> None:
+    RpcClient._ids = itertools.count(secrets.randbelow(1 << 40) + 1)
+
+
+os.register_at_fork(after_in_child=_fresh_request_ids)
 
 
 def wait_all(requests: Sequence[tuple[RpcClient, int]], timeout_s: float | None = None) -> list[Message]:

@@ -192,13 +192,27 @@ class Coordinator(Registration, Service):
         return Ack(stop=True)
 
     def on_bye(self, peer: bytes, env: Envelope):
-        node = self.node(env.msg.node_id)
+        node, error = self.node(env.msg.node_id), env.msg.error
         node.stats = env.msg.stats or node.stats
         node.left = True
-        log.info("%s %d (node %d) left", node.role, node.rank, node.node_id)
+        failure = None
+        if error:  # it leaves on an error, before the run stopped: re-planned now, not after dead_after_s
+            log.warning("%s %d (node %d) left on an error: %s", node.role, node.rank, node.node_id, error)
+            failure = {"kind": f"{'shard' if node.role == 'ps' else node.role}_error",
+                       "node": f"{node.role}{node.rank}", "node_id": node.node_id,
+                       "t": round(self.elapsed(), 3), "error": error, "refused": env.msg.refused}
+            self.failures.append(failure)
+        else:
+            log.info("%s %d (node %d) left", node.role, node.rank, node.node_id)
         state.save(self)
         if node.role == "worker" and self.stop_reason is None and self.plan is not None:
-            self._replan(f"worker {node.rank} left")
+            if failure and not self.live_workers():  # the last worker failed: so did the run
+                if env.msg.refused == Status.NONFINITE:
+                    self.guard.nonfinite_pushes(f"worker{node.rank}")  # diverged: its gradients were NaN/Inf
+                    self.begin_stop(DIVERGED)
+                    return Ack(stop=True)
+                self.failed = self.failed or failure
+            self._replan(f"worker {node.rank} left" + (" on an error" if error else ""))
         return Ack(stop=True)
 
     # ------------------------------------------------------------ planning

@@ -58,6 +58,14 @@ class DivergenceGuard:
                             f"{self.at_chance} evaluations in a row (stop.diverged_after); {self.hint()}")
         return self.verdict
 
+    def nonfinite_pushes(self, source: str) -> str | None:
+        """Every live worker left because the shards refused its NaN/Inf
+        pushes (the last was `source`); returns the verdict."""
+        if self.verdict is None:
+            self.verdict = (f"NaN/Inf gradients: the shards refused the pushes of every worker (the last to "
+                            f"leave: {source}); {self.hint()}")
+        return self.verdict
+
     def hint(self) -> str:
         return (f"the learning rate is likely too large: lower optimizer.lr (now {self.lr:g}), "
                 "e.g. 10x, or the momentum")

@@ -8,16 +8,19 @@ once and forks daemons for any run that asks:
     python -m hetps.scheduler.shared_forks SOCKET &     # in a private directory
     HETPS_FORK_SERVER=SOCKET hetps run ...              # each run forks from it
 
-A request carries what an exec would have given the daemon: the launcher's
-whole environment, working directory and `sys.path` (so PYTHONPATH and
-user packages resolve the same), its log file and command line. The server
+A request carries what the launcher would give an exec'd daemon: its whole
+environment, working directory and `sys.path` (so PYTHONPATH and user
+packages resolve the same), its log file and command line. The server
 answers with the daemon's pid, reaps the daemon when it exits and sends its
 exit status on the same connection (as `subprocess.Popen` reports it:
-negative signal number when killed). It serves only clients of its own user
-in its own network namespace and on its own interpreter; anything else is
-refused and that launcher falls back to its own fork server (so a run inside
-`ip netns exec` still gets daemons inside the namespace). It exits when the
-process that started it does.
+negative signal number when killed). Modules the server imported (torch,
+hetps) are the server's: restart it after upgrading either. It serves only
+launchers of its own user, namespaces (network, mount, pid), interpreter,
+cgroup and CPU set, since a daemon inherits those from the server; anything
+else is refused and that launcher falls back to its own fork server (so a
+run inside `ip netns exec` or under `taskset` still gets its daemons there).
+When the process that started it exits, it stops taking requests and exits
+once its daemons have.
 """
 from __future__ import annotations
 
@@ -25,57 +28,94 @@ import contextlib
 import json
 import logging
 import os
-import selectors
 import socket
-import struct
 import subprocess
 import sys
-import traceback
+import time
 from pathlib import Path
 
-from .zygote import PRELOAD, ForkServer, forking_enabled, run_daemon
+from .zygote import ForkServer, forking_enabled
 
 log = logging.getLogger(__name__)
 ENV_VAR = "HETPS_FORK_SERVER"
 REAP_EVERY_S = 0.05
+ANSWER_WAIT_S = 60.0   # a launcher's wait for the pid (the server answers at once unless overloaded)
 
 
 class SharedForkRefused(RuntimeError):
-    """The shared server did not fork the daemon (unreachable, or another user, namespace or interpreter)."""
+    """The shared server did not fork the daemon (unreachable, or refused this launcher)."""
 
 
-def netns() -> int:
-    """This process's network namespace (its inode)."""
-    return os.stat("/proc/self/ns/net").st_ino
+class SharedForkLost(RuntimeError):
+    """The shared server took a request and did not answer it: the daemon may be running."""
+
+
+def namespaces(pid: int | str = "self") -> tuple:
+    """The network, mount and pid namespaces of a process (device and inode each)."""
+    out = []
+    for kind in ("net", "mnt", "pid"):
+        st = os.stat(f"/proc/{pid}/ns/{kind}")
+        out.append((st.st_dev, st.st_ino))
+    return tuple(out)
+
+
+def confinement(pid: int | str = "self") -> tuple:
+    """What a forked daemon would inherit from its server rather than its launcher: cgroup and CPUs."""
+    return (Path(f"/proc/{pid}/cgroup").read_text(), sorted(os.sched_getaffinity(0 if pid == "self" else int(pid))))
+
+
+def read_line(buffer: bytes) -> tuple[dict | None, bytes]:
+    """(the first JSON line in `buffer`, the rest), or (None, buffer) while it is incomplete."""
+    if b"\n" not in buffer:
+        return None, buffer
+    line, rest = buffer.split(b"\n", 1)
+    value = json.loads(line)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value, rest
 
 
 class RemoteDaemon:
     """A daemon forked by the shared server, with the parts of
-    `subprocess.Popen` the launcher uses (pid, poll, wait, signals)."""
+    `subprocess.Popen` the launcher uses (pid, poll, wait, signals). Safe to
+    call again from a signal handler while a `wait` is blocked."""
 
-    def __init__(self, conn: socket.socket, pid: int, args: list[str]):
+    def __init__(self, conn: socket.socket, pid: int, args: list[str], buffer: bytes = b""):
         self.conn = conn
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
-        self._buffer = b""
+        self._buffer = buffer   # what came after the pid line (the exit status, for a daemon that exits at once)
+        self._server_gone = False
 
     def _read_status(self, timeout: float | None) -> None:
         """Take the exit status if it arrives within `timeout` (None: wait)."""
-        if self.returncode is not None:
-            return
-        self.conn.settimeout(timeout)
-        try:
-            while b"\n" not in self._buffer:
-                chunk = self.conn.recv(4096)
-                if not chunk:  # the server went away without a status: the daemon's fate is unknown
-                    self.returncode = -9
-                    self.conn.close()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            if self._server_gone:  # no status will come: watch the process itself
+                if not _alive(self.pid):
+                    self.returncode = 1  # its status went with the server; it is gone
+                elif deadline is not None and time.monotonic() >= deadline:
                     return
-                self._buffer += chunk
-        except (TimeoutError, BlockingIOError):
-            return
-        self.returncode = int(json.loads(self._buffer.split(b"\n", 1)[0])["exit"])
+                else:
+                    time.sleep(0.05)
+                continue
+            try:
+                status, self._buffer = read_line(self._buffer)
+                if status is not None:
+                    self.returncode = int(status["exit"])
+                    break
+                self.conn.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                chunk = self.conn.recv(4096)
+            except (TimeoutError, BlockingIOError):
+                return
+            except OSError:  # closed by a nested call from a signal handler, which took the status
+                if self.returncode is not None:
+                    break
+                chunk = b""
+            if not chunk:
+                self._server_gone = True
+            self._buffer += chunk
         self.conn.close()
 
     def poll(self) -> int | None:
@@ -84,7 +124,7 @@ class RemoteDaemon:
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until it exits (raises subprocess.TimeoutExpired after `timeout` s)."""
-        self._read_status(timeout)
+        self._read_status(None if timeout is None else max(0.0, timeout))
         if self.returncode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
@@ -103,6 +143,18 @@ class RemoteDaemon:
         self.send_signal(9)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):  # a zombie nobody reaps yet is gone for us
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
 class SharedForkServer:
     """The client side: `start` asks the server at `path` for one daemon."""
 
@@ -110,30 +162,37 @@ class SharedForkServer:
         self.path = str(path)
 
     def start(self, module: str, argv: list[str], log_path: Path, env: dict[str, str]) -> RemoteDaemon:
-        """Fork `python -m module *argv` there; raises SharedForkRefused."""
+        """Fork `python -m module *argv` there. Raises SharedForkRefused when it
+        could not ask or was refused (nothing started), SharedForkLost when it
+        asked and got no answer."""
         args = [sys.executable, "-m", module, *argv]
         request = {"module": module, "argv": argv, "log_path": str(log_path), "title": " ".join(args),
                    "env": {**os.environ, **env}, "cwd": os.getcwd(), "sys_path": sys.path,
-                   "executable": sys.executable}
+                   "executable": sys.executable, "pid": os.getpid()}
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(10.0)
             conn.connect(self.path)
-            conn.sendall(json.dumps(request).encode() + b"\n")
-            reply = b""
-            while b"\n" not in reply:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    raise SharedForkRefused(f"the shared fork server at {self.path} closed the connection")
-                reply += chunk
         except OSError as exc:
             conn.close()
             raise SharedForkRefused(f"the shared fork server at {self.path}: {exc}") from None
-        answer = json.loads(reply.split(b"\n", 1)[0])
-        if "pid" not in answer:
+        try:
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            conn.settimeout(ANSWER_WAIT_S)
+            answer, buffer = None, b""
+            while answer is None:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                answer, buffer = read_line(buffer + chunk)
+        except (OSError, ValueError) as exc:
             conn.close()
-            raise SharedForkRefused(f"the shared fork server at {self.path} refused: {answer.get('error')}")
-        return RemoteDaemon(conn, int(answer["pid"]), args)
+            raise SharedForkLost(f"the shared fork server at {self.path} did not answer: {exc}") from None
+        if answer is None or "pid" not in answer:
+            conn.close()
+            why = answer.get("error") if answer else "it closed the connection"
+            raise SharedForkRefused(f"the shared fork server at {self.path} refused: {why}")
+        return RemoteDaemon(conn, int(answer["pid"]), args, buffer)
 
 
 class PreferShared:
@@ -163,136 +222,14 @@ def fork_server() -> ForkServer | PreferShared | None:
     return PreferShared(path) if path else ForkServer()
 
 
-# ------------------------------------------------------------ the server
-
-def peer_problem(conn: socket.socket, request: dict) -> str | None:
-    """Why this server must not fork for the peer (None: it may)."""
-    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    if uid != os.getuid():
-        return f"peer uid {uid} is not this server's ({os.getuid()})"
-    try:
-        peer_ns = os.stat(f"/proc/{pid}/ns/net").st_ino
-    except OSError as exc:
-        return f"cannot read the peer's network namespace: {exc}"
-    if peer_ns != netns():
-        return "the peer is in another network namespace"
-    if request.get("executable") != sys.executable:
-        return f"the peer runs {request.get('executable')}, this server {sys.executable}"
-    return None
-
-
-def exit_status(status: int) -> int:
-    """A waitpid status as Popen reports it."""
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
-def become_daemon(request: dict, inherited: list) -> None:
-    """In the forked child: the launcher's environment, directory and path, then
-    `python -m module` (zygote.run_daemon). Never returns."""
-    code = 1
-    try:
-        for s in inherited:
-            s.close()
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.close(devnull)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        sys.path[:] = request["sys_path"]
-        run_daemon(request["module"], request["argv"], request["log_path"], {}, request["title"])
-        code = 0
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - whatever the daemon raised ends it, printed like Python would
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
-
-
-def read_request(conn: socket.socket) -> dict:
-    data = b""
-    conn.settimeout(10.0)
-    while b"\n" not in data:
-        chunk = conn.recv(1 << 16)
-        if not chunk:
-            raise ConnectionError("closed before a request")
-        data += chunk
-    return json.loads(data.split(b"\n", 1)[0])
-
-
-def serve(path: str) -> None:
-    """Import the daemons' modules, then fork a daemon per request until the parent exits."""
-    import importlib
-
-    os.environ["OMP_NUM_THREADS"] = "1"  # no BLAS/OpenMP pool in the server (fork safety, as zygote.py)
-    for name in PRELOAD:
-        importlib.import_module(name)
-    with contextlib.suppress(ImportError):  # claims the argv/environ memory now, before a daemon
-        import setproctitle                 # clears os.environ (then it could not set the title)
-        setproctitle.getproctitle()
-    parent = os.getppid()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    Path(path).unlink(missing_ok=True)
-    listener.bind(path)
-    listener.listen(64)
-    print(f"hetps shared fork server at {path}", flush=True)
-    waiting: dict[int, socket.socket] = {}  # daemon pid -> its launcher's connection
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    while os.getppid() == parent:
-        for _ in selector.select(REAP_EVERY_S):
-            conn, _ = listener.accept()
-            try:
-                request = read_request(conn)
-                problem = peer_problem(conn, request)
-            except (OSError, ValueError, KeyError) as exc:
-                problem = f"bad request: {exc}"
-            if problem:
-                with contextlib.suppress(OSError):
-                    conn.sendall(json.dumps({"error": problem}).encode() + b"\n")
-                conn.close()
-                continue
-            pid = os.fork()
-            if pid == 0:
-                become_daemon(request, [selector, listener, conn, *waiting.values()])
-            waiting[pid] = conn
-            with contextlib.suppress(OSError):
-                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        reap(waiting)
-    listener.close()
-    Path(path).unlink(missing_ok=True)
-
-
-def reap(waiting: dict[int, socket.socket]) -> None:
-    """Collect every exited daemon and tell its launcher the status."""
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        conn = waiting.pop(pid, None)
-        if conn is not None:
-            with contextlib.suppress(OSError):
-                conn.sendall(json.dumps({"exit": exit_status(status)}).encode() + b"\n")
-            conn.close()
-
-
 def main(argv: list[str] | None = None) -> int:
+    """`python -m hetps.scheduler.shared_forks SOCKET`: serve (shared_fork_server.py)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m hetps.scheduler.shared_forks SOCKET", file=sys.stderr)
         return 2
+    from .shared_fork_server import serve
+
     serve(args[0])
     return 0
 

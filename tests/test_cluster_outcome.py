@@ -94,11 +94,9 @@ def test_a_model_factory_that_raises_ends_the_run_quoting_it(run_dir, tmp_path):
 def test_a_diverging_run_stops_with_exit_3_and_names_the_learning_rate(run_dir):
     every_s, after, warmup_s = 0.5, 3, 3.0
     stop_by_s = warmup_s + 3 * after * every_s + 5   # the latest stop allowed below
-    # dead_after_s: workers whose NaN pushes the shards refuse exit, and must not end the run first
-    # ("no live workers left"); once the guard stopped it (by stop_by_s), their being declared dead
-    # lets the shards and the scheduler go without waiting out the stop grace periods (40 s)
+    # workers whose NaN pushes the shards refuse leave at once, saying why (BYE with the error): the
+    # run stops as diverged whichever comes first, the evaluator's NaN loss or the last worker leaving
     result = run_hetps(["run", "configs/async.yaml", *SMALL, "optimizer.lr=10000", "stop.max_seconds=120",
-                        f"cluster.dead_after_s={stop_by_s + 1}",
                         f"eval.every_s={every_s}", f"stop.diverged_after={after}",
                         f"stop.diverge_warmup_s={warmup_s}", "--out", str(run_dir), "--quiet"], timeout_s=240)
     assert result.returncode == 3, result.stderr + log_tails(run_dir)
@@ -110,6 +108,9 @@ def test_a_diverging_run_stops_with_exit_3_and_names_the_learning_rate(run_dir):
     # machine may stretch up to 3x), long before the time limit
     (stop,) = records(run_dir, "stop")
     assert stop["reason"] == "diverged" and stop["t"] <= stop_by_s, stop
+    # nobody waited for a silent worker to be declared dead (cluster.dead_after_s)
+    assert not [f for f in s["failures"] if f["kind"] == "worker_dead"], s["failures"]
+    assert s["wall_s"] <= stop_by_s + 5, s
 
 
 def tensorboard_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:

@@ -247,3 +247,54 @@ def test_groups_re_form_only_once_every_worker_measured_its_speed(tmp_path):
         assert coord.plan.groups == [sorted([workers[0], workers[2]]), [workers[1]]]
     finally:
         server.close()
+
+
+def test_a_worker_leaving_on_an_error_is_re_planned_at_once_and_nonfinite_everywhere_is_divergence(tmp_path):
+    """BYE with `error`: recorded in failures and the worker leaves the plan at
+    once (no dead_after_s of silence); when the last live worker leaves on
+    NONFINITE (its pushes refused for NaN/Inf), the run stops as diverged,
+    naming the learning rate."""
+    from hetps.proto.messages import Bye, Status
+
+    now = [100.0]
+    cfg = load_config(None, ["cluster.workers=3", "cluster.shards=1", "cluster.dead_after_s=1000",
+                             "optimizer.lr=7"])
+    server = MemServer("mem://coordinator-error-bye")
+    try:
+        coord = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
+        register(coord, "ps", 0)
+        workers = [register(coord, "worker", r) for r in range(3)]
+        assert coord.plan.plan_id == 1
+
+        def leave(node: int, error: str, refused: int = 0):
+            coord.on_bye(b"n%d" % node, Envelope(Bye(node_id=node, error=error, refused=refused), req_id=5, src=node))
+
+        leave(workers[0], "RuntimeError: CUDA error: an illegal memory access (at model.py:9 in forward)")
+        assert coord.plan.plan_id == 2 and [w.node_id for w in coord.plan.workers] == workers[1:]
+        assert coord.stop_reason is None
+        (failure,) = coord.failures
+        assert failure["kind"] == "worker_error" and failure["node"] == "worker0"
+        assert "illegal memory access" in failure["error"] and failure["refused"] == 0
+        nan = "ipc://ps0 refused PUSH: NONFINITE: tensor 'fc.weight' holds NaN or Inf"
+        leave(workers[1], nan, Status.NONFINITE)  # one worker's NaN: the others go on
+        assert coord.plan.plan_id == 3 and coord.stop_reason is None
+        leave(workers[2], nan, Status.NONFINITE)  # the last one's too: the run diverged
+        assert coord.stop_reason == "diverged" and coord.plan.plan_id == 3
+        assert "worker2" in coord.guard.verdict and "optimizer.lr (now 7)" in coord.guard.verdict
+        assert [f["refused"] for f in coord.failures] == [0, Status.NONFINITE, Status.NONFINITE]
+        assert coord.summary()["status"] == "diverged" and coord.summary()["detail"] == coord.guard.verdict
+    finally:
+        server.close()
+    # the last worker leaving on any other error: the run failed, naming it and its error
+    server = MemServer("mem://coordinator-error-bye-2")
+    try:
+        coord = Coordinator(server, load_config(None, ["cluster.workers=1", "cluster.shards=1"]), run_dir=tmp_path)
+        register(coord, "ps", 0)
+        worker = register(coord, "worker", 0)
+        timeout = "no reply from ipc://ps0 to PUSH within 30.0s"
+        coord.on_bye(b"w", Envelope(Bye(node_id=worker, error=timeout), req_id=5, src=worker))
+        s = coord.summary()
+        assert s["status"] == "failed" and s["failed_node"] == "worker0" and s["detail"] == timeout, s
+        assert coord.stop_reason.startswith("no live workers left"), coord.stop_reason
+    finally:
+        server.close()

@@ -3,15 +3,17 @@ the one shared by many runs (scheduler/shared_forks.py), behave like
 `python -m MODULE ARGS` started by exec: exit status, signals, own session,
 output in the log, environment, and the command line `ps` shows."""
 import json
+import os
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from cluster_util import wait_for
-from hetps.scheduler.shared_forks import PreferShared, SharedForkServer, fork_server
+from hetps.scheduler.shared_forks import PreferShared, RemoteDaemon, SharedForkServer, fork_server
 from hetps.scheduler.zygote import ForkServer, forking_enabled
 
 pytestmark = pytest.mark.cluster  # real processes
@@ -86,13 +88,21 @@ def test_a_shared_server_daemon_shows_its_command_line_and_dies_by_signal(shared
 def test_the_shared_server_refuses_another_interpreter_and_the_launcher_forks_its_own(shared_fork_server,
                                                                                        tmp_path):
     request = {"module": "zygote_target", "argv": ["3"], "log_path": str(tmp_path / "x.log"), "title": "x",
-               "env": {}, "cwd": str(tmp_path), "sys_path": [], "executable": "/elsewhere/python3"}
+               "env": {}, "cwd": str(tmp_path), "sys_path": [], "executable": "/elsewhere/python3",
+               "pid": os.getpid()}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(30)
         conn.connect(shared_fork_server)
         conn.sendall(json.dumps(request).encode() + b"\n")
         answer = json.loads(conn.makefile().readline())
     assert "pid" not in answer and "/elsewhere/python3" in answer["error"], answer
+    # a launcher whose own pid is not the one the kernel sees is in another pid namespace
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(30)
+        conn.connect(shared_fork_server)
+        conn.sendall(json.dumps({**request, "executable": sys.executable, "pid": 1}).encode() + b"\n")
+        answer = json.loads(conn.makefile().readline())
+    assert answer == {"error": "the peer is in another pid namespace"}, answer
     assert not (tmp_path / "x.log").exists()
     # a launcher whose shared server is gone forks from a fork server of its own
     forks = PreferShared(str(tmp_path / "no-such-socket"))
@@ -107,3 +117,41 @@ def test_hetps_fork_server_names_the_shared_server(monkeypatch):
     assert isinstance(fork_server(), PreferShared)
     monkeypatch.setenv("HETPS_SPAWN", "exec")  # exec wins over both
     assert fork_server() is None
+
+
+def test_a_remote_daemons_status_is_read_from_what_came_with_its_pid_and_survives_a_lost_server():
+    # the exit status arrived in the same read as the pid, then the server closed the connection
+    ours, server_end = socket.socketpair()
+    server_end.close()
+    assert RemoteDaemon(ours, 12345, ["x"], b'{"exit": 5}\n').wait(timeout=5) == 5
+    # the server went away without a status: the daemon is watched itself, not declared dead
+    sleeper = subprocess.Popen(["sleep", "60"])
+    ours, server_end = socket.socketpair()
+    server_end.close()
+    daemon = RemoteDaemon(ours, sleeper.pid, ["sleep"])
+    try:
+        assert daemon.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            daemon.wait(timeout=0.2)
+    finally:
+        sleeper.kill()
+        sleeper.wait(timeout=30)
+    assert daemon.wait(timeout=5) == 1  # gone; its status went with the server
+
+
+def test_forked_processes_draw_their_own_request_ids():
+    """Daemons forked from one warm server must not start their request ids
+    where their siblings (or their own earlier incarnation) did."""
+    from hetps.proto.rpc import RpcClient
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its next id
+        os.write(write, str(next(RpcClient._ids)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = int(os.read(read, 64))
+    os.close(read)
+    ours = next(RpcClient._ids)
+    assert abs(child - ours) > 1000, (child, ours)

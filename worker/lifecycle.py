@@ -19,7 +19,8 @@ from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.daemon import scheduler_lost_exit
 from hetps.proto.devices import pick_device, use_device
 from hetps.proto.emulation import Slowdown, set_link_cap
-from hetps.proto.membership import Membership, SchedulerUnreachable
+from hetps.proto.errors import HetpsError
+from hetps.proto.membership import Membership, SchedulerUnreachable, describe_failure
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.optim import build_optimizer
 from hetps.proto.plan import schema_hash
@@ -46,6 +47,17 @@ def trainer_class(cfg) -> type:
     the gradient-pushing loop only (model averaging has no backward to overlap)."""
     cls = WORKER_LOOPS[algorithm(cfg.algorithm.name).worker_loop]
     return OverlapTrainer if cfg.comm.overlap and cls is Trainer else cls
+
+
+def leave_on_error(member: Membership, runner, exc: Exception) -> None:
+    """Training ended on `exc` before the run stopped: say BYE with the error
+    (best effort), so the scheduler re-plans without this node now instead of
+    after `dead_after_s` of silence."""
+    if member.scheduler_lost or isinstance(exc, SchedulerUnreachable):
+        return
+    error = str(exc) if isinstance(exc, HetpsError) else describe_failure(exc)
+    member.bye(runner.stats(), timeout_s=2.0, error=error,
+               refused=exc.status if isinstance(exc, RemoteError) else 0)
 
 
 def run_node(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: Phases, role: str) -> int:
@@ -95,8 +107,12 @@ def run_node(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: P
                           runner.stats, histograms=getattr(getattr(runner, "timer", None), "histograms", None),
                           algorithm=cfg.algorithm.name, targets=args.metrics_targets)
         log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)
-        with contextlib.suppress(Aborted):  # the run stopped while a request was waiting
-            runner.run()
+        try:
+            with contextlib.suppress(Aborted):  # the run stopped while a request was waiting
+                runner.run()
+        except Exception as exc:
+            leave_on_error(member, runner, exc)
+            raise
         log.info("stopping: %s", member.stop_reason)
         if member.scheduler_lost:
             return scheduler_lost_exit(role, args.rank, member.stop_reason)
