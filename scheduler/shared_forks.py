@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from .zygote import ForkServer, forking_enabled
+from .zygote import ForkServer, SignalsByPid, forking_enabled
 
 log = logging.getLogger(__name__)
 ENV_VAR = "HETPS_FORK_SERVER"
@@ -75,7 +75,7 @@ def read_line(buffer: bytes) -> tuple[dict | None, bytes]:
     return value, rest
 
 
-class RemoteDaemon:
+class RemoteDaemon(SignalsByPid):
     """A daemon forked by the shared server, with the parts of
     `subprocess.Popen` the launcher uses (pid, poll, wait, signals). Safe to
     call again from a signal handler while a `wait` is blocked."""
@@ -128,19 +128,6 @@ class RemoteDaemon:
         if self.returncode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
-
-    def send_signal(self, signum: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, signum)
-            except ProcessLookupError:  # exited between the check and the signal
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(15)
-
-    def kill(self) -> None:
-        self.send_signal(9)
 
 
 def _alive(pid: int) -> bool:

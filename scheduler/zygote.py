@@ -37,7 +37,29 @@ def forking_enabled() -> bool:
     return os.environ.get("HETPS_SPAWN", "fork") != "exec"
 
 
-class ForkedDaemon:
+class SignalsByPid:
+    """`subprocess.Popen`'s signal methods for a process known by `pid` and `poll()`."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:  # exited between the check and the signal
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(15)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+
+class ForkedDaemon(SignalsByPid):
     """A daemon forked from the fork server, with the parts of
     `subprocess.Popen` the launcher uses (pid, poll, wait, signals)."""
 
@@ -61,18 +83,6 @@ class ForkedDaemon:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.process.exitcode
 
-    def send_signal(self, signum: int) -> None:
-        if self.process.exitcode is None:
-            try:
-                os.kill(self.pid, signum)
-            except ProcessLookupError:  # exited between the check and the signal
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(15)
-
-    def kill(self) -> None:
-        self.send_signal(9)
 
 
 class ForkServer:
