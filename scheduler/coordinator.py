@@ -198,9 +198,7 @@ class Coordinator(Registration, Service):
         failure = None
         if error:  # it leaves on an error, before the run stopped: re-planned now, not after dead_after_s
             log.warning("%s %d (node %d) left on an error: %s", node.role, node.rank, node.node_id, error)
-            failure = {"kind": f"{'shard' if node.role == 'ps' else node.role}_error",
-                       "node": f"{node.role}{node.rank}", "node_id": node.node_id,
-                       "t": round(self.elapsed(), 3), "error": error, "refused": env.msg.refused}
+            failure = node.failure("error", round(self.elapsed(), 3), error=error, refused=env.msg.refused)
             self.failures.append(failure)
         else:
             log.info("%s %d (node %d) left", node.role, node.rank, node.node_id)
@@ -274,9 +272,7 @@ class Coordinator(Registration, Service):
             if n.gone or silent <= self.cfg.cluster.dead_after_s:
                 continue
             n.dead = True
-            self.failures.append({"kind": f"{'shard' if n.role == 'ps' else n.role}_dead",
-                                  "node": f"{n.role}{n.rank}", "node_id": n.node_id,
-                                  "t": round(self.elapsed(), 3), "silent_s": round(silent, 3)})
+            self.failures.append(n.failure("dead", round(self.elapsed(), 3), silent_s=round(silent, 3)))
             log.warning("%s %d (node %d) silent for %.1fs: declared dead", n.role, n.rank, n.node_id, silent)
             if n.role == "worker" and self.plan is not None and self.stop_reason is None:
                 self._replan(f"worker {n.rank} dead")

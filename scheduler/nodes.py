@@ -30,6 +30,11 @@ class Node:
     def gone(self) -> bool:
         return self.left or self.dead
 
+    def failure(self, what: str, t: float, **more) -> dict:
+        """A `failures` entry for this node, e.g. kind `worker_dead`, `shard_error`."""
+        kind = "shard" if self.role == "ps" else self.role
+        return {"kind": f"{kind}_{what}", "node": f"{self.role}{self.rank}", "node_id": self.node_id, "t": t, **more}
+
     @property
     def speed(self) -> float:
         """Latest measured speed: from heartbeats once training, else the profile."""

@@ -18,11 +18,12 @@ import time
 import traceback
 from pathlib import Path
 
-from .shared_forks import REAP_EVERY_S, confinement, namespaces, read_line
+from .shared_forks import confinement, namespaces, read_line
 from .zygote import PRELOAD, run_daemon
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 16 << 20
+REAP_EVERY_S = 0.05   # how often exited daemons are collected and their statuses sent
 
 
 def peer_problem(conn: socket.socket, request: dict) -> str | None:

@@ -38,7 +38,6 @@ from .zygote import ForkServer, SignalsByPid, forking_enabled
 
 log = logging.getLogger(__name__)
 ENV_VAR = "HETPS_FORK_SERVER"
-REAP_EVERY_S = 0.05
 ANSWER_WAIT_S = 60.0   # a launcher's wait for the pid (the server answers at once unless overloaded)
 
 

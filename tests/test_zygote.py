@@ -32,7 +32,10 @@ def test_a_forked_daemon_runs_the_module_with_its_arguments_and_exit_status(fork
     assert "argv 7 --rank 3 marker m1 sid True" in log.read_text()
 
 
-def test_a_forked_daemon_shows_its_command_line_and_dies_by_signal(forks, tmp_path: Path):
+@pytest.mark.parametrize("server", ["per-run", "shared"])
+def test_a_forked_daemon_shows_its_command_line_and_dies_by_signal(server, request, tmp_path: Path):
+    forks = (request.getfixturevalue("forks") if server == "per-run"
+             else SharedForkServer(request.getfixturevalue("shared_fork_server")))
     log = tmp_path / "d.log"
     daemon = forks.start("zygote_target", ["wait", str(tmp_path)], log, {})
     try:
@@ -68,21 +71,6 @@ def test_the_shared_server_forks_with_the_launchers_environment_path_and_directo
     assert daemon.wait(timeout=120) == 5 and daemon.poll() == 5
     assert "argv 5 --rank 1 marker from-the-launcher sid True" in log.read_text()
     assert Path(f"/proc/{daemon.pid}").exists() is False  # reaped by the server
-
-
-def test_a_shared_server_daemon_shows_its_command_line_and_dies_by_signal(shared_fork_server, tmp_path):
-    log = tmp_path / "d.log"
-    daemon = SharedForkServer(shared_fork_server).start("zygote_target", ["wait", str(tmp_path)], log, {})
-    try:
-        wait_for(lambda: log.exists() and "ready" in log.read_text(), 120, "the forked daemon to start")
-        cmdline = Path(f"/proc/{daemon.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        assert f"-m zygote_target wait {tmp_path}" in cmdline
-        with pytest.raises(subprocess.TimeoutExpired):
-            daemon.wait(timeout=0.2)
-        daemon.send_signal(signal.SIGTERM)
-        assert daemon.wait(timeout=30) == -signal.SIGTERM
-    finally:
-        daemon.kill()
 
 
 def test_the_shared_server_refuses_another_interpreter_and_the_launcher_forks_its_own(shared_fork_server,
