@@ -244,11 +244,14 @@ def harnesses():
     yield from closing_factory(ShardHarness)
 
 
-def test_a_shard_hands_the_decoded_push_and_its_runs_to_the_optimizer(monkeypatch, harnesses):
-    """Through a real shard (mem:// transport, async policy): a push of exactly
-    the parameters reaches the updater as the decoded dict itself, whose flat
-    runs the decoder found, so the gradient run is the frame (no gather copy,
-    no search for runs); the values are torch.optim's over the separate tensors."""
+@pytest.mark.parametrize("algorithm, workers", [("async", [11]), ("sync", [11]), ("sync", [11, 12, 13])])
+def test_a_shard_hands_the_decoded_push_and_its_runs_to_the_optimizer(monkeypatch, harnesses, algorithm, workers):
+    """Through a real shard (mem:// transport): a push of exactly the
+    parameters reaches the updater as a dict whose flat runs are known (the
+    decoded push itself under async and in a one-member sync round; a sync
+    round's sum, added run by run, otherwise), so the optimizer steps on the
+    runs (no gather copy, no search for runs); the values are torch.optim's
+    over the separate tensors, stepping on each round's mean."""
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
     seen = []
@@ -259,16 +262,22 @@ def test_a_shard_hands_the_decoded_push_and_its_runs_to_the_optimizer(monkeypatc
         return real_apply(self, grads, lr_scale)
 
     monkeypatch.setattr(Updater, "apply", recording)
-    harness = harnesses(model_specs(model), ["optimizer.momentum=0.9", "optimizer.nesterov=true"], [11], 1, "async")
+    harness = harnesses(model_specs(model), ["optimizer.momentum=0.9", "optimizer.nesterov=true"], workers, 1,
+                        algorithm)
     harness.init(values_of(model))
     reference = {n: t.clone() for n, t in values_of(model).items()}
     ref_opt = build_optimizer(list(reference.values()), harness.cfg.optimizer)
     for step in range(3):
-        g = torch.Generator().manual_seed(step)
-        pushed = {n: torch.randn(t.shape, generator=g) for n, t in reference.items()}
-        harness.push(11, step, pushed, base_version=step)
+        pushed = []
+        for w in workers:
+            g = torch.Generator().manual_seed(10 * step + w)
+            pushed.append({n: torch.randn(t.shape, generator=g) for n, t in reference.items()})
+            harness.push(w, step, pushed[-1], base_version=step)
         for n, p in reference.items():
-            p.grad = pushed[n]
+            total = pushed[0][n].clone()
+            for grads in pushed[1:]:
+                total += grads[n]
+            p.grad = total / len(pushed)
         ref_opt.step()
     updater = harness.shards[0].policy.updater
     assert seen == [True, True, True]

@@ -29,6 +29,7 @@ from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
 
 from ..policy_state import from_plain, storable, to_plain
+from ..round_sums import add_to_sum, copy_sum, divide_sum
 from ..store import TensorStore
 from ..updater import Updater
 
@@ -171,20 +172,31 @@ class Round:
     buffer_counts: dict = field(default_factory=dict)  # buffers are optional: count who sent each
     clock: int = -1   # clock of the push that opened it (used while a restored shard realigns)
     weight: float = 0.0  # sum of the members' weights (balanced: samples)
+    borrowed: ClassVar[bool] = False  # set per round by `add(borrow=True)`: `grads` is a peer's memory
 
-    def add(self, worker: int, grads: dict, buffers: dict, weight: float = 1.0) -> None:
-        """Add a member's push; its gradients count `weight` times (1: plain sum)."""
+    def add(self, worker: int, grads: dict, buffers: dict, weight: float = 1.0, borrow: bool = False) -> None:
+        """Add a member's push; its gradients count `weight` times (1: plain sum).
+        `borrow`: the caller closes the round before the push's memory may
+        change (in the same call), so a first push is kept as it is, not
+        copied; `means` copies it only if it must divide."""
         if weight != 1.0:  # exactly the plain sum when every weight is 1
             grads = {n: t * weight if t.is_floating_point() else t for n, t in grads.items()}
         self.weight += weight
-        for target, values in ((self.grads, grads), (self.buffers, buffers)):
-            for n, t in values.items():
-                if n not in target:
-                    target[n] = t.clone()
-                elif t.is_floating_point():
-                    target[n].add_(t)
-                else:  # integer buffers (num_batches_tracked): keep the largest
-                    torch.maximum(target[n], t, out=target[n])
+        if self.borrowed:
+            self.grads, self.borrowed = copy_sum(self.grads), False
+        if self.members:
+            add_to_sum(self.grads, grads)
+        elif borrow:
+            self.grads, self.borrowed = grads, True
+        else:  # the first push: copied run by run when it came as runs (round_sums.py)
+            self.grads = copy_sum(grads)
+        for n, t in buffers.items():
+            if n not in self.buffers:
+                self.buffers[n] = t.clone()
+            elif t.is_floating_point():
+                self.buffers[n].add_(t)
+            else:  # integer buffers (num_batches_tracked): keep the largest
+                torch.maximum(self.buffers[n], t, out=self.buffers[n])
         for n in buffers:
             self.buffer_counts[n] = self.buffer_counts.get(n, 0) + 1
         self.members.add(worker)
@@ -194,6 +206,8 @@ class Round:
         float buffers (over those who sent each); integer buffers stay the max.
         Divides the sums in place: a round is closed once."""
         k = over or len(self.members)
-        return ({n: s.div_(k) for n, s in self.grads.items()},
+        if self.borrowed and k != 1:
+            self.grads, self.borrowed = copy_sum(self.grads), False
+        return (divide_sum(self.grads, k),
                 {n: s.div_(self.buffer_counts[n]) if s.is_floating_point() else s
                  for n, s in self.buffers.items()})

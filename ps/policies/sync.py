@@ -65,14 +65,15 @@ class GroupingPolicy(ConsistencyPolicy):
             # round the others' pushes already left): applied alone, as the flush would have;
             # joining a new round would misalign rounds across shards
             late = Round()
-            late.add(worker, got.tensors, got.buffers, self.weight_of(push))
+            late.add(worker, got.tensors, got.buffers, self.weight_of(push), borrow=True)
             self._apply(g, late)
             return got.staleness
         if realigning and push.clock > open_round.clock:
             self._close(g)  # restored: this worker's push for the open round was lost
-        self.rounds.setdefault(g, Round(clock=push.clock)).add(worker, got.tensors, got.buffers,
-                                                               self.weight_of(push))
-        if self.rounds[g].members >= set(self.groups[g]):
+        rnd = self.rounds.setdefault(g, Round(clock=push.clock))
+        closes = rnd.members | {worker} >= set(self.groups[g])
+        rnd.add(worker, got.tensors, got.buffers, self.weight_of(push), borrow=closes)
+        if closes:
             self._close(g)
             self.restored = False  # a full round again: pushes pair by arrival as before
         return got.staleness
