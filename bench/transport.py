@@ -136,6 +136,29 @@ def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str, keys_dir: 
     remove_socket_dir(server.address)
 
 
+def worker_gradients(specs: list, parts: list[list[str]]) -> dict:
+    """Gradients (1e-6) held as a worker holds them: each shard's part in one
+    buffer in the wire's layout (worker/flat_model.py), as ModelState.outgoing gives them."""
+    from torch import nn
+
+    from hetps.worker.state import ModelState
+
+    model = nn.Module()
+    for s in specs:  # one parameter per spec, registered under its (dotted) name
+        module = model
+        *path, leaf = s.name.split(".")
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(torch.zeros(s.shape)))
+    state = ModelState(model, torch.device("cpu"))
+    state.lay_out_flat(parts)
+    for p in model.parameters():
+        p.grad.fill_(1e-6)
+    return state.outgoing()
+
+
 def time_loop(step, seconds: float) -> tuple[int, float]:
     for _ in range(3):  # warm-up
         step()
@@ -189,7 +212,7 @@ def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True,
     client = PSClient(one_shard_plan(specs, q.get(timeout=60)), 2, ClusterConfig(), fuse_pull=fuse_pull)
     try:
         client.init({s.name: torch.zeros(s.shape) for s in specs})
-        grads = {s.name: torch.full(s.shape, 1e-6) for s in specs}
+        grads = worker_gradients(specs, client.names)
         clock = [0]
 
         def step():

@@ -32,19 +32,45 @@ class PackTemplate:
         self.fields = {"tensors": [[n, dtype_name, list(s)] for n, s in zip(names, shapes)],
                        "packed": list(range(len(names)))}  # sent as is: never changed
         self.pads: list = []  # a zero tensor after each payload that does not end on ALIGN, else None
+        self.offsets: list[int] = []  # bytes from the frame's start
+        self.nbytes = 0
         for shape in shapes:
             nbytes = dtype.itemsize * _numel(shape)
             pad = (aligned(nbytes) - nbytes) // dtype.itemsize  # ALIGN is a multiple of every itemsize
             self.pads.append(torch.zeros(pad, dtype=dtype) if pad else None)
+            self.offsets.append(self.nbytes)
+            self.nbytes += aligned(nbytes)
 
     def frame(self, tensors: list[torch.Tensor]) -> memoryview:
-        """The pack frame of `tensors` (CPU, in template order): a new buffer."""
+        """The pack frame of `tensors` (CPU, in template order): the memory they
+        lie in when they lie in this layout already (a worker's flat gradients,
+        worker/flat_model.py: its padding is zero), else a new buffer."""
+        laid_out = self.laid_out(tensors)
+        if laid_out is not None:
+            return laid_out
         parts = []
         for t, pad in zip(tensors, self.pads):
             parts.append(t.reshape(-1))
             if pad is not None:
                 parts.append(pad)
         return memoryview(torch.cat(parts).detach().view(torch.uint8).numpy())
+
+    def laid_out(self, tensors: list[torch.Tensor]) -> memoryview | None:
+        """The bytes of the one CPU buffer `tensors` lie in, at this layout's
+        offsets (`nbytes` of them, trailing padding included), or None."""
+        first = tensors[0]
+        if first.device.type != "cpu":
+            return None
+        storage = first.untyped_storage()
+        start = first.data_ptr()
+        for t, offset in zip(tensors, self.offsets):  # at their addresses, inside the first one's storage
+            if t.data_ptr() != start + offset or not t.is_contiguous():  # (checked below): its memory
+                return None
+        at = start - storage.data_ptr()
+        if at + self.nbytes > storage.nbytes():
+            return None
+        span = torch.empty(0, dtype=torch.uint8).set_(storage, at, (self.nbytes,), (1,))
+        return memoryview(span.numpy())
 
 
 _templates: dict[tuple, PackTemplate | None] = {}  # None: a tensor list no template fits

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import threading
 import time
-from typing import Callable, ContextManager, Mapping
+from typing import Callable, ContextManager, Iterable, Mapping
 
 import torch
 
@@ -26,6 +26,7 @@ from hetps.proto.emulation import WireFaults
 from hetps.proto.messages import Ack, Init, Params, Pull, Push, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import RpcClient, wait_all
+from hetps.proto.runs import RunTensors
 
 
 class PSClient:
@@ -150,9 +151,8 @@ class PSClient:
         steps = [self.send_step(i, part, clock, n_samples, info) for i, part in enumerate(self._split(tensors))]
         # all ACKs first, then values; while one shard is awaited the others' requests are tended
         acked = [self.await_ack(i, step, self._others(i)) for i, step in enumerate(steps)]
-        values: dict[str, torch.Tensor] = {}
-        for i, (step, (_, _, reply)) in enumerate(zip(steps, acked)):
-            values.update(self.await_values(i, step, reply, self._others(i)).tensors)
+        values = merged(self.await_values(i, step, reply, self._others(i)).tensors
+                        for i, (step, (_, _, reply)) in enumerate(zip(steps, acked)))
         self.last_push_s = max(0.0, max(at for _, at, _ in acked) - started) if acked else 0.0
         return [ack for ack, _, _ in acked], self._join(values)
 
@@ -193,10 +193,8 @@ class PSClient:
         return reply if reply is not None else self._params_reply(i, self.shards[i].wait(step[1], tend=tend))
 
     def _gather_params(self, ids: list[int]) -> dict[str, torch.Tensor]:
-        values: dict[str, torch.Tensor] = {}
-        for i, reply in enumerate(wait_all(list(zip(self.shards, ids)))):
-            values.update(self._params_reply(i, reply).tensors)
-        return self._join(values)
+        return self._join(merged(self._params_reply(i, reply).tensors
+                                 for i, reply in enumerate(wait_all(list(zip(self.shards, ids))))))
 
     def _params_reply(self, i: int, reply, fused: bool = False) -> Params:
         if not isinstance(reply, Params) or (fused and not reply.ack):
@@ -208,6 +206,17 @@ class PSClient:
     def close(self) -> None:
         for c in self.shards:
             c.close()
+
+
+def merged(parts: Iterable[Mapping[str, torch.Tensor]]) -> RunTensors:
+    """The shards' values in one dict that keeps the flat runs their decoders
+    found (runs.py), so a flat model loads each with one copy (flat_model.py)."""
+    values, runs = RunTensors(), []
+    for part in parts:
+        dict.update(values, part)  # RunTensors.update would forget the runs: they are set below
+        runs += getattr(part, "runs", None) or []
+    values.runs = runs or None
+    return values
 
 
 def ack_of(reply: Params) -> tuple[Ack, float]:

@@ -63,6 +63,8 @@ PERIODS: dict[str, Callable[[object], Period]] = {
 
 
 class LocalSgdTrainer(Trainer):
+    FLAT = False  # per-tensor gradients (see Trainer.FLAT)
+
     def __init__(self, cfg: RunConfig, node: NodeConfig, member: Membership, plan: ClusterPlan,
                  state: ModelState, data: Datasets):
         super().__init__(cfg, node, member, plan, state, data)

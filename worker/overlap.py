@@ -315,6 +315,8 @@ class OverlapTrainer(Trainer):
     the next forward has taken its replies. `wait_s`: seconds the forward
     waited for replies."""
 
+    FLAT = False  # per-tensor gradients (see Trainer.FLAT)
+
     def __init__(self, *args, **kwargs):
         self.closing = threading.Event()
         self.overlap: Overlap | None = None

@@ -15,6 +15,8 @@ from torch import nn
 from hetps.proto.codec import dtype_name
 from hetps.proto.plan import TensorSpec
 
+from .flat_model import FlatParams
+
 
 def model_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
     """name -> (tensor, kind) in forward (module registration) order, each
@@ -46,6 +48,22 @@ class ModelState:
         self.device = device
         self.tensors = model_tensors(model)
         self._pinned: dict[str, torch.Tensor] = {}
+        self.flat: FlatParams | None = None
+
+    def lay_out_flat(self, groups: list[list[str]]) -> None:
+        """Keep each group's parameters (a shard's part, in push order) and
+        their gradients in one buffer in the wire's pack layout where the
+        part qualifies (flat_model.py)."""
+        self.flat = FlatParams(self.tensors, groups)
+
+    def zero_grad(self) -> None:
+        """Before a backward: flat gradients zeroed in place, the others set to None."""
+        flat = self.flat.names if self.flat is not None else ()
+        for name, (t, kind) in self.tensors.items():
+            if kind == "param" and name not in flat:
+                t.grad = None
+        if self.flat is not None:
+            self.flat.zero_grad()
 
     def values(self) -> dict[str, torch.Tensor]:
         """Current values (CPU), for INIT."""
@@ -53,8 +71,10 @@ class ModelState:
 
     def load(self, values: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
+            loaded = self.flat.load(values) if self.flat is not None else ()
             for name, value in values.items():
-                self.tensors[name][0].copy_(value, non_blocking=True)
+                if name not in loaded:
+                    self.tensors[name][0].copy_(value, non_blocking=True)
 
     def outgoing(self) -> dict[str, torch.Tensor]:
         """This step's gradients (params) and current values (buffers), on the CPU."""

@@ -89,6 +89,10 @@ def profile_speed(state: ModelState, data: Datasets, batch_size: int, steps: int
 
 
 class Trainer:
+    # keep each shard's parameters and gradients in one buffer in the wire's layout (flat_model.py);
+    # loops that hand gradients out tensor by tensor (comm.overlap) or step a local optimizer do not
+    FLAT = True
+
     def __init__(self, cfg: RunConfig, node: NodeConfig, member: Membership, plan: ClusterPlan,
                  state: ModelState, data: Datasets):
         self.cfg = cfg
@@ -108,6 +112,8 @@ class Trainer:
         self.staleness = 0   # the shards' staleness for our last push
         self.samples = 0     # training examples computed on, all plans together
         self.use_plan(plan)
+        if self.FLAT and compressor is None:  # the placement never changes for a client (PSClient.adopt)
+            state.lay_out_flat(self.client.names)
 
     def use_plan(self, plan: ClusterPlan) -> None:
         """Take this worker's group and data share from `plan`."""
@@ -140,7 +146,7 @@ class Trainer:
         x, y = x.to(self.state.device, non_blocking=True), y.to(self.state.device, non_blocking=True)
         model = self.state.model
         model.train()
-        model.zero_grad(set_to_none=True)
+        self.state.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         return float(loss.detach())
