@@ -64,10 +64,10 @@ def set_nbytes(specs: list) -> int:
     return sum(torch.Size(s.shape).numel() * 4 for s in specs)
 
 
-def one_shard_plan(specs: list, address: str):
+def one_shard_plan(specs: list, address: str, algorithm: str = "async"):
     from hetps.proto.plan import ClusterPlan, NodeEntry
 
-    return ClusterPlan(plan_id=1, algorithm="async", workers=[NodeEntry(2, 0)],
+    return ClusterPlan(plan_id=1, algorithm=algorithm, workers=[NodeEntry(2, 0)],
                        shards=[NodeEntry(1, 0, address)], tensors=specs, placement={s.name: 0 for s in specs})
 
 
