@@ -15,15 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ProtocolError
-from .messages import Status
+from .read_values import MAX_SECONDS, bad as _bad
 
 MAX_WAITERS = 4096      # workers named in one entry: far above any cluster this runs
-MAX_SECONDS = 1e9
-
-
-def _bad(where: str, message: str):
-    raise ProtocolError(Status.MALFORMED, f"{where}: {message}")
 
 
 def _node(where: str, value: Any) -> int:

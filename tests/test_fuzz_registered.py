@@ -34,7 +34,8 @@ from hetps.proto.config import load_config
 from hetps.proto.errors import HetpsError, ProtocolError
 from hetps.proto.messages import PROTOCOL_VERSION, Op, Status
 from hetps.proto.plan import TensorSpec
-from hetps.proto.records import MAX_COUNT, MAX_RATE, FusedAck, NodeStats, PushInfo
+from hetps.proto.read_values import MAX_COUNT, MAX_RATE
+from hetps.proto.records import FusedAck, NodeStats, PushInfo
 from hetps.proto.transport import MemClient, MemServer
 from hetps.scheduler.coordinator import Coordinator
 
