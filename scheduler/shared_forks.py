@@ -92,7 +92,7 @@ class RemoteDaemon(SignalsByPid):
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
             if self._server_gone:  # no status will come: watch the process itself
-                if not _alive(self.pid):
+                if not pid_alive(self.pid):
                     self.returncode = 1  # its status went with the server; it is gone
                 elif deadline is not None and time.monotonic() >= deadline:
                     return
@@ -129,7 +129,8 @@ class RemoteDaemon(SignalsByPid):
         return self.returncode
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie nobody reaped yet is not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

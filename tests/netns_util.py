@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import IO, Iterator
 
+from hetps.scheduler.shared_forks import pid_alive
+
 SUBNET = "10.199.0"      # 10.199.0.0/24: node i (from 0) is SUBNET.(i + 1)
 PREFIX_LEN = 24
 NS_PREFIX = "hetps-"     # every namespace this module makes starts with this
@@ -88,16 +90,6 @@ def skip_reason(need_tc: bool = False) -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_namespace_processes(ns: str) -> list[int]:
     """SIGKILL every process inside namespace `ns` (all of them were started
     there by these tests); returns their pids."""
@@ -117,7 +109,7 @@ def sweep_stale() -> list[str]:
         if not ns.startswith(NS_PREFIX):
             continue
         owner = ns[len(NS_PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and int(owner) != os.getpid() and not _pid_alive(int(owner)):
+        if owner.isdigit() and int(owner) != os.getpid() and not pid_alive(int(owner)):
             _kill_namespace_processes(ns)
             _run(["ip", "netns", "del", ns], check=False)
             swept.append(ns)
