@@ -54,6 +54,14 @@ class Unanswered:
     interval: float
     before: list | None = None  # frames of an earlier request to re-send first (`send(after=)`)
 
+    def own_frames(self) -> None:
+        """Copy the frames before a re-send: a frame may be a view of the sender's
+        live memory (a worker's gradient buffer, worker/flat_model.py), valid
+        until the first reply; a re-sent copy may still be queued after it."""
+        if self.before is not None:
+            self.before = [f if type(f) is bytes else bytes(memoryview(f)) for f in self.before]
+        self.frames = [f if type(f) is bytes else bytes(memoryview(f)) for f in self.frames]
+
 
 class RpcClient:
     """Requests to one server. Not thread-safe: one per thread.
@@ -166,6 +174,7 @@ class RpcClient:
                 kept.interval = min(kept.interval * 2, self.retry_s * 8)
                 kept.resend_at = now + kept.interval
                 self.resent += 1
+                kept.own_frames()
                 if restarted and kept.before is not None:
                     self._transmit(kept.before)
                 self._transmit(kept.frames)

@@ -15,6 +15,7 @@ from typing import Mapping
 
 import torch
 
+from hetps.proto.layout import aligned
 from hetps.proto.runs import RunTensors
 
 
@@ -31,7 +32,7 @@ def copy_sum(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {n: t.clone() for n, t in tensors.items()}
     placed, own_runs = {}, []
     for run, names in runs:
-        copy = run.clone()
+        copy = padded_copy(run)
         start = run.storage_offset()  # the run's tensors are views of its storage, contiguous
         for n in names:
             t = tensors[n]
@@ -40,6 +41,17 @@ def copy_sum(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = RunTensors((n, placed[n] if n in placed else t.clone()) for n, t in tensors.items())
     out.runs = own_runs
     return out
+
+
+def padded_copy(run: torch.Tensor) -> torch.Tensor:
+    """A copy of `run` that goes on to the ALIGN boundary after its last tensor,
+    zero-filled: the length of the shard's flat run of the same tensors (arena.py),
+    so the optimizer can step on the copy itself."""
+    n = run.numel()
+    copy = torch.empty(aligned(n * run.element_size()) // run.element_size(), dtype=run.dtype)
+    copy[:n].copy_(run)
+    copy[n:].zero_()
+    return copy
 
 
 def add_to_sum(total: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
@@ -53,8 +65,9 @@ def add_to_sum(total: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tenso
         by_names = {tuple(names): run for run, names in mine}
         for run, names in theirs:
             target = by_names.get(tuple(names))
-            if target is not None and target.numel() == run.numel() and target.dtype == run.dtype:
-                target.add_(run)
+            if target is not None and target.dtype == run.dtype and \
+                    run.numel() <= target.numel() == aligned(run.numel() * run.element_size()) // run.element_size():
+                target[:run.numel()].add_(run)  # the same tensors at the same offsets; padding stays zero
                 done.update(names)
     for n, t in tensors.items():
         if n in done:

@@ -40,9 +40,9 @@ def test_a_killed_shard_fails_over_to_its_backup_without_a_restart(run_dir, conf
     assert (kill["action"], kill["node"]) == ("kill", killed)
     s = summary(run_dir)
     # 95% was reached after the failover (what the test waited for); the Ctrl-C lands at any point
-    # after that, where an evaluation may still swing by several points (seen under sync with two
-    # workers: 0.952, then a final 0.892): the final model is a trained one, the best one is kept
-    assert s["best_accuracy"] >= 0.95 and s["final_accuracy"] >= 0.6, s
+    # after that, where an evaluation may still swing (seen under sync with two workers: 0.952, then a
+    # final 0.892; async swings 10-20 points): the final model is a trained one, the best one is kept
+    assert s["best_accuracy"] >= 0.95 and s["final_accuracy"] >= (0.85 if "sync" in config else 0.6), s
     assert json.loads((run_dir / "best.json").read_text())["final_accuracy"] == s["best_accuracy"]
     # after the failover the dead shard held nobody up: its stall ended when its backup took over
     assert s["stalls"][killed]["held_s"] <= failover_after_kill_s(s, run_dir) + 1.0, s["stalls"]

@@ -1,7 +1,8 @@
 """A worker's flat parameters and gradients (worker/flat_model.py): each
 shard's part of the model lives in one value buffer and one gradient buffer
-in the wire's pack layout. Backward gives the per-tensor gradients bit for
-bit; a push's frame is the gradient buffer itself and its bytes are those
+in the wire's pack layout. Backward gives the per-tensor gradients (added
+into zeros: a -0.0 comes out +0.0, an equal value; none occurs in these
+steps); a push's frame is the gradient buffer itself and its bytes are those
 the per-tensor encoder makes; a reply loads with one copy per part; parts
 that do not qualify keep the per-tensor path. Pure, in one process."""
 from __future__ import annotations
@@ -58,7 +59,7 @@ def pair():
     return ModelState(plain, torch.device("cpu")), flat_state
 
 
-def test_training_steps_match_the_per_tensor_model_bit_for_bit(pair):
+def test_training_steps_match_the_per_tensor_model(pair):
     """Backward into the flat gradients, the push frames, and the values a
     reply loads: equal to the per-tensor model's at every step."""
     plain, flat = pair

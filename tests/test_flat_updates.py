@@ -253,7 +253,7 @@ def test_a_shard_hands_the_decoded_push_and_its_runs_to_the_optimizer(monkeypatc
     runs (no gather copy, no search for runs); the values are torch.optim's
     over the separate tensors, stepping on each round's mean."""
     torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 3))  # odd last bias: padding
     seen = []
     real_apply = Updater.apply
 

@@ -339,3 +339,27 @@ def test_resume_point_takes_the_newest_common_version(tmp_path):
     (checkpoint.shard_dir(root, "abc", 1) / f"v{25:012d}.pt").write_bytes(b"x")
     point = resume_point(run_dir, 2)
     assert point.versions == {0: 30, 1: 25} and not point.consistent
+
+
+def test_a_resent_request_carries_its_own_copy_of_the_sender_memory(harnesses):
+    """A worker's push frame is its live gradient buffer (worker/flat_model.py);
+    once a request is re-sent, a copy of it may still be queued after the
+    first reply, when the next backward rewrites that buffer: so a re-send
+    carries frames of its own, equal to what was first sent."""
+    h = harnesses(tiny_model(), [], "async", workers=(A,))
+    flat = torch.arange(6, dtype=torch.float32)  # two tensors back to back in the pack layout
+    views = {"w": flat[:4].view(2, 2), "b": flat[4:]}
+    client = RpcClient(h.addresses[0], src=A, timeout_s=5.0, retry_s=0.01)
+    try:
+        req = client.send(Push(plan_id=PLAN_ID, clock=0, base_version=0, tensors=views))
+        frames = client._unanswered[req].frames
+        assert torch.frombuffer(frames[-1], dtype=torch.uint8).data_ptr() == flat.data_ptr()  # the live memory
+        first = [bytes(memoryview(f)) for f in frames]
+        time.sleep(0.05)
+        client.tend()  # nobody answered: re-sent
+        assert client.resent >= 1
+        flat.fill_(7.0)  # the next backward
+        kept = client._unanswered[req].frames
+        assert all(type(f) is bytes for f in kept) and kept == first
+    finally:
+        client.close()

@@ -104,10 +104,15 @@ class PSClient:
         return [{n: flat[n] for n in names if n in flat} for names in self.names]
 
     def _join(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Reassemble chunked tensors from their parts (one copy each)."""
+        """Reassemble chunked tensors from their parts (one copy each); the runs
+        `values` knows (`merged`) that hold no part are kept."""
+        parts = {p for chunk in self.plan.chunks.values() for p in chunk["parts"]}
+        runs = [(run, names) for run, names in getattr(values, "runs", None) or () if parts.isdisjoint(names)]
         for name, chunk in self.plan.chunks.items():
             if chunk["parts"][0] in values:
                 values[name] = torch.cat([values.pop(p) for p in chunk["parts"]]).view(chunk["shape"])
+        if isinstance(values, RunTensors):
+            values.runs = runs or None
         return values
 
     def init(self, values: Mapping[str, torch.Tensor]) -> None:

@@ -12,9 +12,10 @@ one gradient buffer, both in the frame's layout. Then
 - a pull reply's frame, whose tensors the decoder reads as one run
   (runs.py), is loaded with one copy instead of one per tensor;
 
-the bytes on the wire are the same either way. Gradients are zeroed in
-place (one kernel per buffer), never set to None, so backward accumulates
-into the views. A shard's part that does not qualify (buffers, mixed
+the bytes on the wire are the same either way (but for the sign of a zero
+gradient: backward adds into the zeroed buffer, and -0.0 + 0 is +0.0).
+Gradients are zeroed in place (one kernel per buffer), never set to None, so
+backward accumulates into the views. A shard's part that does not qualify (buffers, mixed
 dtypes, chunked tensors, a parameter shared under two names) keeps the
 per-tensor path.
 """
