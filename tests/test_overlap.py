@@ -144,6 +144,13 @@ def train(make, overlap: bool, n_shards: int, chunk_bytes: int = 0, extra: tuple
     cfg, data, harness, plan = setup(make, [f"comm.overlap={str(overlap).lower()}", *extra], n_shards, chunk_bytes)
     trainers = make_trainers(cfg, data, plan, STEPS)
     assert all(type(t) is (OverlapTrainer if overlap else Trainer) for t in trainers)
+    # Trainer keeps a shard's part flat (worker/flat_model.py) when it is parameters of one dtype (LeNet-5's,
+    # not ResNet-20's with BatchNorm buffers), not chunked and not compressed; OverlapTrainer never does
+    flat = [len(t.state.flat.parts) if t.state.flat is not None else 0 for t in trainers]
+    if "model.name=lenet5" in extra and not (overlap or chunk_bytes):
+        assert flat == [n_shards] * len(trainers)
+    if overlap:
+        assert not any(flat)
     with serving(harness):
         assert run_workers(trainers) == [None, None]
         wait_for(lambda: harness.versions() == [STEPS] * n_shards, 10, "every round applied")
@@ -162,6 +169,7 @@ def assert_identical(a: dict, b: dict) -> None:
     (1, 0, ()), (2, 0, ()), (2, 4096, ()),
     (2, 4096, ("comm.compression=topk", "comm.topk_ratio=0.1")),  # the push hook, with per-tensor state
     (2, 4096, ("comm.fuse_pull=false",)),                          # a PUSH and a PULL per shard
+    (2, 0, ("model.name=lenet5", "data.synthetic.shape=[1,28,28]")),  # no buffers: Trainer's parts are flat
 ])
 def test_overlap_on_and_off_give_identical_parameters(harnesses, n_shards, chunk_bytes, extra):
     values_off, losses_off, plan = train(harnesses, False, n_shards, chunk_bytes, extra)
