@@ -106,6 +106,8 @@ class PSClient:
     def _join(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Reassemble chunked tensors from their parts (one copy each); the runs
         `values` knows (`merged`) that hold no part are kept."""
+        if not self.plan.chunks:
+            return values
         parts = {p for chunk in self.plan.chunks.values() for p in chunk["parts"]}
         runs = [(run, names) for run, names in getattr(values, "runs", None) or () if parts.isdisjoint(names)]
         for name, chunk in self.plan.chunks.items():

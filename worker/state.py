@@ -49,19 +49,22 @@ class ModelState:
         self.tensors = model_tensors(model)
         self._pinned: dict[str, torch.Tensor] = {}
         self.flat: FlatParams | None = None
+        self._loose = self._params_not_in(())  # parameters whose gradients are set to None per step
+
+    def _params_not_in(self, names) -> list[torch.Tensor]:
+        return [t for name, (t, kind) in self.tensors.items() if kind == "param" and name not in names]
 
     def lay_out_flat(self, groups: list[list[str]]) -> None:
         """Keep each group's parameters (a shard's part, in push order) and
         their gradients in one buffer in the wire's pack layout where the
         part qualifies (flat_model.py)."""
         self.flat = FlatParams(self.tensors, groups)
+        self._loose = self._params_not_in(self.flat.names)
 
     def zero_grad(self) -> None:
         """Before a backward: flat gradients zeroed in place, the others set to None."""
-        flat = self.flat.names if self.flat is not None else ()
-        for name, (t, kind) in self.tensors.items():
-            if kind == "param" and name not in flat:
-                t.grad = None
+        for t in self._loose:
+            t.grad = None
         if self.flat is not None:
             self.flat.zero_grad()
 
