@@ -137,6 +137,8 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class StopConfig:
     target_accuracy: float | None = 0.95   # stop when the evaluator reaches it; null = never
+    target_patience: int = 1               # stop once this many evaluations in a row reach target_accuracy
+                                           # (time_to_target_s stays the first that did)
     max_seconds: float = 300.0             # wall-clock limit of training
     max_steps: int = 0                     # limit on the sum of all workers' steps; 0 = none
     diverged_after: int = 5                # stop as diverged after this many evaluations in a row at

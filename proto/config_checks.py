@@ -52,6 +52,7 @@ NUMBER_RULES: dict[str, Rule] = {
     "cluster.faults.delay_s": NON_NEGATIVE,
     "stop.target_accuracy": (lambda v: v is None or 0 < v <= 1,
                              "must be in (0, 1] (a fraction: 0.95, not 95) or null"),
+    "stop.target_patience": (lambda v: v >= 1, "must be >= 1 (1: stop at the first evaluation that reaches it)"),
     "stop.max_seconds": POSITIVE,
     "stop.max_steps": (lambda v: v >= 0, "must be >= 0 (0 = no limit)"),
     "stop.diverged_after": (lambda v: v >= 0, "must be >= 0 (0 = no chance-level check)"),

@@ -58,12 +58,20 @@ SECTION_TITLES = {"": "Top level"}
 
 @cache
 def _comments(cls: type) -> dict[str, str]:
-    """Field name -> the comment at the end of its line in `cls`'s source."""
-    out = {}
+    """Field name -> the comment at the end of its line in `cls`'s source,
+    with the comment-only lines right below it that continue it."""
+    out: dict[str, str] = {}
+    name = None
     for line in inspect.getsource(cls).splitlines():
         found = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.+)$", line)
+        more = re.match(r"\s+#\s*(.+)$", line)
         if found:
-            out[found.group(1)] = found.group(2).strip()
+            name = found.group(1)
+            out[name] = found.group(2).strip()
+        elif more and name is not None:
+            out[name] += " " + more.group(1).strip()
+        else:
+            name = None
     return out
 
 

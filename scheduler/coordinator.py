@@ -68,7 +68,7 @@ class Coordinator(Registration, Planning, Service):
         self.started: float | None = None     # when the first plan went out
         self.stop_reason: str | None = None
         self.stop_since = 0.0
-        self.evals = EvalTrack(cfg.stop.target_accuracy)
+        self.evals = EvalTrack(cfg.stop.target_accuracy, cfg.stop.target_patience)
         self.failures: list[dict] = []
         self.timer_errors: dict[str, int] = {}  # timer name -> failures (see `_guarded`)
         self.failed: dict | None = None   # the node failure that ended the run: node, error, host
@@ -230,10 +230,15 @@ class Coordinator(Registration, Planning, Service):
         if (self.guard.loss(loss, "the evaluator (test loss)")
                 or self.guard.evaluation(accuracy, classes if isinstance(classes, int) else None, t)):
             self.begin_stop(DIVERGED)
-        if ev.target is not None and ev.time_to_target_s is None and accuracy >= ev.target:
+        if ev.target is None:
+            return
+        ev.streak = ev.streak + 1 if accuracy >= ev.target else 0
+        if ev.streak and ev.time_to_target_s is None:
             ev.time_to_target_s = round(t, 3)
             ev.samples_to_target = samples
-            self.begin_stop(f"target accuracy {ev.target} reached ({accuracy:.4f})")
+        if ev.streak >= ev.patience:
+            held = f", held for {ev.streak} evaluations" if ev.patience > 1 else ""
+            self.begin_stop(f"target accuracy {ev.target} reached ({accuracy:.4f}{held})")
 
     def _tell_stop(self, node: Node) -> bool:
         if self.stop_reason is None:

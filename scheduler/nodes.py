@@ -55,6 +55,8 @@ def free_rank(nodes: list[Node], role: str, configured: int) -> int | None:
 @dataclass
 class EvalTrack:
     target: float | None
+    patience: int = 1                     # evaluations in a row at or above target that stop the run
+    streak: int = 0                       # evaluations in a row at or above target, up to the latest
     best: float = 0.0
     final: float | None = None
     final_loss: float | None = None

@@ -71,6 +71,12 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+# Runs stopped by a target stop on the second evaluation in a row that reaches it: on
+# mnist-5k the first crossing often lands on the steep, swinging part of the curve
+# (a loaded machine evaluates after fewer steps), and the final evaluation a few
+# dozen updates later can fall points below it
+HELD = "stop.target_patience=2"
+
 # 1,000 test digits: one evaluation's accuracy moves by about ±0.8% (one standard error),
 # and the final evaluation sees a few more steps than the one that reached the target
 FINAL_SLACK = 0.03

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from cluster_util import (HETPS, REPO, Daemons, assert_reached_target, background_run, log_tails,
+from cluster_util import (HELD, HETPS, REPO, Daemons, assert_reached_target, background_run, log_tails,
                           processes_mentioning, run_hetps, summary, wait_for)
 
 pytestmark = pytest.mark.cluster
@@ -27,7 +27,7 @@ ALGORITHMS = {
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_cluster_trains_to_93_percent(algorithm, run_dir):
     config, *extra = ALGORITHMS[algorithm]
-    result = run_hetps(["run", config, *extra, "stop.target_accuracy=0.94", "stop.max_steps=6000",
+    result = run_hetps(["run", config, *extra, "stop.target_accuracy=0.94", HELD, "stop.max_steps=6000",
                         "stop.max_seconds=150", "eval.every_s=1.0", "--out", str(run_dir), "--quiet"],
                        timeout_s=240)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
@@ -105,7 +105,7 @@ def test_daemons_by_hand_across_hosts_style(tmp_path):
     """The multi-host path: each daemon started on its own, the scheduler
     address passed by flag or HETPS_SCHEDULER."""
     run_dir = tmp_path / "byhand"
-    overrides = ["cluster.workers=2", "cluster.shards=1", "stop.target_accuracy=0.9",
+    overrides = ["cluster.workers=2", "cluster.shards=1", "stop.target_accuracy=0.9", HELD,
                  "stop.max_seconds=120", "eval.every_s=1.0"]
     config = str(REPO / "configs" / "sync.yaml")
     daemons = Daemons(tmp_path, overrides)
@@ -121,6 +121,7 @@ def test_daemons_by_hand_across_hosts_style(tmp_path):
     assert codes == [0] * len(codes), daemons.tails()
     s = summary(run_dir)
     assert_reached_target(s, 0.9)
+    assert s["stop_reason"].endswith("held for 2 evaluations)") and s["target_patience"] == 2, s["stop_reason"]
     assert not processes_mentioning(str(tmp_path))
 
 
@@ -132,7 +133,7 @@ def test_daemon_without_scheduler_address_exits_2(tmp_path):
 
 def test_chunked_tensors_train_across_shards(run_dir):
     result = run_hetps(["run", "configs/sync.yaml", "cluster.chunk_bytes=40000", "cluster.workers=2",
-                        "stop.target_accuracy=0.94", "stop.max_seconds=120", "eval.every_s=1.0",
+                        "stop.target_accuracy=0.94", HELD, "stop.max_seconds=120", "eval.every_s=1.0",
                         "--out", str(run_dir), "--quiet"], timeout_s=200)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster_util import FINAL_SLACK, assert_reached_target, log_tails, records, run_hetps, summary
+from cluster_util import FINAL_SLACK, HELD, assert_reached_target, log_tails, records, run_hetps, summary
 
 pytestmark = pytest.mark.cluster
 
@@ -44,7 +44,7 @@ ALGORITHMS = {
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_algorithm_trains_to_93_percent(algorithm, run_dir):
     config, check = ALGORITHMS[algorithm]
-    result = run_hetps(["run", config, "stop.target_accuracy=0.94", "stop.max_seconds=60",
+    result = run_hetps(["run", config, "stop.target_accuracy=0.94", HELD, "stop.max_seconds=60",
                         "stop.max_steps=20000", "eval.every_s=1.0", "--out", str(run_dir), "--quiet"],
                        timeout_s=180)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)

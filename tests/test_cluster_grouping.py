@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster_util import assert_reached_target, log_tails, run_hetps, summary
+from cluster_util import HELD, assert_reached_target, log_tails, run_hetps, summary
 
 pytestmark = pytest.mark.cluster
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cluster
 def test_groups_update_independently(run_dir):
     result = run_hetps(["run", "configs/default.yaml", "algorithm.groups=2", "algorithm.regroup=false",
                         "cluster.workers=[{slowdown: 1}, {slowdown: 1}, {slowdown: 10}, {slowdown: 10}]",
-                        "stop.target_accuracy=0.94", "stop.max_seconds=120", "--out", str(run_dir), "--quiet"],
+                        "stop.target_accuracy=0.94", HELD, "stop.max_seconds=120", "--out", str(run_dir), "--quiet"],
                        timeout_s=200)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)

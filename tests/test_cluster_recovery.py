@@ -10,8 +10,8 @@ import signal
 
 import pytest
 
-from cluster_util import (REPO, Daemons, assert_reached_target, log_tails, processes_mentioning, records, run_hetps,
-                          summary, wait_for)
+from cluster_util import (HELD, REPO, Daemons, assert_reached_target, log_tails, processes_mentioning, records,
+                          run_hetps, summary, wait_for)
 
 pytestmark = pytest.mark.cluster
 
@@ -22,7 +22,7 @@ def faults(run_dir) -> list[dict]:
 
 def test_killed_shard_restarts_from_its_checkpoint_and_the_run_reaches_target(run_dir):
     result = run_hetps(["run", "configs/sync.yaml", "--out", str(run_dir), "--quiet",
-                        "checkpoint.every_updates=25", "cluster.retry_s=0.5", "stop.target_accuracy=0.93",
+                        "checkpoint.every_updates=25", "cluster.retry_s=0.5", "stop.target_accuracy=0.93", HELD,
                         "stop.max_seconds=150", "cluster.kill=[{node: ps1, at_s: 1.5, restart_after_s: 1}]"],
                        timeout_s=240)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)

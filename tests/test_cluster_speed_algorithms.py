@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from cluster_util import FINAL_SLACK, assert_reached_target, log_tails, records, run_hetps, summary
+from cluster_util import FINAL_SLACK, HELD, assert_reached_target, log_tails, records, run_hetps, summary
 
 pytestmark = pytest.mark.cluster
 
@@ -42,7 +42,7 @@ def test_balanced_workers_train_on_the_plans_speed_proportional_batches(run_dir)
 
 
 def test_diloco_trains_to_95_percent_asynchronously(run_dir):
-    result = run_hetps(["run", "configs/diloco.yaml", "stop.target_accuracy=0.95", "stop.max_seconds=60",
+    result = run_hetps(["run", "configs/diloco.yaml", "stop.target_accuracy=0.95", HELD, "stop.max_seconds=60",
                         "--out", str(run_dir), "--quiet"], timeout_s=180)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)

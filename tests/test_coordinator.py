@@ -298,3 +298,60 @@ def test_a_worker_leaving_on_an_error_is_re_planned_at_once_and_nonfinite_everyw
         assert coord.stop_reason.startswith("no live workers left"), coord.stop_reason
     finally:
         server.close()
+
+
+def test_target_patience_stops_on_the_nth_evaluation_in_a_row_at_the_target(tmp_path):
+    """stop.target_patience=2: an evaluation at the target followed by one
+    below it does not stop the run; two in a row do. The time to target is
+    the first evaluation that reached it; a scheduler restored from its state
+    keeps the streak."""
+    from hetps.scheduler import state
+    from hetps.scheduler.nodes import Node
+
+    now = [0.0]
+    cfg = load_config(None, ["cluster.workers=1", "cluster.shards=1", "stop.target_accuracy=0.9",
+                             "stop.target_patience=2"])
+    server = MemServer("mem://coordinator-patience")
+    try:
+        coord = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
+        register(coord, "ps", 0)
+        register(coord, "worker", 0)
+        evaluator = register(coord, "evaluator", 0)
+
+        def evaluation(c: Coordinator, accuracy: float) -> None:
+            now[0] += 1.0
+            c.on_report(b"e", Envelope(Report(node_id=evaluator, kind="eval", values={"accuracy": accuracy}),
+                                       req_id=2, src=evaluator))
+
+        evaluation(coord, 0.91)
+        evaluation(coord, 0.88)  # the streak is broken
+        evaluation(coord, 0.92)
+        assert coord.stop_reason is None and coord.evals.streak == 1
+        state.save(coord)
+        again = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
+        state.restore(again, state.read(tmp_path), Node)
+        evaluation(again, 0.93)
+        assert again.stop_reason == "target accuracy 0.9 reached (0.9300, held for 2 evaluations)"
+        s = again.summary()
+        assert s["time_to_target_s"] == coord.evals.time_to_target_s and s["target_patience"] == 2
+        assert s["best_accuracy"] == 0.93 and s["final_accuracy"] == 0.93 and s["evals"] == 4
+    finally:
+        server.close()
+
+
+def test_target_patience_one_stops_at_the_first_evaluation_that_reaches_it(tmp_path):
+    now = [0.0]
+    cfg = load_config(None, ["cluster.workers=1", "cluster.shards=1", "stop.target_accuracy=0.9"])
+    server = MemServer("mem://coordinator-patience-1")
+    try:
+        coord = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
+        register(coord, "ps", 0)
+        register(coord, "worker", 0)
+        evaluator = register(coord, "evaluator", 0)
+        for accuracy in (0.5, 0.9):
+            now[0] += 1.0
+            coord.on_report(b"e", Envelope(Report(node_id=evaluator, kind="eval", values={"accuracy": accuracy}),
+                                           req_id=2, src=evaluator))
+        assert coord.stop_reason == "target accuracy 0.9 reached (0.9000)"
+    finally:
+        server.close()

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from cluster_util import assert_reached_target, log_tails, records, run_hetps, summary, wait_for
+from cluster_util import HELD, assert_reached_target, log_tails, records, run_hetps, summary, wait_for
 from hetps.proto.config import NodeConfig, load_config
 from hetps.proto.plan import NodeEntry, chunk_specs
 from hetps.proto.rpc import Aborted, RequestTimeout
@@ -248,7 +248,7 @@ def test_overlap_applies_to_gradient_loops_only():
 def test_cluster_with_overlap_and_chunks_trains(run_dir):
     """Real daemons: sync with `comm.overlap`, one tensor cut over both shards."""
     result = run_hetps(["run", "configs/sync.yaml", "comm.overlap=true", "cluster.chunk_bytes=40000",
-                        "cluster.workers=2", "stop.target_accuracy=0.92", "stop.max_seconds=120",
+                        "cluster.workers=2", "stop.target_accuracy=0.92", HELD, "stop.max_seconds=120",
                         "eval.every_s=1.0", "--out", str(run_dir), "--quiet"], timeout_s=200)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)
