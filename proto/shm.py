@@ -14,7 +14,11 @@ set busy by the client before it writes, and cleared by the server only when
 the last view of that message is gone (a finalizer on one object per message
 that every view keeps alive): a client never overwrites a frame the
 server still reads. A client with no free segment (at most MAX_SEGMENTS)
-sends through the socket as usual; nothing ever blocks on a segment.
+sends through the socket as usual; nothing ever blocks on a segment. A server
+that dies holding a message never clears its flag: when the client connects
+again it sets its busy segments aside (`SegmentPool.set_aside`), so they stop
+counting against MAX_SEGMENTS, and closes them once free (a copy queued in the
+socket was read after all) or once more than MAX_SEGMENTS are aside.
 
 TRUST BOUNDARY, with a narrower trust than the socket: the server opens
 `/proc/PID/fd/FD` of the descriptor, so only peers running as the same user
@@ -97,6 +101,7 @@ class SegmentPool:
         self.min_bytes = min_bytes
         self.max_segments = max_segments
         self.segments: list[Segment] = []
+        self.aside: list[Segment] = []  # busy when their server went away; oldest first
         self.staged = 0     # messages sent through shared memory
         self.fallbacks = 0  # messages with large frames sent through the socket: no free segment
 
@@ -126,7 +131,30 @@ class SegmentPool:
         moved = set(large)
         return [MARK + desc, *(b"" if i in moved else f for i, f in enumerate(frames))]
 
+    def set_aside(self) -> int:
+        """The server went away and came back (a restart): the messages it held may
+        never be let go. Its busy segments leave the pool, so that new messages
+        take fresh ones; each is closed once free or once it is more than
+        `max_segments` behind (see `_tidy_aside`). Returns how many were set aside."""
+        busy = [s for s in self.segments if not s.free()]
+        self.segments = [s for s in self.segments if s.free()]
+        self.aside += busy
+        self._tidy_aside()
+        return len(busy)
+
+    def _tidy_aside(self) -> None:
+        """Close the set-aside segments that were let go after all, then the oldest
+        beyond `max_segments` (the messages in them went to a server that is gone:
+        closing the client's side frees the memory, a live reader's mapping stays valid)."""
+        for s in [s for s in self.aside if s.free()]:
+            self.aside.remove(s)
+            s.close()
+        while len(self.aside) > self.max_segments:
+            self.aside.pop(0).close()
+
     def _take(self, need: int) -> Segment | None:
+        if self.aside:
+            self._tidy_aside()
         free = [s for s in self.segments if s.free()]
         fits = [s for s in free if s.capacity >= need]
         if fits:
@@ -141,9 +169,10 @@ class SegmentPool:
         return segment
 
     def close(self) -> None:
-        for s in self.segments:
+        for s in self.segments + self.aside:
             s.close()
         self.segments.clear()
+        self.aside.clear()
 
 
 class _Opened:

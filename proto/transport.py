@@ -237,6 +237,8 @@ class ZmqClient(ClientTransport):
             if event["event"] == zmq.EVENT_CONNECTED:
                 self.connects += 1
                 again = again or self.connects > 1
+        if again and self.shm is not None:
+            self.shm.set_aside()  # what the server held of our segments may never be let go
         return again
 
     def send(self, frames: Sequence) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 
 import msgpack
 import pytest
@@ -15,7 +16,7 @@ from hetps.proto.config import ConfigError, load_config
 from hetps.proto.messages import Push, Status
 from hetps.proto.plan import TensorSpec
 from hetps.proto.rpc import RemoteError, RpcClient
-from hetps.proto.transport import make_client, make_server, set_shared_memory
+from hetps.proto.transport import TransportError, make_client, make_server, set_shared_memory
 from hetps.ps.shard import Shard
 from shard_harness import PLAN_ID, SHARD_IDS, make_plan
 
@@ -229,3 +230,56 @@ def test_replies_go_back_through_shared_memory_only_to_peers_that_used_it(shm_on
         near.close()
         far.close()
         shard.server.close()
+
+
+def bind_again(address: str, timeout_s: float = 10.0):
+    """A server at a closed one's address (its port may take a moment to free up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return make_server(address)
+        except TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def await_reconnect(client, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not client.reconnected():
+        assert time.monotonic() < deadline, f"the client did not connect again within {timeout_s}s"
+        time.sleep(0.02)
+
+
+def test_segments_a_restarted_server_held_are_set_aside_then_closed(shm_on):
+    """A server dies holding a message (its flag is never cleared). When the
+    client connects again the busy segment leaves the pool, so the next
+    message still goes through shared memory; at most `max_segments` stay
+    aside, and one that is let go after all is closed."""
+    server = make_server("tcp://127.0.0.1:0")
+    address = server.address
+    client = make_client(address)
+    client.shm.max_segments = 1
+    held = []
+    try:
+        for restart in range(3):
+            client.send(frames_of(torch.full((N,), float(restart))))
+            held.append(received(server))  # the dying server's views: never let go
+            server.close()
+            server = bind_again(address)
+            await_reconnect(client)
+            assert client.shm.segments == [] and len(client.shm.aside) == 1
+        # the client closed its side of the older ones: the views the server kept still read
+        assert [float(torch.frombuffer(f[1], dtype=torch.float32)[0]) for f in held] == [0.0, 1.0, 2.0]
+        last = torch.randn(N)
+        client.send(frames_of(last))
+        assert torch.equal(torch.frombuffer(received(server)[1], dtype=torch.float32), last)
+        assert client.shm.staged == 4 and client.shm.fallbacks == 0
+        held.clear()
+        gc.collect()
+        client.send(frames_of(last))  # the aside segment was let go: closed when the pool looks again
+        received(server)
+        assert client.shm.aside == [] and client.shm.fallbacks == 0
+    finally:
+        client.close()
+        server.close()
