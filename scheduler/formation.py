@@ -18,7 +18,7 @@ from .grouping import data_shares, form_groups
 
 @dataclass(frozen=True)
 class Formation:
-    plan_fields: Callable[[dict, object, int], dict]  # (node id -> speed, algorithm params, seed) -> plan fields
+    plan_fields: Callable[[dict, object], dict]  # (node id -> speed, algorithm params) -> plan fields
     regroups: bool = False  # may be re-formed while training when speeds drift (if the params' `regroup`)
     # (plan fields, params) -> what re-forming votes on: a new plan when it differs from the current plan's
     proposal: Callable[[dict, object], object] = lambda fields, params: sorted(map(sorted, fields["groups"]))
@@ -27,20 +27,20 @@ class Formation:
         return self.regroups and params.regroup
 
 
-def one_group(speeds: dict[int, float], params, seed: int) -> dict:
+def one_group(speeds: dict[int, float], params) -> dict:
     return {"groups": [sorted(speeds)], "shares": {}}
 
 
-def each_alone(speeds: dict[int, float], params, seed: int) -> dict:
+def each_alone(speeds: dict[int, float], params) -> dict:
     return {"groups": [[w] for w in sorted(speeds)], "shares": {}}
 
 
-def by_speed(speeds: dict[int, float], params, seed: int) -> dict:
-    groups = form_groups(speeds, params, seed)
+def by_speed(speeds: dict[int, float], params) -> dict:
+    groups = form_groups(speeds, params)
     return {"groups": groups, "shares": {str(w): s for w, s in data_shares(groups, speeds).items()}}
 
 
-def balanced(speeds: dict[int, float], params, seed: int) -> dict:
+def balanced(speeds: dict[int, float], params) -> dict:
     """One group; batch sizes proportional to speed summing to the global
     batch (`proportional_sizes`); data shares follow the batches, so every
     worker goes through its share in the same number of rounds."""

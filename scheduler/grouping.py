@@ -15,13 +15,12 @@ import numpy as np
 from hetps.proto.algorithm_params import GroupingParams
 
 
-def form_groups(speeds: dict[int, float], params: GroupingParams, seed: int = 0) -> list[list[int]]:
+def form_groups(speeds: dict[int, float], params: GroupingParams) -> list[list[int]]:
     """Groups of worker ids, fastest group first, members sorted by id.
 
     Edge cases: one worker or all speeds within `equal_ratio` (auto mode)
     give one group; k is capped at the number of distinct speeds. The
-    k-means is exact, so `seed` changes nothing; it is kept for callers
-    that pass the run's seed (formation.py)."""
+    k-means is exact (`kmeans_1d`): the same speeds always give the same groups."""
     ids = sorted(speeds)
     if not ids:
         return []

@@ -93,7 +93,7 @@ class Planning:
 
     def _grouping(self, speeds: dict[int, float]) -> dict:
         """Plan fields for the workers' groups and data shares under this algorithm."""
-        return self.formation.plan_fields(speeds, self.cfg.algorithm.params, self.cfg.seed)
+        return self.formation.plan_fields(speeds, self.cfg.algorithm.params)
 
     def _publish(self, plan: ClusterPlan) -> None:
         self.plan = plan

@@ -45,7 +45,7 @@ def test_every_table_line_resolves_in_every_role(name):
     assert algo.pushes in NEUTRAL_PUSH
     # scheduler
     formation = FORMATIONS[algo.groups]
-    fields = formation.plan_fields({1: 10.0, 2: 10.0, 3: 1.0}, cfg.algorithm.params, 0)
+    fields = formation.plan_fields({1: 10.0, 2: 10.0, 3: 1.0}, cfg.algorithm.params)
     assert sorted(w for g in fields["groups"] for w in g) == [1, 2, 3]
     assert formation.regroups == (algo.groups in ("by_speed", "balanced"))
     # worker

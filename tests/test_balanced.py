@@ -46,12 +46,12 @@ def test_an_unmeasured_speed_counts_as_the_slowest():
 def test_the_formation_puts_batches_and_matching_shares_in_the_plan():
     params = load_config(None, ["algorithm.name=balanced", "cluster.workers=4", "data.batch_size=32"]).algorithm.params
     assert params.global_batch == 128  # 0 resolves to data.batch_size x cluster.workers
-    fields = FORMATIONS["balanced"].plan_fields({1: 10.0, 2: 10.0, 3: 30.0, 4: 30.0}, params, 0)
+    fields = FORMATIONS["balanced"].plan_fields({1: 10.0, 2: 10.0, 3: 30.0, 4: 30.0}, params)
     assert fields["groups"] == [[1, 2, 3, 4]]
     assert fields["batches"] == {"1": 16.0, "2": 16.0, "3": 48.0, "4": 48.0}
     assert fields["shares"] == fields["batches"]
     # a worker gone: the same global batch over the three left
-    fields = FORMATIONS["balanced"].plan_fields({1: 10.0, 3: 30.0, 4: 30.0}, params, 0)
+    fields = FORMATIONS["balanced"].plan_fields({1: 10.0, 3: 30.0, 4: 30.0}, params)
     assert sum(fields["batches"].values()) == 128
 
 
