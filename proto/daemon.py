@@ -99,12 +99,18 @@ def security_or_exit(cfg: RunConfig, role: str, client_key: str | None = None) -
         raise SystemExit(2) from None
 
 
+def dump_stacks_on_usr1() -> None:
+    """`kill -USR1 PID` prints every thread's stack to stderr (the daemon's log)
+    and the process goes on (SIGUSR1's default action would end it)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def daemon_setup(args: argparse.Namespace, role: str) -> tuple[RunConfig, str]:
     """Config, logging, CurveZMQ keys and the scheduler address for a daemon."""
     rank = "-auto" if args.rank == AUTO_RANK else args.rank
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {role}{rank} %(levelname)s %(name)s: %(message)s")
-    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack
+    dump_stacks_on_usr1()
     # the roles that build the model and the data import their factories now, not at first use
     cfg = load_or_exit(args.config, args.overrides, import_targets=role in ("worker", "evaluator"))
     security_or_exit(cfg, role, args.client_key)

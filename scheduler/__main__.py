@@ -20,7 +20,8 @@ import signal
 import sys
 from pathlib import Path
 
-from hetps.proto.daemon import check_and_exit, fast_exit, load_or_exit, metrics_args, security_or_exit
+from hetps.proto.daemon import (check_and_exit, dump_stacks_on_usr1, fast_exit, load_or_exit, metrics_args,
+                                security_or_exit)
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.transport import make_server
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s scheduler %(levelname)s %(name)s: %(message)s")
+    dump_stacks_on_usr1()
     cfg = load_or_exit(args.config, args.overrides)
     security_or_exit(cfg, "scheduler")
     if args.check:

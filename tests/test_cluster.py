@@ -125,6 +125,28 @@ def test_daemons_by_hand_across_hosts_style(tmp_path):
     assert not processes_mentioning(str(tmp_path))
 
 
+@pytest.mark.parametrize("role", ["scheduler", "ps"])
+def test_usr1_prints_every_threads_stack_and_the_daemon_goes_on(role, tmp_path):
+    """`kill -USR1` on a daemon (here waiting for its cluster to form) dumps its
+    threads' stacks to its log; the daemon keeps running."""
+    daemons = Daemons(tmp_path, ["cluster.workers=1", "cluster.shards=1", "cluster.startup_timeout_s=120"])
+    try:
+        addr = daemons.scheduler(str(REPO / "configs" / "sync.yaml"), tmp_path / "run")
+        if role == "ps":
+            daemons.start(["ps", "--config", str(REPO / "configs" / "sync.yaml"), "--rank", "0",
+                           "--scheduler", addr])
+            state = tmp_path / "run" / "scheduler-state.json"
+            wait_for(lambda: state.exists() and '"role": "ps"' in state.read_text(), 60, "the shard to register")
+        proc = daemons.procs[-1]
+        log = tmp_path / f"{len(daemons.procs) - 1}.log"
+        proc.send_signal(signal.SIGUSR1)
+        wait_for(lambda: "most recent call first" in log.read_text(), 30, "a stack dump in the log")
+        assert proc.poll() is None, daemons.tails()
+        assert "Current thread 0x" in log.read_text()
+    finally:
+        daemons.close()
+
+
 def test_daemon_without_scheduler_address_exits_2(tmp_path):
     result = subprocess.run([sys.executable, "-m", "hetps.ps", "--config", str(REPO / "configs/sync.yaml")],
                             capture_output=True, text=True, timeout=60, env={**os.environ, "HETPS_SCHEDULER": ""})
