@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 import socket
 import sys
 import threading
@@ -34,6 +35,30 @@ log = logging.getLogger(__name__)
 
 MAX_QUEUED = 2000  # step records kept for the scheduler while it does not answer
 FAIL_REPORT_S = 10.0  # longest wait for the scheduler to take a start-up failure report
+
+
+_TCP = re.compile(r"tcp://(\[[^\]]*\]|[^:/]+):(\d+)$")
+_WILDCARDS = {"0.0.0.0": socket.AF_INET, "*": socket.AF_INET, "[::]": socket.AF_INET6}
+
+
+def reachable(address: str, scheduler: str) -> str:
+    """`address` as peers on other hosts reach it. A TCP address bound on every
+    interface (0.0.0.0, *, [::]) names no host: it becomes this host's address on
+    the route toward the scheduler (the interface its packets would leave by).
+    Any other address, or one whose route cannot be found, is returned as it is."""
+    bound, toward = _TCP.match(address), _TCP.match(scheduler)
+    if bound is None or toward is None or bound.group(1) not in _WILDCARDS:
+        return address
+    family = _WILDCARDS[bound.group(1)]
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # connecting a UDP socket sends nothing
+            probe.connect((toward.group(1).strip("[]"), int(toward.group(2))))
+            ip = probe.getsockname()[0]
+    except OSError as exc:
+        log.warning("%s is bound on every interface and no route to the scheduler %s was found (%s): "
+                    "peers on other hosts cannot reach it; pass --advertise", address, scheduler, exc)
+        return address
+    return f"tcp://{f'[{ip}]' if family == socket.AF_INET6 else ip}:{bound.group(2)}"
 
 
 class SchedulerUnreachable(HetpsError, RuntimeError):

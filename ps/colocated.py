@@ -32,7 +32,7 @@ from hetps.proto.algorithms import AlgorithmMismatch
 from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.daemon import check_and_exit, scheduler_lost_exit
 from hetps.proto.emulation import Slowdown
-from hetps.proto.membership import Membership, SchedulerUnreachable
+from hetps.proto.membership import Membership, SchedulerUnreachable, reachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.startup import Phases
@@ -128,7 +128,7 @@ class ColocatedRanks:
             speed = profile_update_speed(slowdowns[0])
             phases.mark("profile")
         for member, server in zip(self.members, self.servers):
-            member.join(address=server.address, speed=speed, startup=phases.as_dict())
+            member.join(address=reachable(server.address, member.scheduler), speed=speed, startup=phases.as_dict())
         plans = [member.wait_plan() for member in self.members]  # the plan needs every rank registered
         for i, member in enumerate(self.members):
             member.start_heartbeats(lambda i=i: self.shards[i].stats() if self.shards[i] is not None else {})

@@ -16,7 +16,7 @@ from hetps.proto.algorithms import AlgorithmMismatch
 from hetps.proto.config import NodeConfig, RunConfig
 from hetps.proto.daemon import scheduler_lost_exit
 from hetps.proto.emulation import Slowdown, set_link_cap
-from hetps.proto.membership import Membership, SchedulerUnreachable
+from hetps.proto.membership import Membership, SchedulerUnreachable, reachable
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.startup import Phases
@@ -40,10 +40,11 @@ def run_shard(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: 
     try:
         server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
         # cluster.replicas: the backup this process will hold is served on a second socket
-        host = (ReplicaHost(make_server(replica_bind, cfg.cluster.max_message_bytes), cfg,
-                            checkpoint_root=args.checkpoint_dir or cfg.checkpoint.dir,
-                            advertise=args.replica_advertise)
-                if cfg.cluster.replicas else None)
+        host = None
+        if cfg.cluster.replicas:
+            replica_server = make_server(replica_bind, cfg.cluster.max_message_bytes)
+            host = ReplicaHost(replica_server, cfg, checkpoint_root=args.checkpoint_dir or cfg.checkpoint.dir,
+                               advertise=args.replica_advertise or reachable(replica_server.address, scheduler))
         member = Membership(scheduler, "ps", args.rank, cfg.cluster)
         phases.mark("config")
     except TransportError as exc:
@@ -53,7 +54,8 @@ def run_shard(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: 
         with member.starting():  # reported to the scheduler, which ends the run naming this shard
             speed = profile_update_speed(slowdown)
             phases.mark("profile")
-        member.join(address=args.advertise or server.address, speed=speed, startup=phases.as_dict(),
+        member.join(address=args.advertise or reachable(server.address, scheduler), speed=speed,
+                    startup=phases.as_dict(),
                     replica_address=host.address if host else "")
         args.rank = member.rank  # `--rank auto`: from here on, the rank the scheduler gave
         plan = member.wait_plan()

@@ -18,7 +18,7 @@ import sys
 import zmq
 
 from hetps.proto.daemon import check_and_exit, scheduler_lost_exit
-from hetps.proto.membership import Membership, SchedulerUnreachable
+from hetps.proto.membership import Membership, SchedulerUnreachable, reachable
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.transport import ServerTransport, TransportError, make_server
@@ -145,7 +145,7 @@ def run_spare(args, cfg, scheduler: str, phases, replica_bind: str | None) -> in
     try:
         spare = Spare([make_server(b, cfg.cluster.max_message_bytes) for b in binds], cfg, checkpoint_root=root)
         for slot, advertise in zip(spare.slots, adverts):
-            slot.advertise = advertise
+            slot.advertise = advertise or reachable(slot.server.address, scheduler)
         member = Membership(scheduler, "spare", args.rank, cfg.cluster)
     except TransportError as exc:
         print(f"hetps ps --spare {args.rank}: {exc}", file=sys.stderr)
