@@ -9,6 +9,7 @@ import importlib
 import re
 from typing import Any, Callable
 
+from .algorithms import ALGORITHMS
 from .config import BUILTIN_MODELS, CHOICES, DATASETS, RunConfig
 
 FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:factory
@@ -62,6 +63,7 @@ NUMBER_RULES: dict[str, Rule] = {
     "checkpoint.every_s": NON_NEGATIVE,
     "checkpoint.keep": AT_LEAST_1,
     "comm.topk_ratio": FRACTION,
+    "optimizer.clip_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 = no clipping)"),
     "comm.shm_bytes": (lambda v: v == 0 or v >= 4096, "must be 0 (off) or >= 4096 (bytes)"),
     "sim.sample_s": POSITIVE,
     "sim.shard_bytes_per_s": POSITIVE,
@@ -178,6 +180,10 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
         out.append("comm.topk_ratio: must be > 0 with comm.compression: topk")
     if optimizer.schedule.name == "cosine" and optimizer.schedule.total_steps <= 0:
         out.append("optimizer.schedule.total_steps: must be > 0 for the cosine schedule")
+    loop = getattr(ALGORITHMS.get(cfg.algorithm.name), "worker_loop", None)
+    if optimizer.clip_grad_norm and cfg.comm.overlap and loop == "gradients":
+        out.append("optimizer.clip_grad_norm: needs the whole gradient before the push; not with comm.overlap: true "
+                   "(which pushes each layer's gradient during the backward)")
     if optimizer.nesterov and optimizer.momentum <= 0:
         out.append("optimizer.nesterov: needs optimizer.momentum > 0")
     if len(optimizer.betas) != 2 or not all(0 <= b < 1 for b in optimizer.betas):

@@ -19,6 +19,7 @@ from hetps.worker.client import ack_of
 from hetps.worker.diloco import DilocoTrainer
 from hetps.worker.local import LocalSgdTrainer
 from hetps.worker.state import ModelState
+from hetps.worker.trainer import clipped_params
 
 from .workers import SimWorker
 
@@ -40,6 +41,7 @@ class SimLocalWorker(SimWorker):
         """`clock`: the virtual clock (seconds), for time-based periods."""
         super().__init__(*args)
         self.state = ModelState(copy.deepcopy(self.state.model), self.state.device)  # its own model
+        self.clipped = clipped_params(self.cfg, self.state)
         self.now = clock
         self.init_local()
         self.acks: dict[int, Ack] = {}
@@ -63,7 +65,7 @@ class SimLocalWorker(SimWorker):
         """After a local step: nothing (the next step follows) or, when a round
         is due, the round's push (and pull) to every shard."""
         self.record = {"t": now, "worker": self.member.rank, "step": self.clock, "loss": round(self.loss, 5),
-                       "staleness": self.staleness, "compute_s": round(self.compute_s, 5)}
+                       "staleness": self.staleness, "compute_s": round(self.compute_s, 5), **self.norm_record()}
         if not self.due():
             self._account(now, 0.0)
             return []

@@ -23,7 +23,7 @@ from hetps.worker.client import ack_of
 from hetps.worker.data import Datasets
 from hetps.worker.state import ModelState
 from hetps.worker.straggler import straggler_of
-from hetps.worker.trainer import StepTimer, Trainer
+from hetps.worker.trainer import StepTimer, Trainer, clipped_params
 
 from .events import Link, speed_factor
 
@@ -70,6 +70,8 @@ class SimClient:
 class SimWorker:
     use_plan = Trainer.use_plan   # share and batch stream from the plan (reads client, member, data, cfg)
     compute = Trainer.compute     # one forward/backward on the next batch (reads stream, state)
+    clip_gradients = Trainer.clip_gradients  # optimizer.clip_grad_norm (reads clipped, cfg)
+    norm_record = Trainer.norm_record
 
     def __init__(self, cfg: RunConfig, node: NodeConfig, member: SimMember, plan: ClusterPlan,
                  state: ModelState, data: Datasets):
@@ -80,6 +82,8 @@ class SimWorker:
         self.clock = 0
         self.staleness = 0
         self.samples = 0    # training examples computed on (Trainer.compute counts them)
+        self.clipped = clipped_params(cfg, state)
+        self.grad_norm: float | None = None
         self.alive = True
         self.known_plan_id = plan.plan_id
         self.records: list[dict] = []
@@ -130,7 +134,8 @@ class SimWorker:
         self.timer.update(self.compute_s, push_s, step_s)
         self.records.append({"t": now, "worker": self.member.rank, "step": self.clock, "loss": round(self.loss, 5),
                              "staleness": self.staleness, "group": self.group,
-                             "compute_s": round(self.compute_s, 5), "step_s": round(step_s, 5)})
+                             "compute_s": round(self.compute_s, 5), "step_s": round(step_s, 5),
+                             **self.norm_record()})
 
     def follow_plan(self, newest: ClusterPlan) -> bool:
         """Between steps, switch to `newest` if this worker knows of a newer

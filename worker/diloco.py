@@ -98,7 +98,7 @@ class DilocoTrainer(LocalSgdTrainer):
                 started = time.perf_counter()
                 loss, compute_s = self.local_step()
                 record = {"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5),
-                          "staleness": self.staleness, "compute_s": round(compute_s, 5)}
+                          "staleness": self.staleness, "compute_s": round(compute_s, 5), **self.norm_record()}
                 push_s = 0.0
                 if self.due():
                     record.update(self.sync_round())

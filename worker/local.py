@@ -157,7 +157,7 @@ class LocalSgdTrainer(Trainer):
                 started = time.perf_counter()
                 loss, compute_s = self.local_step()
                 record = {"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5), "staleness": 0,
-                          "compute_s": round(compute_s, 5)}
+                          "compute_s": round(compute_s, 5), **self.norm_record()}
                 if self.due():
                     record.update(self.average())
                 self.timer.update(compute_s, 0.0, time.perf_counter() - started)

@@ -70,6 +70,14 @@ class StepTimer:
         return batch_size / busy if busy else 0.0
 
 
+def clipped_params(cfg: RunConfig, state: ModelState) -> list[torch.Tensor]:
+    """With `optimizer.clip_grad_norm`, the parameters whose gradients are clipped
+    together (a tied one once); else none."""
+    if not cfg.optimizer.clip_grad_norm:
+        return []
+    return list({id(t): t for t, kind in state.tensors.values() if kind == "param"}.values())
+
+
 def profile_speed(state: ModelState, data: Datasets, batch_size: int, steps: int,
                   slowdown: Slowdown) -> float:
     """Samples per second of forward+backward on the real model and data,
@@ -111,6 +119,8 @@ class Trainer:
         self.clock = 0
         self.staleness = 0   # the shards' staleness for our last push
         self.samples = 0     # training examples computed on, all plans together
+        self.clipped = clipped_params(cfg, state)
+        self.grad_norm: float | None = None  # the last gradient's L2 norm before clipping
         self.use_plan(plan)
         if self.FLAT and compressor is None:  # the placement never changes for a client (PSClient.adopt)
             state.lay_out_flat(self.client.names)
@@ -149,7 +159,17 @@ class Trainer:
         self.state.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        if self.clipped:
+            self.clip_gradients()
         return float(loss.detach())
+
+    def clip_gradients(self) -> None:
+        """Scale the gradient to at most `optimizer.clip_grad_norm` (its L2 norm
+        over every parameter, as torch.nn.utils.clip_grad_norm_); keep the norm
+        it had for the step record. Each worker clips its own gradient, before
+        a round averages it (DDP clips the average)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.clipped, self.cfg.optimizer.clip_grad_norm)
+        self.grad_norm = float(norm)
 
     def should_abort(self) -> bool:
         """Checked by every wait on a shard: true once the run is stopping."""
@@ -172,7 +192,11 @@ class Trainer:
         """The step record sent to the scheduler."""
         return {"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5),
                 "staleness": self.staleness, "group": self.group, "compute_s": round(compute_s, 5),
-                "step_s": round(time.perf_counter() - started, 5)}
+                "step_s": round(time.perf_counter() - started, 5), **self.norm_record()}
+
+    def norm_record(self) -> dict:
+        """`grad_norm` (before clipping) for a step record, when clipping is on."""
+        return {"grad_norm": round(self.grad_norm, 6)} if self.grad_norm is not None else {}
 
     def run(self) -> None:
         self.start()
