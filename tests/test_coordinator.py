@@ -2,6 +2,7 @@
 daemons): liveness is judged from the first plan on, not from registration."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 from hetps.proto.codec import Envelope
@@ -300,6 +301,28 @@ def test_a_worker_leaving_on_an_error_is_re_planned_at_once_and_nonfinite_everyw
         server.close()
 
 
+@contextlib.contextmanager
+def one_worker_and_an_evaluator(tmp_path, overrides: list[str], now: list[float]):
+    """A coordinator (clock: `now[0]`) with a shard, a worker and an evaluator
+    registered; yields it and the evaluator's node id."""
+    cfg = load_config(None, ["cluster.workers=1", "cluster.shards=1", *overrides])
+    server = MemServer(f"mem://coordinator-{tmp_path.name}")
+    try:
+        coord = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
+        register(coord, "ps", 0)
+        register(coord, "worker", 0)
+        yield coord, register(coord, "evaluator", 0)
+    finally:
+        server.close()
+
+
+def evaluation(coord: Coordinator, evaluator: int, accuracy: float, now: list[float]) -> None:
+    """The evaluator reports `accuracy` one second after the last report."""
+    now[0] += 1.0
+    coord.on_report(b"e", Envelope(Report(node_id=evaluator, kind="eval", values={"accuracy": accuracy}),
+                                   req_id=2, src=evaluator))
+
+
 def test_target_patience_stops_on_the_nth_evaluation_in_a_row_at_the_target(tmp_path):
     """stop.target_patience=2: an evaluation at the target followed by one
     below it does not stop the run; two in a row do. The time to target is
@@ -309,49 +332,25 @@ def test_target_patience_stops_on_the_nth_evaluation_in_a_row_at_the_target(tmp_
     from hetps.scheduler.nodes import Node
 
     now = [0.0]
-    cfg = load_config(None, ["cluster.workers=1", "cluster.shards=1", "stop.target_accuracy=0.9",
-                             "stop.target_patience=2"])
-    server = MemServer("mem://coordinator-patience")
-    try:
-        coord = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
-        register(coord, "ps", 0)
-        register(coord, "worker", 0)
-        evaluator = register(coord, "evaluator", 0)
-
-        def evaluation(c: Coordinator, accuracy: float) -> None:
-            now[0] += 1.0
-            c.on_report(b"e", Envelope(Report(node_id=evaluator, kind="eval", values={"accuracy": accuracy}),
-                                       req_id=2, src=evaluator))
-
-        evaluation(coord, 0.91)
-        evaluation(coord, 0.88)  # the streak is broken
-        evaluation(coord, 0.92)
+    with one_worker_and_an_evaluator(tmp_path, ["stop.target_accuracy=0.9", "stop.target_patience=2"],
+                                     now) as (coord, evaluator):
+        for accuracy in (0.91, 0.88, 0.92):  # the streak is broken by the second
+            evaluation(coord, evaluator, accuracy, now)
         assert coord.stop_reason is None and coord.evals.streak == 1
         state.save(coord)
-        again = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
+        again = Coordinator(coord.server, coord.cfg, run_dir=tmp_path, clock=lambda: now[0])
         state.restore(again, state.read(tmp_path), Node)
-        evaluation(again, 0.93)
+        evaluation(again, evaluator, 0.93, now)
         assert again.stop_reason == "target accuracy 0.9 reached (0.9300, held for 2 evaluations)"
         s = again.summary()
         assert s["time_to_target_s"] == coord.evals.time_to_target_s and s["target_patience"] == 2
         assert s["best_accuracy"] == 0.93 and s["final_accuracy"] == 0.93 and s["evals"] == 4
-    finally:
-        server.close()
 
 
 def test_target_patience_one_stops_at_the_first_evaluation_that_reaches_it(tmp_path):
     now = [0.0]
-    cfg = load_config(None, ["cluster.workers=1", "cluster.shards=1", "stop.target_accuracy=0.9"])
-    server = MemServer("mem://coordinator-patience-1")
-    try:
-        coord = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
-        register(coord, "ps", 0)
-        register(coord, "worker", 0)
-        evaluator = register(coord, "evaluator", 0)
-        for accuracy in (0.5, 0.9):
-            now[0] += 1.0
-            coord.on_report(b"e", Envelope(Report(node_id=evaluator, kind="eval", values={"accuracy": accuracy}),
-                                           req_id=2, src=evaluator))
+    with one_worker_and_an_evaluator(tmp_path, ["stop.target_accuracy=0.9"], now) as (coord, evaluator):
+        evaluation(coord, evaluator, 0.5, now)
+        assert coord.stop_reason is None
+        evaluation(coord, evaluator, 0.9, now)
         assert coord.stop_reason == "target accuracy 0.9 reached (0.9000)"
-    finally:
-        server.close()
