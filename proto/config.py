@@ -28,6 +28,8 @@ DATASETS = ("mnist-5k", "mnist", "cifar10", "cifar100", "imagefolder", "syntheti
 class ModelConfig:
     name: str = "lenet5"       # mlp | lenet5 | resnet20 | a torchvision.models name | pkg.module:factory
     kwargs: dict = field(default_factory=dict)  # passed to the model's constructor
+    autocast: str = "none"     # training forward passes under torch.autocast: none | bfloat16 (parameters,
+                               # gradients, the shards and evaluation stay float32)
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,7 @@ class RunConfig:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
+    "model.autocast": ("none", "bfloat16"),
     "optimizer.name": ("sgd", "adam", "adamw"),
     "optimizer.schedule.name": ("constant", "step", "cosine"),
     "cluster.nonfinite": ("reject", "skip", "clip"),

@@ -87,7 +87,8 @@ def run_node(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: P
             state = ModelState(model, device)
             phases.mark("build")
             speed = 0.0 if args.evaluator else profile_speed(state, data, cfg.data.batch_size,
-                                                             cfg.cluster.profile_steps, Slowdown(node))
+                                                             cfg.cluster.profile_steps, Slowdown(node),
+                                                             cfg.model.autocast)
             phases.mark("profile")
         member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=speed,
                     startup=phases.as_dict())

@@ -5,9 +5,11 @@ Blocking; returns when the scheduler asks the cluster to stop.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
+from typing import ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +72,14 @@ class StepTimer:
         return batch_size / busy if busy else 0.0
 
 
+def autocast(kind: str, device: torch.device) -> ContextManager:
+    """`model.autocast`: the context a training forward pass runs in (bfloat16
+    needs no loss scaling: it has float32's range)."""
+    if kind == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def clipped_params(cfg: RunConfig, state: ModelState) -> list[torch.Tensor]:
     """With `optimizer.clip_grad_norm`, the parameters whose gradients are clipped
     together (a tied one once); else none."""
@@ -79,7 +89,7 @@ def clipped_params(cfg: RunConfig, state: ModelState) -> list[torch.Tensor]:
 
 
 def profile_speed(state: ModelState, data: Datasets, batch_size: int, steps: int,
-                  slowdown: Slowdown) -> float:
+                  slowdown: Slowdown, precision: str = "none") -> float:
     """Samples per second of forward+backward on the real model and data,
     stretched by the emulated slowdown (on a copy: the model is untouched)."""
     model = copy.deepcopy(state.model).train()
@@ -90,7 +100,9 @@ def profile_speed(state: ModelState, data: Datasets, batch_size: int, steps: int
         x, y = stream.next_batch()
         started = work_clock(device)
         model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x.to(state.device)), y.to(state.device)).backward()
+        with autocast(precision, state.device):
+            loss = F.cross_entropy(model(x.to(state.device)), y.to(state.device))
+        loss.backward()
         if i:  # the first step warms up allocators and kernels
             busy += work_clock(device) - started
     return steps * batch_size / max(busy * slowdown.factor(), 1e-9)
@@ -157,7 +169,8 @@ class Trainer:
         model = self.state.model
         model.train()
         self.state.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        with autocast(self.cfg.model.autocast, self.state.device):
+            loss = F.cross_entropy(model(x), y)
         loss.backward()
         if self.clipped:
             self.clip_gradients()
