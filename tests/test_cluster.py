@@ -154,14 +154,15 @@ def test_daemon_without_scheduler_address_exits_2(tmp_path):
 
 
 def test_chunked_tensors_train_across_shards(run_dir):
-    result = run_hetps(["run", "configs/sync.yaml", "cluster.chunk_bytes=40000", "cluster.workers=2",
+    # 4 KiB parts: a tensor is cut across the shards at almost any ratio of their measured speeds
+    # (tests/test_overlap.py::test_cluster_with_overlap_and_chunks_trains)
+    result = run_hetps(["run", "configs/sync.yaml", "cluster.chunk_bytes=4096", "cluster.workers=2",
                         "stop.target_accuracy=0.94", HELD, "stop.max_seconds=120", "eval.every_s=1.0",
                         "--out", str(run_dir), "--quiet"], timeout_s=200)
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
-    parts = plan["chunks"]["fc1.weight"]["parts"] if "fc1.weight" in plan["chunks"] else \
-        next(iter(plan["chunks"].values()))["parts"]
-    assert len({plan["placement"][p] for p in parts}) == 2  # one tensor spread over both shards
+    spread = [name for name, c in plan["chunks"].items() if len({plan["placement"][p] for p in c["parts"]}) == 2]
+    assert len(spread) == 1, (spread, plan["shards"])  # one tensor spread over both shards
     assert_reached_target(summary(run_dir), 0.94, slack=0.06)  # 2 workers: the curve swings by points after it
 
 
