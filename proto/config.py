@@ -69,7 +69,7 @@ class OptimizerConfig:
     nesterov: bool = False
     weight_decay: float = 0.0
     clip_grad_norm: float = 0.0  # scale each worker's gradient to at most this L2 norm before it is pushed
-                                 # (local-step loops: before each local step); 0 = off
+                                 # (local-step loops: before each local step; not with comm.overlap); 0 = off
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 

@@ -61,14 +61,15 @@ def _comments(cls: type) -> dict[str, str]:
     """Field name -> the comment at the end of its line in `cls`'s source,
     with the comment-only lines right below it that continue it."""
     out: dict[str, str] = {}
-    name = None
+    name, columns = None, ()
     for line in inspect.getsource(cls).splitlines():
         found = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.+)$", line)
         more = re.match(r"\s+#\s*(.+)$", line)
         if found:
-            name = found.group(1)
+            name, columns = found.group(1), (line.index("#"), found.start(2))
             out[name] = found.group(2).strip()
-        elif more and name is not None:
+        elif more and name is not None and (line.index("#") == columns[0] or more.start(1) == columns[1]):
+            # a comment-only line right under it, its '#' or its text lined up with the field's comment
             out[name] += " " + more.group(1).strip()
         else:
             name = None

@@ -101,7 +101,8 @@ class SegmentPool:
         self.min_bytes = min_bytes
         self.max_segments = max_segments
         self.segments: list[Segment] = []
-        self.aside: list[Segment] = []  # busy when their server went away; oldest first
+        self.aside: list[tuple[int, Segment]] = []  # (reconnect, segment): busy when the server went away
+        self.reconnects = 0
         self.staged = 0     # messages sent through shared memory
         self.fallbacks = 0  # messages with large frames sent through the socket: no free segment
 
@@ -134,23 +135,29 @@ class SegmentPool:
     def set_aside(self) -> int:
         """The server went away and came back (a restart): the messages it held may
         never be let go. Its busy segments leave the pool, so that new messages
-        take fresh ones; each is closed once free or once it is more than
-        `max_segments` behind (see `_tidy_aside`). Returns how many were set aside."""
+        take fresh ones; each is closed once free, or once it is more than
+        `max_segments` behind and from before the last two reconnects (see
+        `_tidy_aside`). Returns how many were set aside."""
+        self.reconnects += 1
         busy = [s for s in self.segments if not s.free()]
         self.segments = [s for s in self.segments if s.free()]
-        self.aside += busy
+        self.aside += [(self.reconnects, s) for s in busy]
         self._tidy_aside()
         return len(busy)
 
     def _tidy_aside(self) -> None:
         """Close the set-aside segments that were let go after all, then the oldest
-        beyond `max_segments` (the messages in them went to a server that is gone:
-        closing the client's side frees the memory, a live reader's mapping stays valid)."""
-        for s in [s for s in self.aside if s.free()]:
-            self.aside.remove(s)
-            s.close()
-        while len(self.aside) > self.max_segments:
-            self.aside.pop(0).close()
+        beyond `max_segments`, but only those set aside before the previous
+        reconnect: a message re-sent into a segment just before a reconnect may
+        still wait in the socket's queue for the new server (a connection that
+        flaps reconnects twice before it is read). The others went to a server that
+        is gone: closing the client's side frees the memory, and a live reader's
+        mapping stays valid."""
+        for entry in [e for e in self.aside if e[1].free()]:
+            self.aside.remove(entry)
+            entry[1].close()
+        while len(self.aside) > self.max_segments and self.aside[0][0] < self.reconnects - 1:
+            self.aside.pop(0)[1].close()
 
     def _take(self, need: int) -> Segment | None:
         if self.aside:
@@ -169,7 +176,7 @@ class SegmentPool:
         return segment
 
     def close(self) -> None:
-        for s in self.segments + self.aside:
+        for s in self.segments + [s for _, s in self.aside]:
             s.close()
         self.segments.clear()
         self.aside.clear()

@@ -9,15 +9,16 @@
 The scheduler address comes from --scheduler, else $HETPS_SCHEDULER, else
 cluster.scheduler in the config. The shard binds --bind (default: a random
 port on cluster.host) and tells the scheduler --advertise (default: the bound
-address). It registers, waits for the plan, serves until the scheduler says
+address; one bound on every interface, 0.0.0.0, as this host's address on its
+route to the scheduler). It registers, waits for the plan, serves until the scheduler says
 stop, then says goodbye. A scheduler silent for cluster.scheduler_grace_s is
 given up on: the shard writes a last checkpoint (when checkpoints are on) and
 exits with status 3, naming the scheduler's address.
 
 With cluster.replicas > 0 the shard also serves the backup it holds on a
 second socket: it binds --replica-bind (default: a random port on
-cluster.host) and registers --replica-advertise (default: the bound address)
-as the address its primary forwards to.
+cluster.host) and registers --replica-advertise (default: the bound address,
+0.0.0.0 as above) as the address its primary forwards to.
 """
 from __future__ import annotations
 
@@ -37,13 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bind", default=os.environ.get("HETPS_BIND"),
                         help="address to bind ($HETPS_BIND; default tcp://<cluster.host>:0)")
     parser.add_argument("--advertise", default=os.environ.get("HETPS_ADVERTISE"),
-                        help="address workers should connect to ($HETPS_ADVERTISE; default: the bound one)")
+                        help="address workers should connect to ($HETPS_ADVERTISE; default: the bound one, "
+                             "0.0.0.0 replaced by this host's address on its route to the scheduler)")
     parser.add_argument("--replica-bind", default=os.environ.get("HETPS_REPLICA_BIND"),
                         help="with cluster.replicas: address the backup this shard holds binds "
                              "($HETPS_REPLICA_BIND; default tcp://<cluster.host>:0)")
     parser.add_argument("--replica-advertise", default=os.environ.get("HETPS_REPLICA_ADVERTISE"),
                         help="with cluster.replicas: address other shards forward to it at "
-                             "($HETPS_REPLICA_ADVERTISE; default: the bound one)")
+                             "($HETPS_REPLICA_ADVERTISE; default: the bound one, 0.0.0.0 replaced as for --advertise)")
     parser.add_argument("--checkpoint-dir", default=os.environ.get("HETPS_CHECKPOINT_DIR"),
                         help="write checkpoints here and restore the newest of this run at start "
                              "($HETPS_CHECKPOINT_DIR; default checkpoint.dir)")

@@ -69,7 +69,8 @@ def run_colocated(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phas
         if cfg.cluster.replicas:
             raise ValueError("--ranks with cluster.replicas: backups need one process per shard")
         if args.advertise:
-            raise ValueError("--ranks takes no --advertise: each rank advertises the address it bound")
+            raise ValueError("--ranks takes no --advertise: each rank advertises the address it bound "
+                             "(0.0.0.0: this host's address on its route to the scheduler)")
         if args.restore_version and len(args.restore_version) != len(ranks):
             raise ValueError(f"--restore-version needs one version per rank ({len(ranks)}), "
                              f"got {len(args.restore_version)}")

@@ -313,7 +313,7 @@ class ReplicaHost:
     def __init__(self, server: ServerTransport, cfg, node_id: int = 0, checkpoint_root: str | None = None,
                  advertise: str | None = None):
         self.server = server
-        self.advertise = advertise  # what the shard registers (--replica-advertise); default the bound address
+        self.advertise = advertise  # what the shard registers (--replica-advertise, or reachable()); else bound
         self.checkpoint_root = checkpoint_root
         self.cfg = cfg
         self.node_id = node_id

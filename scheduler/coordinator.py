@@ -233,6 +233,7 @@ class Coordinator(Registration, Planning, Service):
         if ev.target is None:
             return
         ev.streak = ev.streak + 1 if accuracy >= ev.target else 0
+        self.state_dirty = True  # a restarted scheduler must not resume a streak this evaluation broke
         if ev.streak and ev.time_to_target_s is None:
             ev.time_to_target_s = round(t, 3)
             ev.samples_to_target = samples

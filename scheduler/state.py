@@ -75,5 +75,7 @@ def restore(coord, data: dict, node_type) -> None:
     if data["elapsed_s"] is not None:
         since_start = time.time() - data.get("started_unix", time.time() - data["elapsed_s"])
         coord.started = now - max(data["elapsed_s"], since_start)
-    coord.evals = dataclasses.replace(coord.evals, **data["evals"])
+    # what was measured comes from the file; the target and patience from this scheduler's config
+    measured = {k: v for k, v in data["evals"].items() if k not in ("target", "patience")}
+    coord.evals = dataclasses.replace(coord.evals, **measured)
     coord.failures = list(data["failures"])

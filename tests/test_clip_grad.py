@@ -59,6 +59,24 @@ def test_the_pushed_gradient_is_the_raw_one_scaled_to_the_norm(harnesses, model)
     assert all(torch.equal(loose[n], raw[n]) for n in raw)
 
 
+def test_a_non_finite_gradient_is_left_to_the_shards_nonfinite_policy(harnesses):
+    """Scaling by max_norm / inf would zero every finite entry: the gradient stays
+    as it was (the shard refuses, skips or clips it), its norm recorded as null."""
+    cfg, data, _, plan = setup(harnesses, ["optimizer.clip_grad_norm=0.001"], 2)
+    trainer = make_trainers(cfg, data, plan, 1)[0]
+    try:
+        trainer.compute()
+        name, (weight, _) = next(iter(trainer.state.tensors.items()))
+        weight.grad.view(-1)[0] = float("inf")
+        before = {n: t.grad.clone() for n, (t, kind) in trainer.state.tensors.items() if kind == "param"}
+        trainer.clip_gradients()
+        assert all(torch.equal(t.grad, before[n]) for n, (t, kind) in trainer.state.tensors.items()
+                   if kind == "param")
+        assert trainer.norm_record() == {"grad_norm": None}
+    finally:
+        trainer.client.close()
+
+
 def test_bad_clip_settings_name_the_key():
     with pytest.raises(ConfigError) as neg:
         load_config(None, ["optimizer.clip_grad_norm=-1"])

@@ -315,6 +315,7 @@ def test_every_error_is_reported_at_once(tmp_path):
 @pytest.mark.parametrize("override, key, allowed", [
     ("stop.target_accuracy=95", "stop.target_accuracy", "(0, 1]"),
     ("stop.target_accuracy=0", "stop.target_accuracy", "(0, 1]"),
+    ("stop.target_patience=0", "stop.target_patience", ">= 1"),
     ("cluster.dead_after_s=0", "cluster.dead_after_s", "> 0"),
     ("optimizer.momentum=-0.1", "optimizer.momentum", ">= 0"),
     ("optimizer.weight_decay=-1", "optimizer.weight_decay", ">= 0"),

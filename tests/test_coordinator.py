@@ -334,8 +334,10 @@ def test_target_patience_stops_on_the_nth_evaluation_in_a_row_at_the_target(tmp_
     now = [0.0]
     with one_worker_and_an_evaluator(tmp_path, ["stop.target_accuracy=0.9", "stop.target_patience=2"],
                                      now) as (coord, evaluator):
-        for accuracy in (0.91, 0.88, 0.92):  # the streak is broken by the second
+        for accuracy in (0.91, 0.88):
             evaluation(coord, evaluator, accuracy, now)
+        assert coord.evals.streak == 0 and coord.state_dirty  # saved at the next tick: a restart keeps the break
+        evaluation(coord, evaluator, 0.92, now)
         assert coord.stop_reason is None and coord.evals.streak == 1
         state.save(coord)
         again = Coordinator(coord.server, coord.cfg, run_dir=tmp_path, clock=lambda: now[0])

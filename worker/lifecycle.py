@@ -60,6 +60,15 @@ def leave_on_error(member: Membership, runner, exc: Exception) -> None:
                refused=exc.status if isinstance(exc, RemoteError) else 0)
 
 
+def warn_emulated_bfloat16(precision: str, device: torch.device) -> None:
+    """model.autocast: bfloat16 on a GPU older than compute capability 8.0 (V100,
+    T4) runs, emulated, slower than float32: say so in the worker's log."""
+    if precision == "bfloat16" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        log.warning("model.autocast: bfloat16 on %s (compute capability %s) is emulated and slower than float32; "
+                    "set model.autocast: none on such GPUs", torch.cuda.get_device_name(device),
+                    ".".join(map(str, torch.cuda.get_device_capability(device))))
+
+
 def run_node(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: Phases, role: str) -> int:
     """Run worker `args.rank` (or the evaluator) until the run stops; the daemon's exit status."""
     workers = cfg.cluster.workers
@@ -77,6 +86,8 @@ def run_node(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: P
             where = "evaluator device" if args.evaluator else f"cluster.workers.{args.rank}.device"
             device = pick_device(node.device, where)
             use_device(device)
+            if not args.evaluator:
+                warn_emulated_bfloat16(cfg.model.autocast, device)
             # the model and data, and one dry step of them, before registering (preflight.py)
             data, model = build_checked(cfg, device)
             specs = model_specs(model)

@@ -25,6 +25,7 @@ from hetps.proto.daemon import load_or_exit
 
 from .data import Datasets, DatasetUnavailable, load_datasets
 from .models import ModelError, build_model
+from .trainer import autocast
 from .user_data import DatasetContractError
 
 
@@ -53,12 +54,16 @@ def dry_step(model: nn.Module, data: Datasets, cfg: RunConfig, device: torch.dev
             f"input_shape[0] channels (a factory receives input_shape={data.in_shape}) or convert the "
             f"images to {conv.in_channels} channels in the dataset")
     probe = copy.deepcopy(model).to(device).train()
+    precision = cfg.model.autocast
     try:
-        out = probe(x.to(device))
+        with autocast(precision, torch.device(device)):  # as training runs it
+            out = probe(x.to(device))
     except Exception as exc:  # the user's forward may raise anything
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PreflightError(f"{names}: the forward pass fails on a batch of shape {shape} ({first}); fix: build "
-                             f"the model for inputs of shape {data.in_shape} (a factory receives input_shape)") from None
+        under = f" under model.autocast: {precision}" if precision != "none" else ""
+        raise PreflightError(f"{names}: the forward pass fails on a batch of shape {shape}{under} ({first}); fix: "
+                             f"build the model for inputs of shape {data.in_shape} (a factory receives input_shape)"
+                             + (" or set model.autocast: none" if under else "")) from None
     want = (batch, data.num_classes)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -66,7 +71,7 @@ def dry_step(model: nn.Module, data: Datasets, cfg: RunConfig, device: torch.dev
             f"{names}: the model gives outputs of shape {got} for inputs of shape {shape}, but the dataset has "
             f"{data.num_classes} classes, so it must give {want}; fix: make its last layer output num_classes "
             f"logits (a factory receives num_classes={data.num_classes}) or check the dataset's num_classes")
-    F.cross_entropy(out, y.to(device)).backward()
+    F.cross_entropy(out.float(), y.to(device)).backward()
     if not any(p.grad is not None for p in probe.parameters()):
         raise PreflightError(f"{names}: no parameter of the model gets a gradient; fix: the model must have "
                              "trainable parameters that the output depends on")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import time
 from typing import ContextManager
 
@@ -78,6 +79,20 @@ def autocast(kind: str, device: torch.device) -> ContextManager:
     if kind == "bfloat16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def clip_to_norm(grads: list[torch.Tensor], max_norm: float) -> float:
+    """Scale `grads` in place so that their joint L2 norm is at most `max_norm`
+    (as torch.nn.utils.clip_grad_norm_); returns the norm they had. A NaN or
+    infinite norm leaves them as they are: scaling by max_norm / inf would zero
+    every finite entry and make the infinite ones NaN, where the shard's
+    `cluster.nonfinite` (reject, skip or clip) should decide."""
+    if not grads:
+        return 0.0
+    norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+    if math.isfinite(norm) and norm > max_norm:
+        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+    return norm
 
 
 def clipped_params(cfg: RunConfig, state: ModelState) -> list[torch.Tensor]:
@@ -178,11 +193,11 @@ class Trainer:
 
     def clip_gradients(self) -> None:
         """Scale the gradient to at most `optimizer.clip_grad_norm` (its L2 norm
-        over every parameter, as torch.nn.utils.clip_grad_norm_); keep the norm
-        it had for the step record. Each worker clips its own gradient, before
-        a round averages it (DDP clips the average)."""
-        norm = torch.nn.utils.clip_grad_norm_(self.clipped, self.cfg.optimizer.clip_grad_norm)
-        self.grad_norm = float(norm)
+        over every parameter); keep the norm it had for the step record. Each
+        worker clips its own gradient, before a round averages it (DDP clips
+        the average)."""
+        self.grad_norm = clip_to_norm([p.grad for p in self.clipped if p.grad is not None],
+                                      self.cfg.optimizer.clip_grad_norm)
 
     def should_abort(self) -> bool:
         """Checked by every wait on a shard: true once the run is stopping."""
@@ -208,8 +223,11 @@ class Trainer:
                 "step_s": round(time.perf_counter() - started, 5), **self.norm_record()}
 
     def norm_record(self) -> dict:
-        """`grad_norm` (before clipping) for a step record, when clipping is on."""
-        return {"grad_norm": round(self.grad_norm, 6)} if self.grad_norm is not None else {}
+        """`grad_norm` (before clipping) for a step record, when clipping is on;
+        null when it was not finite."""
+        if self.grad_norm is None:
+            return {}
+        return {"grad_norm": round(self.grad_norm, 6) if math.isfinite(self.grad_norm) else None}
 
     def run(self) -> None:
         self.start()
