@@ -101,15 +101,20 @@ def records(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-def trained_to_after_replan(run_dir: Path, accuracy: float) -> bool:
-    """A plan after the first (a re-plan or a failover), then steps and an
-    evaluation at `accuracy` or more after it: what a test waits for before
-    it stops a run that had a fault."""
+def trained_to_after_replan(run_dir: Path, accuracy: float, held: int = 1) -> bool:
+    """A plan after the first (a re-plan or a failover), then steps and `held`
+    evaluations in a row at `accuracy` or more after it: what a test waits for
+    before it stops a run that had a fault."""
     replans = [r["t"] for r in records(run_dir, "plan") if r["plan_id"] > 1]
-    if not replans:
+    if not replans or not any(r["t"] > replans[0] for r in records(run_dir, "step")):
         return False
-    return (any(r["t"] > replans[0] for r in records(run_dir, "step"))
-            and any(r["t"] > replans[0] and r["accuracy"] >= accuracy for r in records(run_dir, "eval")))
+    streak = 0
+    for r in records(run_dir, "eval"):
+        if r["t"] > replans[0]:
+            streak = streak + 1 if r["accuracy"] >= accuracy else 0
+            if streak >= held:
+                return True
+    return False
 
 
 def worker_pid(run_dir: Path, rank: int) -> int:
