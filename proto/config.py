@@ -28,8 +28,7 @@ DATASETS = ("mnist-5k", "mnist", "cifar10", "cifar100", "imagefolder", "syntheti
 class ModelConfig:
     name: str = "lenet5"       # mlp | lenet5 | resnet20 | a torchvision.models name | pkg.module:factory
     kwargs: dict = field(default_factory=dict)  # passed to the model's constructor
-    autocast: str = "none"     # training forward passes under torch.autocast: none | bfloat16 (parameters,
-                               # gradients, the shards and evaluation stay float32)
+    autocast: str = "none"     # train forward passes under torch.autocast: none | bfloat16 (the rest stays float32)
 
 
 @dataclass(frozen=True)
@@ -68,8 +67,7 @@ class OptimizerConfig:
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 0.0
-    clip_grad_norm: float = 0.0  # scale each worker's gradient to at most this L2 norm before it is pushed
-                                 # (local-step loops: before each local step; not with comm.overlap); 0 = off
+    clip_grad_norm: float = 0.0  # L2 norm a worker's gradient is scaled down to before its push or local step; 0 = off
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
@@ -141,8 +139,7 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class StopConfig:
     target_accuracy: float | None = 0.95   # stop when the evaluator reaches it; null = never
-    target_patience: int = 1               # stop once this many evaluations in a row reach target_accuracy
-                                           # (time_to_target_s stays the first that did)
+    target_patience: int = 1               # stop at this many evaluations in a row at the target (1: the first)
     max_seconds: float = 300.0             # wall-clock limit of training
     max_steps: int = 0                     # limit on the sum of all workers' steps; 0 = none
     diverged_after: int = 5                # stop as diverged after this many evaluations in a row at

@@ -2,15 +2,16 @@
 sealed memfd segments in one process; a shard applying a push read in place."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
-import time
 
 import msgpack
 import pytest
 import torch
 import zmq
 
+from cluster_util import wait_for
 from hetps.proto import shm
 from hetps.proto.config import ConfigError, load_config
 from hetps.proto.messages import Push, Status
@@ -232,23 +233,12 @@ def test_replies_go_back_through_shared_memory_only_to_peers_that_used_it(shm_on
         shard.server.close()
 
 
-def bind_again(address: str, timeout_s: float = 60.0):
+def bind_again(address: str):
     """A server at a closed one's address (its port may take a moment to free up)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
+    def bound():
+        with contextlib.suppress(TransportError):
             return make_server(address)
-        except TransportError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
-def await_reconnect(client, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not client.reconnected():
-        assert time.monotonic() < deadline, f"the client did not connect again within {timeout_s}s"
-        time.sleep(0.02)
+    return wait_for(bound, 60, f"{address} to bind again")
 
 
 def test_segments_a_restarted_server_held_are_set_aside_then_closed(shm_on):
@@ -269,7 +259,7 @@ def test_segments_a_restarted_server_held_are_set_aside_then_closed(shm_on):
             held.append(received(server))  # the dying server's views: never let go
             server.close()
             server = bind_again(address)
-            await_reconnect(client)
+            wait_for(client.reconnected, 60, "the client to connect again")
             assert client.shm.segments == []
             # set aside at reconnects 1..restart+1; beyond max_segments (1), only those before the previous go
             assert [r for r, _ in client.shm.aside] == [[1], [1, 2], [2, 3]][restart]
