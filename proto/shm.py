@@ -18,7 +18,8 @@ sends through the socket as usual; nothing ever blocks on a segment. A server
 that dies holding a message never clears its flag: when the client connects
 again it sets its busy segments aside (`SegmentPool.set_aside`), so they stop
 counting against MAX_SEGMENTS, and closes them once free (a copy queued in the
-socket was read after all) or once more than MAX_SEGMENTS are aside.
+socket was read after all), or once more than MAX_SEGMENTS are aside and they
+were set aside before the last two reconnects.
 
 TRUST BOUNDARY, with a narrower trust than the socket: the server opens
 `/proc/PID/fd/FD` of the descriptor, so only peers running as the same user
@@ -135,9 +136,9 @@ class SegmentPool:
     def set_aside(self) -> int:
         """The server went away and came back (a restart): the messages it held may
         never be let go. Its busy segments leave the pool, so that new messages
-        take fresh ones; each is closed once free, or once it is more than
-        `max_segments` behind and from before the last two reconnects (see
-        `_tidy_aside`). Returns how many were set aside."""
+        take fresh ones; each is closed once free, or once more than
+        `max_segments` are aside and it was set aside before the last two
+        reconnects (see `_tidy_aside`). Returns how many were set aside."""
         self.reconnects += 1
         busy = [s for s in self.segments if not s.free()]
         self.segments = [s for s in self.segments if s.free()]
@@ -147,8 +148,8 @@ class SegmentPool:
 
     def _tidy_aside(self) -> None:
         """Close the set-aside segments that were let go after all, then the oldest
-        beyond `max_segments`, but only those set aside before the previous
-        reconnect: a message re-sent into a segment just before a reconnect may
+        beyond `max_segments`, but only those set aside before the last two
+        reconnects: a message re-sent into a segment just before a reconnect may
         still wait in the socket's queue for the new server (a connection that
         flaps reconnects twice before it is read). The others went to a server that
         is gone: closing the client's side frees the memory, and a live reader's
