@@ -9,6 +9,7 @@ import atexit
 import faulthandler
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -36,15 +37,56 @@ def rank_arg(value: str) -> int:
     return rank
 
 
+class DaemonArgumentParser(argparse.ArgumentParser):
+    """A daemon's flags: a bad one is one line (`hetps ps: error: ...`, exit 2)
+    in the daemon's log, not the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level_arg(value: str) -> str:
+    if value.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"want one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return value.upper()
+
+
+def port_arg(value: str) -> int:
+    """A TCP port, 0 (a free one) or -1 (off)."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -2
+    if not -1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"want a port 1-65535, 0 (a free one) or -1 (off), got {value!r}")
+    return port
+
+
+_ADDRESS = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})|(ipc|inproc|mem)://.+")  # mem: in-process
+
+
+def address_arg(value: str) -> str:
+    """A ZeroMQ address flag: tcp://HOST:PORT (port 0-65535), ipc://PATH or
+    inproc://NAME; `{rank}` may stand for a number (--ranks); empty = unset."""
+    found = _ADDRESS.fullmatch(value.replace("{rank}", "0"))
+    if value and (found is None or (found.group(2) is not None and int(found.group(2)) > 65535)):
+        raise argparse.ArgumentTypeError(f"want tcp://HOST:PORT (port 0-65535), ipc://PATH or inproc://NAME, "
+                                         f"got {value!r}")
+    return value
+
+
 def common_args(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument("--config", default=env("HETPS_CONFIG"), help="YAML experiment ($HETPS_CONFIG)")
     parser.add_argument("--rank", type=rank_arg, default=env("HETPS_RANK", "0"),
                         help="this node's rank among its role, or `auto`: a free one claimed from the scheduler "
                              "for launchers without indices ($HETPS_RANK)")
-    parser.add_argument("--scheduler", default=env("HETPS_SCHEDULER"),
+    parser.add_argument("--scheduler", type=address_arg, default=env("HETPS_SCHEDULER"),
                         help="scheduler address tcp://HOST:PORT ($HETPS_SCHEDULER; else cluster.scheduler)")
-    parser.add_argument("--log-level", default=env("HETPS_LOG_LEVEL", "INFO"))
+    log_level_args(parser)
     parser.add_argument("--check", action="store_true",
                         help="validate flags, environment and config, print them, exit 0 without connecting")
     parser.add_argument("--client-key", default=None,
@@ -54,10 +96,15 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
+def log_level_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", type=log_level_arg, default=os.environ.get("HETPS_LOG_LEVEL", "INFO"),
+                        help=f"{' | '.join(LOG_LEVELS)} ($HETPS_LOG_LEVEL; default INFO)")
+
+
 def metrics_args(parser: argparse.ArgumentParser) -> None:
     """The Prometheus endpoint's flags (see proto/metrics.py); every daemon has them."""
     env = os.environ.get
-    parser.add_argument("--metrics-port", type=int, default=int(env("HETPS_METRICS_PORT", "-1")),
+    parser.add_argument("--metrics-port", type=port_arg, default=env("HETPS_METRICS_PORT", "-1"),
                         help="serve Prometheus /metrics on this port ($HETPS_METRICS_PORT; 0 = a free port; "
                              "default -1 = off)")
     parser.add_argument("--metrics-host", default=env("HETPS_METRICS_HOST"),

@@ -26,24 +26,25 @@ import argparse
 import os
 import sys
 
-from hetps.proto.daemon import check_and_exit, common_args, daemon_setup, fast_exit, rank_label
+from hetps.proto.daemon import (DaemonArgumentParser, address_arg, check_and_exit, common_args, daemon_setup, fast_exit,
+                                rank_label)
 from hetps.proto.startup import Phases, process_age_s
 from hetps.proto.transport import set_shared_memory
 
 
 def main(argv: list[str] | None = None) -> int:
     phases = Phases(imports_s=process_age_s())  # reported in REGISTER: where the start-up went
-    parser = argparse.ArgumentParser(prog="hetps ps", description="parameter-server shard daemon")
+    parser = DaemonArgumentParser(prog="hetps ps", description="parameter-server shard daemon")
     common_args(parser)
-    parser.add_argument("--bind", default=os.environ.get("HETPS_BIND"),
+    parser.add_argument("--bind", type=address_arg, default=os.environ.get("HETPS_BIND"),
                         help="address to bind ($HETPS_BIND; default tcp://<cluster.host>:0)")
-    parser.add_argument("--advertise", default=os.environ.get("HETPS_ADVERTISE"),
+    parser.add_argument("--advertise", type=address_arg, default=os.environ.get("HETPS_ADVERTISE"),
                         help="address workers should connect to ($HETPS_ADVERTISE; default: the bound one, "
                              "0.0.0.0 replaced by this host's address on its route to the scheduler)")
-    parser.add_argument("--replica-bind", default=os.environ.get("HETPS_REPLICA_BIND"),
+    parser.add_argument("--replica-bind", type=address_arg, default=os.environ.get("HETPS_REPLICA_BIND"),
                         help="with cluster.replicas: address the backup this shard holds binds "
                              "($HETPS_REPLICA_BIND; default tcp://<cluster.host>:0)")
-    parser.add_argument("--replica-advertise", default=os.environ.get("HETPS_REPLICA_ADVERTISE"),
+    parser.add_argument("--replica-advertise", type=address_arg, default=os.environ.get("HETPS_REPLICA_ADVERTISE"),
                         help="with cluster.replicas: address other shards forward to it at "
                              "($HETPS_REPLICA_ADVERTISE; default: the bound one, 0.0.0.0 replaced as for --advertise)")
     parser.add_argument("--checkpoint-dir", default=os.environ.get("HETPS_CHECKPOINT_DIR"),

@@ -13,18 +13,17 @@ start-up or the cluster never formed, 3 when training diverged (see outcome.py).
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
-from hetps.proto.daemon import (check_and_exit, dump_stacks_on_usr1, fast_exit, load_or_exit, metrics_args,
-                                security_or_exit)
+from hetps.proto.daemon import (DaemonArgumentParser, address_arg, check_and_exit, dump_stacks_on_usr1, fast_exit,
+                                load_or_exit, log_level_args, metrics_args, security_or_exit)
 from hetps.proto.metrics import serve_metrics
 from hetps.proto.plan import ClusterPlan
-from hetps.proto.transport import make_server
+from hetps.proto.transport import TransportError, make_server
 
 from . import state, tensorboard
 from .coordinator import Coordinator
@@ -36,15 +35,15 @@ log = logging.getLogger("hetps.scheduler")
 
 def main(argv: list[str] | None = None) -> int:
     env = os.environ.get
-    parser = argparse.ArgumentParser(prog="hetps scheduler", description="cluster scheduler daemon")
+    parser = DaemonArgumentParser(prog="hetps scheduler", description="cluster scheduler daemon")
     parser.add_argument("--config", default=env("HETPS_CONFIG"), help="YAML experiment ($HETPS_CONFIG)")
-    parser.add_argument("--bind", default=env("HETPS_BIND"), help="address to bind ($HETPS_BIND)")
+    parser.add_argument("--bind", type=address_arg, default=env("HETPS_BIND"), help="address to bind ($HETPS_BIND)")
     parser.add_argument("--run-dir", default=env("HETPS_RUN_DIR"), help="where metrics and summary go")
     parser.add_argument("--run-id", default=env("HETPS_RUN_ID"),
                         help="the run id (names checkpoints); default: a new one, or the saved one on a restart")
     parser.add_argument("--resume", action="store_true",
                         help="a resumed run (`hetps run --resume`): new nodes, the stopped run's placement")
-    parser.add_argument("--log-level", default=env("HETPS_LOG_LEVEL", "INFO"))
+    log_level_args(parser)
     parser.add_argument("--check", action="store_true",
                         help="validate flags, environment and config, print them, exit 0 without binding")
     metrics_args(parser)
@@ -71,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetps scheduler: run {finished['run_id']} in {run_dir} has finished; nothing to do "
               "(a new run needs a new --run-dir)", file=sys.stderr)
         return 0
-    server = make_server(args.bind or cfg.cluster.scheduler, cfg.cluster.max_message_bytes)
+    try:
+        server = make_server(args.bind or cfg.cluster.scheduler, cfg.cluster.max_message_bytes)
+    except TransportError as exc:  # the address is taken, or not one of this host's
+        print(f"hetps scheduler: {exc}", file=sys.stderr)
+        return 1
     coordinator = Coordinator(server, cfg, run_dir, run_id=args.run_id)
     if cfg.log.tensorboard and run_dir:
         coordinator.runlog.sink = tensorboard.TensorBoardSink(run_dir / "tensorboard")

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from hetps.proto.config import ConfigError, apply_override, config_from_dict, load_raw
+from hetps.proto.config import ConfigError, apply_override, config_from_dict, load_config, load_raw
 
 from .efficiency import useful_efficiency
 from .launcher import run_local
@@ -168,11 +168,24 @@ def compare_command(argv: list[str]) -> int:
                         help="the entry whose samples-to-target useful efficiency is measured against")
     parser.add_argument("--simulate", action="store_true", help="simulated runs in virtual time (hetps simulate)")
     args = parser.parse_intermixed_args(argv)
+    try:
+        base = load_config(args.config, args.overrides)  # the file and the common overrides, checked once
+    except ConfigError as exc:
+        print(f"hetps: config error: {exc}", file=sys.stderr)
+        return 2
     raw = load_raw(args.config)
     # each entry is ALGO or LABEL:ALGO (the same algorithm twice with different --with)
     entries = [e.strip() for e in args.algorithms.split(",") if e.strip()]
     labels = {e.split(":")[0]: e.split(":")[-1] for e in entries}
     algorithms = list(labels)
+    unknown = sorted({name for name, _ in args.extra} - set(algorithms))
+    problem = ("--algorithms: name at least one algorithm" if not algorithms else
+               f"--algorithms: {args.algorithms!r} names an entry twice" if len(algorithms) != len(entries) else
+               f"--repeats: must be >= 1, got {args.repeats}" if args.repeats < 1 else
+               f"--with {unknown[0]}: not an entry of --algorithms ({', '.join(algorithms)})" if unknown else None)
+    if problem:
+        print(f"hetps compare: {problem}", file=sys.stderr)
+        return 2
     try:
         milestones = [float(m) for m in args.milestones.split(",") if m.strip()]
     except ValueError:
@@ -180,7 +193,7 @@ def compare_command(argv: list[str]) -> int:
         return 2
     extra = {a: [kv for name, kv in args.extra if name == a] for a in algorithms}
     try:
-        configs = {a: [algorithm_config(raw, labels[a], args.overrides, extra[a], raw.get("seed", 0) + r)
+        configs = {a: [algorithm_config(raw, labels[a], args.overrides, extra[a], base.seed + r)
                        for r in range(args.repeats)] for a in algorithms}
     except ConfigError as exc:
         print(f"hetps: config error: {exc}", file=sys.stderr)

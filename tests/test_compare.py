@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster_util import log_tails, run_hetps, summary
+from cluster_util import REPO, log_tails, run_hetps, summary
 from hetps.scheduler.compare import aggregate, markdown
 
 
@@ -62,3 +62,30 @@ def test_compare_writes_its_three_files_with_one_row_per_algorithm(run_dir):
     assert [line.split(" | ")[0] for line in table] == ["| sync", "| async"]
     png = (out / "compare.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--algorithms", "sync,async", "--with", "asnyc", "optimizer.lr=0.01"], "--with asnyc: not an entry"),
+    (["--algorithms", "sync", "--repeats", "0"], "--repeats: must be >= 1"),
+    (["--algorithms", ","], "--algorithms: name at least one"),
+    (["--algorithms", "sync,sync"], "names an entry twice"),
+    (["--algorithms", "sync", "seed=abc"], "config error: seed"),
+])
+def test_bad_compare_arguments_exit_2_before_any_run(tmp_path, capsys, args, named):
+    from hetps.scheduler.compare import compare_command
+
+    out = tmp_path / "cmp"
+    assert compare_command([str(REPO / "configs" / "sync.yaml"), *args, "--out", str(out)]) == 2
+    assert named in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text", [b"[]\n", b"0\n", b"name: caf\xe9\n"])
+def test_a_config_file_that_is_no_mapping_or_not_utf8_names_the_file(tmp_path, text):
+    from hetps.proto.config import ConfigError, load_config
+
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text)
+    with pytest.raises(ConfigError) as bad:
+        load_config(path)
+    assert "must hold a mapping" in str(bad.value) or f"{path}: not UTF-8 text" in str(bad.value)

@@ -15,15 +15,14 @@ its dataset is not there or this node's algorithm block differs from the plan's,
 """
 from __future__ import annotations
 
-import argparse
 
-from hetps.proto.daemon import common_args, daemon_setup, fast_exit
+from hetps.proto.daemon import DaemonArgumentParser, common_args, daemon_setup, fast_exit
 from hetps.proto.startup import Phases, process_age_s
 
 
 def main(argv: list[str] | None = None) -> int:
     phases = Phases(imports_s=process_age_s())  # reported in REGISTER: where the start-up went
-    parser = argparse.ArgumentParser(prog="hetps worker", description="training worker daemon")
+    parser = DaemonArgumentParser(prog="hetps worker", description="training worker daemon")
     common_args(parser)
     parser.add_argument("--evaluator", action="store_true", help="run as the evaluator")
     parser.add_argument("--model-out", default=None, help="evaluator: write the final model to "
