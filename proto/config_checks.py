@@ -6,6 +6,7 @@ problems as `key: what is wrong` lines, so that all are reported at once.
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from typing import Any, Callable
 
@@ -17,9 +18,9 @@ DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # as proto/devices.py
 
 # a rule: (test, allowed range as a user reads it)
 Rule = tuple[Callable[[Any], bool], str]
-POSITIVE: Rule = (lambda v: v > 0, "must be > 0")
-NON_NEGATIVE: Rule = (lambda v: v >= 0, "must be >= 0")
-AT_LEAST_1: Rule = (lambda v: v >= 1, "must be >= 1")
+POSITIVE: Rule = (lambda v: 0 < v < math.inf, "must be > 0 (and finite)")
+NON_NEGATIVE: Rule = (lambda v: 0 <= v < math.inf, "must be >= 0 (and finite)")
+AT_LEAST_1: Rule = (lambda v: 1 <= v < math.inf, "must be >= 1 (and finite)")
 FRACTION: Rule = (lambda v: 0 <= v <= 1, "must be in [0, 1]")
 
 # every number of the config (algorithm parameters check themselves, algorithm_params.py)

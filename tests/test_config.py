@@ -316,6 +316,8 @@ def test_every_error_is_reported_at_once(tmp_path):
     ("stop.target_accuracy=95", "stop.target_accuracy", "(0, 1]"),
     ("stop.target_accuracy=0", "stop.target_accuracy", "(0, 1]"),
     ("stop.target_patience=0", "stop.target_patience", ">= 1"),
+    ("optimizer.lr=.inf", "optimizer.lr", "finite"),
+    ("eval.every_s=1e400", "eval.every_s", "finite"),
     ("cluster.dead_after_s=0", "cluster.dead_after_s", "> 0"),
     ("optimizer.momentum=-0.1", "optimizer.momentum", ">= 0"),
     ("optimizer.weight_decay=-1", "optimizer.weight_decay", ">= 0"),
