@@ -345,10 +345,8 @@ def _list_index(node: list, part: str, path: str) -> int:
 def load_raw(path: str | Path) -> dict:
     try:
         raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except (OSError, UnicodeDecodeError) as exc:  # missing, a directory, not UTF-8 text
+        raise ConfigError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or 'not UTF-8 text'})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     return {} if raw is None else raw  # an empty file: the defaults; any other non-mapping is refused

@@ -88,4 +88,4 @@ def test_a_config_file_that_is_no_mapping_or_not_utf8_names_the_file(tmp_path, t
     path.write_bytes(text)
     with pytest.raises(ConfigError) as bad:
         load_config(path)
-    assert "must hold a mapping" in str(bad.value) or f"{path}: not UTF-8 text" in str(bad.value)
+    assert "must hold a mapping" in str(bad.value) or f"{path}: cannot read (not UTF-8 text)" in str(bad.value)
