@@ -15,6 +15,7 @@ from .config import BUILTIN_MODELS, CHOICES, DATASETS, RunConfig
 
 FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:factory
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # as proto/devices.py
+RUN_NAME = re.compile(r"([A-Za-z0-9_-][A-Za-z0-9._-]*)?")  # one path component, not hidden, not `..`
 
 # a rule: (test, allowed range as a user reads it)
 Rule = tuple[Callable[[Any], bool], str]
@@ -121,6 +122,8 @@ def _check_names(cfg: RunConfig) -> list[str]:
         if name not in torchvision.models.list_models():
             out.append(f"model.name: unknown value {name!r}; allowed: {', '.join(BUILTIN_MODELS)}, "
                        "a torchvision.models name, or package.module:factory")
+    if not RUN_NAME.fullmatch(cfg.name):
+        out.append(f"name: must be letters, digits, '.', '_' or '-' (it names the run directory), got {cfg.name!r}")
     resize = cfg.data.resize
     if resize is not None and (len(resize) != 2 or min(resize) < 1):
         out.append(f"data.resize: must be [height, width] with both >= 1, or null, got {resize!r}")
@@ -139,7 +142,7 @@ def _check_nodes(cfg: RunConfig) -> list[str]:
                 out.append(f"cluster.{kind}.{i}.device: unknown value {node.device!r}; "
                            "allowed: auto, cpu, cuda, cuda:N")
             for j, change in enumerate(node.schedule):
-                if change.slowdown < 1.0 or change.at_s < 0:
+                if not (change.slowdown >= 1.0 and 0 <= change.at_s < math.inf):  # NaN fails too
                     out.append(f"cluster.{kind}.{i}.schedule.{j}: needs at_s >= 0 and slowdown >= 1.0, "
                                f"got at_s {change.at_s}, slowdown {change.slowdown}")
     names = (["scheduler"] + [f"ps{i}" for i in range(len(cfg.cluster.shards))]
@@ -147,8 +150,8 @@ def _check_nodes(cfg: RunConfig) -> list[str]:
     for i, kill in enumerate(cfg.cluster.kill):
         if kill.node not in names:
             out.append(f"cluster.kill.{i}.node: no process {kill.node!r} in this run; allowed: {', '.join(names)}")
-        if kill.at_s < 0:
-            out.append(f"cluster.kill.{i}.at_s: must be >= 0, got {kill.at_s}")
+        if not 0 <= kill.at_s < math.inf:  # NaN fails too
+            out.append(f"cluster.kill.{i}.at_s: must be >= 0 (and finite), got {kill.at_s}")
         if kill.restart_after_s is not None and kill.restart_after_s < 0:
             out.append(f"cluster.kill.{i}.restart_after_s: must be >= 0 or null, got {kill.restart_after_s}")
     return out
