@@ -11,13 +11,7 @@ from hetps.proto.config import ConfigError, load_config
 from hetps.scheduler.report import read_metrics
 from hetps.sim.engine import simulate
 from hetps.worker.data import load_datasets
-from shard_harness import ShardHarness, closing_factory
-from test_overlap import make_trainers, one_thread, setup  # noqa: F401  (one_thread: an autouse fixture)
-
-
-@pytest.fixture
-def harnesses():
-    yield from closing_factory(ShardHarness)
+from test_overlap import harnesses, make_trainers, one_thread, setup  # noqa: F401  (fixtures: one_thread autouse)
 
 
 def first_step(harnesses, *overrides) -> tuple[float, dict[str, torch.Tensor]]:

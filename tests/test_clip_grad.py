@@ -12,15 +12,9 @@ from hetps.proto.config import ConfigError, load_config
 from hetps.scheduler.report import read_metrics
 from hetps.sim.engine import simulate
 from hetps.worker.data import load_datasets
-from test_overlap import make_trainers, one_thread, setup  # noqa: F401  (one_thread: an autouse fixture)
-from shard_harness import ShardHarness, closing_factory
+from test_overlap import harnesses, make_trainers, one_thread, setup  # noqa: F401  (fixtures: one_thread autouse)
 
 LENET = ("model.name=lenet5", "data.synthetic.shape=[1,28,28]")  # its shard parts are flat on the worker
-
-
-@pytest.fixture
-def harnesses():
-    yield from closing_factory(ShardHarness)
 
 
 def first_gradients(harnesses, *overrides) -> tuple[dict[str, torch.Tensor], object]:
@@ -29,8 +23,8 @@ def first_gradients(harnesses, *overrides) -> tuple[dict[str, torch.Tensor], obj
     trainer = make_trainers(cfg, data, plan, 1)[0]
     try:
         trainer.compute()
-        grads = {n: t.clone() for n, (t, kind) in trainer.state.tensors.items() if kind == "param"
-                 for t in [trainer.state.outgoing()[n]]}
+        pushed = trainer.state.outgoing()
+        grads = {n: pushed[n].clone() for n, (_, kind) in trainer.state.tensors.items() if kind == "param"}
     finally:
         trainer.client.close()
     return grads, trainer
