@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from hetps.scheduler.plots import _pyplot
+from hetps.frontend.plots import _pyplot
 
 
 def final_accuracies(out: Path) -> dict[str, list[float]]:

@@ -41,7 +41,7 @@ def gpu_devices() -> list[str]:
 
 
 def run(out: Path, gpus: list[str]) -> tuple[int, str, float]:
-    args = [sys.executable, "-m", "hetps.scheduler.cli", "run", str(REPO / "configs" / "default.yaml"),
+    args = [sys.executable, "-m", "hetps.frontend.cli", "run", str(REPO / "configs" / "default.yaml"),
             "cluster.workers=3", f"cluster.workers.0.device={gpus[0]}", f"cluster.workers.1.device={gpus[1]}",
             "cluster.workers.2.device=cpu", "cluster.shards=2", f"stop.target_accuracy={TARGET}",
             f"stop.max_seconds={RUN_LIMIT_S - 30}", "eval.every_s=1.0", "--out", str(out)]
@@ -103,7 +103,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="run directory (default: a temporary one)")
     args = parser.parse_args()
-    missing = [name for name in ("hetps.scheduler.cli", "zmq", "msgpack", "mlxtend")
+    missing = [name for name in ("hetps.frontend.cli", "zmq", "msgpack", "mlxtend")
                if importlib.util.find_spec(name.split(".")[0]) is None or not importable(name)]
     if missing:
         print(f"gpu_check: FAIL not importable here: {', '.join(missing)} (pip install -e '.[data]' from the "

@@ -73,7 +73,7 @@ def measure(run_dir: Path, dead_after_s: float) -> dict:
 
 def run_once(config: str, kill_at: float, seconds: float, out: Path, overrides: list[str]) -> dict:
     run_dir = out / f"kill-{kill_at:.3f}"
-    cmd = [sys.executable, "-m", "hetps.scheduler.cli", "run", config, "--out", str(run_dir), "--quiet",
+    cmd = [sys.executable, "-m", "hetps.frontend.cli", "run", config, "--out", str(run_dir), "--quiet",
            "checkpoint.every_updates=1", "cluster.retry_s=0.5", "stop.target_accuracy=null",
            f"stop.max_seconds={seconds}",
            f"cluster.kill=[{{node: ps1, at_s: {kill_at}, restart_after_s: {RESTART_AFTER_S}}}]", *overrides]

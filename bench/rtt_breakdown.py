@@ -41,7 +41,7 @@ def timed(acc: dict, key: str, fn):
 def shard_server(row: str, queue: mp.Queue, stop) -> None:
     torch.set_num_threads(1)
     from hetps.proto import rpc
-    from hetps.proto.config import load_config
+    from hetps.runconfig.schema import load_config
     from hetps.proto.messages import Op
     from hetps.proto.transport import make_server
     from hetps.ps import shard as shard_mod
@@ -73,7 +73,7 @@ def shard_server(row: str, queue: mp.Queue, stop) -> None:
 
 def run_hetps(row: str, seconds: float, fuse_pull: bool) -> tuple[dict, int, dict, int, float]:
     from hetps.proto import rpc
-    from hetps.proto.config import ClusterConfig
+    from hetps.runconfig.schema import ClusterConfig
     from hetps.worker.client import PSClient
 
     specs = tensor_set(row)

@@ -132,7 +132,7 @@ def use_shm(shm_bytes: int) -> None:
 
 def shard_server(set_name: str, workers: int, queue: mp.Queue, stop, shm_bytes: int = 0) -> None:
     torch.set_num_threads(1)
-    from hetps.proto.config import load_config
+    from hetps.runconfig.schema import load_config
     from hetps.proto.transport import make_server
 
     use_shm(shm_bytes)

@@ -27,9 +27,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from hetps.proto.config import load_raw
-from hetps.scheduler.compare import algorithm_config, median_or_none
-from hetps.scheduler.launcher import run_local
+from hetps.runconfig.schema import load_raw
+from hetps.frontend.compare import algorithm_config, median_or_none
+from hetps.frontend.launcher import run_local
 from hetps.sim.costs import measured_costs, step_records
 from hetps.sim.engine import simulate
 

@@ -46,7 +46,7 @@ def machine() -> str:
 
 def children_of(parent: int) -> dict[str, int]:
     """The launcher's daemons by hetps name (scheduler, ps0, worker1, evaluator) -> pid: its
-    children, or (forked by `hetps run`, scheduler/zygote.py) its fork server's children."""
+    children, or (forked by `hetps run`, frontend/zygote.py) its fork server's children."""
     procs = {}  # pid -> (ppid, argv)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -193,7 +193,7 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out or REPO / "runs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "hetps.scheduler.cli", "run", args.config, "stop.target_accuracy=null",
+    command = [sys.executable, "-m", "hetps.frontend.cli", "run", args.config, "stop.target_accuracy=null",
                f"stop.max_seconds={args.seconds}", *args.overrides, "--out", str(out / "run"), "--quiet"]
     print(f"machine: {machine()}\ncommand: {' '.join(command[1:])}\nRSS in MiB:", flush=True)
     samples: list[dict] = []

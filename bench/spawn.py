@@ -47,7 +47,7 @@ def one_run(mode: str, config: str, overrides: list[str], index: int) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"spawn-{mode}-"))
     # each run's own fork server, never a shared one (HETPS_FORK_SERVER): its CPU is what is measured
     env = {**{k: v for k, v in os.environ.items() if k != "HETPS_FORK_SERVER"}, "HETPS_SPAWN": mode}
-    cmd = [sys.executable, "-m", "hetps.scheduler.cli", "run", config, "--quiet", "--out", str(out), *overrides]
+    cmd = [sys.executable, "-m", "hetps.frontend.cli", "run", config, "--quiet", "--out", str(out), *overrides]
     start = time.monotonic()
     # the child joins the cgroup before it execs, so everything it starts is counted
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

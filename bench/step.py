@@ -70,8 +70,8 @@ def ddp_rank(rank: int, world: int, init_file: str, overrides: list[str], warmup
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from hetps.proto.config import load_config
-    from hetps.proto.optim import build_optimizer
+    from hetps.runconfig.schema import load_config
+    from hetps.runtime.optim import build_optimizer
     from hetps.worker.data import BatchStream, load_datasets, partition
     from hetps.worker.models import build_model
 
@@ -143,7 +143,7 @@ def reap(procs) -> None:
 
 def hetps_run(overrides: list[str], run_dir: Path) -> None:
     """`hetps run` to completion in its own session; killed whole past RUN_TIMEOUT_S."""
-    cmd = [sys.executable, "-m", "hetps.scheduler.cli", "run", CONFIG, *overrides, "--out", str(run_dir), "--quiet"]
+    cmd = [sys.executable, "-m", "hetps.frontend.cli", "run", CONFIG, *overrides, "--out", str(run_dir), "--quiet"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

@@ -54,7 +54,7 @@ def steps_so_far(run_dir: Path) -> int:
 def measure(workers: int, shards: int, window_s: float, overrides: list[str], tmp: Path) -> tuple[float, float]:
     """(global steps/s, CPU ms per global step) over the window."""
     run_dir = tmp / f"run-{len(list(tmp.iterdir()))}"
-    cmd = [sys.executable, "-m", "hetps.scheduler.cli", "run", CONFIG, *COMMON, *MODELS["lenet5"],
+    cmd = [sys.executable, "-m", "hetps.frontend.cli", "run", CONFIG, *COMMON, *MODELS["lenet5"],
            f"cluster.workers={workers}", f"cluster.shards={shards}", "eval.enabled=false",
            "stop.target_accuracy=null", f"stop.max_seconds={SETTLE_S + window_s + 30}", *overrides,
            "--out", str(run_dir), "--quiet"]

@@ -103,7 +103,7 @@ def use_curve(keys_dir: str, role: str) -> None:
     """Curve on for this process's later hetps sockets (no-op without `keys_dir`)."""
     if keys_dir:
         from hetps.proto import security
-        from hetps.proto.config import load_config
+        from hetps.runconfig.schema import load_config
 
         cfg = load_config(None, ["security.curve=true", f"security.keys_dir={keys_dir}"])
         security.configure(cfg, role, client_key=CURVE_CLIENT)
@@ -112,7 +112,7 @@ def use_curve(keys_dir: str, role: str) -> None:
 def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str, keys_dir: str, scheme: str,
                        shm_bytes: int = 0) -> None:
     torch.set_num_threads(1)
-    from hetps.proto.config import load_config
+    from hetps.runconfig.schema import load_config
     from hetps.proto.transport import make_server, set_shared_memory
     from hetps.ps.shard import Shard
 
@@ -197,7 +197,7 @@ def bench_raw(specs: list, seconds: float, per_tensor: bool, scheme: str = "tcp"
 def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True,
                 keys_dir: str = "", scheme: str = "tcp", shm_bytes: int = 0) -> tuple[float, float]:
     """(seconds per push+pull round trip, shard update seconds per push)."""
-    from hetps.proto.config import ClusterConfig
+    from hetps.runconfig.schema import ClusterConfig
     from hetps.proto.transport import set_shared_memory
     from hetps.worker.client import PSClient
 

@@ -27,14 +27,14 @@ import os
 import sys
 from pathlib import Path
 
-from hetps.proto.daemon import load_or_exit
+from hetps.runtime.daemon import load_or_exit
 
 ROLE_MODULES = {"ps": "hetps.ps", "worker": "hetps.worker", "export": "hetps.worker.export"}
 
 
 def run_command(argv: list[str]) -> int:
     from .launcher import default_run_dir, run_local
-    from .tensorboard import missing as tensorboard_missing
+    from hetps.scheduler.tensorboard import missing as tensorboard_missing
 
     parser = argparse.ArgumentParser(prog="hetps run", description="train one experiment on a local cluster")
     parser.add_argument("config", nargs="?", help="YAML experiment, e.g. configs/default.yaml "
@@ -64,7 +64,7 @@ def run_command(argv: list[str]) -> int:
 
 
 def simulate_command(argv: list[str]) -> int:
-    from hetps.proto.config import ConfigError
+    from hetps.runconfig.schema import ConfigError
     from hetps.sim.engine import simulate
 
     from .launcher import default_run_dir
@@ -104,7 +104,7 @@ def simulate_command(argv: list[str]) -> int:
 
 
 def resume_command(args: argparse.Namespace) -> int:
-    from hetps.proto.config import ConfigError
+    from hetps.runconfig.schema import ConfigError
 
     from .launcher import run_local
     from .resume import check_same_shards, resume_point
@@ -127,7 +127,7 @@ def resume_command(args: argparse.Namespace) -> int:
 def config_command(argv: list[str]) -> int:
     import yaml
 
-    from hetps.proto.config import config_to_dict
+    from hetps.runconfig.schema import config_to_dict
 
     parser = argparse.ArgumentParser(prog="hetps config", description="print the resolved config as YAML")
     parser.add_argument("config", help="YAML experiment")
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plot_command(rest)
     if command == "scheduler":
-        from .__main__ import main as scheduler_main
+        from hetps.scheduler.__main__ import main as scheduler_main
 
         return scheduler_main(rest)
     os.execv(sys.executable, [sys.executable, "-m", ROLE_MODULES[command], *rest])

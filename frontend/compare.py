@@ -30,9 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from hetps.proto.config import ConfigError, apply_override, config_from_dict, load_config, load_raw
+from hetps.runconfig.schema import ConfigError, apply_override, config_from_dict, load_config, load_raw
 
-from .efficiency import useful_efficiency
+from hetps.scheduler.efficiency import useful_efficiency
 from .launcher import run_local
 from .plots import X_AXES, plot_compare
 from .report import read_metrics

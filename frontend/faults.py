@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from hetps.proto.config import KillFault
+from hetps.runconfig.schema import KillFault
 
-from hetps.proto import checkpoint
+from hetps.runtime import checkpoint
 
 
 class FaultInjector:

@@ -2,7 +2,7 @@
 
 Starts the scheduler (random port), the shards, the workers and the
 evaluator as `python -m hetps.<role>` processes (forked from one warm
-process that imported torch once, scheduler/zygote.py; `HETPS_SPAWN=exec`
+process that imported torch once, frontend/zygote.py; `HETPS_SPAWN=exec`
 execs each instead), shows one live progress
 line, and when the scheduler stops the run, writes the plot. Every child runs
 in its own session (so a terminal's Ctrl-C reaches only the launcher, which
@@ -21,20 +21,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetps.proto.config import RunConfig, dump_config
+from hetps.runconfig.schema import RunConfig, dump_config
 from hetps.proto.errors import HetpsError
-from hetps.proto.devices import assign_devices, local_gpu_count
+from hetps.runtime.devices import assign_devices, local_gpu_count
 from hetps.proto.security import keys_for_run
-from hetps.proto.startup import process_age_s
+from hetps.runtime.startup import process_age_s
 
 from .faults import FaultInjector
 from .local_sockets import LocalSockets, shard_groups, shard_process
-from .outcome import EXIT_CODES, INTERRUPTED
+from hetps.scheduler.outcome import EXIT_CODES, INTERRUPTED
 from .report import Progress, format_summary, plot_run
-from .runlog import mark_failed, read_summary, write_json_atomic
+from hetps.scheduler.runlog import mark_failed, read_summary, write_json_atomic
 from .startup_report import startup_line, startup_section
 from .resume import ResumePoint, checkpoints_root, strip_resume
-from .state import STATE_FILE
+from hetps.scheduler.state import STATE_FILE
 from .shared_forks import fork_server
 
 ADDR_WAIT_S = 60.0   # longest wait for the scheduler to publish its address
@@ -76,7 +76,7 @@ def client_names(cfg: RunConfig) -> list[str]:
 
 def with_local_devices(cfg: RunConfig) -> RunConfig:
     """`cfg` with each `auto` worker device resolved for this machine: round-robin
-    over its visible GPUs (proto/devices.py), so config.yaml says where each ran."""
+    over its visible GPUs (runtime/devices.py), so config.yaml says where each ran."""
     requested = [n.device for n in cfg.cluster.workers]
     if "auto" not in requested:
         return cfg
@@ -112,7 +112,7 @@ class LocalCluster:
         self.failed_as: tuple[str, str] | None = None  # (node, error) once a process failed
         self.check: subprocess.Popen | None = None
         # every daemon imports torch: fork them from one warm process instead of importing it in each
-        # (shared by many runs with $HETPS_FORK_SERVER, scheduler/shared_forks.py)
+        # (shared by many runs with $HETPS_FORK_SERVER, frontend/shared_forks.py)
         self.forks = fork_server()
         self.timeline: dict[str, float] = {"launch": time.time() - process_age_s()}  # wall times (startup_report.py)
 

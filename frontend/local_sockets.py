@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from hetps.proto.config import RunConfig
+from hetps.runconfig.schema import RunConfig
 
 UNIX_PATH_MAX = 100   # bytes of a unix socket's path, with room to spare below sun_path's 104-108
 LONGEST_NAME = 16     # "scheduler", "ps12", "ps{rank}" and their separator fit

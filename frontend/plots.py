@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from .report import read_metrics
-from .runlog import read_summary
+from hetps.scheduler.runlog import read_summary
 
 X_AXES = {"time": ("t", "wall-clock time (s)"), "steps": ("global_steps", "global steps (all workers)"),
           "bytes": ("bytes", "bytes moved by the workers (sent + received)")}

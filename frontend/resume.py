@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetps.proto import checkpoint
-from hetps.proto.config import ConfigError
+from hetps.runtime import checkpoint
+from hetps.runconfig.schema import ConfigError
 
-from . import state
+from hetps.scheduler import state
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ run (zygote.py): ~3 s of CPU each time. A sweep or a test suite that starts
 dozens of runs pays it dozens of times. This server imports the same modules
 once and forks daemons for any run that asks:
 
-    python -m hetps.scheduler.shared_forks SOCKET &     # in a private directory
+    python -m hetps.frontend.shared_forks SOCKET &     # in a private directory
     HETPS_FORK_SERVER=SOCKET hetps run ...              # each run forks from it
 
 A request carries what the launcher would give an exec'd daemon: its whole
@@ -210,10 +210,10 @@ def fork_server() -> ForkServer | PreferShared | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hetps.scheduler.shared_forks SOCKET`: serve (shared_fork_server.py)."""
+    """`python -m hetps.frontend.shared_forks SOCKET`: serve (shared_fork_server.py)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m hetps.scheduler.shared_forks SOCKET", file=sys.stderr)
+        print("usage: python -m hetps.frontend.shared_forks SOCKET", file=sys.stderr)
         return 2
     from .shared_fork_server import serve
 

@@ -100,7 +100,7 @@ class Register(Message):
     speed: float = 0.0            # profiled speed: samples/s (workers), bytes/s updated (shards)
     node_id: int = 0              # the id this node already had, when it registers again
     host: str = ""                # the node's host name (recorded in the run directory)
-    startup: dict = field(default_factory=dict)  # {phase: seconds} before registering (proto/startup.py)
+    startup: dict = field(default_factory=dict)  # {phase: seconds} before registering (runtime/startup.py)
     replica_address: str = ""     # shards with cluster.replicas > 0: where it serves the backup it holds
     spare_slots: list = field(default_factory=list)  # a spare (cluster.spare_shards): its backup sockets' addresses
 

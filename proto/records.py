@@ -220,7 +220,7 @@ def read_speed(value: Any) -> float:
 
 def read_startup(value: Any) -> dict[str, float]:
     """REGISTER's `startup`: at most MAX_PHASES {short name: seconds}."""
-    from .startup import MAX_PHASE_S, MAX_PHASES
+    from hetps.runtime.startup import MAX_PHASE_S, MAX_PHASES
     if type(value) is not dict or len(value) > MAX_PHASES:
         _bad("startup", f"must be a map of at most {MAX_PHASES} phases, got {value!r:.60}")
     for name in value:

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 from .codec import ProtocolError, TensorCatalog, decode, encode, error_frames
 from .errors import HetpsError
 from .messages import Error, Message, Op, Params, Status
-from .emulation import WireFaults
+from hetps.runtime.emulation import WireFaults
 from .transport import ServerTransport, make_client
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from .config import RunConfig, SecurityConfig
+from hetps.runconfig.schema import RunConfig, SecurityConfig
 from .errors import HetpsError
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from typing import Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .emulation import carry as _carry, frames_nbytes
+from hetps.runtime.emulation import carry as _carry, frames_nbytes
 from .errors import HetpsError
 from .messages import ZERO_COPY_BYTES
 from .security import SecurityError, secure_socket

@@ -26,9 +26,9 @@ import argparse
 import os
 import sys
 
-from hetps.proto.daemon import (DaemonArgumentParser, address_arg, check_and_exit, common_args, daemon_setup, fast_exit,
+from hetps.runtime.daemon import (DaemonArgumentParser, address_arg, check_and_exit, common_args, daemon_setup, fast_exit,
                                 rank_label)
-from hetps.proto.startup import Phases, process_age_s
+from hetps.runtime.startup import Phases, process_age_s
 from hetps.proto.transport import set_shared_memory
 
 

@@ -28,15 +28,15 @@ import sys
 
 import torch
 
-from hetps.proto.algorithms import AlgorithmMismatch
-from hetps.proto.config import NodeConfig, RunConfig
-from hetps.proto.daemon import check_and_exit, scheduler_lost_exit
-from hetps.proto.emulation import Slowdown
-from hetps.proto.membership import Membership, SchedulerUnreachable, reachable
-from hetps.proto.metrics import serve_metrics
+from hetps.runconfig.algorithms import AlgorithmMismatch
+from hetps.runconfig.schema import NodeConfig, RunConfig
+from hetps.runtime.daemon import check_and_exit, scheduler_lost_exit
+from hetps.runtime.emulation import Slowdown
+from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
+from hetps.runtime.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
-from hetps.proto.startup import Phases
-from hetps.proto.emulation import set_link_cap
+from hetps.runtime.startup import Phases
+from hetps.runtime.emulation import set_link_cap
 from hetps.proto.transport import ServerPoll, ServerTransport, TransportError, make_server
 
 from .serving import PlanFollower, setup_checkpoints

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from hetps.proto import checkpoint
+from hetps.runtime import checkpoint
 from hetps.proto.codec import Envelope, ProtocolError, decode, encode
 from hetps.proto.messages import Ack, Error, Message, Plan, Status
 from hetps.proto.plan import ClusterPlan

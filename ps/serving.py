@@ -11,15 +11,15 @@ import sys
 
 import torch
 
-from hetps.proto import checkpoint
-from hetps.proto.algorithms import AlgorithmMismatch
-from hetps.proto.config import NodeConfig, RunConfig
-from hetps.proto.daemon import scheduler_lost_exit
-from hetps.proto.emulation import Slowdown, set_link_cap
-from hetps.proto.membership import Membership, SchedulerUnreachable, reachable
-from hetps.proto.metrics import serve_metrics
+from hetps.runtime import checkpoint
+from hetps.runconfig.algorithms import AlgorithmMismatch
+from hetps.runconfig.schema import NodeConfig, RunConfig
+from hetps.runtime.daemon import scheduler_lost_exit
+from hetps.runtime.emulation import Slowdown, set_link_cap
+from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
+from hetps.runtime.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
-from hetps.proto.startup import Phases
+from hetps.runtime.startup import Phases
 from hetps.proto.transport import TransportError, make_server
 
 from .replication import ReplicaHost, ReplicatedShard, serve_round

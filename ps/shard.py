@@ -16,16 +16,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hetps.proto.algorithms import algorithm, check_plan_algorithm
+from hetps.runconfig.algorithms import algorithm, check_plan_algorithm
 from hetps.proto.codec import Envelope, ProtocolError, encode, nonfinite_names
-from hetps.proto.config import NodeConfig, RunConfig
-from hetps.proto.emulation import Slowdown, work_clock
+from hetps.runconfig.schema import NodeConfig, RunConfig
+from hetps.runtime.emulation import Slowdown, work_clock
 from hetps.proto.messages import Ack, Error, Op, Params, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 
-from hetps.proto.checkpoint import Checkpointer
+from hetps.runtime.checkpoint import Checkpointer
 from .future_pushes import FuturePushes
 from .hold_ledger import HoldLedger
 from .updater import Updater

@@ -17,8 +17,8 @@ import sys
 
 import zmq
 
-from hetps.proto.daemon import check_and_exit, scheduler_lost_exit
-from hetps.proto.membership import Membership, SchedulerUnreachable, reachable
+from hetps.runtime.daemon import check_and_exit, scheduler_lost_exit
+from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.transport import ServerTransport, TransportError, make_server

@@ -14,8 +14,8 @@ from typing import Mapping
 
 import torch
 
-from hetps.proto.config import OptimizerConfig
-from hetps.proto.optim import build_lr_scheduler, build_optimizer
+from hetps.runconfig.schema import OptimizerConfig
+from hetps.runtime.optim import build_lr_scheduler, build_optimizer
 from hetps.proto.runs import flat_runs
 
 from .arena import Arena

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .errors import ConfigError
+from hetps.proto.errors import ConfigError
 
 
 def _fail(path: str, message: str) -> None:

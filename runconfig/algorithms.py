@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .algorithm_params import (AdpsgdParams, AsyncParams, BalancedParams, CpsgdParams, DilocoParams, EagerParams,
                                GroupingParams, SimuParallelParams, SspParams, SyncParams, WpsgdParams)
-from .errors import ConfigError
+from hetps.proto.errors import ConfigError
 
 GROUPS = ("all", "each", "by_speed", "balanced")  # one group of all | each alone | k-means on speed |
 #                                                one group, batch sizes proportional to speed

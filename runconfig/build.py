@@ -10,7 +10,7 @@ import types
 import typing
 from typing import Any
 
-from .errors import ConfigError
+from hetps.proto.errors import ConfigError
 
 
 class Problems(list):

@@ -11,10 +11,10 @@ import re
 from typing import Any, Callable
 
 from .algorithms import ALGORITHMS
-from .config import BUILTIN_MODELS, CHOICES, DATASETS, RunConfig
+from .schema import BUILTIN_MODELS, CHOICES, DATASETS, RunConfig
 
 FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:factory
-DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # as proto/devices.py
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # as runtime/devices.py
 RUN_NAME = re.compile(r"([A-Za-z0-9_-][A-Za-z0-9._-]*)?")  # one path component, not hidden, not `..`
 
 # a rule: (test, allowed range as a user reads it)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .config_build import fail
+from .build import fail
 
 SPEC_KEYS = ("count", "speeds", "seed")
 DISTRIBUTIONS = ("lognormal", "classes")
@@ -93,6 +93,6 @@ def _classes(params: Any, count: int, path: str) -> list[float]:
 
 
 def node_fields() -> list[str]:
-    from .config import NodeConfig  # deferred: config imports config_build, which imports this
+    from .schema import NodeConfig  # deferred: config imports config_build, which imports this
 
     return [f.name for f in dataclasses.fields(NodeConfig)]

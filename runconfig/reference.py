@@ -1,7 +1,7 @@
 """Generate the configuration reference (docs/configuration.md) from the
 config dataclasses themselves, so the two cannot drift apart:
 
-    python -m hetps.proto.config_docs > docs/configuration.md
+    python -m hetps.runconfig.reference > docs/configuration.md
 
 Keys, types and defaults come from the dataclasses in config.py and
 algorithm_params.py; each description is the comment at the end of the
@@ -19,10 +19,10 @@ import sys
 import typing
 from functools import cache
 
-from . import config
+from . import schema as config
 from .algorithm_params import ALGORITHM_PARAMS
 
-REGENERATE = "python -m hetps.proto.config_docs > docs/configuration.md"
+REGENERATE = "python -m hetps.runconfig.reference > docs/configuration.md"
 
 # Descriptions of fields whose source line carries no comment.
 HELP = {
@@ -150,7 +150,7 @@ def _algorithms() -> list[str]:
 def render() -> str:
     """The whole reference as Markdown."""
     out = ["# Configuration reference", "",
-           f"<!-- generated from proto/config.py and proto/algorithm_params.py by `{REGENERATE}`; "
+           f"<!-- generated from runconfig/schema.py and runconfig/algorithm_params.py by `{REGENERATE}`; "
            "do not edit by hand -->", "",
            "A config is YAML; every key has a default. Unknown keys, wrong types and unknown names are errors "
            "that name the key path and the allowed values. Override any key on the command line with its "

@@ -17,8 +17,8 @@ import yaml
 
 
 from .algorithm_params import ALGORITHM_PARAMS, SyncParams
-from .config_build import BAD, Problems, build_dataclass, fail, node_list
-from .errors import ConfigError  # noqa: F401  (re-exported: callers catch hetps.proto.config.ConfigError)
+from .build import BAD, Problems, build_dataclass, fail, node_list
+from hetps.proto.errors import ConfigError  # noqa: F401  (re-exported: callers catch hetps.runconfig.schema.ConfigError)
 
 BUILTIN_MODELS = ("mlp", "lenet5", "resnet20")
 DATASETS = ("mnist-5k", "mnist", "cifar10", "cifar100", "imagefolder", "synthetic")
@@ -270,7 +270,7 @@ def config_from_dict(raw: dict, import_targets: bool = False) -> RunConfig:
 
 
 def _config_from_dict(raw: Any, import_targets: bool, problems: Problems) -> RunConfig:
-    from .config_checks import check_targets, check_values  # the checks need the dataclasses above
+    from .checks import check_targets, check_values  # the checks need the dataclasses above
 
     if not isinstance(raw, dict):
         fail("", "the config file must hold a mapping")

@@ -19,7 +19,7 @@ import re
 import time
 from pathlib import Path
 
-from .config import CheckpointConfig
+from hetps.runconfig.schema import CheckpointConfig
 
 log = logging.getLogger(__name__)
 FORMAT = 2  # 2: policy state after ps/policies/ (one `pushed` clock map, shared counts)
@@ -47,7 +47,7 @@ def latest(folder: Path, version: int | None = None) -> Path | None:
 
 
 def load(path: Path) -> dict:
-    import torch  # here: `hetps run` lists checkpoints (scheduler/faults.py) without torch
+    import torch  # here: `hetps run` lists checkpoints (frontend/faults.py) without torch
 
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or state.get("format") != FORMAT:

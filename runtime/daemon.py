@@ -13,8 +13,8 @@ import re
 import signal
 import sys
 
-from .config import ConfigError, RunConfig, load_config
-from .security import SecurityError, configure
+from hetps.runconfig.schema import ConfigError, RunConfig, load_config
+from hetps.proto.security import SecurityError, configure
 
 # exit statuses of the shard, worker and evaluator daemons (and the scheduler's 1 when the
 # cluster never formed): 0 a clean stop the scheduler asked for; 1 a peer unreachable in time;
@@ -102,7 +102,7 @@ def log_level_args(parser: argparse.ArgumentParser) -> None:
 
 
 def metrics_args(parser: argparse.ArgumentParser) -> None:
-    """The Prometheus endpoint's flags (see proto/metrics.py); every daemon has them."""
+    """The Prometheus endpoint's flags (see runtime/metrics.py); every daemon has them."""
     env = os.environ.get
     parser.add_argument("--metrics-port", type=port_arg, default=env("HETPS_METRICS_PORT", "-1"),
                         help="serve Prometheus /metrics on this port ($HETPS_METRICS_PORT; 0 = a free port; "

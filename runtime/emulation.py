@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Sequence
 
-from .config import MessageFaults, NodeConfig
+from hetps.runconfig.schema import MessageFaults, NodeConfig
 
 
 class Slowdown:

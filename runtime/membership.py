@@ -8,7 +8,7 @@ socket. `stop_requested` (a threading.Event) is set when the scheduler asks
 this node to stop, or when it has not answered a heartbeat for
 `cluster.scheduler_grace_s`: then `scheduler_lost` is true too, the calls on
 the caller's socket raise `Aborted` instead of waiting out their timeouts,
-and the daemon exits with `EXIT_SCHEDULER_LOST` (proto/daemon.py) so that a
+and the daemon exits with `EXIT_SCHEDULER_LOST` (runtime/daemon.py) so that a
 supervisor sees a failure.
 """
 from __future__ import annotations
@@ -24,11 +24,11 @@ import time
 import traceback
 from typing import Callable, Iterator
 
-from .config import ClusterConfig
-from .errors import HetpsError, UnexpectedReply
-from .messages import Ack, Bye, Failed, GetPlan, Heartbeat, Plan, Register, Report, Status, Welcome
-from .plan import ClusterPlan
-from .rpc import RemoteError, RequestTimeout, RpcClient
+from hetps.runconfig.schema import ClusterConfig
+from hetps.proto.errors import HetpsError, UnexpectedReply
+from hetps.proto.messages import Ack, Bye, Failed, GetPlan, Heartbeat, Plan, Register, Report, Status, Welcome
+from hetps.proto.plan import ClusterPlan
+from hetps.proto.rpc import RemoteError, RequestTimeout, RpcClient
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Membership:
              spare_slots: list[str] | None = None) -> int:
         """Register; returns this node's id. Raises SchedulerUnreachable, naming
         the address and the timeout, if the scheduler does not answer in time.
-        `startup`: {phase: seconds} this node took before registering (proto/startup.py)."""
+        `startup`: {phase: seconds} this node took before registering (runtime/startup.py)."""
         self._registration = Register(role=self.role, rank=self.rank, address=address,
                                       tensor_specs=tensor_specs or [], schema_hash=schema_hash, speed=speed,
                                       host=socket.gethostname(), startup=startup or {},

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from .config import OptimizerConfig, ScheduleConfig
+from hetps.runconfig.schema import OptimizerConfig, ScheduleConfig
 
 
 def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig,

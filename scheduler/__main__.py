@@ -19,9 +19,9 @@ import signal
 import sys
 from pathlib import Path
 
-from hetps.proto.daemon import (DaemonArgumentParser, address_arg, check_and_exit, dump_stacks_on_usr1, fast_exit,
+from hetps.runtime.daemon import (DaemonArgumentParser, address_arg, check_and_exit, dump_stacks_on_usr1, fast_exit,
                                 load_or_exit, log_level_args, metrics_args, security_or_exit)
-from hetps.proto.metrics import serve_metrics
+from hetps.runtime.metrics import serve_metrics
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.transport import TransportError, make_server
 

@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hetps.proto.algorithms import algorithm
+from hetps.runconfig.algorithms import algorithm
 from hetps.proto.codec import Envelope, ProtocolError
-from hetps.proto.config import RunConfig
+from hetps.runconfig.schema import RunConfig
 from hetps.proto.messages import Ack, Error, Plan, Status
 from hetps.proto.plan import ClusterPlan, TensorSpec
 from hetps.proto.rpc import Service

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hetps.proto.speed_shares import proportional_sizes
+from hetps.runtime.speed_shares import proportional_sizes
 
 from .grouping import data_shares, form_groups
 

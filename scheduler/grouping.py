@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hetps.proto.algorithm_params import GroupingParams
+from hetps.runconfig.algorithm_params import GroupingParams
 
 
 def form_groups(speeds: dict[int, float], params: GroupingParams) -> list[list[int]]:

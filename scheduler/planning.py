@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import time
 
-from hetps.proto.algorithms import resolved_params
+from hetps.runconfig.algorithms import resolved_params
 from hetps.proto.messages import Plan
 from hetps.proto.plan import ClusterPlan, NodeEntry, chunk_specs
 

@@ -18,8 +18,8 @@ import json
 import statistics
 from pathlib import Path
 
-from hetps.proto.config import ConfigError
-from hetps.scheduler.report import read_metrics
+from hetps.runconfig.schema import ConfigError
+from hetps.frontend.report import read_metrics
 
 
 def step_records(run_dir: Path) -> list[dict]:

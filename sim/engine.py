@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from hetps.proto.algorithms import algorithm
+from hetps.runconfig.algorithms import algorithm
 from hetps.proto.codec import decode
-from hetps.proto.config import ConfigError, NodeConfig, RunConfig, dump_config
+from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig, dump_config
 from hetps.proto.messages import Bye, Error, Heartbeat, Init, Pull, Register, Report
 from hetps.proto.plan import schema_hash
 from hetps.ps.shard import Shard
 from hetps.scheduler.coordinator import Coordinator
-from hetps.scheduler.report import plot_run
+from hetps.frontend.report import plot_run
 from hetps.worker.data import Datasets, load_datasets
 from hetps.worker.evaluator import evaluate
 from hetps.worker.models import build_model

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hetps.proto.config import NodeConfig
+from hetps.runconfig.schema import NodeConfig
 
 
 class EventQueue:

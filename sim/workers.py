@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetps.proto.config import NodeConfig, RunConfig
+from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.proto.messages import Params, Pull, Push
 from hetps.proto.plan import ClusterPlan
 from hetps.worker.client import ack_of

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-HETPS = [sys.executable, "-m", "hetps.scheduler.cli"]
+HETPS = [sys.executable, "-m", "hetps.frontend.cli"]
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -120,7 +120,7 @@ def trained_to_after_replan(run_dir: Path, accuracy: float, held: int = 1) -> bo
 def worker_pid(run_dir: Path, rank: int) -> int:
     """The pid of `hetps run`'s worker `rank` (not the evaluator) in `run_dir`."""
     for pid in processes_mentioning(str(run_dir)):
-        # a daemon forked by `hetps run` shows its command line as one string (scheduler/zygote.py)
+        # a daemon forked by `hetps run` shows its command line as one string (frontend/zygote.py)
         cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").split()
         if b"hetps.worker" in cmdline and b"--rank" in cmdline and cmdline[cmdline.index(b"--rank") + 1] == \
                 str(rank).encode() and b"--evaluator" not in cmdline:

@@ -18,12 +18,12 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def shared_fork_server(tmp_path_factory):
     """One warm fork server per test process, shared by every `hetps run` of the cluster tests
-    (scheduler/shared_forks.py): torch is imported once, not once per run (~3 s of CPU each)."""
+    (frontend/shared_forks.py): torch is imported once, not once per run (~3 s of CPU each)."""
     folder = tmp_path_factory.mktemp("forks")
     folder.chmod(0o700)
     sock, log = folder / "sock", folder / "server.log"
     with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "hetps.scheduler.shared_forks", str(sock)], stdout=out,
+        server = subprocess.Popen([sys.executable, "-m", "hetps.frontend.shared_forks", str(sock)], stdout=out,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for(lambda: sock.exists() or server.poll() is not None, 120, "the shared fork server")

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import IO, Iterator
 
-from hetps.scheduler.shared_forks import pid_alive
+from hetps.frontend.shared_forks import pid_alive
 
 SUBNET = "10.199.0"      # 10.199.0.0/24: node i (from 0) is SUBNET.(i + 1)
 PREFIX_LEN = 24
@@ -296,7 +296,7 @@ def virtual_network(nodes: list[str]) -> Iterator[VirtualNetwork]:
 
 class NetDaemons:
     """hetps daemons started one by one, each inside its node's namespace with
-    `ip netns exec NS python -m hetps.scheduler.cli ROLE ...`, each logging to
+    `ip netns exec NS python -m hetps.frontend.cli ROLE ...`, each logging to
     LOG_DIR/NAME.log."""
 
     def __init__(self, net: VirtualNetwork, log_dir: Path, hetps: list[str], overrides: list[str]):

@@ -1,4 +1,4 @@
-"""The algorithm table (hetps.proto.algorithms): every line resolves in every
+"""The algorithm table (hetps.runconfig.algorithms): every line resolves in every
 role's registry and runs a round on a real shard; the plan carries the
 resolved parameters; shards and workers refuse a plan whose algorithm
 differs from their own config, naming both values."""
@@ -14,10 +14,10 @@ import torch
 
 from cluster_util import REPO, Daemons
 from shard_harness import ShardHarness, grads, make_plan, tiny_model, values_of
-from hetps.proto.algorithms import (ALGORITHMS, AlgorithmMismatch, algorithm, check_plan_algorithm,
+from hetps.runconfig.algorithms import (ALGORITHMS, AlgorithmMismatch, algorithm, check_plan_algorithm,
                                     resolved_params)
 from hetps.proto.codec import Envelope
-from hetps.proto.config import ConfigError, load_config
+from hetps.runconfig.schema import ConfigError, load_config
 from hetps.proto.messages import Params, Pull, Register
 from hetps.proto.plan import TensorSpec
 from hetps.proto.transport import MemServer, make_server
@@ -176,7 +176,7 @@ def test_a_worker_daemon_whose_config_differs_from_the_plan_exits_2_naming_both(
 
 def test_the_table_imports_no_role():
     """proto is the contract: the table names policies, loops and formations by string only."""
-    probe = ("import sys, hetps.proto.algorithms; "
+    probe = ("import sys, hetps.runconfig.algorithms; "
              "print(sorted(m for m in sys.modules if m.startswith(('hetps.ps', 'hetps.worker', 'hetps.scheduler'))))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"

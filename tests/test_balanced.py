@@ -9,11 +9,11 @@ import torch
 
 from shard_harness import ShardHarness, grads, tiny_model, values_of
 from hetps.proto.codec import Envelope
-from hetps.proto.config import ConfigError, load_config
+from hetps.runconfig.schema import ConfigError, load_config
 from hetps.proto.messages import Params, Pull, Push, Register
 from hetps.proto.plan import TensorSpec
 from hetps.proto.records import NodeStats
-from hetps.proto.speed_shares import local_steps, proportional_sizes
+from hetps.runtime.speed_shares import local_steps, proportional_sizes
 from hetps.proto.transport import MemServer
 from hetps.scheduler.coordinator import Coordinator
 from hetps.scheduler.formation import FORMATIONS

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hetps.proto import checkpoint
+from hetps.runtime import checkpoint
 from hetps.ps.averaging_rules import VariancePeriod
 from hetps.ps.policies import Round
 from hetps.ps.policy_state import from_plain, to_plain

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hetps.proto.config import ClusterConfig
+from hetps.runconfig.schema import ClusterConfig
 from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, chunk_specs
 from hetps.scheduler.placement import place
 from hetps.worker.client import PSClient

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetps.proto.config import ConfigError, load_config
-from hetps.scheduler.report import read_metrics
+from hetps.runconfig.schema import ConfigError, load_config
+from hetps.frontend.report import read_metrics
 from hetps.sim.engine import simulate
 from hetps.worker.data import load_datasets
 from test_overlap import harnesses, make_trainers, one_thread, setup  # noqa: F401  (fixtures: one_thread autouse)

@@ -74,7 +74,7 @@ def test_a_model_factory_that_raises_ends_the_run_quoting_it(run_dir, tmp_path):
     (package / "brokenmodel.py").write_text(textwrap.dedent('''
         import sys
         from hetps.worker.models import build_model
-        from hetps.proto.config import ModelConfig
+        from hetps.runconfig.schema import ModelConfig
 
         def make(**kwargs):
             argv = sys.argv
@@ -141,7 +141,7 @@ def test_tensorboard_event_files_hold_the_run(run_dir):
 
 def test_tensorboard_without_the_package_is_one_clear_line(tmp_path):
     # the tensorboard package made unimportable in this process only: as on a machine without it
-    code = ("import sys; sys.modules['tensorboard'] = None; from hetps.scheduler.cli import main; "
+    code = ("import sys; sys.modules['tensorboard'] = None; from hetps.frontend.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "-c", code, "run", "configs/sync.yaml", "--tensorboard",

@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from cluster_util import REPO, Daemons, processes_mentioning, records, wait_for
-from hetps.proto import checkpoint
+from hetps.runtime import checkpoint
 
 pytestmark = pytest.mark.cluster
 

@@ -15,15 +15,16 @@ import pytest
 import torch
 from torch import nn
 
-from hetps.proto import checkpoint, security
-from hetps.proto.config import ConfigError, load_config
-from hetps.proto.membership import Membership
+from hetps.runtime import checkpoint
+from hetps.proto import security
+from hetps.runconfig.schema import ConfigError, load_config
+from hetps.runtime.membership import Membership
 from hetps.proto.plan import schema_hash
 from hetps.proto.transport import MemServer, make_client, make_server
 from hetps.ps.__main__ import main as ps_main
 from hetps.ps.colocated import rank_binds
 from hetps.scheduler.coordinator import Coordinator
-from hetps.scheduler.local_sockets import UNIX_PATH_MAX, LocalSockets, process_name, shard_groups, shard_process
+from hetps.frontend.local_sockets import UNIX_PATH_MAX, LocalSockets, process_name, shard_groups, shard_process
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs, model_tensors
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from cluster_util import REPO, log_tails, run_hetps, summary
-from hetps.scheduler.compare import aggregate, markdown
+from hetps.frontend.compare import aggregate, markdown
 
 
 def fake_summary(ttt, acc, steps=100, sent=1_000_000, versions=None, rounds=None) -> dict:
@@ -72,7 +72,7 @@ def test_compare_writes_its_three_files_with_one_row_per_algorithm(run_dir):
     (["--algorithms", "sync", "seed=abc"], "config error: seed"),
 ])
 def test_bad_compare_arguments_exit_2_before_any_run(tmp_path, capsys, args, named):
-    from hetps.scheduler.compare import compare_command
+    from hetps.frontend.compare import compare_command
 
     out = tmp_path / "cmp"
     assert compare_command([str(REPO / "configs" / "sync.yaml"), *args, "--out", str(out)]) == 2
@@ -82,7 +82,7 @@ def test_bad_compare_arguments_exit_2_before_any_run(tmp_path, capsys, args, nam
 
 @pytest.mark.parametrize("text", [b"[]\n", b"0\n", b"name: caf\xe9\n"])
 def test_a_config_file_that_is_no_mapping_or_not_utf8_names_the_file(tmp_path, text):
-    from hetps.proto.config import ConfigError, load_config
+    from hetps.runconfig.schema import ConfigError, load_config
 
     path = tmp_path / "bad.yaml"
     path.write_bytes(text)

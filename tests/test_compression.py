@@ -11,11 +11,11 @@ import torch
 
 from cluster_util import log_tails, run_hetps, summary
 from hetps.proto import messages as m
-from hetps.proto.algorithms import ALGORITHMS
+from hetps.runconfig.algorithms import ALGORITHMS
 from hetps.proto.codec import ProtocolError, decode, encode
 from hetps.proto.compression import (Compressed, Fp16Compressor, TopKCompressor, index_dtype, make_compressor,
                                      payload_nbytes)
-from hetps.proto.config import ClusterConfig
+from hetps.runconfig.schema import ClusterConfig
 from hetps.proto.layout import PACK_ALL_BELOW
 from hetps.proto.messages import Status
 from hetps.proto.plan import TensorSpec
@@ -235,7 +235,7 @@ def test_cluster_trains_with_topk_and_reports_the_bytes_saved(run_dir):
 
 
 def test_config_refuses_topk_without_a_ratio():
-    from hetps.proto.config import ConfigError, load_config
+    from hetps.runconfig.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="comm.topk_ratio"):
         load_config(None, ["comm.compression=topk", "comm.topk_ratio=0"])

@@ -1,14 +1,14 @@
 """docs/configuration.md is generated from the config dataclasses
-(proto/config_docs.py) and must match them: this fails when a config field
+(runconfig/reference.py) and must match them: this fails when a config field
 changes and the file was not regenerated."""
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-from hetps.proto import config
-from hetps.proto.algorithm_params import ALGORITHM_PARAMS
-from hetps.proto.config_docs import REGENERATE, render
+from hetps.runconfig import schema as config
+from hetps.runconfig.algorithm_params import ALGORITHM_PARAMS
+from hetps.runconfig.reference import REGENERATE, render
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -29,6 +29,6 @@ def test_every_key_is_listed_with_a_description():
         for f in dataclasses.fields(cls):
             assert f"algorithm.{f.name}" in rows, (name, f.name)
     undocumented = [k for k, meaning in rows.items() if not meaning]
-    assert not undocumented, f"add a comment on the field's line in proto/config.py: {undocumented}"
+    assert not undocumented, f"add a comment on the field's line in runconfig/schema.py: {undocumented}"
     assert rows["comm.compression"].endswith("(one of: `none`, `fp16`, `topk`)")
     assert f"`{config.ClusterConfig().retry_s}`" in next(l for l in text.splitlines() if "`cluster.retry_s`" in l)

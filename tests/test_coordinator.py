@@ -6,7 +6,7 @@ import contextlib
 import time
 
 from hetps.proto.codec import Envelope
-from hetps.proto.config import load_config
+from hetps.runconfig.schema import load_config
 from hetps.proto.messages import Register, Report
 from hetps.proto.plan import TensorSpec
 from hetps.proto.transport import MemServer

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hetps.proto.config import ModelConfig
+from hetps.runconfig.schema import ModelConfig
 from hetps.worker.models import build_model
 from hetps.worker.state import ModelState
 
@@ -72,7 +72,7 @@ def test_a_gpu_worker_and_a_cpu_worker_push_the_same_gradients():
 
 @pytest.mark.parametrize("name", ["auto", "cuda", "cuda:0"])
 def test_every_gpu_device_name_becomes_an_indexed_current_device(name):
-    from hetps.proto.devices import pick_device, use_device
+    from hetps.runtime.devices import pick_device, use_device
 
     device = pick_device(name, "cluster.workers.0.device")
     assert device == torch.device("cuda", 0)  # set_device refuses a bare "cuda"

@@ -22,8 +22,8 @@ import zmq
 from torch import nn
 
 from hetps.proto.codec import decode, encode
-from hetps.proto.config import load_config
-from hetps.proto.membership import Membership
+from hetps.runconfig.schema import load_config
+from hetps.runtime.membership import Membership
 from hetps.proto.messages import (PROTOCOL_VERSION, Ack, Error, Heartbeat, Init, Op, Params, Pull,
                                   Push, Status, Stop)
 from hetps.proto.plan import schema_hash

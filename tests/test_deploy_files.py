@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tomllib
 import shlex
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hetps.proto.config import load_config
+from hetps.runconfig.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -31,7 +32,7 @@ COMPOSE = DOCKER / "docker-compose.yml"
 CPU_DOCKERFILE = DOCKER / "Dockerfile"
 CUDA_DOCKERFILE = DOCKER / "Dockerfile.cuda"
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
-PACKAGE_DIRS = ("proto", "ps", "worker", "scheduler")   # pyproject's package-dir mapping
+PACKAGE_DIRS = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
 
 COMPOSE_SERVICES = {"scheduler", "ps0", "ps1", "worker0", "worker1", "worker2", "worker3", "worker",
                     "evaluator", "worker-gpu0", "worker-gpu1"}
@@ -129,10 +130,10 @@ def map_paths(value: str, mounts: dict[str, Path]) -> str:
 @pytest.fixture(scope="module")
 def shim_path(tmp_path_factory) -> str:
     """PATH for the container commands: `hetps` runs the real CLI with --check appended
-    (`python -m hetps.scheduler.cli ARGS --check`), `python` is this interpreter."""
+    (`python -m hetps.frontend.cli ARGS --check`), `python` is this interpreter."""
     bin_dir = tmp_path_factory.mktemp("bin")
     (bin_dir / "hetps").write_text(
-        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m hetps.scheduler.cli "$@" --check\n')
+        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m hetps.frontend.cli "$@" --check\n')
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetps.scheduler.compare import add_useful, aggregate, markdown
+from hetps.frontend.compare import add_useful, aggregate, markdown
 from hetps.scheduler.efficiency import heterogeneity_efficiency, useful_efficiency
 
 
@@ -61,7 +61,7 @@ def test_without_a_reference_useful_efficiency_is_left_out():
 def test_milestones_are_the_first_evaluation_at_each_accuracy(tmp_path):
     import json
 
-    from hetps.scheduler.compare import milestone_times
+    from hetps.frontend.compare import milestone_times
 
     evals = [(1.0, 0.90), (2.0, 0.951), (3.0, 0.94), (4.0, 0.972)]
     (tmp_path / "metrics.jsonl").write_text("".join(

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from hetps.proto.config import ConfigError, load_config
+from hetps.runconfig.schema import ConfigError, load_config
 from hetps.proto.errors import ProtocolError
 from hetps.proto.plan import ClusterPlan, NodeEntry
 from hetps.proto.records import read_plan

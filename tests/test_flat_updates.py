@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from hetps.proto.codec import decode, encode
-from hetps.proto.config import load_config
+from hetps.runconfig.schema import load_config
 from hetps.proto.messages import Push
-from hetps.proto.optim import build_lr_scheduler, build_optimizer
+from hetps.runtime.optim import build_lr_scheduler, build_optimizer
 from hetps.proto.plan import TensorSpec
 from hetps.ps.store import TensorStore
 from hetps.ps.updater import Updater

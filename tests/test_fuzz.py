@@ -896,8 +896,8 @@ def fuzz_daemon(raw: RawSocket, cases, n: int) -> None:
 
 @pytest.mark.cluster
 def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
-    from hetps.proto.config import load_config
-    from hetps.proto.membership import Membership
+    from hetps.runconfig.schema import load_config
+    from hetps.runtime.membership import Membership
     from hetps.proto.plan import schema_hash
     from hetps.proto.rpc import RpcClient
     from hetps.worker.state import model_specs, model_tensors

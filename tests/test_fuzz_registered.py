@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from hetps.proto import messages as m
 from hetps.proto.codec import Envelope, decode, encode
-from hetps.proto.config import load_config
+from hetps.runconfig.schema import load_config
 from hetps.proto.errors import HetpsError, ProtocolError
 from hetps.proto.messages import PROTOCOL_VERSION, Op, Status
 from hetps.proto.plan import TensorSpec
@@ -142,13 +142,13 @@ def test_push_info_and_fused_ack_are_typed_records():
 
 
 def test_every_project_exception_is_a_hetps_error():
-    from hetps.proto.config import ConfigError
+    from hetps.runconfig.schema import ConfigError
     from hetps.proto.errors import UnexpectedReply
-    from hetps.proto.membership import SchedulerUnreachable
+    from hetps.runtime.membership import SchedulerUnreachable
     from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
     from hetps.proto.security import SecurityError
     from hetps.proto.transport import TransportError
-    from hetps.scheduler.launcher import LaunchError
+    from hetps.frontend.launcher import LaunchError
     from hetps.worker.data import DatasetUnavailable
     from hetps.worker.models import ModelError
     for cls in (ConfigError, ProtocolError, UnexpectedReply, SchedulerUnreachable, Aborted, RemoteError,

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from hetps.proto.algorithm_params import GroupingParams
+from hetps.runconfig.algorithm_params import GroupingParams
 from hetps.proto.messages import Ack, Params
 from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec
 from hetps.scheduler.grouping import calinski_harabasz, data_shares, drifted, form_groups, kmeans_1d

@@ -17,9 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster_util import HETPS, REPO, log_tails, wait_for
-from hetps.proto.daemon import common_args
-from hetps.proto.histogram import Histogram
-from hetps.proto.metrics import METRICS, add_target, read_targets, serve_metrics, stop_metrics
+from hetps.runtime.daemon import common_args
+from hetps.runtime.histogram import Histogram
+from hetps.runtime.metrics import METRICS, add_target, read_targets, serve_metrics, stop_metrics
 
 
 def scrape(url: str) -> list:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetps.proto.config import DataConfig, ModelConfig, SyntheticConfig
+from hetps.runconfig.schema import DataConfig, ModelConfig, SyntheticConfig
 from hetps.worker import data as data_module
 from hetps.worker.data import (ArrayDataset, BatchStream, DatasetUnavailable, load_datasets,
                                partition)

@@ -4,7 +4,7 @@ docker/prometheus.yml, and the Grafana dashboard docker/grafana-dashboard.json.
 No Docker daemon or Prometheus is needed: `docker-compose config` validates the compose file
 with the profile (skipped without the client), the scrape config is checked to cover every
 hetps service on the port it serves /metrics on, and every PromQL expression of the dashboard
-must name only metrics the daemons export (proto/metrics.py).
+must name only metrics the daemons export (runtime/metrics.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hetps.proto.metrics import BUILD_INFO, HISTOGRAMS, METRICS
+from hetps.runtime.metrics import BUILD_INFO, HISTOGRAMS, METRICS
 
 from test_deploy_files import COMPOSE, COMPOSE_SERVICES, DOCKER, compose_env, docker_compose, env_dict, load_compose
 

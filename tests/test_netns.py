@@ -1,6 +1,6 @@
 """The multi-host path without Docker: every daemon in a Linux network
 namespace of its own, each with its own IP on a bridge (10.199.0.0/24),
-started with `ip netns exec NS python -m hetps.scheduler.cli ROLE ...`.
+started with `ip netns exec NS python -m hetps.frontend.cli ROLE ...`.
 Needs root and netns support (skips with the reason otherwise); CI runs as
 root and runs them. One cluster: one worker's link is capped with a token
 bucket, and the scheduler must measure it, and group it, as the slow one,

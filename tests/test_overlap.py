@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from cluster_util import HELD, assert_reached_target, log_tails, records, run_hetps, summary, wait_for
-from hetps.proto.config import NodeConfig, load_config
+from hetps.runconfig.schema import NodeConfig, load_config
 from hetps.proto.plan import NodeEntry, chunk_specs
 from hetps.proto.rpc import Aborted, RequestTimeout
 from hetps.worker.lifecycle import trainer_class

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from cluster_util import background_run, kill_leftovers, log_tails, run_hetps, summary, wait_for
-from hetps.proto import checkpoint
-from hetps.proto.config import DataConfig, load_config
+from hetps.runtime import checkpoint
+from hetps.runconfig.schema import DataConfig, load_config
 
 PKG = "hetps_user_demo"
 TRAIN, TEST = 1200, 300   # digits of mnist-5k written to disk, one file each

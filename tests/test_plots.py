@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from hetps.scheduler.cli import main as hetps_main
-from hetps.scheduler.report import Progress
-from hetps.scheduler.plots import (eval_curve, first_reach, group_lanes, lane_members, median_band, plot_compare,
+from hetps.frontend.cli import main as hetps_main
+from hetps.frontend.report import Progress
+from hetps.frontend.plots import (eval_curve, first_reach, group_lanes, lane_members, median_band, plot_compare,
                                    plot_run, run_title)
 
 

@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from hetps.proto.codec import Envelope, ProtocolError
-from hetps.proto.config import load_config
-from hetps.proto.daemon import AUTO_RANK, common_args, rank_arg
-from hetps.proto.membership import Membership
+from hetps.runconfig.schema import load_config
+from hetps.runtime.daemon import AUTO_RANK, common_args, rank_arg
+from hetps.runtime.membership import Membership
 from hetps.proto.messages import Register, Status
 from hetps.proto.plan import TensorSpec
 from hetps.proto.transport import MemServer

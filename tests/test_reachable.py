@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetps.proto.membership import reachable
+from hetps.runtime.membership import reachable
 
 
 @pytest.mark.parametrize("bound", ["tcp://0.0.0.0:7100", "tcp://*:7100"])

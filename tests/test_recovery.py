@@ -12,13 +12,13 @@ import time
 import pytest
 import torch
 
-from hetps.proto import checkpoint
+from hetps.runtime import checkpoint
 from hetps.proto.codec import encode
-from hetps.proto.config import CheckpointConfig, load_config
-from hetps.proto.emulation import WireFaults
+from hetps.runconfig.schema import CheckpointConfig, load_config
+from hetps.runtime.emulation import WireFaults
 from hetps.proto.messages import Ack, Params, Pull, Push, Status
 from hetps.proto.rpc import RemoteError, RpcClient
-from hetps.proto.algorithms import ALGORITHMS
+from hetps.runconfig.algorithms import ALGORITHMS
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs, model_tensors
 from shard_harness import PLAN_ID, ShardHarness, closing_factory, grads, make_plan, tiny_model, values_of
@@ -153,7 +153,7 @@ def test_restoring_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
 
 
 def test_a_restarted_process_does_not_resume_again():
-    from hetps.scheduler.resume import strip_resume
+    from hetps.frontend.resume import strip_resume
 
     assert strip_resume(("--rank", "1", "--resume", "--restore-version", "40", "--bind", "x")) == \
         ("--rank", "1", "--bind", "x")
@@ -315,9 +315,9 @@ def test_nonfinite_clip_replaces_nan_and_inf(harnesses):
 # ---------------------------------------------------------------- resume points
 
 def test_resume_point_takes_the_newest_common_version(tmp_path):
-    from hetps.proto.config import ConfigError
+    from hetps.runconfig.schema import ConfigError
     from hetps.scheduler import state
-    from hetps.scheduler.resume import resume_point
+    from hetps.frontend.resume import resume_point
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -19,8 +19,8 @@ import threading
 import pytest
 import torch
 
-from hetps.proto import checkpoint
-from hetps.proto.config import CheckpointConfig, ClusterConfig, load_config
+from hetps.runtime import checkpoint
+from hetps.runconfig.schema import CheckpointConfig, ClusterConfig, load_config
 from hetps.proto.messages import Ack, Params, Pull, Push
 from hetps.proto.rpc import RpcClient
 from hetps.proto.transport import MemServer, make_server

@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from hetps.proto.codec import Envelope
-from hetps.proto.config import ConfigError, load_config
-from hetps.proto.devices import DeviceUnavailable, assign_devices, pick_device
-from hetps.proto.membership import Membership
+from hetps.runconfig.schema import ConfigError, load_config
+from hetps.runtime.devices import DeviceUnavailable, assign_devices, pick_device
+from hetps.runtime.membership import Membership
 from hetps.proto.messages import GetPlan, Register
 from hetps.proto.plan import TensorSpec
 from hetps.proto.rpc import RemoteError, RpcClient
 from hetps.proto.transport import MemServer
 from hetps.scheduler.coordinator import Coordinator
-from hetps.scheduler.launcher import with_local_devices
+from hetps.frontend.launcher import with_local_devices
 from hetps.scheduler.outcome import EXIT_CODES, DivergenceGuard, run_status
-from hetps.scheduler.report import Progress
+from hetps.frontend.report import Progress
 
 SPECS = [TensorSpec("w", "float32", (2, 3)).to_wire()]
 

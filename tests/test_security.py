@@ -25,8 +25,8 @@ from zmq.utils.monitor import recv_monitor_message
 from cluster_util import REPO, Daemons, log_tails, run_hetps, summary
 from hetps.proto import security
 from hetps.proto.codec import decode, encode
-from hetps.proto.config import load_config
-from hetps.proto.membership import Membership
+from hetps.runconfig.schema import load_config
+from hetps.runtime.membership import Membership
 from hetps.proto.messages import Ack, Heartbeat, Init, Params, Pull, Push, Stop
 from hetps.proto.plan import schema_hash
 from hetps.proto.rpc import RpcClient

@@ -13,7 +13,7 @@ import zmq
 
 from cluster_util import wait_for
 from hetps.proto import shm
-from hetps.proto.config import ConfigError, load_config
+from hetps.runconfig.schema import ConfigError, load_config
 from hetps.proto.messages import Push, Status
 from hetps.proto.plan import TensorSpec
 from hetps.proto.rpc import RemoteError, RpcClient

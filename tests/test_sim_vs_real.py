@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hetps.proto.config import ConfigError
+from hetps.runconfig.schema import ConfigError
 from hetps.sim.costs import measured_costs
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "sim_vs_real.py"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hetps.proto.config import ConfigError, load_config
-from hetps.scheduler.cli import main as hetps_main
-from hetps.scheduler.report import read_metrics
+from hetps.runconfig.schema import ConfigError, load_config
+from hetps.frontend.cli import main as hetps_main
+from hetps.frontend.report import read_metrics
 from hetps.sim.engine import SimulationError, simulate
 from hetps.sim.events import Link, ServiceQueue, transfer
 from hetps.worker.data import load_datasets

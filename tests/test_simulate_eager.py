@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetps.proto.config import load_config
-from hetps.scheduler.report import read_metrics
+from hetps.runconfig.schema import load_config
+from hetps.frontend.report import read_metrics
 from hetps.sim.engine import simulate
 from hetps.worker.data import load_datasets
 

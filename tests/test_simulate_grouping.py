@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from cluster_util import REPO, records
-from hetps.proto.config import load_config
+from hetps.runconfig.schema import load_config
 from hetps.sim.engine import simulate
 
 # configs/default.yaml (automatic groups, re-grouping on); worker 1 slows from 1 to 5 at 0.5 virtual

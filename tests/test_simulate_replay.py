@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from hetps.proto.config import ConfigError, load_config
-from hetps.scheduler.cli import main as hetps_main
+from hetps.runconfig.schema import ConfigError, load_config
+from hetps.frontend.cli import main as hetps_main
 from hetps.sim.costs import measured_costs
 from hetps.sim.engine import simulate
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from hetps.proto.config import load_config
+from hetps.runconfig.schema import load_config
 from hetps.proto.plan import NodeEntry
 from hetps.proto.records import NodeStats
 from hetps.proto.transport import make_server
@@ -83,7 +83,7 @@ def test_a_spare_registering_after_a_failover_becomes_the_backup_in_a_new_plan()
 
 
 def test_spare_shards_needs_replicas():
-    from hetps.proto.config import ConfigError
+    from hetps.runconfig.schema import ConfigError
     with pytest.raises(ConfigError, match="cluster.spare_shards.*replicas"):
         load_config(None, ["cluster.spare_shards=1"])
     with pytest.raises(ConfigError, match="cluster.spare_shards: must be >= 0"):

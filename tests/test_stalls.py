@@ -159,7 +159,7 @@ def test_stopping_ends_every_open_stall(clock):
 def test_the_progress_line_names_the_blocker_and_the_groups(tmp_path):
     import json
 
-    from hetps.scheduler.report import Progress
+    from hetps.frontend.report import Progress
     path = tmp_path / "metrics.jsonl"
     progress = Progress(path, target=0.95, max_seconds=240)
 
@@ -186,7 +186,7 @@ def test_the_stall_gauge_has_node_and_reason_labels():
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from hetps.proto.metrics import StatsCollector
+    from hetps.runtime.metrics import StatsCollector
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector("scheduler", 0, lambda: {
         "stall_s": {"worker4": {"compute": 3.2}}, "stall_held_s": {"worker4": 7.5, "ps1": 1.0}}))
@@ -219,7 +219,7 @@ def test_the_coordinator_writes_stall_records_metrics_and_the_summary(tmp_path):
     import json
 
     from hetps.proto.codec import Envelope
-    from hetps.proto.config import load_config
+    from hetps.runconfig.schema import load_config
     from hetps.proto.messages import Heartbeat, Register
     from hetps.proto.plan import TensorSpec
     from hetps.proto.transport import MemServer
@@ -260,7 +260,7 @@ def test_the_coordinator_writes_stall_records_metrics_and_the_summary(tmp_path):
 def test_the_progress_line_leaves_out_one_group_per_worker(tmp_path):
     import json
 
-    from hetps.scheduler.report import Progress
+    from hetps.frontend.report import Progress
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({"kind": "plan", "t": 0.0, "plan_id": 1, "groups": [[2], [3], [4]]}) + "\n")
     progress = Progress(path, max_seconds=60)

@@ -13,11 +13,11 @@ import pytest
 from hetps.proto.codec import decode, encode
 from hetps.proto.errors import ProtocolError
 from hetps.proto.messages import Register
-from hetps.proto.startup import Phases
-from hetps.scheduler.startup_report import startup_line, startup_section
+from hetps.runtime.startup import Phases
+from hetps.frontend.startup_report import startup_line, startup_section
 
 
-@pytest.mark.parametrize("module", ["hetps.scheduler.__main__", "hetps.scheduler.launcher",
+@pytest.mark.parametrize("module", ["hetps.scheduler.__main__", "hetps.frontend.launcher",
                                     "hetps.scheduler.coordinator"])
 def test_the_scheduler_and_the_launcher_do_not_load_torch(module):
     # a fresh interpreter: this one has torch loaded already
@@ -93,7 +93,7 @@ def test_startup_section_of_a_run_that_never_planned(tmp_path):
 def test_local_gpu_count_agrees_with_torch(monkeypatch):
     import torch
 
-    from hetps.proto.devices import local_gpu_count
+    from hetps.runtime.devices import local_gpu_count
 
     assert local_gpu_count() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

@@ -1,5 +1,5 @@
-"""Daemons forked from the warm fork server (scheduler/zygote.py), or from
-the one shared by many runs (scheduler/shared_forks.py), behave like
+"""Daemons forked from the warm fork server (frontend/zygote.py), or from
+the one shared by many runs (frontend/shared_forks.py), behave like
 `python -m MODULE ARGS` started by exec: exit status, signals, own session,
 output in the log, environment, and the command line `ps` shows."""
 import json
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from cluster_util import wait_for
-from hetps.scheduler.shared_forks import PreferShared, RemoteDaemon, SharedForkServer, fork_server
-from hetps.scheduler.zygote import ForkServer, forking_enabled
+from hetps.frontend.shared_forks import PreferShared, RemoteDaemon, SharedForkServer, fork_server
+from hetps.frontend.zygote import ForkServer, forking_enabled
 
 pytestmark = pytest.mark.cluster  # real processes
 
@@ -59,7 +59,7 @@ def test_hetps_spawn_exec_turns_forking_off(monkeypatch):
     assert forking_enabled()
 
 
-# ------------------------------------------------------------ the shared server (scheduler/shared_forks.py)
+# ------------------------------------------------------------ the shared server (frontend/shared_forks.py)
 
 def test_the_shared_server_forks_with_the_launchers_environment_path_and_directory(shared_fork_server, tmp_path,
                                                                                    monkeypatch):

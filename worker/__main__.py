@@ -16,8 +16,8 @@ its dataset is not there or this node's algorithm block differs from the plan's,
 from __future__ import annotations
 
 
-from hetps.proto.daemon import DaemonArgumentParser, common_args, daemon_setup, fast_exit
-from hetps.proto.startup import Phases, process_age_s
+from hetps.runtime.daemon import DaemonArgumentParser, common_args, daemon_setup, fast_exit
+from hetps.runtime.startup import Phases, process_age_s
 
 
 def main(argv: list[str] | None = None) -> int:

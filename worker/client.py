@@ -21,8 +21,8 @@ import torch
 
 from hetps.proto.codec import DTYPE_NAMES, ProtocolError
 from hetps.proto.compression import FLOATS, Compressor
-from hetps.proto.config import ClusterConfig
-from hetps.proto.emulation import WireFaults
+from hetps.runconfig.schema import ClusterConfig
+from hetps.runtime.emulation import WireFaults
 from hetps.proto.messages import Ack, Init, Params, Pull, Push, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import RpcClient, wait_all

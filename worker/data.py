@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hetps.proto.config import DataConfig
+from hetps.runconfig.schema import DataConfig
 from hetps.proto.errors import HetpsError
 
 

@@ -22,7 +22,7 @@ import torch
 
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted
-from hetps.proto.speed_shares import local_steps
+from hetps.runtime.speed_shares import local_steps
 
 from .local import LocalSgdTrainer
 from .trainer import Trainer

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hetps.proto.config import RunConfig
-from hetps.proto.membership import Membership
+from hetps.runconfig.schema import RunConfig
+from hetps.runtime.membership import Membership
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted
 

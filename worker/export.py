@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hetps.proto import checkpoint
-from hetps.proto.config import ConfigError, RunConfig, load_config
+from hetps.runtime import checkpoint
+from hetps.runconfig.schema import ConfigError, RunConfig, load_config
 
 from .preflight import PreflightError, build_checked
 from .state import model_tensors

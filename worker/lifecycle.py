@@ -14,18 +14,18 @@ from pathlib import Path
 
 import torch
 
-from hetps.proto.algorithms import AlgorithmMismatch, algorithm, check_plan_algorithm
-from hetps.proto.config import NodeConfig, RunConfig
-from hetps.proto.daemon import scheduler_lost_exit
-from hetps.proto.devices import pick_device, use_device
-from hetps.proto.emulation import Slowdown, set_link_cap
+from hetps.runconfig.algorithms import AlgorithmMismatch, algorithm, check_plan_algorithm
+from hetps.runconfig.schema import NodeConfig, RunConfig
+from hetps.runtime.daemon import scheduler_lost_exit
+from hetps.runtime.devices import pick_device, use_device
+from hetps.runtime.emulation import Slowdown, set_link_cap
 from hetps.proto.errors import HetpsError
-from hetps.proto.membership import Membership, SchedulerUnreachable, describe_failure
-from hetps.proto.metrics import serve_metrics
-from hetps.proto.optim import build_optimizer
+from hetps.runtime.membership import Membership, SchedulerUnreachable, describe_failure
+from hetps.runtime.metrics import serve_metrics
+from hetps.runtime.optim import build_optimizer
 from hetps.proto.plan import schema_hash
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
-from hetps.proto.startup import Phases
+from hetps.runtime.startup import Phases
 from hetps.proto.transport import TransportError, set_shared_memory
 
 from .data import DatasetUnavailable

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hetps.proto.algorithms import algorithm
-from hetps.proto.config import NodeConfig, RunConfig
-from hetps.proto.optim import build_lr_scheduler, build_optimizer
-from hetps.proto.emulation import work_clock
-from hetps.proto.membership import Membership
+from hetps.runconfig.algorithms import algorithm
+from hetps.runconfig.schema import NodeConfig, RunConfig
+from hetps.runtime.optim import build_lr_scheduler, build_optimizer
+from hetps.runtime.emulation import work_clock
+from hetps.runtime.membership import Membership
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetps.proto.config import ModelConfig
+from hetps.runconfig.schema import ModelConfig
 from hetps.proto.errors import HetpsError
 
 

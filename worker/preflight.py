@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetps.proto.config import RunConfig
-from hetps.proto.daemon import load_or_exit
+from hetps.runconfig.schema import RunConfig
+from hetps.runtime.daemon import load_or_exit
 
 from .data import Datasets, DatasetUnavailable, load_datasets
 from .models import ModelError, build_model

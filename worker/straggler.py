@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 
-from hetps.proto.config import RunConfig
+from hetps.runconfig.schema import RunConfig
 
 
 def straggler_of(seed: int, step: int, n_workers: int) -> int:

@@ -15,12 +15,12 @@ from typing import ContextManager
 import torch
 import torch.nn.functional as F
 
-from hetps.proto.algorithms import algorithm
+from hetps.runconfig.algorithms import algorithm
 from hetps.proto.compression import make_compressor
-from hetps.proto.config import NodeConfig, RunConfig
-from hetps.proto.emulation import Slowdown, work_clock
-from hetps.proto.histogram import Histogram
-from hetps.proto.membership import Membership
+from hetps.runconfig.schema import NodeConfig, RunConfig
+from hetps.runtime.emulation import Slowdown, work_clock
+from hetps.runtime.histogram import Histogram
+from hetps.runtime.membership import Membership
 from hetps.proto.messages import Ack
 from hetps.proto.plan import ClusterPlan
 
@@ -37,7 +37,7 @@ class StepTimer:
     the time its push takes to be acknowledged (its own link and the shards'
     service, not waiting for other workers), and of the whole step; and the
     same durations, with the round wait (the rest of the step), as histograms
-    for /metrics (proto/metrics.py HISTOGRAMS)."""
+    for /metrics (runtime/metrics.py HISTOGRAMS)."""
 
     def __init__(self, alpha: float = 0.05):
         self.alpha = alpha

@@ -1,6 +1,6 @@
 """Consistency policies: how a shard turns pushes into updates and when it
 may answer a pull. One file per family; POLICIES finds a class by the policy
-name the algorithm table (hetps.proto.algorithms) gives.
+name the algorithm table (hetps.runconfig.algorithms) gives.
 
 - base.py: the interface, the shared push-acceptance path, gradient rounds;
 - sync.py: synchronous rounds per group (grouping, sync, balanced);

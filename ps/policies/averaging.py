@@ -30,10 +30,10 @@ from hetps.proto.codec import ProtocolError
 from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
 
-from ..averaging_rules import PERIOD_RULES, WEIGHT_RULES, ConstantPeriod
-from ..store import TensorStore
-from ..policy_state import storable
-from ..updater import Updater
+from hetps.ps.averaging_rules import PERIOD_RULES, WEIGHT_RULES, ConstantPeriod
+from hetps.ps.store import TensorStore
+from hetps.ps.policy_state import storable
+from hetps.ps.updater import Updater
 from .base import ConsistencyPolicy
 
 

@@ -28,10 +28,10 @@ from hetps.proto.codec import ProtocolError
 from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
 
-from ..policy_state import from_plain, storable, to_plain
-from ..round_sums import add_to_sum, copy_sum, divide_sum
-from ..store import TensorStore
-from ..updater import Updater
+from hetps.ps.policy_state import from_plain, storable, to_plain
+from hetps.ps.round_sums import add_to_sum, copy_sum, divide_sum
+from hetps.ps.store import TensorStore
+from hetps.ps.updater import Updater
 
 
 @dataclass(frozen=True)

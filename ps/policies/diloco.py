@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import torch
 
-from hetps.proto.config import OptimizerConfig
+from hetps.runconfig.schema import OptimizerConfig
 from hetps.proto.messages import Push
 from hetps.proto.plan import ClusterPlan
 
-from ..store import TensorStore
-from ..updater import Updater
+from hetps.ps.store import TensorStore
+from hetps.ps.updater import Updater
 from .ssp import AsyncPolicy
 
 

@@ -34,8 +34,8 @@ import random
 from hetps.proto.messages import Push
 from hetps.proto.plan import ClusterPlan
 
-from ..store import TensorStore
-from ..updater import Updater
+from hetps.ps.store import TensorStore
+from hetps.ps.updater import Updater
 from .base import ConsistencyPolicy, Round
 
 

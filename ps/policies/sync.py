@@ -8,8 +8,8 @@ from __future__ import annotations
 from hetps.proto.messages import Push
 from hetps.proto.plan import ClusterPlan
 
-from ..store import TensorStore
-from ..updater import Updater
+from hetps.ps.store import TensorStore
+from hetps.ps.updater import Updater
 from .base import ConsistencyPolicy, Round
 
 
