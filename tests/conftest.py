@@ -1,8 +1,19 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and the tiers.
+
+Every test is in one tier, by the folder it sits in (each folder's conftest.py marks it, so `-m`
+selects a tier): `unit/` (pure functions: no sockets, no processes), `inproc/` (roles over the
+in-process transport or real sockets inside the test process), `cluster/` (real processes on
+loopback). `support/` holds the harnesses the tiers share. `make test` runs unit and inproc on 2
+xdist processes, then the cluster tier on 2, then the cluster tests marked `exclusive` (they compare
+timings) alone (docs/testing.md); `make test-unit`, `test-inproc`, `test-cluster` run one.
+"""
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent / "support"))  # cluster_util, shard_harness, ...
 
 import pytest
 import torch
@@ -51,34 +62,3 @@ def run_dir(tmp_path):
     yield path
     leftovers = kill_leftovers(str(path))
     assert not leftovers, f"processes left behind: {leftovers}"
-
-
-# ------------------------------------------------------------ tiers
-# Every test is in one tier, selectable with -m: `cluster` (real processes on loopback; marked in
-# its module), `inproc` (roles over the in-process transport or real sockets inside this process),
-# `unit` (pure functions). `make test` runs all three: unit and inproc on 2 xdist processes, then the
-# cluster tier on 2, then the cluster tests marked `exclusive` (they compare timings) alone
-# (docs/testing.md); `make test-unit`, `test-inproc`, `test-cluster` run one.
-IN_PROCESS = ("MemServer", "shard_harness", "mem://", "make_server(", "bind_to_random_port", "hetps.sim")
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "inproc: roles over the in-process transport or sockets in this process")
-    config.addinivalue_line("markers", "unit: pure functions, no sockets, no processes")
-
-
-def _module_is_inproc(module, cache: dict) -> bool:
-    path = str(module.__file__)
-    if path not in cache:
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
-        cache[path] = any(needle in source for needle in IN_PROCESS)
-    return cache[path]
-
-
-def pytest_collection_modifyitems(config, items):
-    cache: dict = {}
-    for item in items:
-        if item.get_closest_marker("cluster"):
-            continue
-        item.add_marker(pytest.mark.inproc if _module_is_inproc(item.module, cache) else pytest.mark.unit)

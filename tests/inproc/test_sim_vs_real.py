@@ -13,7 +13,7 @@ import pytest
 from hetps.runconfig.schema import ConfigError
 from hetps.sim.costs import measured_costs
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "sim_vs_real.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "sim_vs_real.py"
 
 
 @pytest.fixture(scope="module")

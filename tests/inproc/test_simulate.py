@@ -104,12 +104,12 @@ def test_worker_count_shorthand_and_its_errors():
 def test_what_is_not_simulated_is_refused_naming_the_key(tmp_path):
     with pytest.raises(SimulationError, match="cluster.kill.0"):
         simulate(load_config(None, ["cluster.kill=[{node: ps0, at_s: 1}]"]), tmp_path / "x")
-    assert hetps_main(["simulate", str(Path(__file__).parent.parent / "configs" / "default.yaml"), "cluster.chunk_bytes=1000", "--out",
+    assert hetps_main(["simulate", str(Path(__file__).parents[2] / "configs" / "default.yaml"), "cluster.chunk_bytes=1000", "--out",
                        str(tmp_path / "y")]) == 2
 
 
 def test_compare_simulated_writes_the_tables_in_virtual_time(tmp_path):
-    config = str(Path(__file__).parent.parent / "configs" / "default.yaml")
+    config = str(Path(__file__).parents[2] / "configs" / "default.yaml")
     code = hetps_main(["compare", config, "--algorithms", "sync,grouping", "--simulate", "--out", str(tmp_path),
                        *BASE, "stop.max_seconds=0.3", "cluster.workers=[{slowdown: 1}, {slowdown: 3}]"])
     assert code == 0

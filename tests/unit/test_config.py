@@ -350,7 +350,7 @@ def test_numbers_out_of_range_name_the_key_and_the_range(override, key, allowed)
 def test_every_shipped_config_loads():
     from pathlib import Path
 
-    configs = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+    configs = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
     assert len(configs) >= 9
     for path in configs:
         load_config(path, import_targets=True)

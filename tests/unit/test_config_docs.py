@@ -10,7 +10,7 @@ from hetps.runconfig import schema as config
 from hetps.runconfig.algorithm_params import ALGORITHM_PARAMS
 from hetps.runconfig.reference import REGENERATE, render
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def test_configuration_reference_is_up_to_date():

@@ -26,7 +26,7 @@ import yaml
 
 from hetps.runconfig.schema import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "docker-compose.yml"
 CPU_DOCKERFILE = DOCKER / "Dockerfile"

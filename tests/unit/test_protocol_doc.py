@@ -12,7 +12,7 @@ import pytest
 from hetps.proto import codec, layout, messages
 from hetps.proto.plan import ClusterPlan
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 
 
 def table(heading: str) -> list[dict[str, str]]:
