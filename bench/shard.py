@@ -123,23 +123,21 @@ def raw_throughput(address: str, nbytes: int, messages: int = 6) -> float:
     return messages * nbytes / elapsed
 
 
-def use_shm(shm_bytes: int) -> None:
-    if shm_bytes:
-        from hetps.proto.transport import set_shared_memory
+def shm_options(shm_bytes: int):
+    """Socket options with frames of >= `shm_bytes` through shared memory (0: off)."""
+    from hetps.proto.transport import TransportOptions
 
-        set_shared_memory(shm_bytes)
+    return TransportOptions(shm_bytes=shm_bytes)
 
 
 def shard_server(set_name: str, workers: int, queue: mp.Queue, stop, shm_bytes: int = 0) -> None:
     torch.set_num_threads(1)
-    from hetps.runconfig.schema import load_config
+    from hetps.runconfig.load import load_config
     from hetps.proto.transport import make_server
-
-    use_shm(shm_bytes)
     from hetps.ps.shard import Shard
 
     cfg = load_config(None, ["algorithm.name=async", "optimizer.momentum=0.9"])
-    server = make_server("tcp://127.0.0.1:0")
+    server = make_server("tcp://127.0.0.1:0", shm_options(shm_bytes))
     shard = Shard(server, 1, plan_for(tensor_specs(set_name), workers, server.address), cfg)
     queue.put(server.address)
     while not stop.is_set() and os.getppid() != 1:  # the parent may die without setting `stop`
@@ -152,13 +150,13 @@ def generator(set_name: str, address: str, node_ids: list[int], ready: mp.Queue,
               queue: mp.Queue, shm_bytes: int = 0) -> None:
     """Drive `node_ids` workers, one PUSH in flight each, for `seconds` after `start`; report the count."""
     torch.set_num_threads(1)
-    use_shm(shm_bytes)
     from hetps.proto.messages import Push
     from hetps.proto.rpc import RpcClient
 
     specs = tensor_specs(set_name)
     grads = {s.name: torch.full(s.shape, 1e-6) for s in specs}
-    clients = [RpcClient(address, src=n, timeout_s=120.0) for n in node_ids]
+    options = shm_options(shm_bytes)
+    clients = [RpcClient(address, src=n, timeout_s=120.0, options=options) for n in node_ids]
     clocks = [0] * len(clients)
     ready.put(len(clients))
     start.wait(timeout=300)

@@ -102,25 +102,24 @@ def raw_echo_server(address_queue: mp.Queue, scheme: str) -> None:
 def use_curve(keys_dir: str, role: str) -> None:
     """Curve on for this process's later hetps sockets (no-op without `keys_dir`)."""
     if keys_dir:
-        from hetps.proto import security
-        from hetps.runconfig.schema import load_config
+        from hetps.runconfig.load import load_config
+        from hetps.runtime.curve_setup import configure
 
         cfg = load_config(None, ["security.curve=true", f"security.keys_dir={keys_dir}"])
-        security.configure(cfg, role, client_key=CURVE_CLIENT)
+        configure(cfg, role, client_key=CURVE_CLIENT)
 
 
 def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str, keys_dir: str, scheme: str,
                        shm_bytes: int = 0) -> None:
     torch.set_num_threads(1)
-    from hetps.runconfig.schema import load_config
-    from hetps.proto.transport import make_server, set_shared_memory
+    from hetps.runconfig.load import load_config
+    from hetps.proto.transport import TransportOptions, make_server
     from hetps.ps.shard import Shard
 
     use_curve(keys_dir, "ps")
-    set_shared_memory(shm_bytes)
 
     cfg = load_config(None, ["algorithm.name=async", "optimizer.momentum=0.0"])
-    server = make_server(bind_address(scheme))
+    server = make_server(bind_address(scheme), TransportOptions(shm_bytes=shm_bytes))
     shard = Shard(server, 1, one_shard_plan(tensor_set(row), server.address), cfg)
     queue.put(server.address)
     prof = cProfile.Profile() if profile else None
@@ -198,7 +197,7 @@ def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True,
                 keys_dir: str = "", scheme: str = "tcp", shm_bytes: int = 0) -> tuple[float, float]:
     """(seconds per push+pull round trip, shard update seconds per push)."""
     from hetps.runconfig.schema import ClusterConfig
-    from hetps.proto.transport import set_shared_memory
+    from hetps.proto.transport import TransportOptions
     from hetps.worker.client import PSClient
 
     specs = tensor_set(row)
@@ -208,8 +207,8 @@ def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True,
                       daemon=True)
     proc.start()
     use_curve(keys_dir, "worker")
-    set_shared_memory(shm_bytes)
-    client = PSClient(one_shard_plan(specs, q.get(timeout=60)), 2, ClusterConfig(), fuse_pull=fuse_pull)
+    client = PSClient(one_shard_plan(specs, q.get(timeout=60)), 2, ClusterConfig(),
+                      fuse_pull=fuse_pull, transport=TransportOptions(shm_bytes=shm_bytes))
     try:
         client.init({s.name: torch.zeros(s.shape) for s in specs})
         grads = worker_gradients(specs, client.names)
@@ -228,7 +227,6 @@ def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True,
             prof.dump_stats(os.path.join(profile, f"client-{row}.prof"))
     finally:
         client.close()
-        set_shared_memory(0)
         stop.set()
         if keys_dir:
             from hetps.proto import security

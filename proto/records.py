@@ -33,6 +33,8 @@ from .read_values import MAX_RATE, MAX_SECONDS, MAX_TEXT, bad as _bad, read_coun
 from .waits import HeldUp, WaitingFor, read_held, read_waiting
 
 RESERVED_RECORD_KEYS = ("kind", "t")  # the run log's own keys for a step record
+MAX_PHASES = 16        # REGISTER's `startup` carries at most this many phases (runtime/startup.py)
+MAX_PHASE_S = 86400.0  # a phase longer than a day is a bad value, not a slow start
 
 
 # ---------------------------------------------------------------- heartbeat statistics
@@ -220,7 +222,6 @@ def read_speed(value: Any) -> float:
 
 def read_startup(value: Any) -> dict[str, float]:
     """REGISTER's `startup`: at most MAX_PHASES {short name: seconds}."""
-    from hetps.runtime.startup import MAX_PHASE_S, MAX_PHASES
     if type(value) is not dict or len(value) > MAX_PHASES:
         _bad("startup", f"must be a map of at most {MAX_PHASES} phases, got {value!r:.60}")
     for name in value:

@@ -17,9 +17,9 @@ from typing import Callable, Sequence
 
 from .codec import ProtocolError, TensorCatalog, decode, encode, error_frames
 from .errors import HetpsError
+from .faults import WireFaults
 from .messages import Error, Message, Op, Params, Status
-from hetps.runtime.emulation import WireFaults
-from .transport import ServerTransport, make_client
+from .transport import ServerTransport, TransportOptions, make_client
 
 log = logging.getLogger(__name__)
 TEND_EVERY_S = 0.02  # while other servers' requests are tended, the longest block on one socket
@@ -75,6 +75,8 @@ class RpcClient:
     message that was lost, does not cost the whole timeout. The server must
     make a re-sent request harmless (shards answer a re-sent push with the
     first one's ACK). `faults` injects drops and delays on every send.
+    `options`: how its socket is made (size bound, shared memory, emulated
+    link; transport.py), also for the sockets `retarget` makes.
 
     A server that lost what it had is recognised two ways: the transport
     reconnected, or a PARAMS reply carries a lower version than an earlier
@@ -90,23 +92,23 @@ class RpcClient:
     _ids = itertools.count(secrets.randbelow(1 << 40) + 1)
 
     def __init__(self, address: str, src: int = 0, timeout_s: float = 60.0,
-                 max_message_bytes: int | None = None,
+                 options: TransportOptions | None = None,
                  should_abort: Callable[[], bool] | None = None,
                  retry_s: float = 0.0, faults: WireFaults | None = None,
                  redirect: Callable[[], str] | None = None):
         """`redirect`, if given, is asked while waiting for the server's
         current address (a failover moved it): on a change every unanswered
-        request is re-sent there at once."""
+        request is re-sent there at once. Raises TransportError."""
         self.address = address
         self.redirect = redirect
-        self.max_message_bytes = max_message_bytes
+        self.options = options
         self._bytes_before = (0, 0)  # counted on transports left behind by `retarget`
         self.src = src
         self.timeout_s = timeout_s
         self.should_abort = should_abort
         self.retry_s = retry_s
         self.faults = faults if faults is not None and faults.active else None
-        self.transport = make_client(address, max_message_bytes)
+        self.transport = make_client(address, options)
         self._early: dict[int, Message] = {}
         self._ops: dict[int, str] = {}
         self._unanswered: dict[int, Unanswered] = {}
@@ -133,7 +135,7 @@ class RpcClient:
                     len(self._unanswered))
         self._bytes_before = (self.bytes_sent, self.bytes_received)
         self.transport.close()
-        self.transport = make_client(address, self.max_message_bytes)
+        self.transport = make_client(address, self.options)
         self.address = address
         self._served_version = -1
         self._lost_state = True
@@ -267,7 +269,9 @@ class Service:
 
     A handler returns the reply Message, or None to park the request and
     answer later with `reply()`. Subclasses may override `catalog()` to have
-    tensors checked against what this server holds.
+    tensors checked against what this server holds. The socket is made by the
+    caller (`make_server(address, options)`); `server.options` are those
+    options, for any client the service makes itself (a shard's replication).
     """
 
     def __init__(self, server: ServerTransport, node_id: int = 0):

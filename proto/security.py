@@ -1,5 +1,6 @@
-"""CurveZMQ on every ZeroMQ socket of a process: encryption, and an
-allow-list of client public keys checked by a ZAP authenticator.
+"""CurveZMQ on every ZeroMQ socket of a process, the socket side: key pairs
+on disk, applying CURVE options to sockets, and the ZAP authenticator that
+checks client public keys against an allow-list.
 
 This is a trust boundary. With `security.curve: true` a server socket (the
 scheduler's, each shard's) accepts only clients whose public key is in the
@@ -17,11 +18,16 @@ pair and the allow-list; a shard those and a client pair (it is a client of
 the scheduler); workers and the evaluator a client pair and the server's
 public key. A process picks its client pair with `--client-key NAME` or
 $HETPS_CLIENT_KEY (a name under DIR/clients, or a path to a .key_secret file;
-default `client-0`). The directory is security.keys_dir, or $HETPS_KEYS_DIR.
+default `client-0`). Which directory, and whether curve is on at all, the
+run's config says: runtime/curve_setup.py reads it (security.curve,
+security.keys_dir or $HETPS_KEYS_DIR) and calls `load_keys` and `use_keys`.
 
-Process-global like `emulation.set_link_cap`: call `configure` once per
-daemon, before any socket exists; `transport` then calls `secure_socket` on
-every socket it creates. Not meant to be reconfigured while sockets are open.
+Process-global, unlike the other socket settings (transport.py's
+TransportOptions): one CurveZMQ identity per process, as the ZAP
+authenticator belongs to the process's ZeroMQ context anyway. `use_keys`
+once per daemon, before any socket exists; `transport` then calls
+`secure_socket` on every socket it creates. Not meant to be changed while
+sockets are open.
 """
 from __future__ import annotations
 
@@ -36,7 +42,6 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from hetps.runconfig.schema import RunConfig, SecurityConfig
 from .errors import HetpsError
 
 log = logging.getLogger(__name__)
@@ -79,11 +84,13 @@ def write_keys(keys_dir: Path, client_names: list[str]) -> list[Path]:
     if (keys_dir / f"{SERVER_NAME}.key_secret").exists():
         raise SecurityError(f"{keys_dir / (SERVER_NAME + '.key_secret')} already exists; "
                             "not overwriting keys (remove the directory or pick another)")
-    return _write_missing(keys_dir, client_names)
+    return write_missing_keys(keys_dir, client_names)
 
 
-def _write_missing(keys_dir: Path, client_names: list[str]) -> list[Path]:
-    """The server pair and the named client pairs that `keys_dir` lacks."""
+def write_missing_keys(keys_dir: Path, client_names: list[str]) -> list[Path]:
+    """Write the server pair and the named client pairs that `keys_dir` lacks
+    (with their allow-list entries), modes as `write_keys`; an existing
+    pair is kept. Returns the files written. Not thread-safe (umask)."""
     keys_dir.parent.mkdir(parents=True, exist_ok=True)  # parents with the usual modes
     written: list[Path] = []
     old_umask = os.umask(0o077)
@@ -104,21 +111,6 @@ def _write_missing(keys_dir: Path, client_names: list[str]) -> list[Path]:
     for path in written:  # public keys may be read by anyone; secrets stay 0600
         path.chmod(0o600 if path.name.endswith(".key_secret") else 0o644)
     return written
-
-
-def keys_for_run(cfg: RunConfig, keys_dir: Path, client_names: list[str]) -> tuple[RunConfig, bool]:
-    """For `hetps run`: with curve on and no other keys directory given
-    (config or $HETPS_KEYS_DIR), make sure `keys_dir` holds a server pair and
-    one client pair per name (a rerun or resume in the same run directory
-    reuses them), and return the config pointing there and True. Otherwise
-    return the config unchanged and False."""
-    sec = cfg.security
-    if not sec.curve or os.environ.get("HETPS_KEYS_DIR"):
-        return cfg, False
-    if sec.keys_dir and Path(sec.keys_dir).expanduser().resolve() != keys_dir.resolve():
-        return cfg, False
-    _write_missing(keys_dir, client_names)
-    return replace(cfg, security=replace(sec, keys_dir=str(keys_dir.resolve()))), True
 
 
 # ---------------------------------------------------------------- loading keys
@@ -143,18 +135,6 @@ def _secret_pair(path: Path, what: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def resolve_keys_dir(sec: SecurityConfig) -> Path:
-    """$HETPS_KEYS_DIR, else security.keys_dir; raises SecurityError when neither is set."""
-    chosen = os.environ.get("HETPS_KEYS_DIR") or sec.keys_dir
-    if not chosen:
-        raise SecurityError("security.curve is on but no keys directory: set security.keys_dir or "
-                            "$HETPS_KEYS_DIR (make one with `hetps keys DIR`)")
-    path = Path(chosen).expanduser()
-    if not path.is_dir():
-        raise SecurityError(f"keys directory {path} not found (make one with `hetps keys {path}`)")
-    return path
-
-
 def client_key_path(keys_dir: Path, client_key: str | None) -> Path:
     """A client key given as a path (has a '/' or ends in .key_secret) or as
     a name under DIR/clients; None means $HETPS_CLIENT_KEY, else client-0."""
@@ -174,11 +154,16 @@ def _allow_list(keys_dir: Path) -> tuple[Path, int]:
     return allow_dir, count
 
 
-def load_keys(sec: SecurityConfig, role: str, client_key: str | None = None) -> CurveKeys:
-    """The keys `role` needs, read and checked now. Raises SecurityError."""
+def load_keys(keys_dir: Path, role: str, client_key: str | None = None) -> CurveKeys:
+    """The keys `role` needs from the keys directory `keys_dir`, read and
+    checked now: servers (SERVER_ROLES) the server pair and the allow-list,
+    clients (CLIENT_ROLES) the pair `client_key` names (`client_key_path`).
+    Raises SecurityError naming the missing or unusable file."""
     if not zmq.has("curve"):
         raise SecurityError(f"this libzmq ({zmq.zmq_version()}) was built without CURVE support")
-    keys_dir = resolve_keys_dir(sec)
+    if not keys_dir.is_dir():
+        raise SecurityError(f"keys directory {keys_dir} not found "
+                            f"(make one with `hetps keys {keys_dir}`)")
     server_file = keys_dir / f"{SERVER_NAME}.key"
     keys = CurveKeys(keys_dir, server_public=b"")
     if role in SERVER_ROLES:
@@ -205,14 +190,13 @@ _LOCK = threading.Lock()
 atexit.register(lambda: reset())  # stop the authenticator's thread before the interpreter goes
 
 
-def configure(cfg: RunConfig, role: str, client_key: str | None = None) -> CurveKeys | None:
-    """Turn curve on for every later socket of this process when
-    cfg.security.curve is set (else off). Raises SecurityError when a key the
-    role needs is missing. Call once, before any socket is made."""
+def use_keys(keys: CurveKeys | None) -> CurveKeys | None:
+    """Curve on with `keys` for every later ZeroMQ socket of this process
+    (None: off); returns `keys`. Call once, before any socket is made
+    (runtime/curve_setup.py `configure` does, from the config)."""
     reset()
-    if not cfg.security.curve:
+    if keys is None:
         return None
-    keys = load_keys(cfg.security, role, client_key)
     _KEYS.append(keys)
     sides = ([f"server, {keys.allowed} allowed client keys"] if keys.server_secret else []) + \
         ([f"client key {keys.client_name}"] if keys.client_secret else [])

@@ -6,21 +6,29 @@ Two implementations behind one interface:
 - in-process (`mem://NAME`): thread-safe queues, for protocol and policy
   tests in one process without sockets.
 
-With `set_shared_memory(min_bytes)` (from `comm.shm_bytes`), a client's
-frames of at least `min_bytes` go through shared memory and the server takes
-them in place (shm.py); its large replies to such a client go back the same
-way. For processes on one host.
+How a socket is made is given where it is made, as a `TransportOptions`
+(nothing process-wide but CurveZMQ, below); a daemon builds one from its
+config and node (runtime/daemon.py `transport_options`) and passes that same
+object to every socket it makes:
+- `max_message_bytes`: the most a peer can make a ZeroMQ socket allocate;
+- `shm_bytes` (`comm.shm_bytes`): a client's frames of at least that many
+  bytes go through shared memory and the server takes them in place
+  (shm.py); its large replies to such a client go back the same way. For
+  processes on one host; 0 (the default) is off;
+- `link` (from a node's `link_mbps`): an emulated capped link (link.py)
+  whose token buckets every socket given it shares; None (the default) is
+  no cap and costs nothing per message.
+The in-process transport ignores the shared memory and the link.
 
-A node's link can be capped (`emulation.set_link_cap`, from `link_mbps` in the
-config) to emulate a slow network on one machine.
+With CurveZMQ turned on for the process (`security.use_keys`, from the
+config by runtime/curve_setup.py), every ZeroMQ socket made here is a curve
+server (ROUTER) or client (DEALER).
 
-With CurveZMQ turned on for the process (`security.configure`), every ZeroMQ
-socket made here is a curve server (ROUTER) or client (DEALER).
-
-`make_server(address)` / `make_client(address)` pick one by the address
-scheme. Servers bound to port 0 (`tcp://HOST:0`) get a random free port; read
-`server.address` for the one actually bound. Nothing here blocks longer than
-the `timeout_s` it is given. Sockets are not thread-safe: one per thread.
+`make_server(address, options)` / `make_client(address, options)` pick one by
+the address scheme. Servers bound to port 0 (`tcp://HOST:0`) get a random
+free port; read `server.address` for the one actually bound. Nothing here
+blocks longer than the `timeout_s` it is given, except a capped link's
+sleeps. Sockets are not thread-safe: one per thread.
 """
 from __future__ import annotations
 
@@ -31,13 +39,14 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Sequence
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from hetps.runtime.emulation import carry as _carry, frames_nbytes
 from .errors import HetpsError
+from .link import Link, frames_nbytes
 from .messages import ZERO_COPY_BYTES
 from .security import SecurityError, secure_socket
 from .shm import SegmentPool, SegmentReader, ShmRefused, is_descriptor
@@ -50,20 +59,36 @@ class TransportError(HetpsError):
     """Bind/connect failed or the peer is unknown."""
 
 
-_SHM = {"min_bytes": 0}  # this process's `comm.shm_bytes`: sockets made from now on use it
 REPLY_SEGMENTS = 2       # a server's segments per peer for replies through shared memory
 REPLY_PEERS = 256        # peers a server keeps reply segments for (least recently heard closed first)
 
 
-def set_shared_memory(min_bytes: int) -> None:
-    """ZeroMQ sockets made by this process from now on send frames of at least
-    `min_bytes` through shared memory, and servers take such frames in (0:
-    off). Only for peers on this host running as the same user (shm.py)."""
-    _SHM["min_bytes"] = min_bytes
+@dataclass(frozen=True)
+class TransportOptions:
+    """How ZeroMQ sockets are made; the defaults are plain sockets.
+
+    `max_message_bytes`: a socket drops a message larger than this (None: no
+    bound). `shm_bytes`: frames of at least this many bytes go through shared
+    memory, and a server takes such frames in (0: off; only for peers on this
+    host running as the same user, shm.py). `link`: an emulated capped link
+    shared by every socket given it (None: no cap). Immutable, so one object
+    can be handed to every socket of a process and to any thread."""
+
+    max_message_bytes: int | None = None
+    shm_bytes: int = 0
+    link: Link | None = None
+
+    def __post_init__(self):
+        if self.shm_bytes < 0:
+            raise ValueError(f"shm_bytes must be >= 0, got {self.shm_bytes}")
+
+
+DEFAULT_OPTIONS = TransportOptions()
 
 
 class ServerTransport(ABC):
     address: str
+    options: TransportOptions = DEFAULT_OPTIONS  # made with these (a shard's own clients reuse them)
 
     @abstractmethod
     def recv(self, timeout_s: float) -> tuple[bytes, list] | None:
@@ -149,10 +174,13 @@ def _recv_frames(sock: zmq.Socket, timeout_s: float) -> list | None:
 
 
 class ZmqServer(ServerTransport):
-    """A ROUTER socket; `max_message_bytes` bounds what a peer can make us allocate."""
+    """A ROUTER socket bound to `address`; `options.max_message_bytes` bounds
+    what a peer can make us allocate. Raises TransportError if it cannot bind."""
 
-    def __init__(self, address: str, max_message_bytes: int | None = None):
-        self.sock = _zmq_socket(zmq.ROUTER, max_message_bytes)
+    def __init__(self, address: str, options: TransportOptions | None = None):
+        self.options = options = options or DEFAULT_OPTIONS
+        self.link = options.link
+        self.sock = _zmq_socket(zmq.ROUTER, options.max_message_bytes)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         bind_to = address[:-2] + ":*" if address.startswith("tcp://") and address.endswith(":0") else address
         try:
@@ -161,7 +189,7 @@ class ZmqServer(ServerTransport):
             self.sock.close(0)
             raise TransportError(f"cannot bind {address}: {exc}") from None
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.shm = SegmentReader() if _SHM["min_bytes"] else None
+        self.shm = SegmentReader() if options.shm_bytes else None
         # peers whose shared-memory frames were taken (so on this host, opted in): replies to them
         # go back the same way, through segments of this server's own (least recently heard first out)
         self.reply_pools: OrderedDict[bytes, SegmentPool] = OrderedDict()
@@ -170,7 +198,8 @@ class ZmqServer(ServerTransport):
         frames = _recv_frames(self.sock, timeout_s)
         if frames is None:
             return None
-        _carry("inn", frames[1:])
+        if self.link is not None:
+            self.link.receive(frames[1:])
         peer = bytes(frames[0])
         if len(frames) > 1 and is_descriptor(frames[1]):
             return peer, self._from_shared_memory(peer, frames[1:])
@@ -187,7 +216,7 @@ class ZmqServer(ServerTransport):
             log.warning("shared-memory frames refused: %s", exc)
             return frames[1:]
         if peer not in self.reply_pools:
-            self.reply_pools[peer] = SegmentPool(_SHM["min_bytes"], REPLY_SEGMENTS)
+            self.reply_pools[peer] = SegmentPool(self.options.shm_bytes, REPLY_SEGMENTS)
             while len(self.reply_pools) > REPLY_PEERS:
                 self.reply_pools.popitem(last=False)[1].close()
         self.reply_pools.move_to_end(peer)
@@ -196,7 +225,8 @@ class ZmqServer(ServerTransport):
     def send(self, peer: bytes, frames: Sequence) -> zmq.MessageTracker | None:
         """To a peer that sent shared-memory frames, large frames go back the
         same way, copied into a segment (no tracker: the frames are free at once)."""
-        _carry("out", frames)
+        if self.link is not None:
+            self.link.send(frames)
         pool = self.reply_pools.get(peer)
         staged = pool.stage(frames) if pool is not None else None
         if staged is not None:
@@ -215,13 +245,18 @@ class ZmqServer(ServerTransport):
 
 
 class ZmqClient(ClientTransport):
-    def __init__(self, address: str, max_message_bytes: int | None = None):
+    """A DEALER socket connected to `address`, made as `options` say. Raises
+    TransportError if the address cannot be connected to."""
+
+    def __init__(self, address: str, options: TransportOptions | None = None):
         self.address = address
-        self.sock = _zmq_socket(zmq.DEALER, max_message_bytes)
+        options = options or DEFAULT_OPTIONS
+        self.link = options.link
+        self.sock = _zmq_socket(zmq.DEALER, options.max_message_bytes)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)  # before connecting: sees the first
         self.connects = 0
-        self.shm = SegmentPool(_SHM["min_bytes"]) if _SHM["min_bytes"] else None
-        self.shm_replies = SegmentReader(REPLY_SEGMENTS) if _SHM["min_bytes"] else None
+        self.shm = SegmentPool(options.shm_bytes) if options.shm_bytes else None
+        self.shm_replies = SegmentReader(REPLY_SEGMENTS) if options.shm_bytes else None
         try:
             self.sock.connect(address)
         except zmq.ZMQError as exc:
@@ -243,14 +278,16 @@ class ZmqClient(ClientTransport):
 
     def send(self, frames: Sequence) -> None:
         self.bytes_sent += frames_nbytes(frames)
-        _carry("out", frames)
+        if self.link is not None:
+            self.link.send(frames)
         staged = self.shm.stage(frames) if self.shm is not None else None
         _send_parts(self.sock, staged if staged is not None else _zero_copy(frames, track=False)[0])
 
     def recv(self, timeout_s: float):
         frames = _recv_frames(self.sock, timeout_s)
         if frames is not None:
-            _carry("inn", frames)
+            if self.link is not None:
+                self.link.receive(frames)
             if frames and is_descriptor(frames[0]):
                 frames = self._from_shared_memory(frames)
             self.bytes_received += frames_nbytes(frames)
@@ -283,11 +320,15 @@ _MEM_IDS = itertools.count(1)
 
 
 class MemServer(ServerTransport):
-    def __init__(self, address: str, take_over: bool = False):
+    def __init__(self, address: str, take_over: bool = False,
+                 options: TransportOptions | None = None):
         """`take_over`: replace the server bound at `address` in one step (a
         restarted process at a dead one's address, in tests); what was queued
-        for the old one stays with it, as a killed process's input would."""
+        for the old one stays with it, as a killed process's input would.
+        `options` are only kept (`self.options`): no socket, so no shared
+        memory, link or size bound applies here."""
         self.address = address
+        self.options = options or DEFAULT_OPTIONS
         self.inbox: queue.Queue = queue.Queue()
         self.clients: dict[bytes, "MemClient"] = {}
         with _MEM_LOCK:
@@ -374,13 +415,17 @@ class ServerPoll:
         return bool(server.sock.poll(0))
 
 
-def make_server(address: str, max_message_bytes: int | None = None) -> ServerTransport:
+def make_server(address: str, options: TransportOptions | None = None) -> ServerTransport:
+    """A server bound to `address`: in-process for `mem://`, else ZeroMQ made
+    as `options` say (None: DEFAULT_OPTIONS). Raises TransportError."""
     if address.startswith("mem://"):
-        return MemServer(address)
-    return ZmqServer(address, max_message_bytes)
+        return MemServer(address, options=options)
+    return ZmqServer(address, options)
 
 
-def make_client(address: str, max_message_bytes: int | None = None) -> ClientTransport:
+def make_client(address: str, options: TransportOptions | None = None) -> ClientTransport:
+    """A client of `address`: in-process for `mem://`, else ZeroMQ made as
+    `options` say (None: DEFAULT_OPTIONS). Raises TransportError."""
     if address.startswith("mem://"):
         return MemClient(address)
-    return ZmqClient(address, max_message_bytes)
+    return ZmqClient(address, options)

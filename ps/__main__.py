@@ -29,7 +29,6 @@ import sys
 from hetps.runtime.daemon import (DaemonArgumentParser, address_arg, check_and_exit, common_args, daemon_setup, fast_exit,
                                 rank_label)
 from hetps.runtime.startup import Phases, process_age_s
-from hetps.proto.transport import set_shared_memory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="a spare (cluster.spare_shards): own no tensors, hold new backups after failovers")
     args = parser.parse_intermixed_args(argv)
     cfg, scheduler = daemon_setup(args, "ps")
-    set_shared_memory(cfg.comm.shm_bytes)  # co-located worker -> shard frames (docs/big-messages.md)
     replica_bind = replica_bind_or_exit(args, cfg)
     if args.spare:
         from .spare import run_spare

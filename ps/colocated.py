@@ -30,14 +30,14 @@ import torch
 
 from hetps.runconfig.algorithms import AlgorithmMismatch
 from hetps.runconfig.schema import NodeConfig, RunConfig
-from hetps.runtime.daemon import check_and_exit, scheduler_lost_exit
+from hetps.runtime.daemon import check_and_exit, scheduler_lost_exit, transport_options
 from hetps.runtime.emulation import Slowdown
 from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
 from hetps.runtime.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.runtime.startup import Phases
-from hetps.runtime.emulation import set_link_cap
-from hetps.proto.transport import ServerPoll, ServerTransport, TransportError, make_server
+from hetps.proto.transport import (ServerPoll, ServerTransport, TransportError, TransportOptions,
+                                  make_server)
 
 from .serving import PlanFollower, setup_checkpoints
 from .shard import Shard, profile_update_speed
@@ -83,8 +83,7 @@ def run_colocated(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phas
                        config=args.config)
     node = cfg.cluster.shards[ranks[0]] if ranks[0] < len(cfg.cluster.shards) else NodeConfig()
     torch.set_num_threads(node.threads)
-    set_link_cap(node.link_mbps)
-    ranks_served = ColocatedRanks(ranks, cfg)
+    ranks_served = ColocatedRanks(ranks, cfg, transport_options(cfg, node))
     try:
         ranks_served.open(binds, scheduler)
         phases.mark("config")
@@ -106,10 +105,14 @@ def label_log_lines(ranks: list[int]) -> None:
 
 class ColocatedRanks:
     """The ranks of one process: servers, memberships, then shards. Not thread-safe
-    (the heartbeat threads only read `stats`)."""
+    (the heartbeat threads only read `stats`). `transport`: the options of every
+    socket of the process (one emulated link for all ranks); None: plain sockets
+    bounded by cluster.max_message_bytes."""
 
-    def __init__(self, ranks: list[int], cfg: RunConfig):
+    def __init__(self, ranks: list[int], cfg: RunConfig, transport: TransportOptions | None = None):
         self.ranks, self.cfg = ranks, cfg
+        self.transport = transport or TransportOptions(
+            max_message_bytes=cfg.cluster.max_message_bytes)
         self.servers: list[ServerTransport] = []
         self.members: list[Membership] = []
         self.shards: list[Shard | None] = [None] * len(ranks)
@@ -117,8 +120,8 @@ class ColocatedRanks:
     def open(self, binds: list[str], scheduler: str) -> None:
         """Bind every rank's socket and make its membership. Raises TransportError."""
         for rank, bind in zip(self.ranks, binds):
-            self.servers.append(make_server(bind, self.cfg.cluster.max_message_bytes))
-            self.members.append(Membership(scheduler, "ps", rank, self.cfg.cluster))
+            self.servers.append(make_server(bind, self.transport))
+            self.members.append(Membership(scheduler, "ps", rank, self.cfg.cluster, self.transport))
 
     def run(self, phases: Phases, args: argparse.Namespace) -> int:
         """Register every rank, build its shard, serve, finish; the exit status."""

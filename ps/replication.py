@@ -40,7 +40,7 @@ from hetps.runtime import checkpoint
 from hetps.proto.codec import Envelope, ProtocolError, decode, encode
 from hetps.proto.messages import Ack, Error, Message, Plan, Status
 from hetps.proto.plan import ClusterPlan
-from hetps.proto.transport import ServerTransport, make_client
+from hetps.proto.transport import ServerTransport, TransportOptions, make_client
 
 from .shard import Shard
 from .state_copy import load_snapshot, snapshot_of
@@ -77,11 +77,13 @@ class Held:
 
 class Replicator:
     """The primary's link to its backup: forwards messages in order and holds
-    replies until the backup confirmed what they depend on. Never blocks."""
+    replies until the backup confirmed what they depend on. Never blocks
+    (but for a capped link's sleeps). `options`: how its socket is made (the
+    shard's own, `server.options`: the process's link and shared memory)."""
 
-    def __init__(self, address: str, max_message_bytes: int, send):
+    def __init__(self, address: str, options: TransportOptions | None, send):
         self.address = address
-        self.client = make_client(address, max_message_bytes)
+        self.client = make_client(address, options)
         self.send = send          # (peer, req_id, msg) -> sends a reply for real
         self.sent = 0             # messages forwarded
         self.confirmed = 0        # of which the backup answered (in order: one connection)
@@ -298,7 +300,7 @@ class ReplicatedShard(Shard):
             self.replicator.drop()
             self.replicator = None
         if address and self.replicator is None:
-            self.replicator = Replicator(address, self.cfg.cluster.max_message_bytes,
+            self.replicator = Replicator(address, self.server.options,
                                          lambda peer, req, msg: Shard.reply(self, peer, req, msg))
             if self.policy is not None:  # training began: the new backup starts from a copy of this state
                 log.warning("shard node %d: copying state (version %d) to the new backup at %s (plan %d)",

@@ -14,8 +14,8 @@ import torch
 from hetps.runtime import checkpoint
 from hetps.runconfig.algorithms import AlgorithmMismatch
 from hetps.runconfig.schema import NodeConfig, RunConfig
-from hetps.runtime.daemon import scheduler_lost_exit
-from hetps.runtime.emulation import Slowdown, set_link_cap
+from hetps.runtime.daemon import scheduler_lost_exit, transport_options
+from hetps.runtime.emulation import Slowdown
 from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
 from hetps.runtime.metrics import serve_metrics
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
@@ -35,17 +35,19 @@ def run_shard(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: 
     # `--rank auto` (rank < 0): the default node settings, the rank comes at registration
     node = cfg.cluster.shards[args.rank] if 0 <= args.rank < len(cfg.cluster.shards) else NodeConfig()
     torch.set_num_threads(node.threads)
-    set_link_cap(node.link_mbps)
+    # every socket of this process: comm.shm_bytes (co-located worker -> shard frames,
+    # docs/big-messages.md) and one emulated link of the node's link_mbps, shared by all
+    transport = transport_options(cfg, node)
     slowdown = Slowdown(node)
     try:
-        server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", cfg.cluster.max_message_bytes)
+        server = make_server(args.bind or f"tcp://{cfg.cluster.host}:0", transport)
         # cluster.replicas: the backup this process will hold is served on a second socket
         host = None
         if cfg.cluster.replicas:
-            replica_server = make_server(replica_bind, cfg.cluster.max_message_bytes)
+            replica_server = make_server(replica_bind, transport)
             host = ReplicaHost(replica_server, cfg, checkpoint_root=args.checkpoint_dir or cfg.checkpoint.dir,
                                advertise=args.replica_advertise or reachable(replica_server.address, scheduler))
-        member = Membership(scheduler, "ps", args.rank, cfg.cluster)
+        member = Membership(scheduler, "ps", args.rank, cfg.cluster, transport)
         phases.mark("config")
     except TransportError as exc:
         print(f"hetps ps {args.rank}: {exc}", file=sys.stderr)

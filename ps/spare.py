@@ -17,7 +17,7 @@ import sys
 
 import zmq
 
-from hetps.runtime.daemon import check_and_exit, scheduler_lost_exit
+from hetps.runtime.daemon import check_and_exit, scheduler_lost_exit, transport_options
 from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
@@ -142,11 +142,12 @@ def run_spare(args, cfg, scheduler: str, phases, replica_bind: str | None) -> in
     root = args.checkpoint_dir or cfg.checkpoint.dir
     if args.check:
         check_and_exit("ps --spare", rank=args.rank, scheduler=scheduler, slots=",".join(binds), config=args.config)
+    transport = transport_options(cfg)  # comm.shm_bytes; no node settings, so no link cap
     try:
-        spare = Spare([make_server(b, cfg.cluster.max_message_bytes) for b in binds], cfg, checkpoint_root=root)
+        spare = Spare([make_server(b, transport) for b in binds], cfg, checkpoint_root=root)
         for slot, advertise in zip(spare.slots, adverts):
             slot.advertise = advertise or reachable(slot.server.address, scheduler)
-        member = Membership(scheduler, "spare", args.rank, cfg.cluster)
+        member = Membership(scheduler, "spare", args.rank, cfg.cluster, transport)
     except TransportError as exc:
         print(f"hetps ps --spare {args.rank}: {exc}", file=sys.stderr)
         return 1

@@ -1,6 +1,7 @@
 """What every daemon's command line shares: flags (each also settable from
 the environment), config loading with exit code 2 on a bad config, logging,
-and the scheduler address.
+CurveZMQ from the config (runtime/curve_setup.py), the scheduler address, and
+the options every socket of a daemon is made with (`transport_options`).
 """
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ import re
 import signal
 import sys
 
-from hetps.runconfig.schema import ConfigError, RunConfig, load_config
-from hetps.proto.security import SecurityError, configure
+from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
+from hetps.runconfig.load import load_config
+from hetps.proto.link import Link
+from hetps.proto.security import SecurityError
+from hetps.proto.transport import TransportOptions
+
+from .curve_setup import configure
 
 # exit statuses of the shard, worker and evaluator daemons (and the scheduler's 1 when the
 # cluster never formed): 0 a clean stop the scheduler asked for; 1 a peer unreachable in time;
@@ -136,8 +142,18 @@ def load_or_exit(path: str | None, overrides: list[str], import_targets: bool = 
         raise SystemExit(2) from None
 
 
+def transport_options(cfg: RunConfig, node: NodeConfig | None = None) -> TransportOptions:
+    """The options for every socket of a daemon (proto/transport.py):
+    cluster.max_message_bytes, comm.shm_bytes, and one emulated link of the
+    node's `link_mbps` (None, or 0: no cap). Make it once per process and
+    pass the same object to every socket, so that they share the link."""
+    return TransportOptions(max_message_bytes=cfg.cluster.max_message_bytes,
+                            shm_bytes=cfg.comm.shm_bytes,
+                            link=Link.capped(node.link_mbps) if node is not None else None)
+
+
 def security_or_exit(cfg: RunConfig, role: str, client_key: str | None = None) -> None:
-    """Turn CurveZMQ on for this process when the config asks (proto/security.py);
+    """Turn CurveZMQ on for this process when the config asks (curve_setup.py);
     a missing key prints one line naming it and exits with status 2."""
     try:
         configure(cfg, role, client_key)

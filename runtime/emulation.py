@@ -1,19 +1,20 @@
 """Emulated heterogeneity and faults: a node's slowdown factor, optionally
 changing on a time schedule (`slowdown: 1, schedule: [{at_s: 30, slowdown: 4}]`),
-and dropped or delayed messages (`cluster.faults`), and a capped link
-(`link_mbps`) for every ZeroMQ socket of a process (transport.py calls
-`carry` on each message).
+and dropped or delayed messages (`cluster.faults`, `wire_faults`).
 
 A slowed node sleeps (factor - 1) x the time it measured for its own work
 (`work_clock`), so a step or an update takes factor x its real compute time.
+
+A capped link (`link_mbps`) is a socket option, not a process setting: the
+daemon makes one `proto.link.Link` for its node and passes it, in the
+`TransportOptions` of runtime/daemon.py `transport_options`, to every socket
+it makes.
 """
 from __future__ import annotations
 
-import random
-import threading
 import time
-from typing import Sequence
 
+from hetps.proto.faults import WireFaults
 from hetps.runconfig.schema import MessageFaults, NodeConfig
 
 
@@ -57,68 +58,7 @@ def work_clock(device: str = "cpu") -> float:
     return time.thread_time()
 
 
-class WireFaults:
-    """Fault injection on a node's outgoing requests (`cluster.faults`): each
-    transmission is dropped with probability `drop`, else held back
-    `delay_s` with probability `delay`. Seeded, so a run is repeatable."""
-
-    def __init__(self, faults: MessageFaults, seed: int):
-        self.faults = faults
-        self.rng = random.Random(seed)
-        self.dropped = 0
-        self.delayed = 0
-
-    @property
-    def active(self) -> bool:
-        return self.faults.drop > 0 or self.faults.delay > 0
-
-    def admit(self) -> bool:
-        """False: drop this message. May sleep first (a delayed message)."""
-        if self.rng.random() < self.faults.drop:
-            self.dropped += 1
-            return False
-        if self.rng.random() < self.faults.delay:
-            self.delayed += 1
-            time.sleep(self.faults.delay_s)
-        return True
-
-
-def frames_nbytes(frames: Sequence) -> int:
-    return sum(memoryview(f).nbytes for f in frames)
-
-
-class LinkCap:
-    """Emulates a node's link of `bytes_per_s` in one direction: a message of
-    n bytes occupies the link for n / rate seconds after the previous one, and
-    the caller sleeps until it has passed. Thread-safe."""
-
-    def __init__(self, bytes_per_s: float):
-        self.rate = bytes_per_s
-        self.free_at = time.monotonic()
-        self.lock = threading.Lock()
-
-    def carry(self, nbytes: int) -> None:
-        with self.lock:
-            now = time.monotonic()
-            self.free_at = max(now, self.free_at) + nbytes / self.rate
-            wait = self.free_at - now
-        if wait > 0:
-            time.sleep(wait)
-
-
-_LINK: dict[str, LinkCap] = {}  # "out"/"in" -> this process's emulated link, when capped
-
-
-def set_link_cap(mbit_per_s: float) -> None:
-    """Cap every ZeroMQ socket of this process at `mbit_per_s` megabits/s in
-    each direction (0: no cap). Emulates a slow link on one machine."""
-    _LINK.clear()
-    if mbit_per_s > 0:
-        _LINK.update(out=LinkCap(mbit_per_s * 1e6 / 8), inn=LinkCap(mbit_per_s * 1e6 / 8))
-
-
-def carry(direction: str, frames: Sequence) -> None:
-    """Sleep while the capped link ("out" or "inn") carries `frames` (no cap: at once)."""
-    link = _LINK.get(direction)
-    if link is not None:
-        link.carry(frames_nbytes(frames))
+def wire_faults(faults: MessageFaults, seed: int) -> WireFaults:
+    """Fault injection on one connection's outgoing requests as `cluster.faults`
+    says (proto/faults.py), seeded by `seed` (one stream per connection)."""
+    return WireFaults(faults.drop, faults.delay, faults.delay_s, seed)

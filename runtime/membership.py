@@ -29,6 +29,7 @@ from hetps.proto.errors import HetpsError, UnexpectedReply
 from hetps.proto.messages import Ack, Bye, Failed, GetPlan, Heartbeat, Plan, Register, Report, Status, Welcome
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import RemoteError, RequestTimeout, RpcClient
+from hetps.proto.transport import TransportOptions
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +67,20 @@ class SchedulerUnreachable(HetpsError, RuntimeError):
 
 
 class Membership:
-    def __init__(self, scheduler: str, role: str, rank: int, cluster: ClusterConfig):
+    def __init__(self, scheduler: str, role: str, rank: int, cluster: ClusterConfig,
+                 transport: TransportOptions | None = None):
+        """`transport`: the options of this node's sockets (runtime/daemon.py
+        `transport_options`), used for both sockets to the scheduler and kept
+        as `self.transport` for the node's other clients; None: plain sockets
+        bounded by cluster.max_message_bytes. Raises TransportError."""
         self.scheduler = scheduler
         self.role = role
         self.rank = rank
         self.cluster = cluster
+        self.transport = transport or TransportOptions(max_message_bytes=cluster.max_message_bytes)
         self.node_id = 0
         self.scheduler_lost = False  # set (with stop_requested) once the scheduler is silent for the grace period
-        self.rpc = RpcClient(scheduler, timeout_s=cluster.request_timeout_s,
-                             max_message_bytes=cluster.max_message_bytes,
+        self.rpc = RpcClient(scheduler, timeout_s=cluster.request_timeout_s, options=self.transport,
                              should_abort=lambda: self.scheduler_lost)
         self.stop_requested = threading.Event()
         self.stop_reason = ""
@@ -165,7 +171,7 @@ class Membership:
         # once with news (stop, a newer plan); the next beat goes when the period since this one is over
         hold_s = period if timeout_s >= 2 * period else 0.0
         rpc = RpcClient(self.scheduler, src=self.node_id, timeout_s=timeout_s,
-                        max_message_bytes=self.cluster.max_message_bytes)
+                        options=self.transport)
         last_answer = time.monotonic()
         try:
             while not self._closing.is_set():

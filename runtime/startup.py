@@ -3,14 +3,13 @@ profiling took, reported to the scheduler in REGISTER (`startup`) so that
 `hetps run` can print where the seconds before the first step went.
 
 Durations are seconds of wall time (time.monotonic), rounded to the millisecond.
+A REGISTER carries at most MAX_PHASES phases of at most MAX_PHASE_S each
+(proto/records.py, the wire record's limits).
 """
 from __future__ import annotations
 
 import os
 import time
-
-MAX_PHASES = 16        # a REGISTER carries at most this many phases
-MAX_PHASE_S = 86400.0  # a phase longer than a day is a bad value, not a slow start
 
 
 def process_age_s() -> float:

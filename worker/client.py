@@ -22,19 +22,24 @@ import torch
 from hetps.proto.codec import DTYPE_NAMES, ProtocolError
 from hetps.proto.compression import FLOATS, Compressor
 from hetps.runconfig.schema import ClusterConfig
-from hetps.runtime.emulation import WireFaults
+from hetps.runtime.emulation import wire_faults
 from hetps.proto.messages import Ack, Init, Params, Pull, Push, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import RpcClient, wait_all
+from hetps.proto.transport import TransportOptions
 from hetps.proto.runs import RunTensors
 
 
 class PSClient:
     def __init__(self, plan: ClusterPlan, node_id: int, cluster: ClusterConfig,
                  should_abort: Callable[[], bool] | None = None, compressor: Compressor | None = None,
-                 fuse_pull: bool = True, plans: Callable[[int], ClusterPlan | None] | None = None):
+                 fuse_pull: bool = True, plans: Callable[[int], ClusterPlan | None] | None = None,
+                 transport: TransportOptions | None = None):
         """`compressor`: applied to the gradients of float parameters in every
-        push (`comm.compression`; None: pushes travel exact). `fuse_pull`
+        push (`comm.compression`; None: pushes travel exact). `transport`: the
+        options of every shard connection (the node's, `Membership.transport`:
+        shared memory, emulated link); None: plain sockets bounded by
+        cluster.max_message_bytes. `fuse_pull`
         (`comm.fuse_pull`): push_pull asks for the values in the push itself.
         `plans(after)`: a plan newer than `after`, or None (`Membership.newer_plan`);
         asked while a reply is awaited, so requests follow a shard to its
@@ -49,9 +54,11 @@ class PSClient:
         self.compressible = {t.name for t in plan.tensors if t.kind == "param" and t.dtype in floats}
         # one seeded fault stream per shard connection: with comm.overlap each has its own
         # thread, and a shared generator would make the drops depend on thread timing
-        self.faults = [WireFaults(cluster.faults, seed=node_id * 1009 + i) for i in range(len(plan.shards))]
+        self.faults = [wire_faults(cluster.faults, seed=node_id * 1009 + i)
+                       for i in range(len(plan.shards))]
+        self.transport = transport or TransportOptions(max_message_bytes=cluster.max_message_bytes)
         self.shards = [RpcClient(s.address, src=node_id, timeout_s=cluster.request_timeout_s,
-                                 max_message_bytes=cluster.max_message_bytes, should_abort=should_abort,
+                                 options=self.transport, should_abort=should_abort,
                                  retry_s=cluster.retry_s, faults=faults,
                                  redirect=functools.partial(self.address_of, i) if plans else None)
                        for i, (s, faults) in enumerate(zip(plan.shards, self.faults))]

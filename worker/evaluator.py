@@ -69,9 +69,11 @@ class Evaluator:
         self.test = test
         self.num_classes = shape[1] or None  # sent with each result: the scheduler's divergence guard knows chance
         plans = member.newer_plan if cfg.cluster.replicas else None  # follow a failover
-        self.client = PSClient(plan, member.node_id, cfg.cluster, member.stop_requested.is_set, plans=plans)
+        self.client = PSClient(plan, member.node_id, cfg.cluster, member.stop_requested.is_set,
+                               plans=plans, transport=member.transport)
         # the final evaluation must still reach the shards after stop is requested
-        self.final_client = PSClient(plan, member.node_id, cfg.cluster, plans=plans)
+        self.final_client = PSClient(plan, member.node_id, cfg.cluster, plans=plans,
+                                     transport=member.transport)
         self.evals = 0
         self.accuracy: float | None = None   # of the latest evaluation
         self.loss: float | None = None

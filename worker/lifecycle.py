@@ -16,9 +16,9 @@ import torch
 
 from hetps.runconfig.algorithms import AlgorithmMismatch, algorithm, check_plan_algorithm
 from hetps.runconfig.schema import NodeConfig, RunConfig
-from hetps.runtime.daemon import scheduler_lost_exit
+from hetps.runtime.daemon import scheduler_lost_exit, transport_options
 from hetps.runtime.devices import pick_device, use_device
-from hetps.runtime.emulation import Slowdown, set_link_cap
+from hetps.runtime.emulation import Slowdown
 from hetps.proto.errors import HetpsError
 from hetps.runtime.membership import Membership, SchedulerUnreachable, describe_failure
 from hetps.runtime.metrics import serve_metrics
@@ -26,7 +26,7 @@ from hetps.runtime.optim import build_optimizer
 from hetps.proto.plan import schema_hash
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.runtime.startup import Phases
-from hetps.proto.transport import TransportError, set_shared_memory
+from hetps.proto.transport import TransportError
 
 from .data import DatasetUnavailable
 from .diloco import DilocoTrainer
@@ -75,9 +75,10 @@ def run_node(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: P
     # `--rank auto` (rank < 0): the default node settings, the rank comes at registration
     node = workers[args.rank] if not args.evaluator and 0 <= args.rank < len(workers) else NodeConfig()
     torch.set_num_threads(node.threads)
-    set_link_cap(node.link_mbps)
-    set_shared_memory(cfg.comm.shm_bytes)  # co-located worker -> shard frames (docs/big-messages.md)
-    member = Membership(scheduler, role, args.rank, cfg.cluster)
+    # every socket of this process (the scheduler's, the shards'; `member.transport`):
+    # comm.shm_bytes (co-located worker -> shard frames, docs/big-messages.md) and one
+    # emulated link of the node's link_mbps, shared by all
+    member = Membership(scheduler, role, args.rank, cfg.cluster, transport_options(cfg, node))
     phases.mark("config")
     runner = None
     try:

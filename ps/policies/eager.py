@@ -1,6 +1,6 @@
 """eager-SGD on the PS: partial rounds that close on a quorum of fresh pushes.
 
-Semantics (DESIGN §5, eager-SGD, PPoPP 2020). Workers push plain gradients;
+Semantics (docs/algorithms.md, the eager line; eager-SGD, PPoPP 2020). Workers push plain gradients;
 the shard divides every round's sum by P, so a worker that did not
 contribute counts as a zero gradient. One round is open at a time; round k
 is applied as shard version k+1.

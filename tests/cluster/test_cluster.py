@@ -155,7 +155,7 @@ def test_daemon_without_scheduler_address_exits_2(tmp_path):
 
 def test_chunked_tensors_train_across_shards(run_dir):
     # 4 KiB parts: a tensor is cut across the shards at almost any ratio of their measured speeds
-    # (tests/test_overlap.py::test_cluster_with_overlap_and_chunks_trains)
+    # (tests/cluster/test_cluster_overlap.py::test_cluster_with_overlap_and_chunks_trains)
     result = run_hetps(["run", "configs/sync.yaml", "cluster.chunk_bytes=4096", "cluster.workers=2",
                         "stop.target_accuracy=0.94", HELD, "stop.max_seconds=120", "eval.every_s=1.0",
                         "--out", str(run_dir), "--quiet"], timeout_s=200)
@@ -164,6 +164,25 @@ def test_chunked_tensors_train_across_shards(run_dir):
     spread = [name for name, c in plan["chunks"].items() if len({plan["placement"][p] for p in c["parts"]}) == 2]
     assert len(spread) == 1, (spread, plan["shards"])  # one tensor spread over both shards
     assert_reached_target(summary(run_dir), 0.94, slack=0.06)  # 2 workers: the curve swings by points after it
+
+
+@pytest.mark.exclusive  # compares the two workers' step counts
+def test_capped_link_paces_only_its_worker_with_shm_frames_on(run_dir):
+    """Each daemon makes its sockets with its own options (runtime/daemon.py
+    `transport_options`): worker 0's link_mbps caps what it sends at 2 Mbit/s
+    (250 kB/s) and leaves worker 1 at full speed, while comm.shm_bytes passes
+    every process's large frames through shared memory."""
+    result = run_hetps(["run", "configs/async.yaml", "cluster.workers=2", "cluster.shards=1",
+                        "cluster.workers.0.link_mbps=2", "comm.shm_bytes=65536",
+                        "stop.target_accuracy=null", "stop.max_seconds=12", "eval.every_s=2.0",
+                        "--out", str(run_dir), "--quiet"], timeout_s=180)
+    assert result.returncode == 0, result.stderr + log_tails(run_dir)
+    s = summary(run_dir)
+    capped, free = s["per_node"]["worker0"], s["per_node"]["worker1"]
+    assert s["failures"] == [] and s["not_left"] == [], s
+    assert capped["steps"] > 0 and free["steps"] > 2 * capped["steps"], s["per_node"]
+    # the token bucket never lets more through than its rate over the run (plus one message)
+    assert capped["sent"] <= 250_000 * (s["wall_s"] + 5), (capped, s["wall_s"])
 
 
 @pytest.mark.parametrize("role", ["ps", "worker"])

@@ -1,11 +1,11 @@
 """Several shard ranks in one process (`hetps ps --ranks`, cluster.shard_processes)
 and the local run's socket addresses (comm.local_transport). In one process:
 the real coordinator and the real shard daemon's main() on the in-memory
-transport, a worker played with the real Membership and PSClient."""
+transport, a worker played with the real Membership and PSClient (a real
+`hetps run`: tests/cluster/test_cluster_colocated.py)."""
 from __future__ import annotations
 
 import faulthandler
-import json
 import signal
 import threading
 import uuid
@@ -17,7 +17,9 @@ from torch import nn
 
 from hetps.runtime import checkpoint
 from hetps.proto import security
-from hetps.runconfig.schema import ConfigError, load_config
+from hetps.runtime import curve_setup
+from hetps.runconfig.schema import ConfigError
+from hetps.runconfig.load import load_config
 from hetps.runtime.membership import Membership
 from hetps.proto.plan import schema_hash
 from hetps.proto.transport import MemServer, make_client, make_server
@@ -28,7 +30,7 @@ from hetps.frontend.local_sockets import UNIX_PATH_MAX, LocalSockets, process_na
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs, model_tensors
 
-from cluster_util import REPO, log_tails, run_hetps, summary
+from cluster_util import REPO
 
 JOIN_S = 30.0  # upper bound on any thread's end
 LR = 0.1
@@ -117,7 +119,7 @@ def test_curve_and_its_allow_list_hold_over_ipc(tmp_path, monkeypatch):
     cfg = load_config(None, ["security.curve=true", f"security.keys_dir={tmp_path / 'keys'}"])
     server = plain = client = None
     try:
-        security.configure(cfg, "ps")  # this process is both the server and the allowed client
+        curve_setup.configure(cfg, "ps")  # this process is both the server and the allowed client
         server = make_server(f"ipc://{tmp_path}/ps0")
         client = make_client(server.address)
         client.send([b"allowed"])
@@ -216,26 +218,3 @@ def test_two_ranks_in_one_process_register_apart_and_both_apply_pushes(tmp_path:
         shards.join(JOIN_S)
         scheduler.join(JOIN_S)
         server.close()
-
-
-# ---------------------------------------------------------------- the one real run
-
-@pytest.mark.cluster
-def test_hetps_run_serves_both_shards_from_one_process_over_ipc(run_dir):
-    """`hetps run` with cluster.shard_processes: 1: one shard process (ps0-1) serves
-    ranks 0 and 1, each on its own unix socket in the run directory, and both
-    apply pushes while sync training reaches a modest accuracy."""
-    result = run_hetps(["run", "configs/sync.yaml", "cluster.shard_processes=1", "cluster.workers=2",
-                        "stop.target_accuracy=0.85", "stop.max_seconds=60", "eval.every_s=1.0",
-                        "--out", str(run_dir), "--quiet"], timeout_s=120)
-    assert result.returncode == 0, result.stderr + log_tails(run_dir)
-    s = summary(run_dir)
-    assert s["best_accuracy"] >= 0.85 and s["failures"] == [] and s["not_left"] == [], s
-    assert all(s["shard_stats"][f"ps{r}"]["pushes"] > 0 for r in (0, 1)), s["shard_stats"]
-    assert s["shard_versions"]["ps0"] == s["shard_versions"]["ps1"] > 0  # sync: both ranks took every round
-    logs = {p.stem for p in (run_dir / "logs").glob("ps*.log")}
-    assert logs == {"ps0-1"}, logs
-    sockets = (run_dir / "sockets").resolve()
-    plan = json.loads((run_dir / "plan.json").read_text())
-    assert sorted(sh["address"] for sh in plan["shards"]) == [f"ipc://{sockets}/ps0", f"ipc://{sockets}/ps1"]
-    assert (run_dir / "scheduler.addr").read_text().strip() == f"ipc://{sockets}/scheduler"

@@ -14,8 +14,9 @@ import torch
 
 from hetps.runtime import checkpoint
 from hetps.proto.codec import encode
-from hetps.runconfig.schema import CheckpointConfig, load_config
-from hetps.runtime.emulation import WireFaults
+from hetps.runconfig.schema import CheckpointConfig
+from hetps.runconfig.load import load_config
+from hetps.runtime.emulation import wire_faults
 from hetps.proto.messages import Ack, Params, Pull, Push, Status
 from hetps.proto.rpc import RemoteError, RpcClient
 from hetps.runconfig.algorithms import ALGORITHMS
@@ -219,7 +220,7 @@ def test_retries_with_dropped_messages_complete_every_request(harnesses):
     h.init(values_of(model))
     cfg = load_config(None, ["cluster.faults.drop=0.5"])
     client = RpcClient(h.addresses[0], src=A, timeout_s=20.0, retry_s=0.02,
-                       faults=WireFaults(cfg.cluster.faults, seed=3))
+                       faults=wire_faults(cfg.cluster.faults, seed=3))
     stop = threading.Event()
     server = threading.Thread(target=lambda: [h.shards[0].serve_once(0.01) for _ in iter(stop.is_set, True)])
     server.start()
@@ -238,7 +239,7 @@ def test_retries_with_dropped_messages_complete_every_request(harnesses):
 
 def test_wire_faults_delay_and_count():
     cfg = load_config(None, ["cluster.faults.delay=1.0", "cluster.faults.delay_s=0.05"])
-    faults = WireFaults(cfg.cluster.faults, seed=0)
+    faults = wire_faults(cfg.cluster.faults, seed=0)
     started = time.monotonic()
     assert faults.admit()
     assert time.monotonic() - started >= 0.05 and faults.delayed == 1 and faults.dropped == 0

@@ -13,11 +13,12 @@ import zmq
 
 from cluster_util import wait_for
 from hetps.proto import shm
-from hetps.runconfig.schema import ConfigError, load_config
+from hetps.runconfig.schema import ConfigError
+from hetps.runconfig.load import load_config
 from hetps.proto.messages import Push, Status
 from hetps.proto.plan import TensorSpec
 from hetps.proto.rpc import RemoteError, RpcClient
-from hetps.proto.transport import TransportError, make_client, make_server, set_shared_memory
+from hetps.proto.transport import TransportError, TransportOptions, make_client, make_server
 from hetps.ps.shard import Shard
 from shard_harness import PLAN_ID, SHARD_IDS, make_plan
 
@@ -26,16 +27,15 @@ N = 1 << 16  # floats per test tensor: 256 KiB, over MIN_BYTES
 
 
 @pytest.fixture
-def shm_on():
-    set_shared_memory(MIN_BYTES)
-    yield
-    set_shared_memory(0)
+def shm_on() -> TransportOptions:
+    """Socket options passing frames of >= MIN_BYTES through shared memory."""
+    return TransportOptions(shm_bytes=MIN_BYTES)
 
 
 @pytest.fixture
 def pair(shm_on):
-    server = make_server("tcp://127.0.0.1:0")
-    client = make_client(server.address)
+    server = make_server("tcp://127.0.0.1:0", shm_on)
+    client = make_client(server.address, shm_on)
     yield server, client
     client.close()
     server.close()
@@ -120,7 +120,7 @@ def forged(server, boot=shm.BOOT_ID, pid=None, fd=0, ino=0, places=None) -> list
 
 
 def test_forged_descriptors_are_refused(shm_on, tmp_path):
-    server = make_server("tcp://127.0.0.1:0")
+    server = make_server("tcp://127.0.0.1:0", shm_on)
     good = shm.Segment(1 << 16)
     unsealed = os.memfd_create(shm.MEMFD_NAME)
     os.ftruncate(unsealed, 1 << 16)
@@ -147,9 +147,10 @@ def test_forged_descriptors_are_refused(shm_on, tmp_path):
 SPECS = [TensorSpec("w", "float32", (N,)), TensorSpec("b", "float32", (8,))]
 
 
-def shard_over_tcp(overrides: list[str], workers: list[int], algorithm: str = "async") -> Shard:
+def shard_over_tcp(overrides: list[str], workers: list[int], algorithm: str = "async",
+                   options: TransportOptions | None = None) -> Shard:
     cfg = load_config(None, [f"algorithm.name={algorithm}", "optimizer.lr=0.5", *overrides])
-    server = make_server("tcp://127.0.0.1:0")
+    server = make_server("tcp://127.0.0.1:0", options)
     return Shard(server, SHARD_IDS[0], make_plan(SPECS, workers, 1, algorithm), cfg)
 
 
@@ -164,8 +165,9 @@ def test_shard_applies_pushes_read_from_shared_memory(shm_on, algorithm):
     from hetps.proto.messages import Init
 
     workers = [10, 11]
-    shard = shard_over_tcp(["optimizer.momentum=0.0"], workers, algorithm)
-    clients = {w: RpcClient(shard.server.address, src=w, timeout_s=5.0) for w in workers}
+    shard = shard_over_tcp(["optimizer.momentum=0.0"], workers, algorithm, shm_on)
+    clients = {w: RpcClient(shard.server.address, src=w, timeout_s=5.0, options=shm_on)
+               for w in workers}
     try:
         start = {"w": torch.zeros(N), "b": torch.zeros(8)}
         call(shard, clients[10], Init(plan_id=PLAN_ID, tensors=start))
@@ -189,10 +191,8 @@ def test_shard_applies_pushes_read_from_shared_memory(shm_on, algorithm):
 def test_a_server_without_shared_memory_refuses_such_frames(shm_on):
     from hetps.proto.messages import Init
 
-    set_shared_memory(0)
     shard = shard_over_tcp([], [10])  # its socket made with shared memory off
-    set_shared_memory(MIN_BYTES)
-    client = RpcClient(shard.server.address, src=10, timeout_s=5.0)
+    client = RpcClient(shard.server.address, src=10, timeout_s=5.0, options=shm_on)
     try:
         with pytest.raises(RemoteError) as err:
             call(shard, client, Init(plan_id=PLAN_ID, tensors={"w": torch.zeros(N), "b": torch.zeros(8)}))
@@ -213,11 +213,9 @@ def test_bad_shm_config_names_the_key(overrides, key):
 def test_replies_go_back_through_shared_memory_only_to_peers_that_used_it(shm_on):
     from hetps.proto.messages import Init, Params, Pull
 
-    shard = shard_over_tcp(["optimizer.momentum=0.0"], [10, 11])
-    near = RpcClient(shard.server.address, src=10, timeout_s=5.0)
-    set_shared_memory(0)
+    shard = shard_over_tcp(["optimizer.momentum=0.0"], [10, 11], options=shm_on)
+    near = RpcClient(shard.server.address, src=10, timeout_s=5.0, options=shm_on)
     far = RpcClient(shard.server.address, src=11, timeout_s=5.0)  # made with shared memory off
-    set_shared_memory(MIN_BYTES)
     try:
         start = {"w": torch.randn(N), "b": torch.randn(8)}
         call(shard, near, Init(plan_id=PLAN_ID, tensors=start))
@@ -233,11 +231,11 @@ def test_replies_go_back_through_shared_memory_only_to_peers_that_used_it(shm_on
         shard.server.close()
 
 
-def bind_again(address: str):
+def bind_again(address: str, options: TransportOptions):
     """A server at a closed one's address (its port may take a moment to free up)."""
     def bound():
         with contextlib.suppress(TransportError):
-            return make_server(address)
+            return make_server(address, options)
     return wait_for(bound, 60, f"{address} to bind again")
 
 
@@ -248,9 +246,9 @@ def test_segments_a_restarted_server_held_are_set_aside_then_closed(shm_on):
     `max_segments` are closed once they are from before the previous
     reconnect (a message in one set aside at the last reconnect may still be
     queued for the new server); one that is let go after all is closed."""
-    server = make_server("tcp://127.0.0.1:0")
+    server = make_server("tcp://127.0.0.1:0", shm_on)
     address = server.address
-    client = make_client(address)
+    client = make_client(address, shm_on)
     client.shm.max_segments = 1
     held = []
     try:
@@ -258,7 +256,7 @@ def test_segments_a_restarted_server_held_are_set_aside_then_closed(shm_on):
             client.send(frames_of(torch.full((N,), float(restart))))
             held.append(received(server))  # the dying server's views: never let go
             server.close()
-            server = bind_again(address)
+            server = bind_again(address, shm_on)
             wait_for(client.reconnected, 60, "the client to connect again")
             assert client.shm.segments == []
             # set aside at reconnects 1..restart+1; beyond max_segments (1), only those before the previous go

@@ -15,8 +15,9 @@ from hetps.proto import messages as m
 from hetps.proto.codec import ProtocolError, decode, encode
 from hetps.proto.messages import PROTOCOL_VERSION, Status
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout, RpcClient, Service
-from hetps.proto.transport import (MemClient, MemServer, TransportError, ZmqServer, make_client,
-                                   make_server)
+from hetps.proto.link import Link
+from hetps.proto.transport import (MemClient, MemServer, TransportError, TransportOptions,
+                                   ZmqServer, make_client, make_server)
 
 TRANSPORTS = ["mem", "tcp", "ipc", "inproc"]
 ZMQ_TRANSPORTS = ["tcp", "ipc", "inproc"]
@@ -80,7 +81,7 @@ class EchoService(Service):
 
 @contextlib.contextmanager
 def serving(address: str, service_cls=EchoService, max_message_bytes: int | None = None):
-    server = make_server(address, max_message_bytes)
+    server = make_server(address, TransportOptions(max_message_bytes=max_message_bytes))
     service = service_cls(server)
     stop = threading.Event()
     errors: list = []
@@ -348,6 +349,57 @@ def test_zmq_bind_conflict_is_transport_error():
             ZmqServer(first.address)
     finally:
         first.close()
+
+
+def test_link_cap_paces_every_socket_given_it_and_no_other():
+    """One Link (8 Mbit/s = 1 MB/s each way) shared by two clients: their
+    sends queue on the same bucket; a socket made without it is not paced;
+    the server's replies pass its own options' link (none here)."""
+    server = make_server("tcp://127.0.0.1:0")
+    capped = TransportOptions(link=Link(8.0))
+    clients = [make_client(server.address, capped) for _ in range(2)]
+    plain = make_client(server.address)
+    body = bytes(100_000)  # 0.1 s on the capped link
+    try:
+        t0 = time.monotonic()
+        plain.send([body])
+        assert time.monotonic() - t0 < 0.08  # no cap: no sleep
+        t0 = time.monotonic()
+        for c in clients:
+            c.send([body])
+        assert time.monotonic() - t0 >= 0.19  # the two sends shared one bucket
+        for _ in range(3):
+            assert server.recv(5.0) is not None
+        assert server.recv(0.01) is None
+    finally:
+        for c in [*clients, plain]:
+            c.close()
+        server.close()
+    assert Link.capped(0) is None and TransportOptions().link is None
+
+
+def test_options_reach_the_socket_and_the_server_keeps_them(tmp_path):
+    options = TransportOptions(max_message_bytes=4096, shm_bytes=0)
+    server = make_server(bind_address("ipc", tmp_path), options)
+    mem = make_server(bind_address("mem", tmp_path), options)
+    try:
+        assert server.options is options and mem.options is options
+        assert server.sock.getsockopt(zmq.MAXMSGSIZE) == 4096 and server.shm is None
+        c = RpcClient(server.address, options=options)
+        try:
+            assert c.transport.sock.getsockopt(zmq.MAXMSGSIZE) == 4096 and c.transport.shm is None
+            c.retarget(server.address + "-moved")  # a failover: the new socket is made the same way
+            assert c.transport.sock.getsockopt(zmq.MAXMSGSIZE) == 4096
+        finally:
+            c.close()
+    finally:
+        server.close()
+        mem.close()
+    plain = make_server("tcp://127.0.0.1:0")
+    plain.close()
+    assert plain.options == TransportOptions() and plain.shm is None  # defaults: plain sockets
+    with pytest.raises(ValueError):
+        TransportOptions(shm_bytes=-1)
 
 
 def test_zmq_recv_timeout_returns_none(zmq_address):
