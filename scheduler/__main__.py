@@ -23,11 +23,10 @@ from hetps.runtime.daemon import (DaemonArgumentParser, address_arg, check_and_e
                                 load_or_exit, log_level_args, metrics_args, security_or_exit)
 from hetps.runtime.metrics import serve_metrics
 from hetps.proto.plan import ClusterPlan
-from hetps.proto.transport import TransportError, make_server
+from hetps.proto.transport import TransportError, TransportOptions, make_server
 
 from . import state, tensorboard
 from .coordinator import Coordinator
-from .nodes import Node
 from .outcome import EXIT_CODES, INTERRUPTED
 
 log = logging.getLogger("hetps.scheduler")
@@ -71,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
               "(a new run needs a new --run-dir)", file=sys.stderr)
         return 0
     try:
-        server = make_server(args.bind or cfg.cluster.scheduler, cfg.cluster.max_message_bytes)
+        # no shared memory (its peers' messages are small) and no emulated link (no node settings)
+        server = make_server(args.bind or cfg.cluster.scheduler,
+                             TransportOptions(max_message_bytes=cfg.cluster.max_message_bytes))
     except TransportError as exc:  # the address is taken, or not one of this host's
         print(f"hetps scheduler: {exc}", file=sys.stderr)
         return 1
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         coordinator.runlog.sink = tensorboard.TensorBoardSink(run_dir / "tensorboard")
     saved = state.read(run_dir)
     if saved is not None and not args.resume and not saved["finished"] and args.run_id in (None, saved["run_id"]):
-        state.restore(coordinator, saved, Node)  # a restart: carry the unfinished run on
+        coordinator.restore(saved)  # a restart: carry the unfinished run on
         log.info("carrying on run %s from %s (plan %s, %d nodes)", coordinator.run_id, state.STATE_FILE,
                  coordinator.plan.plan_id if coordinator.plan else None, len(coordinator.nodes))
     elif args.resume and saved is not None and saved["run_id"] == args.run_id and saved["plan"]:

@@ -1,6 +1,10 @@
-"""The scheduler's control plane: registration and node ids (registration.py), the versioned
-PLAN, heartbeats, barriers, evaluation reports, and a clean stop of the
-whole cluster. No tensor passes through it.
+"""The scheduler's control plane, one state machine over the cluster's node
+table: REGISTER and node ids (the rules in registration.py), the versioned
+PLAN (made by planning.py and failover.py, published here to the nodes that
+wait for it, the run log and the state file), heartbeats (held as long polls,
+held_beats.py), failure detection, re-grouping, barriers, evaluation reports,
+the state a restarted scheduler carries on from (state.py), and a clean stop
+of the whole cluster. No tensor passes through it.
 
 Stop happens in phases so the final evaluation sees the workers' last
 pushes and can still read the shards: first workers are told to stop; the
@@ -10,6 +14,7 @@ One loop, one thread; `tick()` is called between requests.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -19,18 +24,16 @@ from pathlib import Path
 from hetps.runconfig.algorithms import algorithm
 from hetps.proto.codec import Envelope, ProtocolError
 from hetps.runconfig.schema import RunConfig
-from hetps.proto.messages import Ack, Error, Plan, Status
+from hetps.proto.messages import Ack, Error, Plan, Status, Welcome
 from hetps.proto.plan import ClusterPlan, TensorSpec
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 
 from .formation import FORMATIONS
 from .held_beats import HeldBeat, HeldBeats
-from . import failover, state, status
+from . import failover, planning, registration, state, status
 from .outcome import DIVERGED, DivergenceGuard, startup_failure
 from .nodes import EvalTrack, Node
-from .planning import Planning
-from .registration import Registration
 from .runlog import RunLog
 from .stalls import StallTracker
 
@@ -39,14 +42,22 @@ STOP_GRACE_S = 20.0   # longest wait for workers/evaluator to leave before shard
 EXIT_GRACE_S = 40.0   # longest wait for everyone to leave after a stop began
 
 
-class Coordinator(Registration, Planning, Service):
+class Coordinator(Service):
+    """The scheduler's state machine: the `on_*` handlers answer requests
+    (Service dispatches them), `tick()` runs the timers, `finished()` and
+    `close()` end the run. It owns the node table, the plan and the nodes
+    waiting for it, the evaluation track and the failures; plans are made by
+    planning.py and failover.py, the state file's format is state.py's, the
+    summary and metrics are status.py's."""
+
     def __init__(self, server: ServerTransport, cfg: RunConfig, run_dir: Path | None = None,
                  run_id: str | None = None, clock: Callable[[], float] | None = None):
         """`clock`: seconds, monotonic; every timer reads it (None: `time.monotonic`, looked up at
         each call; a virtual clock under `hetps simulate`)."""
         super().__init__(server, node_id=0)
         self.clock = clock or (lambda: time.monotonic())
-        self.keeps_state = True  # write scheduler-state.json (state.py); a simulation has no scheduler to restart
+        # write scheduler-state.json (`save_state`); a simulation has no scheduler to restart
+        self.keeps_state = True
         self.cfg = cfg
         self.formation = FORMATIONS[algorithm(cfg.algorithm.name).groups]
         self.run_id = run_id or secrets.token_hex(6)  # names checkpoints; a resumed run keeps it
@@ -60,8 +71,8 @@ class Coordinator(Registration, Planning, Service):
         self.schema = ""
         self.plan: ClusterPlan | None = None
         self.plan_waiters: list[tuple[bytes, int, int]] = []
-        self.plan_checked = 0.0
-        self.regroup_votes: list = []  # consecutive checks proposing the same new grouping
+        self.plan_checked = 0.0  # when the plan was last published or checked for re-grouping
+        self.regrouping = planning.Regrouping(self.formation, cfg.algorithm.params)
         self.barriers: dict[str, list[tuple[bytes, int]]] = {}
         self.held_beats = HeldBeats()  # heartbeats held as long polls (held_beats.py)
         self.created = self.clock()
@@ -103,6 +114,64 @@ class Coordinator(Registration, Planning, Service):
             self.stop_since = self.clock()
             log.info("stopping the cluster: %s", reason)
             self.runlog.record("stop", t=self.elapsed(), reason=reason, global_steps=self.global_steps())
+
+    # ------------------------------------------------------------ registration
+    def on_register(self, peer: bytes, env: Envelope):
+        """REGISTER: a new node gets the next id; a node coming back (a
+        restarted shard, a node registering again after a scheduler restart)
+        gets its own back; `--rank auto` nodes a free rank; a worker's model
+        schema must be the cluster's (the first worker's). The first plan goes
+        out once every expected node registered."""
+        msg = env.msg
+        if msg.role not in status.ROLES:
+            raise ProtocolError(Status.MALFORMED, f"role {msg.role!r} not in {status.ROLES}")
+        if msg.role == "worker":
+            self._check_schema(msg.tensor_specs, msg.schema_hash)
+        if msg.rank < 0:  # `--rank auto`: the node takes the rank given here (nodes.free_rank)
+            rank = registration.claim_rank(self.nodes, msg.role, self.expected.get(msg.role, 0))
+            msg = dataclasses.replace(msg, rank=rank)
+        known = registration.returning(self.nodes, self.plan, msg)
+        if known is not None:
+            return self._readmit(known, msg)
+        node_id = len(self.nodes) + 1
+        self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, self.clock(),
+                                   profiled_speed=msg.speed, host=msg.host,
+                                   replica_address=msg.replica_address, spare_slots=msg.spare_slots)
+        log.info("registered %s %d as node %d %s", msg.role, msg.rank, node_id, msg.address)
+        self.runlog.record("register", t=round(self.elapsed(), 4), node=f"{msg.role}{msg.rank}",
+                           host=msg.host, **({"startup": msg.startup} if msg.startup else {}))
+        self._maybe_plan()
+        if msg.role == "spare" and self._replicating():  # ranges without a backup get one now
+            plan = failover.after_spare_joined(self.plan, self.nodes)
+            if plan is not None:
+                self._publish(plan)
+        if msg.role == "worker" and self.plan is not None and node_id not in self.plan.worker_ids():
+            self._replan(f"worker {msg.rank} joined as node {node_id}")
+        if self.plan is None:  # the start-up burst: written once per tick (`_save_when_due`)
+            self.state_dirty = True
+        else:
+            self.save_state()
+        return Welcome(node_id=node_id, role=msg.role, rank=msg.rank)
+
+    def _readmit(self, node: Node, msg) -> Welcome:
+        registration.check_return(self.plan, node, msg)
+        if node.role == "ps":
+            self.failures.append({"kind": "shard_restarted", "node": f"ps{node.rank}",
+                                  "t": round(self.elapsed(), 3), "was_dead": node.dead})
+        node.dead = node.left = False
+        node.last_seen = self.clock()
+        log.info("%s %d came back as node %d", msg.role, msg.rank, node.node_id)
+        self.save_state()
+        return Welcome(node_id=node.node_id, role=msg.role, rank=msg.rank)
+
+    def _check_schema(self, specs: list[TensorSpec], schema_hash: str) -> None:
+        """The first worker's model is the cluster's; later workers must match it."""
+        if self.specs is None:
+            self.specs = list(specs)  # checked at decode (records.read_tensor_specs)
+            self.schema = schema_hash
+        elif schema_hash != self.schema:
+            raise ProtocolError(Status.BAD_STATE, f"model schema {schema_hash} differs "
+                                                  f"from the cluster's {self.schema}")
 
     # ------------------------------------------------------------ handlers
     def on_get_plan(self, peer: bytes, env: Envelope):
@@ -200,7 +269,7 @@ class Coordinator(Registration, Planning, Service):
             self.failures.append(failure)
         else:
             log.info("%s %d (node %d) left", node.role, node.rank, node.node_id)
-        state.save(self)
+        self.save_state()
         if node.role == "worker" and self.stop_reason is None and self.plan is not None:
             if failure and not self.live_workers():  # the last worker failed: so did the run
                 if env.msg.refused == Status.NONFINITE:
@@ -211,7 +280,141 @@ class Coordinator(Registration, Planning, Service):
             self._replan(f"worker {node.rank} left" + (" on an error" if error else ""))
         return Ack(stop=True)
 
-    # ------------------------------------------------------------ planning
+    # ------------------------------------------------------------ plans
+    def _maybe_plan(self) -> None:
+        """The first plan (planning.first_plan), once the model's schema is
+        known and every expected shard and worker registered."""
+        if self.plan is not None or self.specs is None:
+            return
+        shards, workers = self.members("ps"), self.members("worker")
+        if len(shards) < self.expected["ps"] or len(workers) < self.expected["worker"]:
+            return
+        plan = planning.first_plan(self.cfg, self.formation, shards, workers, self.specs,
+                                   self.schema, self.run_id, self.resumed_plan)
+        self.started = self.clock()  # the run's clock starts when the plan goes out
+        # waiting for the plan is not silence: heartbeats start once it arrives
+        for n in self.members("ps", "worker", "spare"):
+            n.last_seen = self.started
+        self._publish(plan)
+
+    def live_workers(self) -> list[Node]:
+        """The workers that neither left nor were declared dead, by rank."""
+        return sorted((n for n in self.members("worker") if not n.gone),
+                      key=lambda n: (n.rank, n.node_id))
+
+    def _replan(self, reason: str) -> None:
+        """A new plan for the live workers (planning.replanned), or the run
+        stops when none is left. Shards close the rounds still open when they
+        adopt it, so nobody waits for a worker that is gone."""
+        workers = self.live_workers()
+        if not workers:
+            self.begin_stop(f"no live workers left ({reason})")
+            return
+        log.info("re-planning: %s", reason)
+        self._publish(planning.replanned(self.plan, self.formation, self.cfg.algorithm.params,
+                                         workers, reason))
+
+    def _detect_dead(self) -> None:
+        """Workers silent for longer than dead_after_s leave the plan. A
+        silent shard is recorded: its tensors cannot move, so workers retry
+        until it comes back (restarted from its checkpoint) or their request
+        timeout ends the run, unless its backup takes over (`_fail_over`)."""
+        now = self.clock()
+        for n in self.members("worker", "ps", "spare"):
+            silent = now - n.last_seen
+            if n.gone or silent <= self.cfg.cluster.dead_after_s:
+                continue
+            n.dead = True
+            self.failures.append(n.failure("dead", round(self.elapsed(), 3),
+                                           silent_s=round(silent, 3)))
+            log.warning("%s %d (node %d) silent for %.1fs: declared dead",
+                        n.role, n.rank, n.node_id, silent)
+            if n.role == "worker" and self.plan is not None and self.stop_reason is None:
+                self._replan(f"worker {n.rank} dead")
+            if n.role in ("ps", "spare"):
+                self._fail_over(n)
+
+    def _replicating(self) -> bool:
+        """Whether backups may change the plan now: replicated shards, training, not stopping."""
+        return (bool(self.cfg.cluster.replicas) and self.plan is not None
+                and self.stop_reason is None)
+
+    def _fail_over(self, node: Node) -> None:
+        """Shard process `node` was declared dead: publish the failover plan
+        (failover.after_shard_dead) and record it; no-op without replicas."""
+        if not self._replicating():
+            return
+        plan = failover.after_shard_dead(self.plan, node, self.nodes)
+        if plan is not None:
+            self.failures.append({"kind": "shard_failover", "node": f"{node.role}{node.rank}",
+                                  "node_id": node.node_id, "t": round(self.elapsed(), 3),
+                                  "plan_id": plan.plan_id, "served_by": dict(plan.served_by),
+                                  "backups": dict(plan.backups)})
+            self._publish(plan)
+
+    def _publish(self, plan: ClusterPlan) -> None:
+        """Make `plan` the current one: written to the run log and the state
+        file, sent to the nodes waiting for a newer plan than theirs."""
+        self.plan = plan
+        self.plan_checked = self.clock()
+        self.runlog.write_plan(plan.to_dict())
+        self.save_state()
+        self.runlog.record("plan", t=round(self.elapsed(), 4), plan_id=plan.plan_id,
+                           groups=plan.groups, speeds=plan.speeds,
+                           wall=round(time.time(), 3))  # wall: start-up report
+        log.info("plan %d: %d workers in groups %s, %d shards, %d tensors; speeds %s", plan.plan_id,
+                 len(plan.workers), plan.groups, len(plan.shards), len(plan.tensors), plan.speeds)
+        for peer, req, after in self.plan_waiters:
+            if plan.plan_id > after:
+                self.reply(peer, req, Plan(plan_id=plan.plan_id, plan=plan))
+        self.plan_waiters = [w for w in self.plan_waiters if w[2] >= plan.plan_id]
+
+    def _maybe_regroup(self) -> None:
+        """Every `regroup_every_s` while training, a formation that may
+        re-form its groups checks the plan's workers' measured speeds
+        (planning.Regrouping) and publishes the plan it decides on."""
+        params = self.cfg.algorithm.params
+        if (not self.regrouping.enabled or self.stop_reason
+                or self.clock() - self.plan_checked < params.regroup_every_s):
+            return
+        self.plan_checked = self.clock()
+        workers = [n for n in self.members("worker") if n.node_id in self.plan.worker_ids()]
+        plan = self.regrouping.check(self.plan, workers)
+        if plan is not None:
+            self._publish(plan)
+
+    # ------------------------------------------------------------ state file
+    def save_state(self, finished: bool = False) -> None:
+        """Write scheduler-state.json (state.py; no-op without a run directory
+        or with `keeps_state` off); `finished`: the run ended, a later
+        scheduler must not carry it on."""
+        if self.runlog.run_dir is None or not self.keeps_state:
+            return
+        self.state_saved = self.clock()
+        self.state_dirty = False
+        state.write(self.runlog.run_dir, run_id=self.run_id, finished=finished,
+                    elapsed=self.elapsed() if self.started else None, plan=self.plan,
+                    specs=self.specs, schema=self.schema, nodes=self.nodes.values(),
+                    evals=self.evals, failures=self.failures)
+
+    def restore(self, data: dict) -> None:
+        """Carry on the unfinished run saved in `data` (state.read), on a
+        fresh coordinator: its run id, plan, model, nodes (alive from now on),
+        run clock, measured evaluations and failures."""
+        saved = state.load(data)
+        self.run_id, self.specs, self.schema = saved.run_id, saved.specs, saved.schema
+        self.plan, self.nodes = saved.plan, saved.nodes
+        if saved.started is not None:
+            self.started = saved.started
+        self.evals = dataclasses.replace(self.evals, **saved.measured)
+        self.failures = saved.failures
+
+    def _save_when_due(self) -> None:
+        """Save once per tick at most: a burst of registrations (1,024 nodes)
+        writes the state file a few times, not once per node."""
+        if self.state_dirty or self.clock() - self.state_saved > state.SAVE_EVERY_S:
+            self.save_state()
+
     # ------------------------------------------------------------ evaluation and stopping
     def _record_eval(self, values: dict) -> None:
         accuracy, loss = float(values.get("accuracy", 0.0)), float(values.get("loss", 0.0))
@@ -290,12 +493,6 @@ class Coordinator(Registration, Planning, Service):
         for rec in self.stalls.update(self.nodes, stopping=self.stop_reason is not None, replaced=replaced):
             self.runlog.record("stall", t=round(self.elapsed(), 4), **rec)
 
-    def _save_when_due(self) -> None:
-        """Save once per tick at most: a burst of registrations (1,024 nodes)
-        writes the state file a few times, not once per node."""
-        if self.state_dirty or self.clock() - self.state_saved > state.SAVE_EVERY_S:
-            state.save(self)
-
     def _check_limits(self) -> None:
         stop = self.cfg.stop
         if self.elapsed() >= stop.max_seconds:
@@ -322,6 +519,6 @@ class Coordinator(Registration, Planning, Service):
     def close(self) -> None:
         for peer, req, _ in self.plan_waiters if self.plan is None else ():  # a first plan that never comes
             self.reply(peer, req, Error(status=int(Status.BAD_STATE), message=f"run stopped: {self.stop_reason}"))
-        state.save(self, finished=True)
+        self.save_state(finished=True)
         self.runlog.write_summary(self.summary())
         self.runlog.close()

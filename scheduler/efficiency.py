@@ -19,6 +19,10 @@ Pure functions; `run_efficiency` reads the coordinator for summary.json.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator
 
 
 def heterogeneity_efficiency(samples: float, train_s: float, standalone: list[float]) -> float | None:
@@ -37,7 +41,7 @@ def useful_efficiency(efficiency: float | None, reference_samples: float | None,
     return efficiency * reference_samples / samples
 
 
-def run_efficiency(coord) -> dict:
+def run_efficiency(coord: Coordinator) -> dict:
     """The efficiency block of summary.json (numbers rounded for reading)."""
     workers = coord.members("worker")
     samples = sum(int(n.stats.get("samples", 0)) for n in workers)

@@ -6,6 +6,9 @@ held by shard k+1 (the next slower one), the slowest shard's by the fastest.
 The plan says where each backup is (`backups`) and, after a failover, which
 process serves a dead shard's tensors (`served_by`), so a restarted scheduler
 knows who is primary from its saved plan.
+
+Functions of the plan and the node table (node id -> nodes.Node): they
+return plans, the coordinator decides when and publishes them.
 """
 from __future__ import annotations
 
@@ -67,22 +70,22 @@ def failover_plan(plan: ClusterPlan, dead: int, nodes: dict) -> tuple[ClusterPla
                                info={"reason": f"shard node {dead} dead: failover"}), lost
 
 
-def on_shard_dead(coord, node) -> None:
-    """Publish the failover plan for a shard process declared dead (no-op
-    without replicas). A range with no live backup is recorded as lost:
-    workers wait for that shard to be restarted, as without replicas."""
-    if not coord.cfg.cluster.replicas or coord.plan is None or coord.stop_reason is not None:
-        return
-    plan, lost = failover_plan(coord.plan, node.node_id, coord.nodes)
+def after_shard_dead(plan: ClusterPlan, node, nodes: dict) -> ClusterPlan | None:
+    """The plan to publish now that shard process `node` (a shard or a spare)
+    is declared dead: the ranges it served are served by their backups
+    (`failover_plan`) and ranges left without a backup get one on a spare
+    (`with_spares`); None when nothing changes. A range with no live backup
+    is logged as lost: workers wait for that shard to be restarted, as
+    without replicas. For runs with `cluster.replicas` only."""
+    new, lost = failover_plan(plan, node.node_id, nodes)
     for words in lost:
         log.error("%s has no live backup: its tensors wait for a restart", words)
-    if plan is not None:
-        plan = with_spares(plan, coord.nodes)
-        coord.failures.append({"kind": "shard_failover", "node": f"{node.role}{node.rank}", "node_id": node.node_id,
-                               "t": round(coord.elapsed(), 3), "plan_id": plan.plan_id,
-                               "served_by": dict(plan.served_by), "backups": dict(plan.backups)})
-        log.warning("shard %d (node %d) dead: plan %d promotes its backup", node.rank, node.node_id, plan.plan_id)
-        coord._publish(plan)
+    if new is None:
+        return None
+    new = with_spares(new, nodes)
+    log.warning("shard %d (node %d) dead: plan %d promotes its backup",
+                node.rank, node.node_id, new.plan_id)
+    return new
 
 
 def with_spares(plan: ClusterPlan, nodes: dict) -> ClusterPlan:
@@ -103,13 +106,14 @@ def with_spares(plan: ClusterPlan, nodes: dict) -> ClusterPlan:
     return plan if backups == plan.backups else dataclasses.replace(plan, backups=backups)
 
 
-def on_spare_joined(coord) -> None:
-    """A spare registered while training: ranges without a backup get one on it, in a new plan."""
-    if not coord.cfg.cluster.replicas or coord.plan is None or coord.stop_reason is not None:
-        return
-    plan = with_spares(coord.plan, coord.nodes)
-    if plan is not coord.plan:
-        coord._publish(dataclasses.replace(plan, plan_id=plan.plan_id + 1, info={"reason": "a spare joined"}))
+def after_spare_joined(plan: ClusterPlan, nodes: dict) -> ClusterPlan | None:
+    """The plan to publish now that a spare registered while training: ranges
+    without a backup get one on it (`with_spares`) under the next plan id;
+    None when every range has one. For runs with `cluster.replicas` only."""
+    backed = with_spares(plan, nodes)
+    if backed is plan:
+        return None
+    return dataclasses.replace(backed, plan_id=plan.plan_id + 1, info={"reason": "a spare joined"})
 
 
 def replaced(plan: ClusterPlan | None, node_id: int) -> bool:

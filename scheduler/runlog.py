@@ -1,6 +1,6 @@
-"""The run directory as the scheduler writes it: metrics as JSON lines,
-each plan, and the summary. Files are written whole through a temporary file
-and a rename, so a reader never sees half a JSON document.
+"""The run directory as the scheduler writes it, and its readers: metrics as
+JSON lines, each plan, and the summary. Files are written whole through a
+temporary file and a rename, so a reader never sees half a JSON document.
 """
 from __future__ import annotations
 
@@ -47,6 +47,19 @@ class RunLog:
             self._metrics.close()
         if self.sink is not None:
             self.sink.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """All complete JSON lines of a metrics file (a torn last line is skipped)."""
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 def read_summary(run_dir: Path) -> dict | None:

@@ -13,16 +13,22 @@ the wall clock (`started_unix`), so evaluation times, `time_to_target_s` and
 `wall_s` go on counting through the restart and the time the scheduler was
 down, never back (a wall clock stepped back by NTP cannot make them go below
 the `elapsed_s` last saved).
+
+The file's format lives here (`write`, `read`, `load`); what goes into it and
+when is the coordinator's (Coordinator.save_state, Coordinator.restore).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from hetps.proto.plan import ClusterPlan, TensorSpec
 
+from .nodes import EvalTrack, Node
 from .runlog import write_json_atomic
 
 STATE_FILE = "scheduler-state.json"
@@ -37,25 +43,25 @@ def read(run_dir: Path | None) -> dict | None:
     return json.loads(path.read_text())
 
 
-def save(coord, finished: bool = False) -> None:
-    """Write the coordinator's state (no-op without a run directory);
-    `finished`: the run ended, a later scheduler must not carry it on."""
-    if coord.runlog.run_dir is None or not getattr(coord, "keeps_state", True):
-        return
-    coord.state_saved = coord.clock()
-    coord.state_dirty = False
-    write_json_atomic(coord.runlog.run_dir / STATE_FILE, {
-        "run_id": coord.run_id,
+def write(run_dir: Path, *, run_id: str, finished: bool, elapsed: float | None,
+          plan: ClusterPlan | None, specs: list[TensorSpec] | None, schema: str,
+          nodes: Iterable[Node], evals: EvalTrack, failures: list[dict]) -> None:
+    """Write a scheduler's state into `run_dir` (Coordinator.save_state).
+    `finished`: the run ended, a later scheduler must not carry it on;
+    `elapsed`: seconds since training began, None before the first plan."""
+    write_json_atomic(run_dir / STATE_FILE, {
+        "run_id": run_id,
         "finished": finished,
-        "elapsed_s": coord.elapsed() if coord.started else None,
-        "started_unix": time.time() - coord.elapsed() if coord.started else None,
-        "plan": coord.plan.to_dict() if coord.plan else None,
-        "specs": [s.to_wire() for s in coord.specs] if coord.specs else None,
-        "schema": coord.schema,
-        "nodes": [{**{k: v for k, v in dataclasses.asdict(n).items() if k not in ("stats", "last_seen")},
-                   "stats": numbers(n.stats)} for n in coord.nodes.values()],
-        "evals": dataclasses.asdict(coord.evals),
-        "failures": coord.failures,
+        "elapsed_s": elapsed,
+        "started_unix": time.time() - elapsed if elapsed is not None else None,
+        "plan": plan.to_dict() if plan else None,
+        "specs": [s.to_wire() for s in specs] if specs else None,
+        "schema": schema,
+        "nodes": [{**{k: v for k, v in dataclasses.asdict(n).items()
+                      if k not in ("stats", "last_seen")},
+                   "stats": numbers(n.stats)} for n in nodes],
+        "evals": dataclasses.asdict(evals),
+        "failures": failures,
     })
 
 
@@ -64,18 +70,33 @@ def numbers(stats) -> dict:
     return {k: v for k, v in stats.as_dict().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def restore(coord, data: dict, node_type) -> None:
-    """Load `data` (from `read`) into a fresh coordinator."""
+@dataclass
+class Saved:
+    """A saved state as a restarted scheduler takes it over (Coordinator.restore)."""
+    run_id: str
+    specs: list[TensorSpec] | None
+    schema: str
+    plan: ClusterPlan | None
+    nodes: dict[int, Node]     # alive from now on (`last_seen`)
+    started: float | None      # training began (this process's monotonic clock); None: not yet
+    measured: dict             # the evaluation track's measured fields (not target and patience)
+    failures: list[dict]
+
+
+def load(data: dict) -> Saved:
+    """`data` (from `read`) as of now."""
     now = time.monotonic()
-    coord.run_id = data["run_id"]
-    coord.specs = [TensorSpec.from_wire(s) for s in data["specs"]] if data["specs"] else None
-    coord.schema = data["schema"]
-    coord.plan = ClusterPlan.from_dict(data["plan"]) if data["plan"] else None
-    coord.nodes = {n["node_id"]: node_type(**n, last_seen=now) for n in data["nodes"]}
+    started = None
     if data["elapsed_s"] is not None:
         since_start = time.time() - data.get("started_unix", time.time() - data["elapsed_s"])
-        coord.started = now - max(data["elapsed_s"], since_start)
+        started = now - max(data["elapsed_s"], since_start)
     # what was measured comes from the file; the target and patience from this scheduler's config
-    measured = {k: v for k, v in data["evals"].items() if k not in ("target", "patience")}
-    coord.evals = dataclasses.replace(coord.evals, **measured)
-    coord.failures = list(data["failures"])
+    return Saved(run_id=data["run_id"],
+                 specs=[TensorSpec.from_wire(s) for s in data["specs"]] if data["specs"] else None,
+                 schema=data["schema"],
+                 plan=ClusterPlan.from_dict(data["plan"]) if data["plan"] else None,
+                 nodes={n["node_id"]: Node(**n, last_seen=now) for n in data["nodes"]},
+                 started=started,
+                 measured={k: v for k, v in data["evals"].items()
+                           if k not in ("target", "patience")},
+                 failures=list(data["failures"]))

@@ -1,13 +1,18 @@
 """What the scheduler reports about a run: the summary written to
 summary.json at the end and the numbers of the operator's /metrics endpoint.
-Both read the coordinator's state and change nothing.
+Both are read-only views of a `Coordinator` (they take it whole: a report
+reads most of its state) and change nothing.
 """
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from .efficiency import run_efficiency
 from .outcome import environment, run_status
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator
 
 ROLES = ("ps", "spare", "worker", "evaluator")
 
@@ -19,7 +24,7 @@ def count(stats: dict, key: str) -> int:
     return int(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0
 
 
-def run_summary(coord) -> dict:
+def run_summary(coord: Coordinator) -> dict:
     """summary.json: results, traffic, shard statistics, failures."""
     workers = sorted(coord.members("worker", "evaluator"), key=lambda n: (n.role, n.rank))
     per_node = {f"{n.role}{n.rank}": {"sent": count(n.stats, "bytes_sent"),
@@ -58,7 +63,7 @@ def run_summary(coord) -> dict:
     }
 
 
-def stall_summary(coord) -> dict:
+def stall_summary(coord: Coordinator) -> dict:
     """summary.json `stalls`: per node, the seconds it held others up (stalls.py)."""
     names = {n.node_id: f"{n.role}{n.rank}" for n in coord.nodes.values()}
     measured = [(names.get(h.node, f"node{h.node}"), h.seconds)
@@ -74,7 +79,7 @@ def compression_summary(comm, nodes) -> dict:
             "grad_sent_bytes": sent, "grad_bytes_saved": dense - sent}
 
 
-def operator_metrics(coord) -> dict:
+def operator_metrics(coord: Coordinator) -> dict:
     """Numbers for the operator's /metrics endpoint. Called from the
     metrics thread: reads a snapshot of the nodes, writes nothing."""
     nodes = list(coord.nodes.values())

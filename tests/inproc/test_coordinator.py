@@ -6,7 +6,7 @@ import contextlib
 import time
 
 from hetps.proto.codec import Envelope
-from hetps.runconfig.schema import load_config
+from hetps.runconfig.load import load_config
 from hetps.proto.messages import Register, Report
 from hetps.proto.plan import TensorSpec
 from hetps.proto.transport import MemServer
@@ -68,7 +68,6 @@ def test_a_restarted_scheduler_keeps_the_runs_clock(tmp_path, monkeypatch):
     import json
 
     from hetps.scheduler import coordinator as coordinator_module, state
-    from hetps.scheduler.nodes import Node
 
     clock = SchedulerClock()
     monkeypatch.setattr(coordinator_module, "time", clock)
@@ -95,7 +94,7 @@ def test_a_restarted_scheduler_keeps_the_runs_clock(tmp_path, monkeypatch):
     second = MemServer("mem://coordinator-clock-2")
     try:
         again = Coordinator(second, cfg, run_dir=tmp_path)
-        state.restore(again, state.read(tmp_path), Node)
+        again.restore(state.read(tmp_path))
         clock.advance(0.2)
         evaluation(again, evaluator, 0.95)
         summary = again.summary()
@@ -329,7 +328,6 @@ def test_target_patience_stops_on_the_nth_evaluation_in_a_row_at_the_target(tmp_
     the first evaluation that reached it; a scheduler restored from its state
     keeps the streak."""
     from hetps.scheduler import state
-    from hetps.scheduler.nodes import Node
 
     now = [0.0]
     with one_worker_and_an_evaluator(tmp_path, ["stop.target_accuracy=0.9", "stop.target_patience=2"],
@@ -339,9 +337,9 @@ def test_target_patience_stops_on_the_nth_evaluation_in_a_row_at_the_target(tmp_
         assert coord.evals.streak == 0 and coord.state_dirty  # saved at the next tick: a restart keeps the break
         evaluation(coord, evaluator, 0.92, now)
         assert coord.stop_reason is None and coord.evals.streak == 1
-        state.save(coord)
+        coord.save_state()
         again = Coordinator(coord.server, coord.cfg, run_dir=tmp_path, clock=lambda: now[0])
-        state.restore(again, state.read(tmp_path), Node)
+        again.restore(state.read(tmp_path))
         evaluation(again, evaluator, 0.93, now)
         assert again.stop_reason == "target accuracy 0.9 reached (0.9300, held for 2 evaluations)"
         s = again.summary()

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from hetps.runconfig.schema import ConfigError, load_config
+from hetps.runconfig.schema import ConfigError
+from hetps.runconfig.load import load_config
 from hetps.proto.errors import ProtocolError
 from hetps.proto.plan import ClusterPlan, NodeEntry
 from hetps.proto.records import read_plan
@@ -131,7 +132,7 @@ def test_the_scheduler_fails_over_a_silent_shard_and_a_restarted_scheduler_knows
     again_server = MemServer("mem://coordinator-failover-2")
     try:
         again = Coordinator(again_server, cfg, run_dir=tmp_path)
-        state.restore(again, state.read(tmp_path), Node)
+        again.restore(state.read(tmp_path))
         assert again.plan == plan
         with pytest.raises(ProtocolError, match="promoted backup"):
             register(again, "ps", 1, node_id=ps[1])
