@@ -1,10 +1,11 @@
 """Simulated workers of the local-step loops: model averaging (cpsgd,
 adpsgd, wpsgd, simuparallel: `worker/local.py`) and diloco
-(`worker/diloco.py`). The per-step and per-round logic is the real
-trainers' (their methods are borrowed: local optimizer step, `due`, what a
-round pushes, how its reply is taken: the mean, adpsgd's next period,
-diloco's H_i from the plan's speeds); the simulator (engine.py) carries the
-messages on its clock and each local step costs the worker's compute time.
+(`worker/diloco.py`). The per-step and per-round logic is the real loops'
+(worker/step.py's `LocalRounds` and `DilocoRounds`: local optimizer step,
+when a round is due, what a round pushes, how its reply is taken: the
+mean, adpsgd's next period, diloco's H_i from the plan's speeds); the
+simulator (engine.py) carries the messages on its clock and each local
+step costs the worker's compute time.
 
 Unlike a gradient worker, each keeps its own model and local optimizer
 state between steps (memory grows with the number of workers).
@@ -12,41 +13,39 @@ state between steps (memory grows with the number of workers).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 from hetps.proto.messages import Ack, Params, Pull, Push
 from hetps.proto.plan import ClusterPlan
+from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.worker.client import ack_of
-from hetps.worker.diloco import DilocoTrainer
-from hetps.worker.local import LocalSgdTrainer
+from hetps.worker.data import Datasets
 from hetps.worker.state import ModelState
-from hetps.worker.trainer import clipped_params
+from hetps.worker.step import DilocoRounds, LocalRounds
 
-from .workers import SimWorker
+from .workers import SimMember, SimWorker
 
 
 class SimLocalWorker(SimWorker):
     """cpsgd, adpsgd, wpsgd, simuparallel: local steps, then a push of the
     model and a pull (unfused, as the real client sends them) of the mean."""
 
-    init_local = LocalSgdTrainer.init_local
-    optimizer_step = LocalSgdTrainer.optimizer_step
-    model_values = LocalSgdTrainer.model_values
-    info = LocalSgdTrainer.info
-    due = LocalSgdTrainer.due
-    round_request = LocalSgdTrainer.average_request
-    take_round = LocalSgdTrainer.take_average
     fused = False
 
-    def __init__(self, *args, clock):
-        """`clock`: the virtual clock (seconds), for time-based periods."""
-        super().__init__(*args)
-        self.state = ModelState(copy.deepcopy(self.state.model), self.state.device)  # its own model
-        self.clipped = clipped_params(self.cfg, self.state)
-        self.now = clock
-        self.init_local()
+    def __init__(self, cfg: RunConfig, node: NodeConfig, member: SimMember, plan: ClusterPlan,
+                 state: ModelState, data: Datasets, *, clock: Callable[[], float]):
+        """`state`: the engine's model, which this worker copies as its own;
+        `clock`: the virtual clock (seconds), for time-based periods."""
+        own = ModelState(copy.deepcopy(state.model), state.device)
+        super().__init__(cfg, node, member, plan, own, data)
+        self.rounds = self.make_rounds(plan, clock)
         self.acks: dict[int, Ack] = {}
         self.record: dict | None = None   # the step whose round is in flight
         self.finished = False             # pushed its final model: replies are not awaited
+
+    def make_rounds(self, plan: ClusterPlan, clock: Callable[[], float]) -> LocalRounds:
+        """The local optimizer and the rounds' logic (worker/step.py), on the virtual clock."""
+        return LocalRounds(self.cfg, self.work, clock)
 
     def follow_plan(self, newest: ClusterPlan) -> bool:
         return True  # the real averaging loop keeps the plan it started with
@@ -57,29 +56,34 @@ class SimLocalWorker(SimWorker):
         if not self.follow_plan(newest):
             return None
         self.step_started = now
-        self.compute_s = self.step_compute_s(now)  # before the step: the straggler is drawn on its clock
-        self.loss = self.optimizer_step()
+        # before the step: the straggler is drawn on its clock
+        self.compute_s = self.step_compute_s(now)
+        self.loss = self.rounds.step()
+        self.clock += 1
         return self.compute_s
 
     def pushes(self, now: float) -> list[tuple[int, Push | Pull]]:
         """After a local step: nothing (the next step follows) or, when a round
         is due, the round's push (and pull) to every shard."""
-        self.record = {"t": now, "worker": self.member.rank, "step": self.clock, "loss": round(self.loss, 5),
-                       "staleness": self.staleness, "compute_s": round(self.compute_s, 5), **self.norm_record()}
-        if not self.due():
+        self.record = {"t": now, "worker": self.member.rank, "step": self.clock,
+                       "loss": round(self.loss, 5), "staleness": self.staleness,
+                       "compute_s": round(self.compute_s, 5), **self.work.norm_record()}
+        if not self.rounds.due():
             self._account(now, 0.0)
             return []
-        self.in_flight, self.pushed_at = True, now
-        return self.round_messages(*self.round_request(), final=False)
+        self.pushed_at = now
+        return self.round_messages(*self.rounds.request(), final=False)
 
     def round_messages(self, tensors: dict, clock: int, n_samples: int, info: dict,
                        final: bool) -> list[tuple[int, Push | Pull]]:
+        """A round's request (LocalRounds.request or final_request) as messages
+        to every shard: pushes, and pulls of the result unless fused or final."""
         plan = self.client.plan
-        info = {**info, "final": True} if final else info
         out = []
         for i, part in enumerate(self.client.split(tensors)):
-            out.append((i, Push(plan_id=plan.plan_id, clock=clock, base_version=self.client.versions[i],
-                                n_samples=n_samples, info=info, pull=self.fused and not final, tensors=part)))
+            out.append((i, Push(plan_id=plan.plan_id, clock=clock,
+                                base_version=self.client.versions[i], n_samples=n_samples,
+                                info=info, pull=self.fused and not final, tensors=part)))
             if not self.fused and not final:
                 out.append((i, Pull(plan_id=plan.plan_id, clock=clock + 1)))
         return out
@@ -88,11 +92,10 @@ class SimLocalWorker(SimWorker):
         """The run stopped: with `final_average`, between rounds and after local
         steps, push the model once more without waiting for the mean
         (LocalSgdTrainer.push_final)."""
-        if not (self.final_average and not self.in_flight and self.steps_in_round):
+        if not self.rounds.final_due():
             return []
         self.finished = True
-        tensors, clock, n_samples, info = self.round_request()
-        return self.round_messages(tensors, clock, n_samples, info, final=True)
+        return self.round_messages(*self.rounds.final_request(), final=True)
 
     def take_reply(self, i: int, reply: Ack | Params, nbytes: int) -> bool:
         """Keep shard `i`'s ACK or values; True once every shard's values (and,
@@ -119,15 +122,17 @@ class SimLocalWorker(SimWorker):
             values.update(reply.tensors)
         if self.record is None:   # the first pull
             self.state.load(values)
-            self.after_first_pull()
+            self.rounds.begin()
             return
-        held = [ack_of(r)[1] for r in replies.values() if r.ack]  # fused (diloco): seconds the values waited
+        # fused (diloco): the seconds the values waited
+        held = [ack_of(r)[1] for r in replies.values() if r.ack]
         push_s = max(0.0, max(now - h for h in held) - self.pushed_at) if held else 0.0
         self.record.update(self.take_round(acks, values))
         self._account(now, push_s)
 
-    def after_first_pull(self) -> None:
-        self.round_started = self.now()
+    def take_round(self, acks: list[Ack], values: dict) -> dict:
+        """Take the round's result (LocalRounds.take); fields for the step record."""
+        return self.rounds.take(acks, values)
 
     def _account(self, now: float, push_s: float) -> None:
         step_s = now - self.step_started
@@ -135,7 +140,7 @@ class SimLocalWorker(SimWorker):
         self.records.append({**self.record, "step_s": round(step_s, 5)})
 
     def stats(self) -> dict:
-        return {**super().stats(), "rounds": self.round, "period": self.period}
+        return {**super().stats(), "rounds": self.rounds.round, "period": self.rounds.period}
 
 
 class SimDilocoWorker(SimLocalWorker):
@@ -143,23 +148,25 @@ class SimDilocoWorker(SimLocalWorker):
     the pseudo-gradient and pull of the new global model; follows new plans
     between steps as the real DilocoTrainer does."""
 
-    period_for = DilocoTrainer.period_for
-    use_plan = DilocoTrainer.use_plan
-    params = DilocoTrainer.params
-    pseudo_gradient = DilocoTrainer.pseudo_gradient
-    due = DilocoTrainer.due
-    round_request = DilocoTrainer.round_request
-    take_round = DilocoTrainer.take_round
     fused = True
+    rounds: DilocoRounds
 
-    def __init__(self, *args, clock):
-        super().__init__(*args, clock=clock)
-        self.period = self.period_for(self.client.plan)
-        self.start_values = self.params()
+    def make_rounds(self, plan: ClusterPlan, clock: Callable[[], float]) -> DilocoRounds:
+        return DilocoRounds(self.cfg, self.work, clock, plan)
 
     def follow_plan(self, newest: ClusterPlan) -> bool:
-        self.known_plan_id = max(self.known_plan_id, self.member.plan_id)
-        return SimWorker.follow_plan(self, newest)
+        return SimWorker.follow_plan(self, newest)  # not SimLocalWorker's: diloco follows plans
 
-    def after_first_pull(self) -> None:
-        self.start_values = self.params()
+    def use_plan(self, plan: ClusterPlan) -> None:
+        """Switch to a newer `plan` between steps: share and batch, and H_i."""
+        super().use_plan(plan)
+        self.rounds.use_plan(plan)
+
+    def take_round(self, acks: list[Ack], values: dict) -> dict:
+        """The new global model (DilocoRounds.take); the ACKs' staleness and
+        newest plan, as the real DilocoTrainer notes them."""
+        fields = self.rounds.take(acks, values)
+        if acks:
+            self.staleness = max(a.staleness for a in acks)
+            self.known_plan_id = max(self.known_plan_id, max(a.plan_id for a in acks))
+        return {**fields, "staleness": self.staleness}

@@ -1,8 +1,8 @@
 """A simulated worker of the gradient-pushing loop (sync, async, ssp,
-grouping, eager): the real worker's data share, batches and
-forward/backward (`Trainer.use_plan`, `Trainer.compute`, run on one model
-shared by all simulated workers), and real PUSH/PULL messages; the
-simulator (engine.py) carries them on its clock.
+grouping, eager, balanced): the real worker's data share, batches and
+forward/backward (worker/step.py's `GradientStep`, as the real Trainer
+runs it, on one model shared by all simulated workers), and real PUSH/PULL
+messages; the simulator (engine.py) carries them on its clock.
 
 What a worker keeps between steps: its clock, plan, data stream (the
 indices of its share and a position), the shard versions it holds, a step
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.proto.messages import Params, Pull, Push
 from hetps.proto.plan import ClusterPlan
+from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.worker.client import ack_of
 from hetps.worker.data import Datasets
 from hetps.worker.state import ModelState
+from hetps.worker.step import GradientStep
 from hetps.worker.straggler import straggler_of
-from hetps.worker.trainer import StepTimer, Trainer, clipped_params
+from hetps.worker.trainer import StepTimer
 
 from .events import Link, speed_factor
 
@@ -35,20 +36,17 @@ def base_step_s(cfg: RunConfig, node: NodeConfig, batch: int | None = None) -> f
     return node.step_s * batch / cfg.data.batch_size if node.step_s else cfg.sim.sample_s * batch
 
 
-@dataclass
+@dataclass(frozen=True)
 class SimMember:
-    """What the Trainer methods reused here read of a worker's membership."""
+    """Who a simulated worker is: its node id (from the coordinator) and rank."""
 
     node_id: int
     rank: int
-    plan_id: int = 0   # the newest plan an ACK named (diloco's `note_plan`)
-
-    def note_plan(self, plan_id: int) -> None:
-        self.plan_id = max(self.plan_id, plan_id)
 
 
 class SimClient:
-    """The worker's view of the shards: the plan, the versions it holds, bytes moved."""
+    """The worker's view of the shards: the plan, the versions it holds, bytes
+    moved (the engine counts what it sends)."""
 
     def __init__(self, plan: ClusterPlan):
         self.plan = plan
@@ -57,6 +55,7 @@ class SimClient:
         self.bytes_received = 0
 
     def adopt(self, plan: ClusterPlan) -> None:
+        """Use a newer plan; its placement must be the one the worker started with."""
         if plan.placement_id != self.plan.placement_id:
             raise ValueError(f"plan {plan.plan_id} moves tensors; live re-placement is not supported")
         self.plan = plan
@@ -68,22 +67,17 @@ class SimClient:
 
 
 class SimWorker:
-    use_plan = Trainer.use_plan   # share and batch stream from the plan (reads client, member, data, cfg)
-    compute = Trainer.compute     # one forward/backward on the next batch (reads stream, state)
-    clip_gradients = Trainer.clip_gradients  # optimizer.clip_grad_norm (reads clipped, cfg)
-    norm_record = Trainer.norm_record
-
     def __init__(self, cfg: RunConfig, node: NodeConfig, member: SimMember, plan: ClusterPlan,
                  state: ModelState, data: Datasets):
-        self.cfg, self.node, self.member, self.state, self.data = cfg, node, member, state, data
+        """`state`: the model its gradients are computed on (the engine's, shared)."""
+        self.cfg, self.node, self.member, self.state = cfg, node, member, state
         self.client = SimClient(plan)
+        # place, group, data share and batch under the plan; forward/backward (worker/step.py)
+        self.work = GradientStep(cfg, state, data, member.node_id, plan)
         self.link = Link.of(node)
         self.timer = StepTimer()
         self.clock = 0
         self.staleness = 0
-        self.samples = 0    # training examples computed on (Trainer.compute counts them)
-        self.clipped = clipped_params(cfg, state)
-        self.grad_norm: float | None = None
         self.alive = True
         self.known_plan_id = plan.plan_id
         self.records: list[dict] = []
@@ -92,15 +86,22 @@ class SimWorker:
         self.step_started = self.pushed_at = 0.0
         self.loss = 0.0
         self.compute_s = 0.0
-        self.use_plan(plan)
+
+    def use_plan(self, plan: ClusterPlan) -> None:
+        """Switch to a newer `plan` between steps (GradientStep.use_plan)."""
+        self.client.adopt(plan)
+        factor = self.work.use_plan(plan)
+        if factor != 1.0:
+            self.timer.rescale(factor)
 
     # ------------------------------------------------------------ the cost model
     def step_compute_s(self, t: float) -> float:
         """Virtual seconds of one step's forward/backward at time `t`."""
-        base = base_step_s(self.cfg, self.node, self.batch_size)  # balanced: the plan's batch
+        base = base_step_s(self.cfg, self.node, self.work.batch_size)  # balanced: the plan's batch
         extra = 0.0
         n = len(self.cfg.cluster.workers)
-        if self.cfg.cluster.straggler > 0 and n > 1 and straggler_of(self.cfg.seed, self.clock, n) == self.index:
+        if (self.cfg.cluster.straggler > 0 and n > 1
+                and straggler_of(self.cfg.seed, self.clock, n) == self.work.index):
             extra = self.cfg.cluster.straggler  # the eager-SGD imbalance model (worker/straggler.py)
         return base * speed_factor(self.node, t) * (1.0 + extra)
 
@@ -133,9 +134,9 @@ class SimWorker:
         self.known_plan_id = max([self.known_plan_id] + [a.plan_id for a, _ in acks])
         self.timer.update(self.compute_s, push_s, step_s)
         self.records.append({"t": now, "worker": self.member.rank, "step": self.clock, "loss": round(self.loss, 5),
-                             "staleness": self.staleness, "group": self.group,
+                             "staleness": self.staleness, "group": self.work.group,
                              "compute_s": round(self.compute_s, 5), "step_s": round(step_s, 5),
-                             **self.norm_record()})
+                             **self.work.norm_record()})
 
     def follow_plan(self, newest: ClusterPlan) -> bool:
         """Between steps, switch to `newest` if this worker knows of a newer
@@ -154,7 +155,7 @@ class SimWorker:
         if not self.follow_plan(newest):
             return None
         self.step_started = now
-        self.loss = self.compute()
+        self.loss = self.work.compute()
         self.outgoing = {n: t.clone() for n, t in self.state.outgoing().items()}
         self.compute_s = self.step_compute_s(now)
         return self.compute_s
@@ -164,7 +165,7 @@ class SimWorker:
         self.pushed_at = now
         plan = self.client.plan
         return [(i, Push(plan_id=plan.plan_id, clock=self.clock, base_version=self.client.versions[i],
-                         n_samples=self.batch_size, pull=True, tensors=part))
+                         n_samples=self.work.batch_size, pull=True, tensors=part))
                 for i, part in enumerate(self.client.split(self.outgoing))]
 
     # ------------------------------------------------------------ reporting
@@ -173,9 +174,11 @@ class SimWorker:
         return [{**{k: v for k, v in r.items() if k != "t"}, "ago": round(now - r["t"], 6)} for r in out]
 
     def stats(self) -> dict:
-        bs = self.batch_size
-        return {"steps": self.clock, "samples": self.samples, "bytes_sent": self.client.bytes_sent,
+        bs = self.work.batch_size
+        return {"steps": self.clock, "samples": self.work.samples,
+                "bytes_sent": self.client.bytes_sent,
                 "bytes_received": self.client.bytes_received, "step_time_s": self.timer.step_s,
-                "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id, "group": self.group,
+                "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id,
+                "group": self.work.group,
                 "staleness": self.staleness, "speed": self.timer.speed(bs), "push_s": self.timer.push_s,
                 "samples_per_s": bs / self.timer.step_s if self.timer.step_s else 0.0}

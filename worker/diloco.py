@@ -10,7 +10,10 @@ H_i: `algorithm.period` for the fastest worker of the plan and, with
 takes about the same time (Dynamic Local Updates, arXiv 2401.09135).
 Pseudo-gradients are compressed like gradients (`comm.compression`).
 
-Blocking; returns when the scheduler asks the cluster to stop.
+The local steps and the rounds' logic are step.py's `DilocoRounds` (the
+simulator runs them too); this loop adds the I/O: PSClient, membership,
+new plans, the wall clock. Blocking; returns when the scheduler asks the
+cluster to stop.
 """
 from __future__ import annotations
 
@@ -18,75 +21,39 @@ import contextlib
 import logging
 import time
 
-import torch
-
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted
-from hetps.runtime.speed_shares import local_steps
 
 from .local import LocalSgdTrainer
-from .trainer import Trainer
+from .step import DilocoRounds
 
 log = logging.getLogger(__name__)
 
 
 class DilocoTrainer(LocalSgdTrainer):
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.period = self.period_for(self.client.plan)
-        self.start_values: dict[str, torch.Tensor] = {}
+    rounds: DilocoRounds
 
-    def period_for(self, plan: ClusterPlan) -> int:
-        """This worker's local steps per round under `plan`."""
-        p = self.cfg.algorithm.params
-        if not p.steps_by_speed:
-            return p.period
-        speeds = [plan.speeds.get(str(w), 0.0) for w in plan.worker_ids()]
-        return local_steps(plan.speeds.get(str(self.member.node_id), 0.0), max(speeds, default=0.0),
-                           p.period, p.min_period)
+    def make_rounds(self, plan: ClusterPlan) -> DilocoRounds:
+        """The inner optimizer and diloco's rounds, H_i from `plan`."""
+        return DilocoRounds(self.cfg, self.work, time.monotonic, plan)
 
     def use_plan(self, plan: ClusterPlan) -> None:
-        Trainer.use_plan(self, plan)  # not super(): the simulated worker borrows this method
-        if hasattr(self, "start_values"):  # not while constructing: __init__ sets the period
-            self.period = self.period_for(plan)
-
-    def params(self) -> dict[str, torch.Tensor]:
-        return {n: t.detach().to("cpu", copy=True) for n, (t, kind) in self.state.tensors.items() if kind == "param"}
-
-    def pseudo_gradient(self) -> dict[str, torch.Tensor]:
-        """start - end for every parameter, current values for every buffer (CPU)."""
-        out = {}
-        for n, (t, kind) in self.state.tensors.items():
-            now = t.detach().to("cpu", copy=True)
-            out[n] = self.start_values[n] - now if kind == "param" else now
-        return out
-
-    def due(self) -> bool:
-        return self.steps_in_round >= self.period
-
-    def round_request(self) -> tuple[dict, int, int, dict]:
-        """What this round's push carries: (pseudo-gradient, clock, n_samples, info)."""
-        return self.pseudo_gradient(), self.round, self.steps_in_round * self.batch_size, self.info()
+        """Switch to a newer `plan` between steps: share and batch, and H_i."""
+        super().use_plan(plan)
+        self.rounds.use_plan(plan)
 
     def sync_round(self) -> dict:
         """Push the pseudo-gradient, load the new global model; fields for the step record."""
-        acks, values = self.client.push_pull(*self.round_request())
-        return self.take_round(acks, values)
-
-    def take_round(self, acks: list, values: dict) -> dict:
-        """Load the new global model, start the next round from it; fields for the step record."""
-        self.state.load(values)
-        self.start_values = self.params()
-        self.round += 1
-        self.steps_in_round = 0
+        acks, values = self.client.push_pull(*self.rounds.request())
+        fields = self.rounds.take(acks, values)
         if acks:
             self.staleness = max(a.staleness for a in acks)
             self.member.note_plan(max(a.plan_id for a in acks))
-        return {"round": self.round, "period": self.period, "staleness": self.staleness}
+        return {**fields, "staleness": self.staleness}
 
     def run(self) -> None:
         self.start()
-        self.start_values = self.params()
+        self.rounds.begin()
         with contextlib.suppress(Aborted):  # stop came while a push was waiting
             while not self.member.stop_requested.is_set():
                 newer = self.member.newer_plan(self.client.plan.plan_id)
@@ -98,9 +65,10 @@ class DilocoTrainer(LocalSgdTrainer):
                 started = time.perf_counter()
                 loss, compute_s = self.local_step()
                 record = {"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5),
-                          "staleness": self.staleness, "compute_s": round(compute_s, 5), **self.norm_record()}
+                          "staleness": self.staleness, "compute_s": round(compute_s, 5),
+                          **self.work.norm_record()}
                 push_s = 0.0
-                if self.due():
+                if self.rounds.due():
                     record.update(self.sync_round())
                     push_s = self.client.last_push_s
                 self.timer.update(compute_s, push_s, time.perf_counter() - started)

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from hetps.runtime import checkpoint
-from hetps.runconfig.schema import ConfigError, RunConfig, load_config
+from hetps.runconfig.schema import ConfigError, RunConfig
+from hetps.runconfig.load import load_config
 
 from .preflight import PreflightError, build_checked
 from .state import model_tensors

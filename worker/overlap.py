@@ -335,7 +335,7 @@ class OverlapTrainer(Trainer):
         super().use_plan(plan)
 
     def compute(self) -> float:
-        self.overlap.begin(self.clock, self.batch_size)
+        self.overlap.begin(self.clock, self.work.batch_size)
         return super().compute()
 
     def exchange(self) -> tuple[list[Ack], float]:

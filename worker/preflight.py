@@ -25,7 +25,7 @@ from hetps.runtime.daemon import load_or_exit
 
 from .data import Datasets, DatasetUnavailable, load_datasets
 from .models import ModelError, build_model
-from .trainer import autocast
+from .step import autocast
 from .user_data import DatasetContractError
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetps.runconfig.schema import ConfigError, load_config
-from hetps.frontend.report import read_metrics
+from hetps.runconfig.schema import ConfigError
+from hetps.runconfig.load import load_config
+from hetps.scheduler.runlog import read_metrics
 from hetps.sim.engine import simulate
 from hetps.worker.data import load_datasets
 from test_overlap import harnesses, make_trainers, one_thread, setup  # noqa: F401  (fixtures: one_thread autouse)
@@ -39,8 +40,8 @@ def test_the_pushed_gradient_is_the_raw_one_scaled_to_the_norm(harnesses, model)
     raw, plain = first_gradients(harnesses, *model)
     max_norm = norm(raw) / 4
     clipped, trainer = first_gradients(harnesses, *model, f"optimizer.clip_grad_norm={max_norm}")
-    assert plain.grad_norm is None and plain.norm_record() == {}
-    assert trainer.grad_norm == pytest.approx(norm(raw), rel=1e-5)      # the norm before clipping, recorded
+    assert plain.work.grad_norm is None and plain.work.norm_record() == {}
+    assert trainer.work.grad_norm == pytest.approx(norm(raw), rel=1e-5)      # the norm before clipping, recorded
     assert norm(clipped) == pytest.approx(max_norm, rel=1e-5)
     for name, g in raw.items():
         torch.testing.assert_close(clipped[name], g * (max_norm / norm(raw)), rtol=1e-5, atol=1e-8)
@@ -63,10 +64,10 @@ def test_a_non_finite_gradient_is_left_to_the_shards_nonfinite_policy(harnesses)
         name, (weight, _) = next(iter(trainer.state.tensors.items()))
         weight.grad.view(-1)[0] = float("inf")
         before = {n: t.grad.clone() for n, (t, kind) in trainer.state.tensors.items() if kind == "param"}
-        trainer.clip_gradients()
+        trainer.work.clip_gradients()
         assert all(torch.equal(t.grad, before[n]) for n, (t, kind) in trainer.state.tensors.items()
                    if kind == "param")
-        assert trainer.norm_record() == {"grad_norm": None}
+        assert trainer.work.norm_record() == {"grad_norm": None}
     finally:
         trainer.client.close()
 
@@ -88,7 +89,7 @@ def test_a_simulated_run_with_clipping_trains_and_records_the_norms(tmp_path, al
     cfg = load_config(None, [f"algorithm.name={algorithm}", "optimizer.clip_grad_norm=0.5", "data.batch_size=16",
                              "eval.every_s=0.25", "stop.target_accuracy=null", "stop.max_seconds=1.5",
                              "cluster.workers=[{slowdown: 1}, {slowdown: 2}]", "sim.sample_s=0.0005"])
-    summary = simulate(cfg, tmp_path / "run", plot=False, data=load_datasets(cfg.data, cfg.seed))
+    summary = simulate(cfg, tmp_path / "run", data=load_datasets(cfg.data, cfg.seed))
     steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "step"]
     assert steps and all(r["grad_norm"] > 0 for r in steps)
     assert any(r["grad_norm"] > 0.5 for r in steps)  # the bound was met, so clipping acted
