@@ -181,11 +181,3 @@ class DilocoParams:
             _fail("algorithm.outer_momentum", f"must be < 1, got {self.outer_momentum}")
         if self.min_period > self.period:
             _fail("algorithm.min_period", f"must be <= algorithm.period ({self.period}), got {self.min_period}")
-
-
-def __getattr__(name: str):
-    # ALGORITHM_PARAMS lives beside the algorithm table (algorithms.py); still importable from here
-    if name == "ALGORITHM_PARAMS":
-        from .algorithms import ALGORITHM_PARAMS
-        return ALGORITHM_PARAMS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,7 @@ FORMATIONS; shard: `ps/policies` POLICIES and `ps/shard.py` NEUTRAL_PUSH;
 worker: `worker/lifecycle.py` WORKER_LOOPS and `worker/local.py` PERIODS), so
 no role ever branches on an algorithm's name. A new algorithm is one line
 here, its parameter dataclass (`algorithm_params.py`), its shard policy (one
-file under `ps/policies/`) and a config; `tests/test_algorithm_table.py`
+file under `ps/policies/`) and a config; `tests/inproc/test_algorithm_table.py`
 checks that every line resolves in every role.
 
 The plan carries the algorithm's name and resolved parameters
@@ -53,7 +53,7 @@ _GRADIENTS = dict(worker_loop="gradients", pushes="gradients")
 # PULL waits (and is re-sent after cluster.retry_s), not the whole model
 _MODELS = dict(worker_loop="local_steps", pushes="model", fuses_pull=False)
 
-# One line per algorithm (DESIGN §5).
+# One line per algorithm (docs/algorithms.md describes each; docs/adding-an-algorithm.md the columns).
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("sync", SyncParams, groups="all", policy="sync", **_GRADIENTS),
     Algorithm("async", AsyncParams, groups="each", policy="async", **_GRADIENTS),

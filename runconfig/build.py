@@ -89,18 +89,3 @@ def build_dataclass(cls: type, value: Any, path: str, problems: Problems) -> Any
     except ConfigError as exc:  # algorithm parameters check their own ranges
         problems.extend(exc.errors)
         return BAD
-
-
-def node_list(value: Any, path: str) -> Any:
-    """`workers: 4` is shorthand for four default nodes; a mapping with
-    `count` for that many nodes with speeds drawn from a distribution
-    (node_spec.py)."""
-    if isinstance(value, dict):
-        from .node_spec import expand_nodes, node_fields
-
-        return expand_nodes(value, path, node_fields())
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            fail(path, f"need at least 1, got {value}")
-        return [{} for _ in range(value)]
-    return value

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .build import fail
+from .schema import NodeConfig
 
 SPEC_KEYS = ("count", "speeds", "seed")
 DISTRIBUTIONS = ("lognormal", "classes")
@@ -93,6 +94,17 @@ def _classes(params: Any, count: int, path: str) -> list[float]:
 
 
 def node_fields() -> list[str]:
-    from .schema import NodeConfig  # deferred: config imports config_build, which imports this
-
     return [f.name for f in dataclasses.fields(NodeConfig)]
+
+
+def node_list(value: Any, path: str) -> Any:
+    """`workers: 4` is shorthand for four default nodes; a mapping with
+    `count` for that many nodes with speeds drawn from a distribution
+    (see `expand_nodes`)."""
+    if isinstance(value, dict):
+        return expand_nodes(value, path, node_fields())
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            fail(path, f"need at least 1, got {value}")
+        return [{} for _ in range(value)]
+    return value

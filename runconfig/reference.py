@@ -3,11 +3,11 @@ config dataclasses themselves, so the two cannot drift apart:
 
     python -m hetps.runconfig.reference > docs/configuration.md
 
-Keys, types and defaults come from the dataclasses in config.py and
+Keys, types and defaults come from the dataclasses in schema.py and
 algorithm_params.py; each description is the comment at the end of the
 field's line in the source (or, for the few fields without one, `HELP`
 below); allowed values come from `config.CHOICES` and the algorithm table.
-tests/test_config_docs.py fails when the file is out of date.
+tests/unit/test_config_docs.py fails when the file is out of date.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import typing
 from functools import cache
 
 from . import schema as config
-from .algorithm_params import ALGORITHM_PARAMS
+from .algorithms import ALGORITHM_PARAMS
 
 REGENERATE = "python -m hetps.runconfig.reference > docs/configuration.md"
 
