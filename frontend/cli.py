@@ -68,6 +68,7 @@ def simulate_command(argv: list[str]) -> int:
     from hetps.sim.engine import simulate
 
     from .launcher import default_run_dir
+    from .plots import plot_simulated
 
     parser = argparse.ArgumentParser(prog="hetps simulate", description="run one experiment in virtual time: "
                                      "the real shards, scheduler and gradients, simulated clocks (docs/simulation.md)")
@@ -94,6 +95,7 @@ def simulate_command(argv: list[str]) -> int:
     run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     try:
         summary = simulate(cfg, run_dir)
+        plot_simulated(cfg, run_dir)
     except ConfigError as exc:
         print(f"hetps simulate: {exc}", file=sys.stderr)
         return 2
@@ -127,7 +129,7 @@ def resume_command(args: argparse.Namespace) -> int:
 def config_command(argv: list[str]) -> int:
     import yaml
 
-    from hetps.runconfig.schema import config_to_dict
+    from hetps.runconfig.load import config_to_dict
 
     parser = argparse.ArgumentParser(prog="hetps config", description="print the resolved config as YAML")
     parser.add_argument("config", help="YAML experiment")

@@ -30,12 +30,13 @@ import sys
 import time
 from pathlib import Path
 
-from hetps.runconfig.schema import ConfigError, apply_override, config_from_dict, load_config, load_raw
+from hetps.runconfig.schema import ConfigError
+from hetps.runconfig.load import apply_override, config_from_dict, load_config, load_raw
 
 from hetps.scheduler.efficiency import useful_efficiency
 from .launcher import run_local
 from .plots import X_AXES, plot_compare
-from .report import read_metrics
+from hetps.scheduler.runlog import read_metrics
 
 
 def algorithm_config(raw: dict, algorithm: str, common: list[str], extra: list[str], seed: int):
@@ -139,6 +140,8 @@ def simulated_runner():
     from hetps.sim.engine import simulate
     from hetps.worker.data import load_datasets
 
+    from .plots import plot_simulated
+
     loaded: dict = {}
 
     def run(cfg, run_dir: Path) -> int:
@@ -146,6 +149,7 @@ def simulated_runner():
         if key not in loaded:
             loaded[key] = load_datasets(cfg.data, cfg.seed)
         summary = simulate(cfg, run_dir, data=loaded[key])
+        plot_simulated(cfg, run_dir)
         return 3 if summary["status"] == "diverged" else 0
     return run
 

@@ -21,16 +21,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetps.runconfig.schema import RunConfig, dump_config
+from hetps.runconfig.schema import RunConfig
+from hetps.runconfig.load import dump_config
 from hetps.proto.errors import HetpsError
 from hetps.runtime.devices import assign_devices, local_gpu_count
-from hetps.proto.security import keys_for_run
+from hetps.runtime.curve_setup import keys_for_run
 from hetps.runtime.startup import process_age_s
 
 from .faults import FaultInjector
 from .local_sockets import LocalSockets, shard_groups, shard_process
 from hetps.scheduler.outcome import EXIT_CODES, INTERRUPTED
-from .report import Progress, format_summary, plot_run
+from .plots import plot_run
+from .report import Progress, format_summary
 from hetps.scheduler.runlog import mark_failed, read_summary, write_json_atomic
 from .startup_report import startup_line, startup_section
 from .resume import ResumePoint, checkpoints_root, strip_resume

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import read_metrics
+from hetps.scheduler.runlog import read_metrics
 from hetps.scheduler.runlog import read_summary
 
 X_AXES = {"time": ("t", "wall-clock time (s)"), "steps": ("global_steps", "global steps (all workers)"),
@@ -166,6 +166,11 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     if len({group for _, group in group_lanes(records)}) > 1:
         plot_groups(run_dir, records)
     return out
+
+
+def plot_simulated(cfg, run_dir: Path) -> Path:
+    """`plot_run` for a run of `hetps simulate` (its times are virtual seconds)."""
+    return plot_run(run_dir, f"{cfg.name}: {cfg.algorithm.name} (simulated, virtual seconds)")
 
 
 def _plot_loss(ax, records: list[dict], xs: list[float], losses: list[float]) -> None:

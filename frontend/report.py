@@ -1,5 +1,5 @@
-"""Reading a run directory back: metrics, a live progress line, and the
-accuracy/loss-versus-wall-clock plot (drawn by plots.py)."""
+"""What `hetps run` prints while a run goes and when it ends: a live progress
+line that follows metrics.jsonl as it grows, and the closing summary."""
 from __future__ import annotations
 
 import json
@@ -9,19 +9,6 @@ from pathlib import Path
 
 
 STALL_FRESH_S = 3.0   # an open stall's record older than this (run seconds) is not shown
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """All complete JSON lines of a metrics file (a torn last line is skipped)."""
-    out = []
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 @dataclass
@@ -117,12 +104,6 @@ class Progress:
         names = ", ".join(waiting[:6]) + (f" and {len(waiting) - 6} more" if len(waiting) > 6 else "")
         return (f"{clock} registered {len(self.registered)}/{len(self.expected)} — waiting for {names} "
                 "(loading data, profiling)")
-
-
-def plot_run(run_dir: Path, title: str = "") -> Path:
-    """RUN_DIR/accuracy_vs_time.png (and groups.png): see plots.py."""
-    from .plots import plot_run as plot  # plots imports this module
-    return plot(run_dir, title)
 
 
 def format_summary(summary: dict, run_dir: Path) -> str:

@@ -226,3 +226,17 @@ def serve(path: str) -> None:
     server.bind()
     print(f"hetps shared fork server at {path}", flush=True)
     server.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hetps.frontend.shared_fork_server SOCKET`: serve until SIGTERM."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hetps.frontend.shared_fork_server SOCKET", file=sys.stderr)
+        return 2
+    serve(args[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

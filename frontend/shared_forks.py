@@ -5,7 +5,7 @@ run (zygote.py): ~3 s of CPU each time. A sweep or a test suite that starts
 dozens of runs pays it dozens of times. This server imports the same modules
 once and forks daemons for any run that asks:
 
-    python -m hetps.frontend.shared_forks SOCKET &     # in a private directory
+    python -m hetps.frontend.shared_fork_server SOCKET &     # in a private directory
     HETPS_FORK_SERVER=SOCKET hetps run ...              # each run forks from it
 
 A request carries what the launcher would give an exec'd daemon: its whole
@@ -207,19 +207,3 @@ def fork_server() -> ForkServer | PreferShared | None:
         return None
     path = os.environ.get(ENV_VAR)
     return PreferShared(path) if path else ForkServer()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m hetps.frontend.shared_forks SOCKET`: serve (shared_fork_server.py)."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m hetps.frontend.shared_forks SOCKET", file=sys.stderr)
-        return 2
-    from .shared_fork_server import serve
-
-    serve(args[0])
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 
 from hetps.runconfig.schema import ConfigError
-from hetps.frontend.report import read_metrics
+from hetps.scheduler.runlog import read_metrics
 
 
 def step_records(run_dir: Path) -> list[dict]:

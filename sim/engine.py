@@ -21,12 +21,12 @@ import torch
 
 from hetps.runconfig.algorithms import algorithm
 from hetps.proto.codec import decode
-from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig, dump_config
+from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
+from hetps.runconfig.load import dump_config
 from hetps.proto.messages import Bye, Error, Heartbeat, Init, Pull, Register, Report
 from hetps.proto.plan import schema_hash
 from hetps.ps.shard import Shard
 from hetps.scheduler.coordinator import Coordinator
-from hetps.frontend.report import plot_run
 from hetps.worker.data import Datasets, load_datasets
 from hetps.worker.evaluator import evaluate
 from hetps.worker.models import build_model
@@ -284,7 +284,7 @@ class Simulation:
         self.coord.close()
 
 
-def simulate(cfg: RunConfig, run_dir: Path, plot: bool = True, data: Datasets | None = None) -> dict:
+def simulate(cfg: RunConfig, run_dir: Path, data: Datasets | None = None) -> dict:
     """Run `cfg` in virtual time and write the run directory; returns the
     summary (blocking). `data`: `cfg.data` already loaded. Raises
     SimulationError (a ConfigError) for what the simulator does not model."""
@@ -301,6 +301,4 @@ def simulate(cfg: RunConfig, run_dir: Path, plot: bool = True, data: Datasets | 
     summary["simulation"] = {"virtual_s": round(sim.q.now, 6), "events": sim.q.processed,
                              "stalled": sim.stalled, "real_wall_s": round(time.perf_counter() - started, 3)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if plot:
-        plot_run(run_dir, f"{cfg.name}: {cfg.algorithm.name} (simulated, virtual seconds)")
     return summary
