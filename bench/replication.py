@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from hetps.runconfig.schema import load_config
+from hetps.runconfig.load import load_config
 from hetps.proto.plan import ClusterPlan, NodeEntry, schema_hash
 from hetps.scheduler.placement import place
 from hetps.worker.client import PSClient

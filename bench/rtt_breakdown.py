@@ -41,7 +41,7 @@ def timed(acc: dict, key: str, fn):
 def shard_server(row: str, queue: mp.Queue, stop) -> None:
     torch.set_num_threads(1)
     from hetps.proto import rpc
-    from hetps.runconfig.schema import load_config
+    from hetps.runconfig.load import load_config
     from hetps.proto.messages import Op
     from hetps.proto.transport import make_server
     from hetps.ps import shard as shard_mod

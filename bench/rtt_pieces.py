@@ -64,7 +64,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from hetps.proto import rpc
     from hetps.proto.codec import decode, encode
-    from hetps.runconfig.schema import load_config
+    from hetps.runconfig.load import load_config
     from hetps.proto.messages import Init, Op, Push
     from hetps.ps import shard as shard_module
     from hetps.ps.shard import Shard

@@ -49,7 +49,7 @@ def cpu_us(fn, loops: int) -> float:
 
 def pieces(specs: list, overrides: list[str], flat: bool, loops: int) -> dict[str, float]:
     from hetps.proto.codec import decode, encode, encode_tensors, nonfinite_names
-    from hetps.runconfig.schema import load_config
+    from hetps.runconfig.load import load_config
     from hetps.proto.layout import PACK_BELOW
     from hetps.proto.messages import Push
     from hetps.ps.store import TensorStore

@@ -27,7 +27,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from hetps.runconfig.schema import load_raw
+from hetps.runconfig.load import load_raw
 from hetps.frontend.compare import algorithm_config, median_or_none
 from hetps.frontend.launcher import run_local
 from hetps.sim.costs import measured_costs, step_records
@@ -71,7 +71,7 @@ def one_pair(raw: dict, algorithm: str, common: list[str], seed: int, out: Path,
     sim_cfg = algorithm_config(sim_raw, algorithm, sim_common, extra, seed)
     sim_dir = out / f"{algorithm}-sim-{r}"
     print(f"sim_vs_real: {algorithm} simulation {r + 1} -> {sim_dir}", file=sys.stderr)
-    simulate(sim_cfg, sim_dir, plot=False)
+    simulate(sim_cfg, sim_dir)
     real, sim = summary_of(real_dir), summary_of(sim_dir)
     return {"costs": costs,
             "real": {"time_to_target_s": real["time_to_target_s"], "rates": step_rates(real_dir, n),

@@ -70,7 +70,7 @@ def ddp_rank(rank: int, world: int, init_file: str, overrides: list[str], warmup
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from hetps.runconfig.schema import load_config
+    from hetps.runconfig.load import load_config
     from hetps.runtime.optim import build_optimizer
     from hetps.worker.data import BatchStream, load_datasets, partition
     from hetps.worker.models import build_model

@@ -34,7 +34,7 @@ def shared_fork_server(tmp_path_factory):
     folder.chmod(0o700)
     sock, log = folder / "sock", folder / "server.log"
     with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "hetps.frontend.shared_forks", str(sock)], stdout=out,
+        server = subprocess.Popen([sys.executable, "-m", "hetps.frontend.shared_fork_server", str(sock)], stdout=out,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for(lambda: sock.exists() or server.poll() is not None, 120, "the shared fork server")

@@ -22,7 +22,7 @@ import zmq
 from torch import nn
 
 from hetps.proto.codec import decode, encode
-from hetps.runconfig.schema import load_config
+from hetps.runconfig.load import load_config
 from hetps.runtime.membership import Membership
 from hetps.proto.messages import (PROTOCOL_VERSION, Ack, Error, Heartbeat, Init, Op, Params, Pull,
                                   Push, Status, Stop)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetps.runconfig.schema import ConfigError, load_config
-from hetps.frontend.report import read_metrics
+from hetps.runconfig.schema import ConfigError
+from hetps.runconfig.load import load_config
+from hetps.scheduler.runlog import read_metrics
 from hetps.sim.engine import simulate
 from hetps.worker.data import load_datasets
 from test_overlap import harnesses, make_trainers, one_thread, setup  # noqa: F401  (fixtures: one_thread autouse)
@@ -47,6 +48,6 @@ def test_a_simulated_run_under_bfloat16_autocast_trains(tmp_path):
     cfg = load_config(None, ["algorithm.name=sync", "model.autocast=bfloat16", "data.batch_size=16",
                              "eval.every_s=0.25", "stop.target_accuracy=null", "stop.max_seconds=1.5",
                              "cluster.workers=[{slowdown: 1}, {slowdown: 2}]", "sim.sample_s=0.0005"])
-    summary = simulate(cfg, tmp_path / "run", plot=False, data=load_datasets(cfg.data, cfg.seed))
+    summary = simulate(cfg, tmp_path / "run", data=load_datasets(cfg.data, cfg.seed))
     assert any(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl"))
     assert summary["final_accuracy"] > 0.5, summary["final_accuracy"]  # it trained (chance: 0.1)

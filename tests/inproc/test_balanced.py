@@ -9,7 +9,8 @@ import torch
 
 from shard_harness import ShardHarness, grads, tiny_model, values_of
 from hetps.proto.codec import Envelope
-from hetps.runconfig.schema import ConfigError, load_config
+from hetps.runconfig.schema import ConfigError
+from hetps.runconfig.load import load_config
 from hetps.proto.messages import Params, Pull, Push, Register
 from hetps.proto.plan import TensorSpec
 from hetps.proto.records import NodeStats

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hetps.proto.codec import decode, encode
-from hetps.runconfig.schema import load_config
+from hetps.runconfig.load import load_config
 from hetps.proto.messages import Push
 from hetps.runtime.optim import build_lr_scheduler, build_optimizer
 from hetps.proto.plan import TensorSpec

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from hetps.proto.codec import decode, encode
-from hetps.runconfig.schema import ClusterConfig, load_config
+from hetps.runconfig.schema import ClusterConfig
+from hetps.runconfig.load import load_config
 from hetps.proto.messages import Ack, Params, Pull, Push
 from hetps.proto.plan import ClusterPlan, NodeEntry
 from hetps.proto.transport import make_server

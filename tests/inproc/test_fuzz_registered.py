@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from hetps.proto import messages as m
 from hetps.proto.codec import Envelope, decode, encode
-from hetps.runconfig.schema import load_config
+from hetps.runconfig.load import load_config
 from hetps.proto.errors import HetpsError, ProtocolError
 from hetps.proto.messages import PROTOCOL_VERSION, Op, Status
 from hetps.proto.plan import TensorSpec

@@ -15,7 +15,8 @@ import threading
 import pytest
 import torch
 
-from hetps.runconfig.schema import ClusterConfig, load_config
+from hetps.runconfig.schema import ClusterConfig
+from hetps.runconfig.load import load_config
 from hetps.proto.messages import Ack
 from hetps.proto.transport import make_server
 from hetps.ps.replication import ReplicaHost, ReplicatedShard, same_members

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from hetps.runtime import checkpoint
-from hetps.runconfig.schema import CheckpointConfig, ClusterConfig, load_config
+from hetps.runconfig.schema import CheckpointConfig, ClusterConfig
+from hetps.runconfig.load import load_config
 from hetps.proto.messages import Ack, Params, Pull, Push
 from hetps.proto.rpc import RpcClient
 from hetps.proto.transport import MemServer, make_server

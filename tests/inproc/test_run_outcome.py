@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hetps.proto.codec import Envelope
-from hetps.runconfig.schema import ConfigError, load_config
+from hetps.runconfig.schema import ConfigError
+from hetps.runconfig.load import load_config
 from hetps.runtime.devices import DeviceUnavailable, assign_devices, pick_device
 from hetps.runtime.membership import Membership
 from hetps.proto.messages import GetPlan, Register

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from hetps.runconfig.schema import ConfigError, load_config
+from hetps.runconfig.schema import ConfigError
+from hetps.runconfig.load import load_config
 from hetps.frontend.cli import main as hetps_main
-from hetps.frontend.report import read_metrics
+from hetps.scheduler.runlog import read_metrics
 from hetps.sim.engine import SimulationError, simulate
 from hetps.sim.events import Link, ServiceQueue, transfer
 from hetps.worker.data import load_datasets
@@ -27,7 +28,7 @@ def digits():
 
 def run(tmp_path, digits, name, *overrides):
     cfg = load_config(None, BASE + list(overrides))
-    return simulate(cfg, tmp_path / name, plot=False, data=digits), tmp_path / name
+    return simulate(cfg, tmp_path / name, data=digits), tmp_path / name
 
 
 def comparable(summary: dict) -> dict:

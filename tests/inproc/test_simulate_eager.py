@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetps.runconfig.schema import load_config
-from hetps.frontend.report import read_metrics
+from hetps.runconfig.load import load_config
+from hetps.scheduler.runlog import read_metrics
 from hetps.sim.engine import simulate
 from hetps.worker.data import load_datasets
 
@@ -27,7 +27,7 @@ def digits():
 def step_times(tmp_path, digits, name: str, *overrides: str) -> dict[int, list[float]]:
     """Virtual end time of each worker's steps, rounded to the microsecond."""
     cfg = load_config(None, BASE + list(overrides))
-    summary = simulate(cfg, tmp_path / name, plot=False, data=digits)
+    summary = simulate(cfg, tmp_path / name, data=digits)
     assert summary["mode"] == "simulated" and summary["status"] != "failed"
     times: dict[int, list[float]] = {0: [], 1: [], 2: []}
     for r in read_metrics(tmp_path / name / "metrics.jsonl"):

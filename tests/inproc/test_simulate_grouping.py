@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from cluster_util import REPO, records
-from hetps.runconfig.schema import load_config
+from hetps.runconfig.load import load_config
 from hetps.sim.engine import simulate
 
 # configs/default.yaml (automatic groups, re-grouping on); worker 1 slows from 1 to 5 at 0.5 virtual
@@ -21,7 +21,7 @@ REGROUP = ["cluster.workers=[{slowdown: 1}, {slowdown: 1, schedule: [{at_s: 0.5,
 
 def test_regrouping_when_a_worker_slows_down(tmp_path):
     run_dir = tmp_path / "regroup"
-    s = simulate(load_config(str(REPO / "configs" / "default.yaml"), REGROUP), run_dir, plot=False)
+    s = simulate(load_config(str(REPO / "configs" / "default.yaml"), REGROUP), run_dir)
     plans = sorted(run_dir.glob("plan-*.json"), key=lambda p: int(p.stem.split("-")[1]))
     assert len(plans) >= 2 and s["plan_id"] >= 2, [p.name for p in plans]
     plans = [json.loads(p.read_text()) for p in plans]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetps.runconfig.schema import load_config
-from hetps.frontend.report import read_metrics
+from hetps.runconfig.load import load_config
+from hetps.scheduler.runlog import read_metrics
 from hetps.sim.engine import simulate
 from hetps.worker.data import load_datasets
 
@@ -33,7 +33,7 @@ def digits():
 
 def run(tmp_path, digits, name, *overrides):
     cfg = load_config(None, BASE + list(overrides))
-    return simulate(cfg, tmp_path / name, plot=False, data=digits), tmp_path / name
+    return simulate(cfg, tmp_path / name, data=digits), tmp_path / name
 
 
 def rounds_of(run_dir) -> dict[int, list[dict]]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from hetps.runconfig.schema import ConfigError, load_config
+from hetps.runconfig.schema import ConfigError
+from hetps.runconfig.load import load_config
 from hetps.frontend.cli import main as hetps_main
 from hetps.sim.costs import measured_costs
 from hetps.sim.engine import simulate
@@ -19,7 +20,7 @@ GIVEN = "cluster.workers=[{step_s: 0.004, latency_ms: 3}, {step_s: 0.012, latenc
 @pytest.fixture(scope="module")
 def measured_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("replay") / "given"
-    simulate(load_config(None, BASE + [GIVEN]), run_dir, plot=False)
+    simulate(load_config(None, BASE + [GIVEN]), run_dir)
     return run_dir
 
 

@@ -14,7 +14,7 @@ import uuid
 import torch
 
 from hetps.proto import messages as m
-from hetps.runconfig.schema import load_config
+from hetps.runconfig.load import load_config
 from hetps.proto.plan import TensorSpec
 from hetps.proto.rpc import RpcClient
 from hetps.proto.transport import make_server

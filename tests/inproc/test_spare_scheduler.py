@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from hetps.runconfig.schema import load_config
+from hetps.runconfig.load import load_config
 from hetps.proto.plan import NodeEntry
 from hetps.proto.records import NodeStats
 from hetps.proto.transport import make_server

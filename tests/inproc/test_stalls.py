@@ -219,7 +219,7 @@ def test_the_coordinator_writes_stall_records_metrics_and_the_summary(tmp_path):
     import json
 
     from hetps.proto.codec import Envelope
-    from hetps.runconfig.schema import load_config
+    from hetps.runconfig.load import load_config
     from hetps.proto.messages import Heartbeat, Register
     from hetps.proto.plan import TensorSpec
     from hetps.proto.transport import MemServer

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from hetps.runconfig.schema import load_config
+from hetps.runconfig.load import load_config
 from hetps.proto.messages import Ack, Init, Pull, Push
 from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, schema_hash
 from hetps.proto.rpc import RequestTimeout, RpcClient

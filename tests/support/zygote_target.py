@@ -1,4 +1,4 @@
-"""A stand-in daemon for tests/test_zygote.py: `python -m zygote_target CODE`
+"""A stand-in daemon for tests/cluster/test_zygote.py: `python -m zygote_target CODE`
 prints its argv and environment marker, then exits with CODE, or with
 `wait` blocks until a signal ends it."""
 import os

@@ -1,13 +1,11 @@
 """`hetps compare`: the table arithmetic (medians, speedups, repeats that
-missed the target) and a real comparison of two algorithms writing its three
-files, one row per algorithm."""
+missed the target) and the arguments refused before any run (a real comparison:
+tests/cluster/test_cluster_compare.py)."""
 from __future__ import annotations
-
-import json
 
 import pytest
 
-from cluster_util import REPO, log_tails, run_hetps, summary
+from cluster_util import REPO
 from hetps.frontend.compare import aggregate, markdown
 
 
@@ -39,31 +37,6 @@ def test_markdown_has_one_row_per_algorithm_with_speedup_over_the_first():
     assert "| - | - |" in table[2] and "| 0/1 |" in table[2]
 
 
-@pytest.mark.cluster
-def test_compare_writes_its_three_files_with_one_row_per_algorithm(run_dir):
-    out = run_dir  # the fixture kills anything left mentioning it
-    result = run_hetps(["compare", "configs/sync.yaml", "--algorithms", "sync,async", "--repeats", "1",
-                        "--out", str(out), "--with", "async", "optimizer.momentum=0.5",  # as configs/async.yaml:
-                        # sync's momentum 0.9 at sync's lr can diverge async
-                        "cluster.workers=2", "stop.target_accuracy=0.8",
-                        "stop.max_seconds=60", "eval.every_s=0.5"], timeout_s=300)
-    assert result.returncode == 0, result.stderr[-3000:] + log_tails(out / "sync-0") + log_tails(out / "async-0")
-    assert "hetps compare: sync run 1/1" in result.stderr and "hetps compare: async run 1/1" in result.stderr
-    rows = json.loads((out / "compare.json").read_text())
-    assert [r["algorithm"] for r in rows] == ["sync", "async"]
-    for r in rows:
-        s = summary(out / f"{r['algorithm']}-0")
-        assert s["algorithm"] == r["algorithm"]
-        assert r["final_accuracy"] == s["final_accuracy"] and r["reached"] == 1
-        assert r["time_to_target_s"] == s["time_to_target_s"] is not None
-        assert r["bytes"] == s["bytes_sent"] + s["bytes_received"] > 0
-    table = [line for line in (out / "compare.md").read_text().splitlines()
-             if line.startswith("| ") and not line.startswith("| algorithm")]
-    assert [line.split(" | ")[0] for line in table] == ["| sync", "| async"]
-    png = (out / "compare.png").read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
-
-
 @pytest.mark.parametrize("args, named", [
     (["--algorithms", "sync,async", "--with", "asnyc", "optimizer.lr=0.01"], "--with asnyc: not an entry"),
     (["--algorithms", "sync", "--repeats", "0"], "--repeats: must be >= 1"),
@@ -82,7 +55,8 @@ def test_bad_compare_arguments_exit_2_before_any_run(tmp_path, capsys, args, nam
 
 @pytest.mark.parametrize("text", [b"[]\n", b"0\n", b"name: caf\xe9\n"])
 def test_a_config_file_that_is_no_mapping_or_not_utf8_names_the_file(tmp_path, text):
-    from hetps.runconfig.schema import ConfigError, load_config
+    from hetps.runconfig.schema import ConfigError
+    from hetps.runconfig.load import load_config
 
     path = tmp_path / "bad.yaml"
     path.write_bytes(text)

@@ -8,9 +8,10 @@ import types
 import pytest
 import yaml
 
-from hetps.runconfig.algorithm_params import ALGORITHM_PARAMS, AsyncParams, SspParams, SyncParams
-from hetps.runconfig.schema import (BUILTIN_MODELS, DATASETS, ConfigError, NodeConfig, RunConfig,
-                                config_from_dict, config_to_dict, dump_config, load_config)
+from hetps.runconfig.algorithm_params import AsyncParams, SspParams, SyncParams
+from hetps.runconfig.algorithms import ALGORITHM_PARAMS
+from hetps.runconfig.schema import BUILTIN_MODELS, DATASETS, ConfigError, NodeConfig, RunConfig
+from hetps.runconfig.load import config_from_dict, config_to_dict, dump_config, load_config
 
 
 def write(tmp_path, data, name="run.yaml"):
@@ -392,7 +393,7 @@ def test_factory_targets_are_imported_only_when_asked(tmp_path, monkeypatch):
 def test_hetps_config_prints_the_resolved_config_or_every_error(tmp_path):
     import subprocess
 
-    from hetps.runconfig.schema import config_from_dict
+    from hetps.runconfig.load import config_from_dict
 
     hetps = [sys.executable, "-m", "hetps.frontend.cli", "config"]
     path = write(tmp_path, {"algorithm": {"name": "grouping", "groups": 2}, "data": {"batch_size": 8}})

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from hetps.runconfig import schema as config
-from hetps.runconfig.algorithm_params import ALGORITHM_PARAMS
+from hetps.runconfig.algorithms import ALGORITHM_PARAMS
 from hetps.runconfig.reference import REGENERATE, render
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"

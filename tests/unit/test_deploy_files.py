@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hetps.runconfig.schema import load_config
+from hetps.runconfig.load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"

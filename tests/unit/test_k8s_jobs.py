@@ -19,7 +19,7 @@ import sys
 import pytest
 import yaml
 
-from hetps.runconfig.schema import config_from_dict, load_config
+from hetps.runconfig.load import config_from_dict, load_config
 
 from test_deploy_files import (CPU_DOCKERFILE, DEFAULT_CONFIG, DOCKER, ROOT, dockerfile_entrypoint, map_paths,
                                run_container_command, shim_path, split_address)  # noqa: F401 (fixture)
