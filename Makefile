@@ -1,7 +1,9 @@
 # `make run`: create .venv, install, train the default experiment offline.
-# `make test`: create .venv if needed, install, run the whole suite: the unit and inproc tiers
-# on $(WORKERS) pytest-xdist processes, then the cluster tier (real processes) on $(WORKERS) too,
-# then the cluster tests marked `exclusive` (they compare timings or measured speeds) alone.
+# `make test`: create .venv if needed, install, run the whole suite: `ruff check` (lint), the
+# unit and inproc tiers (tests/unit, tests/inproc) on $(WORKERS) pytest-xdist processes, then the
+# cluster tier (tests/cluster: real processes) on $(WORKERS) too, then the cluster tests marked
+# `exclusive` (they compare timings or measured speeds) alone.
+# `make format`: format the tree and apply ruff's safe fixes (imports sorted, ...).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +11,7 @@ CONFIG ?= configs/default.yaml
 ARGS   ?=
 WORKERS ?= 2
 
-.PHONY: run test test-unit test-inproc test-cluster install bench clean
+.PHONY: run test test-unit test-inproc test-cluster lint format install bench clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -28,10 +30,18 @@ run: $(VENV)/.installed-data
 # one file) is not a failure of a part
 test: $(VENV)/.installed-test
 	@status=0; \
+	$(VENV)/bin/ruff check --quiet . || status=1; \
 	$(PY) -m pytest -q -n $(WORKERS) -m "not cluster" $(ARGS) || [ $$? -eq 5 ] || status=1; \
 	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "cluster and not exclusive" $(ARGS) || [ $$? -eq 5 ] || status=1; \
 	$(PY) -m pytest -q -m exclusive $(ARGS) || [ $$? -eq 5 ] || status=1; \
 	exit $$status
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+
+format: $(VENV)/.installed-test
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 test-unit test-inproc: test-%: $(VENV)/.installed-test
 	$(PY) -m pytest -q -n $(WORKERS) -m $* $(ARGS)
