@@ -8,9 +8,12 @@ Read-only: nothing here writes or copies a tensor.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .layout import aligned
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RunTensors(dict):

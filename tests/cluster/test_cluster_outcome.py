@@ -55,7 +55,9 @@ def test_across_hosts_the_scheduler_itself_names_the_failed_worker(tmp_path):
         daemons.start(["worker", "--config", config, "--rank", "0", "--scheduler", addr, *common])
         # the failing worker starts once the others registered: they are told at once, not left to
         # find the scheduler gone and wait out startup_timeout_s
-        registered = lambda: {r["node"] for r in records(run_dir, "register")} >= {"ps0", "worker0"}
+        def registered() -> bool:
+            return {r["node"] for r in records(run_dir, "register")} >= {"ps0", "worker0"}
+
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and registered(), 60, "ps0 and worker0 registered")
         daemons.start(["worker", "--config", config, "--rank", "1", "--scheduler", addr, *common,
                        "cluster.workers.1.device=cuda:99"])  # this host's own setting: a GPU it lacks

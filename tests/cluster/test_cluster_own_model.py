@@ -92,7 +92,10 @@ def test_export_builds_the_model_from_a_killed_runs_checkpoints(user_pkg, on_pat
     config = write_config(tmp_path / "own.yaml", user_pkg, "checkpoint: {every_updates: 10, every_s: 0}")
     with background_run([str(config), "stop.target_accuracy=null", "--out", str(run_dir), "--quiet"],
                         env=on_path) as proc:
-        folders = lambda: [d for d in run_dir.glob("checkpoints/*/ps*") if checkpoint.checkpoints(d)]  # noqa: E731
+
+        def folders():
+            return [d for d in run_dir.glob("checkpoints/*/ps*") if checkpoint.checkpoints(d)]
+
         wait_for(lambda: len(folders()) == 2 and all(checkpoint.checkpoints(d)[-1][0] >= 40 for d in folders()),
                  120, "checkpoints at version 40 of both shards")
         assert kill_leftovers(str(run_dir))  # kill -9 the launcher and every process of the run

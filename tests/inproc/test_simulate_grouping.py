@@ -27,7 +27,10 @@ def test_regrouping_when_a_worker_slows_down(tmp_path):
     plans = [json.loads(p.read_text()) for p in plans]
     workers = [w["node_id"] for w in plans[0]["workers"]]
     mover = workers[1]
-    together = lambda plan, a, b: any(a in g and b in g for g in plan["groups"])
+
+    def together(plan, a, b):
+        return any(a in g and b in g for g in plan["groups"])
+
     # the slowed worker moved from the fast group to the slow one
     slowed = sorted([[workers[0]], sorted(workers[1:])])
     first_slowed = next((i for i, p in enumerate(plans) if sorted(map(sorted, p["groups"])) == slowed), None)

@@ -31,4 +31,4 @@ def test_every_key_is_listed_with_a_description():
     undocumented = [k for k, meaning in rows.items() if not meaning]
     assert not undocumented, f"add a comment on the field's line in runconfig/schema.py: {undocumented}"
     assert rows["comm.compression"].endswith("(one of: `none`, `fp16`, `topk`)")
-    assert f"`{config.ClusterConfig().retry_s}`" in next(l for l in text.splitlines() if "`cluster.retry_s`" in l)
+    assert f"`{config.ClusterConfig().retry_s}`" in next(line for line in text.splitlines() if "`cluster.retry_s`" in line)

@@ -21,8 +21,9 @@ import yaml
 
 from hetps.runconfig.load import config_from_dict, load_config
 
+from test_deploy_files import shim_path  # noqa: F401 (a fixture)
 from test_deploy_files import (CPU_DOCKERFILE, DEFAULT_CONFIG, DOCKER, ROOT, dockerfile_entrypoint, map_paths,
-                               run_container_command, shim_path, split_address)  # noqa: F401 (fixture)
+                               run_container_command, split_address)
 
 K8S = DOCKER / "k8s"
 INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
