@@ -8,6 +8,7 @@ compare.png's curves have one point.
 Reads OUT/compare.json (the algorithms, in order) and OUT/LABEL-N/summary.json;
 writes the PNG and prints one line per algorithm.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,12 +22,17 @@ from hetps.frontend.plots import _pyplot
 def final_accuracies(out: Path) -> dict[str, list[float]]:
     """Algorithm label -> the final accuracy of each repeat (in seed order)."""
     labels = [row["algorithm"] for row in json.loads((out / "compare.json").read_text())]
+
     def seed_order(path: Path) -> int:
         return int(path.parent.name.rsplit("-", 1)[1])
 
-    return {label: [json.loads(p.read_text())["final_accuracy"] or 0.0
-                    for p in sorted(out.glob(f"{label}-*/summary.json"), key=seed_order)]
-            for label in labels}
+    return {
+        label: [
+            json.loads(p.read_text())["final_accuracy"] or 0.0
+            for p in sorted(out.glob(f"{label}-*/summary.json"), key=seed_order)
+        ]
+        for label in labels
+    }
 
 
 def main(out: Path, png: Path) -> None:
@@ -36,7 +42,9 @@ def main(out: Path, png: Path) -> None:
     for x, (label, accs) in enumerate(runs.items()):
         ax.scatter([x] * len(accs), accs, zorder=3)
         for seed, acc in enumerate(accs):
-            ax.annotate(f"seed {seed}", (x, acc), textcoords="offset points", xytext=(6, -3), fontsize=8)
+            ax.annotate(
+                f"seed {seed}", (x, acc), textcoords="offset points", xytext=(6, -3), fontsize=8
+            )
         ax.hlines(statistics.median(accs), x - 0.2, x + 0.2, colors="black")
         print(f"{label}: median {statistics.median(accs):.3f}, per seed {accs}")
     ax.set_xticks(range(len(runs)), list(runs))

@@ -14,6 +14,7 @@ median push+pull time (compute is the same either way and left out),
 `bytes/step` the bytes the worker sent and received plus those the primaries
 forwarded to their backups, per step. The ratio is R=1 / R=0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,15 +25,17 @@ import time
 
 import torch
 
-from hetps.runconfig.load import load_config
 from hetps.proto.plan import ClusterPlan, NodeEntry, schema_hash
+from hetps.runconfig.load import load_config
 from hetps.scheduler.placement import place
 from hetps.worker.client import PSClient
-from hetps.worker.models import LeNet5, MLP
+from hetps.worker.models import MLP, LeNet5
 from hetps.worker.state import model_specs, model_tensors
 
-MODELS = {"lenet5": lambda: LeNet5((1, 28, 28), 10),
-          "mlp100m": lambda: MLP((1, 28, 28), 10, hidden=(5000, 4200))}   # 25.0M parameters, 100 MB
+MODELS = {
+    "lenet5": lambda: LeNet5((1, 28, 28), 10),
+    "mlp100m": lambda: MLP((1, 28, 28), 10, hidden=(5000, 4200)),
+}  # 25.0M parameters, 100 MB
 SHARD_IDS, WORKER = (1, 2), 3
 WAIT_S = 300.0
 
@@ -44,7 +47,9 @@ def shard_process(rank: int, replicas: int, to_main, from_main) -> None:
     from hetps.ps.replication import ReplicaHost, ReplicatedShard, serve_round
     from hetps.ps.shard import Shard
 
-    cfg = load_config(None, ["algorithm.name=sync", "optimizer.momentum=0.9", f"cluster.replicas={replicas}"])
+    cfg = load_config(
+        None, ["algorithm.name=sync", "optimizer.momentum=0.9", f"cluster.replicas={replicas}"]
+    )
     server = make_server("tcp://127.0.0.1:0")
     host = ReplicaHost(make_server("tcp://127.0.0.1:0"), cfg, SHARD_IDS[rank]) if replicas else None
     to_main.put((rank, server.address, host.address if host else ""))
@@ -70,11 +75,28 @@ def shard_process(rank: int, replicas: int, to_main, from_main) -> None:
 def make_plan(model, addresses: list[tuple[str, str]], replicas: int) -> ClusterPlan:
     specs = model_specs(model)
     shards = [NodeEntry(SHARD_IDS[i], i, a) for i, (a, _) in enumerate(addresses)]
-    backups = ({str(SHARD_IDS[i]): {"node": SHARD_IDS[(i + 1) % 2], "address": addresses[(i + 1) % 2][1]}
-                for i in range(2)} if replicas else {})
-    return ClusterPlan(plan_id=1, algorithm="sync", workers=[NodeEntry(WORKER, 0)], shards=shards, tensors=specs,
-                       placement=place(specs, [1.0, 1.0]), schema_hash=schema_hash(specs), backups=backups,
-                       run_id="bench")
+    backups = (
+        {
+            str(SHARD_IDS[i]): {
+                "node": SHARD_IDS[(i + 1) % 2],
+                "address": addresses[(i + 1) % 2][1],
+            }
+            for i in range(2)
+        }
+        if replicas
+        else {}
+    )
+    return ClusterPlan(
+        plan_id=1,
+        algorithm="sync",
+        workers=[NodeEntry(WORKER, 0)],
+        shards=shards,
+        tensors=specs,
+        placement=place(specs, [1.0, 1.0]),
+        schema_hash=schema_hash(specs),
+        backups=backups,
+        run_id="bench",
+    )
 
 
 def measure(name: str, replicas: int, steps: int, warmup: int) -> dict:
@@ -83,7 +105,9 @@ def measure(name: str, replicas: int, steps: int, warmup: int) -> dict:
     ctx = mp.get_context("spawn")
     to_main = ctx.Queue()
     inboxes = [ctx.Queue() for _ in SHARD_IDS]
-    procs = [ctx.Process(target=shard_process, args=(r, replicas, to_main, inboxes[r])) for r in range(2)]
+    procs = [
+        ctx.Process(target=shard_process, args=(r, replicas, to_main, inboxes[r])) for r in range(2)
+    ]
     for p in procs:
         p.start()
     client = None
@@ -100,8 +124,10 @@ def measure(name: str, replicas: int, steps: int, warmup: int) -> dict:
             if clock == warmup:
                 sent, received = client.bytes_sent, client.bytes_received
             g = torch.Generator().manual_seed(clock)
-            push = {n: (torch.randn(t.shape, generator=g) * 1e-3 if kind == "param" else t.detach())
-                    for n, (t, kind) in model_tensors(model).items()}
+            push = {
+                n: (torch.randn(t.shape, generator=g) * 1e-3 if kind == "param" else t.detach())
+                for n, (t, kind) in model_tensors(model).items()
+            }
             started = time.perf_counter()
             client.push_pull(push, clock, 32)
             times.append(time.perf_counter() - started)
@@ -119,7 +145,10 @@ def measure(name: str, replicas: int, steps: int, warmup: int) -> dict:
                 p.join()
     # replica bytes count the warm-up steps and the INIT too: prorated per step over all pushes
     per_push = replica / (warmup + steps + 1) if replicas else 0.0
-    return {"step_ms": statistics.median(times[warmup:]) * 1e3, "bytes_per_step": worker_bytes / steps + per_push}
+    return {
+        "step_ms": statistics.median(times[warmup:]) * 1e3,
+        "bytes_per_step": worker_bytes / steps + per_push,
+    }
 
 
 def main() -> None:
@@ -128,16 +157,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
-    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, steps {args.steps}")
+    print(
+        f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
+        f"torch {torch.__version__}, steps {args.steps}"
+    )
     print("| model | MB | R=0 step ms | R=1 step ms | ratio | R=0 MB/step | R=1 MB/step | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
-        mb = sum(t.numel() * t.element_size() for t, _ in model_tensors(MODELS[name]()).values()) / 1e6
+        mb = (
+            sum(t.numel() * t.element_size() for t, _ in model_tensors(MODELS[name]()).values())
+            / 1e6
+        )
         r0, r1 = (measure(name, r, args.steps, args.warmup) for r in (0, 1))
-        print(f"| {name} | {mb:.1f} | {r0['step_ms']:.2f} | {r1['step_ms']:.2f} | "
-              f"{r1['step_ms'] / r0['step_ms']:.2f} | {r0['bytes_per_step'] / 1e6:.2f} | "
-              f"{r1['bytes_per_step'] / 1e6:.2f} | {r1['bytes_per_step'] / r0['bytes_per_step']:.2f} |", flush=True)
+        print(
+            f"| {name} | {mb:.1f} | {r0['step_ms']:.2f} | {r1['step_ms']:.2f} | "
+            f"{r1['step_ms'] / r0['step_ms']:.2f} | {r0['bytes_per_step'] / 1e6:.2f} | "
+            f"{r1['bytes_per_step'] / 1e6:.2f} | {r1['bytes_per_step'] / r0['bytes_per_step']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ without the update: policy, accept, ACK, reply building), update
 (the optimizer step, thread CPU time as the shard counts it), encode and send
 of the reply. Means per round trip, in microseconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,8 @@ from collections import defaultdict
 
 import torch
 
-from transport import bench_raw, one_shard_plan, tensor_set, time_loop  # bench/ is the script's directory
+# bench/ is the script's directory
+from transport import bench_raw, one_shard_plan, tensor_set, time_loop
 
 
 def timed(acc: dict, key: str, fn):
@@ -35,17 +37,18 @@ def timed(acc: dict, key: str, fn):
             return fn(*a, **kw)
         finally:
             acc[key] += time.perf_counter_ns() - t0
+
     return wrapper
 
 
 def shard_server(row: str, queue: mp.Queue, stop) -> None:
     torch.set_num_threads(1)
     from hetps.proto import rpc
-    from hetps.runconfig.load import load_config
     from hetps.proto.messages import Op
     from hetps.proto.transport import make_server
     from hetps.ps import shard as shard_mod
     from hetps.ps.shard import Shard
+    from hetps.runconfig.load import load_config
 
     acc: dict = defaultdict(int)
     cfg = load_config(None, ["algorithm.name=async", "optimizer.momentum=0.0"])
@@ -81,7 +84,9 @@ def run_hetps(row: str, seconds: float, fuse_pull: bool) -> tuple[dict, int, dic
     stop = mp.Event()
     proc = mp.Process(target=shard_server, args=(row, q, stop), daemon=True)
     proc.start()
-    client = PSClient(one_shard_plan(specs, q.get(timeout=60)), 2, ClusterConfig(), fuse_pull=fuse_pull)
+    client = PSClient(
+        one_shard_plan(specs, q.get(timeout=60)), 2, ClusterConfig(), fuse_pull=fuse_pull
+    )
     acc: dict = defaultdict(int)
     client.init({s.name: torch.zeros(s.shape) for s in specs})
     grads = {s.name: torch.full(s.shape, 1e-6) for s in specs}
@@ -130,7 +135,9 @@ def main() -> None:
     torch.set_num_threads(1)
     raw = bench_raw(tensor_set(args.size), args.seconds, False)
     acc, n, shard_acc, pushes, rt = run_hetps(args.size, args.seconds, args.fuse_pull == "on")
-    print(f"{args.size}: raw {raw * 1e6:.0f} us, hetps {rt * 1e6:.0f} us per round trip ({n} round trips)")
+    print(
+        f"{args.size}: raw {raw * 1e6:.0f} us, hetps {rt * 1e6:.0f} us per round trip ({n} round trips)"
+    )
     worker = ["encode", "send", "wait", "recv", "decode"]
     for k in worker:
         print(f"  worker {k:<13} {acc.get(k, 0) / n / 1e3:8.1f} us")

@@ -20,6 +20,7 @@ sockets are what `bench/rtt_breakdown.py` and `bench/transport.py` add.
 `--gap-ms` sleeps before each round trip, as a worker computes between its
 steps: the pieces then run with cold caches, as they do in training.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,8 @@ import time
 
 import torch
 
-from transport import one_shard_plan, tensor_set, worker_gradients  # bench/ is the script's directory
+# bench/ is the script's directory
+from transport import one_shard_plan, tensor_set, worker_gradients
 
 
 class Handover:
@@ -55,19 +57,27 @@ def main() -> None:
     parser.add_argument("--size", default="lenet")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--blocks", type=int, default=60)
-    parser.add_argument("--algorithm", choices=["async", "sync"], default="async",
-                        help="the shard's policy (sync: a one-worker round per push)")
-    parser.add_argument("--gap-ms", type=float, default=0.0,
-                        help="sleep this long before each round trip (a worker's compute between steps)")
+    parser.add_argument(
+        "--algorithm",
+        choices=["async", "sync"],
+        default="async",
+        help="the shard's policy (sync: a one-worker round per push)",
+    )
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long before each round trip (a worker's compute between steps)",
+    )
     parser.add_argument("--per-block", type=int, default=100)
     args = parser.parse_args()
     torch.set_num_threads(1)
     from hetps.proto import rpc
     from hetps.proto.codec import decode, encode
-    from hetps.runconfig.load import load_config
     from hetps.proto.messages import Init, Op, Push
     from hetps.ps import shard as shard_module
     from hetps.ps.shard import Shard
+    from hetps.runconfig.load import load_config
 
     acc: dict[str, int] = {}
 
@@ -78,13 +88,19 @@ def main() -> None:
                 return fn(*a, **kw)
             finally:
                 acc[key] = acc.get(key, 0) + time.perf_counter_ns() - t0
+
         return wrapper
 
     specs = tensor_set(args.size)
     server = Handover()
-    cfg = load_config(None, [f"algorithm.name={args.algorithm}", f"optimizer.momentum={args.momentum}"])
+    cfg = load_config(
+        None, [f"algorithm.name={args.algorithm}", f"optimizer.momentum={args.momentum}"]
+    )
     shard = Shard(server, 1, one_shard_plan(specs, server.address, args.algorithm), cfg)
-    server.inbox = (b"w", encode(Init(plan_id=1, tensors={s.name: torch.zeros(s.shape) for s in specs}), 1, 2))
+    server.inbox = (
+        b"w",
+        encode(Init(plan_id=1, tensors={s.name: torch.zeros(s.shape) for s in specs}), 1, 2),
+    )
     shard.serve_once(0.0)
     rpc.decode = timed("shard decode", rpc.decode)
     shard_module.nonfinite_names = timed("shard NaN/Inf screen", shard_module.nonfinite_names)
@@ -96,7 +112,15 @@ def main() -> None:
     grads = worker_gradients(specs, [[s.name for s in specs]])
 
     def round_trip(clock: int) -> None:
-        push = push_of(plan_id=1, clock=clock, base_version=clock, n_samples=1, info={}, pull=True, tensors=grads)
+        push = push_of(
+            plan_id=1,
+            clock=clock,
+            base_version=clock,
+            n_samples=1,
+            info={},
+            pull=True,
+            tensors=grads,
+        )
         server.inbox = (b"w", [bytes(memoryview(f)) for f in worker_encode(push, clock + 10, 2)])
         serve(0.0)
         worker_decode(server.out)
@@ -117,10 +141,22 @@ def main() -> None:
             clock += 1
         for key, ns in acc.items():
             best[key] = min(best.get(key, float("inf")), ns / args.per_block / 1e3)
-    print(f"{args.size}, {args.algorithm}, momentum {args.momentum}, gap {args.gap_ms} ms: least mean of "
-          f"{args.blocks} blocks of {args.per_block} round trips, {platform.machine()}, torch {torch.__version__}")
-    for key in ["worker build", "worker encode", "shard decode", "shard NaN/Inf screen", "shard update",
-                "shard handle", "shard reply", "shard total", "worker decode", "round trip"]:
+    print(
+        f"{args.size}, {args.algorithm}, momentum {args.momentum}, gap {args.gap_ms} ms: least mean of "
+        f"{args.blocks} blocks of {args.per_block} round trips, {platform.machine()}, torch {torch.__version__}"
+    )
+    for key in [
+        "worker build",
+        "worker encode",
+        "shard decode",
+        "shard NaN/Inf screen",
+        "shard update",
+        "shard handle",
+        "shard reply",
+        "shard total",
+        "worker decode",
+        "round trip",
+    ]:
         print(f"  {key:<22} {best.get(key, 0.0):8.1f} us")
 
 

@@ -33,6 +33,7 @@ Compare rows of one run only; on a loaded machine every figure moves.
 pyzmq messages of N MiB (DEALER to ROUTER, copy=False, a small reply per
 message) over tcp on loopback and over ipc, measured in the same run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ MIB = 1 << 20
 # SGD-momentum step (read grad, param, buf; write param, buf) + finiteness check (read grad) + the way in:
 # a socket copies into the kernel and out of it (read + write each), shared memory once into the segment
 TRAFFIC_PER_GRAD_BYTE = {"socket": 5 + 1 + 2 + 2, "shm": 5 + 1 + 2}
-FIRST_WORKER = 100         # synthetic workers' node ids: 100, 101, ...
+FIRST_WORKER = 100  # synthetic workers' node ids: 100, 101, ...
 
 
 def tensor_specs(name: str) -> list:
@@ -66,9 +67,14 @@ def tensor_specs(name: str) -> list:
 def plan_for(specs: list, workers: int, address: str):
     from hetps.proto.plan import ClusterPlan, NodeEntry
 
-    return ClusterPlan(plan_id=1, algorithm="async",
-                       workers=[NodeEntry(FIRST_WORKER + r, r) for r in range(workers)],
-                       shards=[NodeEntry(1, 0, address)], tensors=specs, placement={s.name: 0 for s in specs})
+    return ClusterPlan(
+        plan_id=1,
+        algorithm="async",
+        workers=[NodeEntry(FIRST_WORKER + r, r) for r in range(workers)],
+        shards=[NodeEntry(1, 0, address)],
+        tensors=specs,
+        placement={s.name: 0 for s in specs},
+    )
 
 
 def memory_bandwidth(nbytes: int = 256 * MIB, repeats: int = 5) -> float:
@@ -132,9 +138,9 @@ def shm_options(shm_bytes: int):
 
 def shard_server(set_name: str, workers: int, queue: mp.Queue, stop, shm_bytes: int = 0) -> None:
     torch.set_num_threads(1)
-    from hetps.runconfig.load import load_config
     from hetps.proto.transport import make_server
     from hetps.ps.shard import Shard
+    from hetps.runconfig.load import load_config
 
     cfg = load_config(None, ["algorithm.name=async", "optimizer.momentum=0.9"])
     server = make_server("tcp://127.0.0.1:0", shm_options(shm_bytes))
@@ -146,8 +152,16 @@ def shard_server(set_name: str, workers: int, queue: mp.Queue, stop, shm_bytes: 
     server.close()
 
 
-def generator(set_name: str, address: str, node_ids: list[int], ready: mp.Queue, start, seconds: float,
-              queue: mp.Queue, shm_bytes: int = 0) -> None:
+def generator(
+    set_name: str,
+    address: str,
+    node_ids: list[int],
+    ready: mp.Queue,
+    start,
+    seconds: float,
+    queue: mp.Queue,
+    shm_bytes: int = 0,
+) -> None:
     """Drive `node_ids` workers, one PUSH in flight each, for `seconds` after `start`; report the count."""
     torch.set_num_threads(1)
     from hetps.proto.messages import Push
@@ -167,29 +181,40 @@ def generator(set_name: str, address: str, node_ids: list[int], ready: mp.Queue,
             client.wait(pending[i])
             done += 1
             clocks[i] += 1
-            pending[i] = client.send(Push(plan_id=1, clock=clocks[i], base_version=0, tensors=grads))
+            pending[i] = client.send(
+                Push(plan_id=1, clock=clocks[i], base_version=0, tensors=grads)
+            )
     for i, client in enumerate(clients):  # the last ones in flight: answered, not counted
         client.wait(pending[i])
         client.close()
     queue.put(done)
 
 
-def bench_row(set_name: str, workers: int, seconds: float, generators: int, shm_bytes: int = 0) -> dict:
+def bench_row(
+    set_name: str, workers: int, seconds: float, generators: int, shm_bytes: int = 0
+) -> dict:
     from hetps.proto.messages import Init
     from hetps.proto.rpc import RpcClient
 
     specs = tensor_specs(set_name)
     q, ready, results, stop, start = mp.Queue(), mp.Queue(), mp.Queue(), mp.Event(), mp.Event()
-    shard = mp.Process(target=shard_server, args=(set_name, workers, q, stop, shm_bytes), daemon=True)
+    shard = mp.Process(
+        target=shard_server, args=(set_name, workers, q, stop, shm_bytes), daemon=True
+    )
     shard.start()
     address = q.get(timeout=120)
     init = RpcClient(address, src=FIRST_WORKER, timeout_s=120.0)
     init.call(Init(plan_id=1, tensors={s.name: torch.zeros(s.shape) for s in specs}))
     init.close()
     ids = [FIRST_WORKER + r for r in range(workers)]
-    gens = [mp.Process(target=generator, args=(set_name, address, ids[g::generators], ready, start, seconds,
-                                                        results, shm_bytes),
-                       daemon=True) for g in range(min(generators, workers))]
+    gens = [
+        mp.Process(
+            target=generator,
+            args=(set_name, address, ids[g::generators], ready, start, seconds, results, shm_bytes),
+            daemon=True,
+        )
+        for g in range(min(generators, workers))
+    ]
     for g in gens:
         g.start()
     for _ in gens:  # connected, gradients built: the timed window starts now
@@ -204,9 +229,14 @@ def bench_row(set_name: str, workers: int, seconds: float, generators: int, shm_
             p.kill()
             p.join(timeout=10)
     grad_bytes = sum(torch.Size(s.shape).numel() * 4 for s in specs)
-    return {"set": set_name, "workers": workers, "updates_s": pushes / seconds,
-            "grad_Bps": pushes * grad_bytes / seconds,
-            "shard_us": 1e6 * stats["busy_s"] / max(1, stats["pushes"]), "grad_bytes": grad_bytes}
+    return {
+        "set": set_name,
+        "workers": workers,
+        "updates_s": pushes / seconds,
+        "grad_Bps": pushes * grad_bytes / seconds,
+        "shard_us": 1e6 * stats["busy_s"] / max(1, stats["pushes"]),
+        "grad_bytes": grad_bytes,
+    }
 
 
 def main() -> None:
@@ -214,30 +244,52 @@ def main() -> None:
     parser.add_argument("--rows", default="lenet:4,lenet:64,1M:4,1M:64,100M:2")
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--generators", type=int, default=2)
-    parser.add_argument("--shm", type=int, default=0, metavar="BYTES",
-                        help="frames of at least BYTES through shared memory (0: all through the socket)")
-    parser.add_argument("--raw-mib", type=int, default=100, metavar="N",
-                        help="reference: raw pyzmq throughput of N MiB messages, tcp and ipc (0: off)")
+    parser.add_argument(
+        "--shm",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="frames of at least BYTES through shared memory (0: all through the socket)",
+    )
+    parser.add_argument(
+        "--raw-mib",
+        type=int,
+        default=100,
+        metavar="N",
+        help="reference: raw pyzmq throughput of N MiB messages, tcp and ipc (0: off)",
+    )
     args = parser.parse_args()
     mp.set_start_method("spawn")
     torch.set_num_threads(1)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
-          f"{args.generators} load generators; shared memory: {f'frames >= {args.shm} bytes' if args.shm else 'off'}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+        f"{args.generators} load generators; shared memory: {f'frames >= {args.shm} bytes' if args.shm else 'off'}"
+    )
     if args.raw_mib:
-        for kind, address in (("tcp", "tcp://127.0.0.1:*"), ("ipc", f"ipc://{tempfile.mkdtemp()}/raw")):
+        for kind, address in (
+            ("tcp", "tcp://127.0.0.1:*"),
+            ("ipc", f"ipc://{tempfile.mkdtemp()}/raw"),
+        ):
             rate = raw_throughput(address, args.raw_mib * MIB)
-            print(f"raw pyzmq {kind}, {args.raw_mib} MiB messages: {rate / 1e6:.0f} MB/s "
-                  f"({1e3 * args.raw_mib * MIB / rate:.0f} ms each)", flush=True)
+            print(
+                f"raw pyzmq {kind}, {args.raw_mib} MiB messages: {rate / 1e6:.0f} MB/s "
+                f"({1e3 * args.raw_mib * MIB / rate:.0f} ms each)",
+                flush=True,
+            )
     per_byte = TRAFFIC_PER_GRAD_BYTE["shm" if args.shm else "socket"]
-    print(f"{'set':>6} {'workers':>7} {'updates/s':>10} {'grad MB/s':>10} {'shard us/update':>16} {'bw GB/s':>8} "
-          f"{'traffic/bw':>11}")
+    print(
+        f"{'set':>6} {'workers':>7} {'updates/s':>10} {'grad MB/s':>10} {'shard us/update':>16} {'bw GB/s':>8} "
+        f"{'traffic/bw':>11}"
+    )
     for row in args.rows.split(","):
         name, workers = row.split(":")
         bandwidth = memory_bandwidth()
         r = bench_row(name, int(workers), args.seconds, args.generators, args.shm)
-        print(f"{r['set']:>6} {r['workers']:>7} {r['updates_s']:>10.1f} {r['grad_Bps'] / 1e6:>10.1f} "
-              f"{r['shard_us']:>16.1f} {bandwidth / 1e9:>8.2f} {per_byte * r['grad_Bps'] / bandwidth:>11.2f}",
-              flush=True)
+        print(
+            f"{r['set']:>6} {r['workers']:>7} {r['updates_s']:>10.1f} {r['grad_Bps'] / 1e6:>10.1f} "
+            f"{r['shard_us']:>16.1f} {bandwidth / 1e9:>8.2f} {per_byte * r['grad_Bps'] / bandwidth:>11.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ optimizer and (fused pull) encodes the reply. Each row times one piece
   tensor (no copy either way).
 `ratio` is flat / per-tensor (below 1: the flat layout is cheaper).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,30 +50,41 @@ def cpu_us(fn, loops: int) -> float:
 
 def pieces(specs: list, overrides: list[str], flat: bool, loops: int) -> dict[str, float]:
     from hetps.proto.codec import decode, encode, encode_tensors, nonfinite_names
-    from hetps.runconfig.load import load_config
     from hetps.proto.layout import PACK_BELOW
     from hetps.proto.messages import Push
     from hetps.ps.store import TensorStore
     from hetps.ps.updater import Updater
+    from hetps.runconfig.load import load_config
 
     cfg = load_config(None, overrides)
     store = TensorStore(specs)
     store.initialize({s.name: torch.randn(s.shape) for s in specs})
-    updater = Updater(store.tensors, store.param_names(), cfg.optimizer, store.arena if flat else None)
+    updater = Updater(
+        store.tensors, store.param_names(), cfg.optimizer, store.arena if flat else None
+    )
     grads = {s.name: torch.randn(s.shape) * 1e-3 for s in specs}
     pack_below = PACK_BELOW if flat else 0  # the baseline: one frame per tensor
-    frames = [bytes(f) for f in encode(Push(plan_id=1, clock=0, base_version=0, tensors=grads), pack_below=pack_below)]
+    frames = [
+        bytes(f)
+        for f in encode(
+            Push(plan_id=1, clock=0, base_version=0, tensors=grads), pack_below=pack_below
+        )
+    ]
     pushed = decode(frames, store.catalog).msg.tensors
     memory = store.arena.memory if flat else None
     tensors = store.tensors
-    return {"decode": cpu_us(lambda: decode(frames, store.catalog), loops),
-            "nonfinite": cpu_us(lambda: nonfinite_names(pushed), loops),
-            "step": cpu_us(lambda: updater.apply(pushed), loops),
-            "encode": cpu_us(lambda: encode_tensors(tensors, pack_below, memory), loops)}
+    return {
+        "decode": cpu_us(lambda: decode(frames, store.catalog), loops),
+        "nonfinite": cpu_us(lambda: nonfinite_names(pushed), loops),
+        "step": cpu_us(lambda: updater.apply(pushed), loops),
+        "encode": cpu_us(lambda: encode_tensors(tensors, pack_below, memory), loops),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sets", default="lenet,1M")
     parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
     parser.add_argument("--momentum", type=float, default=0.9)
@@ -80,8 +92,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     overrides = [f"optimizer.name={args.optimizer}", f"optimizer.momentum={args.momentum}"]
-    print(f"machine: {platform.machine()}, torch {torch.__version__}; {args.optimizer}"
-          f"{f' momentum {args.momentum}' if args.optimizer == 'sgd' else ''}; thread CPU µs per push, best of 3")
+    print(
+        f"machine: {platform.machine()}, torch {torch.__version__}; {args.optimizer}"
+        f"{f' momentum {args.momentum}' if args.optimizer == 'sgd' else ''}; thread CPU µs per push, best of 3"
+    )
     print(f"{'set':>6} {'piece':>10} {'per-tensor':>11} {'flat':>8} {'ratio':>6}")
     for name in args.sets.split(","):
         specs = specs_of(name)

@@ -18,6 +18,7 @@ Writes OUT/sim_vs_real.json. A `cluster.workers=...` override sets the real
 cluster; the simulation replaces it with the measured cost model. `--reuse`
 keeps the real runs already in OUT (re-simulates them only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,14 +28,18 @@ import statistics
 import sys
 from pathlib import Path
 
-from hetps.runconfig.load import load_raw
 from hetps.frontend.compare import algorithm_config, median_or_none
 from hetps.frontend.launcher import run_local
+from hetps.runconfig.load import load_raw
 from hetps.sim.costs import measured_costs, step_records
 from hetps.sim.engine import simulate
 
 # the learning rates docs/results.md uses for these on configs/default.yaml (4 workers)
-DEFAULT_WITH = {"sync": ["optimizer.lr=0.05"], "async": ["optimizer.lr=0.0125"], "ssp": ["optimizer.lr=0.0125"]}
+DEFAULT_WITH = {
+    "sync": ["optimizer.lr=0.05"],
+    "async": ["optimizer.lr=0.0125"],
+    "ssp": ["optimizer.lr=0.0125"],
+}
 
 
 def step_rates(run_dir: Path, n_workers: int) -> list[float]:
@@ -51,8 +56,9 @@ def summary_of(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def one_pair(raw: dict, algorithm: str, common: list[str], seed: int, out: Path, r: int,
-             reuse: bool = False) -> dict:
+def one_pair(
+    raw: dict, algorithm: str, common: list[str], seed: int, out: Path, r: int, reuse: bool = False
+) -> dict:
     """One real run (or, with `reuse`, the one already in `out`), then its
     simulation with the measured cost model; blocking."""
     extra = DEFAULT_WITH.get(algorithm, [])
@@ -73,35 +79,56 @@ def one_pair(raw: dict, algorithm: str, common: list[str], seed: int, out: Path,
     print(f"sim_vs_real: {algorithm} simulation {r + 1} -> {sim_dir}", file=sys.stderr)
     simulate(sim_cfg, sim_dir)
     real, sim = summary_of(real_dir), summary_of(sim_dir)
-    return {"costs": costs,
-            "real": {"time_to_target_s": real["time_to_target_s"], "rates": step_rates(real_dir, n),
-                     "final_accuracy": real["final_accuracy"]},
-            "sim": {"time_to_target_s": sim["time_to_target_s"], "rates": step_rates(sim_dir, n),
-                    "final_accuracy": sim["final_accuracy"]}}
+    return {
+        "costs": costs,
+        "real": {
+            "time_to_target_s": real["time_to_target_s"],
+            "rates": step_rates(real_dir, n),
+            "final_accuracy": real["final_accuracy"],
+        },
+        "sim": {
+            "time_to_target_s": sim["time_to_target_s"],
+            "rates": step_rates(sim_dir, n),
+            "final_accuracy": sim["final_accuracy"],
+        },
+    }
 
 
 def row(algorithm: str, pairs: list[dict]) -> dict:
     real_t = median_or_none([p["real"]["time_to_target_s"] for p in pairs])
     sim_t = median_or_none([p["sim"]["time_to_target_s"] for p in pairs])
     n = len(pairs[0]["real"]["rates"])
-    rates = {side: [statistics.median(p[side]["rates"][i] for p in pairs) for i in range(n)]
-             for side in ("real", "sim")}
-    return {"algorithm": algorithm, "real_s": real_t, "sim_s": sim_t,
-            "ratio": sim_t / real_t if real_t and sim_t else None, "rates": rates,
-            "costs": pairs[0]["costs"], "pairs": pairs}
+    rates = {
+        side: [statistics.median(p[side]["rates"][i] for p in pairs) for i in range(n)]
+        for side in ("real", "sim")
+    }
+    return {
+        "algorithm": algorithm,
+        "real_s": real_t,
+        "sim_s": sim_t,
+        "ratio": sim_t / real_t if real_t and sim_t else None,
+        "rates": rates,
+        "costs": pairs[0]["costs"],
+        "pairs": pairs,
+    }
 
 
 def markdown(rows: list[dict]) -> str:
     def t(v):
         return "-" if v is None else f"{v:.2f}"
-    lines = ["| algorithm | real time to target (s) | simulated (virtual s) | sim / real "
-             "| worker steps/s real | worker steps/s simulated |",
-             "|---|---|---|---|---|---|"]
+
+    lines = [
+        "| algorithm | real time to target (s) | simulated (virtual s) | sim / real "
+        "| worker steps/s real | worker steps/s simulated |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         real = ", ".join(f"{x:.0f}" for x in r["rates"]["real"])
         sim = ", ".join(f"{x:.0f}" for x in r["rates"]["sim"])
-        lines.append(f"| {r['algorithm']} | {t(r['real_s'])} | {t(r['sim_s'])} | {t(r['ratio'])} "
-                     f"| {real} | {sim} |")
+        lines.append(
+            f"| {r['algorithm']} | {t(r['real_s'])} | {t(r['sim_s'])} | {t(r['ratio'])} "
+            f"| {real} | {sim} |"
+        )
     return "\n".join(lines)
 
 
@@ -119,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for algorithm in [a.strip() for a in args.algorithms.split(",") if a.strip()]:
-        pairs = [one_pair(raw, algorithm, args.overrides, raw.get("seed", 0) + r, out, r, args.reuse)
-                 for r in range(args.repeats)]
+        pairs = [
+            one_pair(raw, algorithm, args.overrides, raw.get("seed", 0) + r, out, r, args.reuse)
+            for r in range(args.repeats)
+        ]
         rows.append(row(algorithm, pairs))
     (out / "sim_vs_real.json").write_text(json.dumps(rows, indent=2))
     print(markdown(rows))

@@ -10,6 +10,7 @@ forked by the server is not the launcher's child, so rusage cannot see it).
 Needs root and a cgroup v1 `cpuacct` or a cgroup v2 hierarchy. Prints one
 row per run and the median ratios fork/exec of CPU and wall seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ def make_cgroup(name: str) -> tuple[Path, callable]:
     def usage() -> float:
         stat = dict(line.split() for line in (path / "cpu.stat").read_text().splitlines())
         return int(stat["usage_usec"]) / 1e6
+
     return path, usage
 
 
@@ -47,11 +49,28 @@ def one_run(mode: str, config: str, overrides: list[str], index: int) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"spawn-{mode}-"))
     # each run's own fork server, never a shared one (HETPS_FORK_SERVER): its CPU is what is measured
     env = {**{k: v for k, v in os.environ.items() if k != "HETPS_FORK_SERVER"}, "HETPS_SPAWN": mode}
-    cmd = [sys.executable, "-m", "hetps.frontend.cli", "run", config, "--quiet", "--out", str(out), *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetps.frontend.cli",
+        "run",
+        config,
+        "--quiet",
+        "--out",
+        str(out),
+        *overrides,
+    ]
     start = time.monotonic()
     # the child joins the cgroup before it execs, so everything it starts is counted
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid())))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: (cgroup / "cgroup.procs").write_text(str(os.getpid())),
+    )
     _, err = proc.communicate(timeout=900)
     wall = time.monotonic() - start
     cpu = usage()
@@ -68,9 +87,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--config", default="configs/sync.yaml")
-    parser.add_argument("overrides", nargs="*", default=["stop.max_steps=60", "stop.target_accuracy=1.0"])
+    parser.add_argument(
+        "overrides", nargs="*", default=["stop.max_steps=60", "stop.target_accuracy=1.0"]
+    )
     args = parser.parse_args()
-    print(f"machine: {os.cpu_count()} cpus; {args.repeats} x {args.config} {' '.join(args.overrides)}")
+    print(
+        f"machine: {os.cpu_count()} cpus; {args.repeats} x {args.config} {' '.join(args.overrides)}"
+    )
     rows = []
     for i in range(args.repeats):
         for mode in ("exec", "fork"):

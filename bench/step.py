@@ -29,6 +29,7 @@ every combination against one DDP figure per model and P.
 sockets) and `--shard-processes 0,1` (cluster.shard_processes: one process
 per shard, or all shards in one) multiply the settings the same way.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,20 +52,23 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "sync.yaml")
-COMMON = ["data.dataset=synthetic", "data.batch_size=32", "seed=0", "checkpoint.every_s=0"]  # no checkpoint mid-timing
+# no checkpoint mid-timing
+COMMON = ["data.dataset=synthetic", "data.batch_size=32", "seed=0", "checkpoint.every_s=0"]
 MODELS = {
     "lenet5": ["model.name=lenet5"],
-    "mlp10m": ["model.name=mlp", "model.kwargs.hidden=[2048,2048,2048]"],   # 10.0M parameters
+    "mlp10m": ["model.name=mlp", "model.kwargs.hidden=[2048,2048,2048]"],  # 10.0M parameters
     "mlp-deep": ["model.name=mlp", "model.kwargs.hidden=[1024,1024,1024,1024,1024,1024,1024,1024]"],
     "resnet20": ["model.name=resnet20", "data.synthetic.shape=[3,32,32]"],
 }
-RUN_TIMEOUT_S = 600.0      # one hetps run or one DDP group, start to end
+RUN_TIMEOUT_S = 600.0  # one hetps run or one DDP group, start to end
 
 
 # ------------------------------------------------------------ DDP (gloo)
 
-def ddp_rank(rank: int, world: int, init_file: str, overrides: list[str], warmup: int, steps: int,
-             results) -> None:
+
+def ddp_rank(
+    rank: int, world: int, init_file: str, overrides: list[str], warmup: int, steps: int, results
+) -> None:
     """One DDP process: time `steps` steps after `warmup`; puts (rank, seconds list)."""
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -104,8 +108,12 @@ def ddp_step_s(overrides: list[str], world: int, warmup: int, steps: int) -> flo
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hetps-ddp-") as tmp:
-        procs = [ctx.Process(target=ddp_rank, args=(r, world, f"{tmp}/store", overrides, warmup, steps, results))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=ddp_rank, args=(r, world, f"{tmp}/store", overrides, warmup, steps, results)
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         try:
@@ -141,11 +149,28 @@ def reap(procs) -> None:
 
 # ------------------------------------------------------------ hetps (real daemons)
 
+
 def hetps_run(overrides: list[str], run_dir: Path) -> None:
     """`hetps run` to completion in its own session; killed whole past RUN_TIMEOUT_S."""
-    cmd = [sys.executable, "-m", "hetps.frontend.cli", "run", CONFIG, *overrides, "--out", str(run_dir), "--quiet"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetps.frontend.cli",
+        "run",
+        CONFIG,
+        *overrides,
+        "--out",
+        str(run_dir),
+        "--quiet",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -153,7 +178,9 @@ def hetps_run(overrides: list[str], run_dir: Path) -> None:
         proc.communicate(timeout=10)
         raise RuntimeError(f"hetps run {run_dir.name} ran past {RUN_TIMEOUT_S}s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"hetps run {run_dir.name} exited with {proc.returncode}:\n{err[-3000:]}")
+        raise RuntimeError(
+            f"hetps run {run_dir.name} exited with {proc.returncode}:\n{err[-3000:]}"
+        )
 
 
 def step_records(run_dir: Path) -> dict[int, list[dict]]:
@@ -166,18 +193,37 @@ def step_records(run_dir: Path) -> dict[int, list[dict]]:
     return {w: sorted(rs, key=lambda r: r["step"]) for w, rs in by_worker.items()}
 
 
-def hetps_step_s(overrides: list[str], world: int, shards: int, setting: list[str], warmup: int, steps: int,
-                 tmp: Path) -> tuple[float, float]:
+def hetps_step_s(
+    overrides: list[str],
+    world: int,
+    shards: int,
+    setting: list[str],
+    warmup: int,
+    steps: int,
+    tmp: Path,
+) -> tuple[float, float]:
     """(median step interval, median compute) in seconds over all workers' timed steps."""
     run_dir = tmp / f"run-{len(list(tmp.iterdir()))}"
-    hetps_run([*overrides, f"cluster.workers={world}", f"cluster.shards={shards}", "eval.enabled=false",
-               "stop.target_accuracy=null", f"stop.max_steps={world * (warmup + steps)}",
-               "stop.max_seconds=500", "cluster.profile_steps=2", *setting],
-              run_dir)
+    hetps_run(
+        [
+            *overrides,
+            f"cluster.workers={world}",
+            f"cluster.shards={shards}",
+            "eval.enabled=false",
+            "stop.target_accuracy=null",
+            f"stop.max_steps={world * (warmup + steps)}",
+            "stop.max_seconds=500",
+            "cluster.profile_steps=2",
+            *setting,
+        ],
+        run_dir,
+    )
     intervals, compute = [], []
     for records in step_records(run_dir).values():
         timed = [r for r in records if r["step"] > warmup]
-        intervals += [b["t"] - a["t"] for a, b in zip(timed, timed[1:]) if b["step"] == a["step"] + 1]
+        intervals += [
+            b["t"] - a["t"] for a, b in zip(timed, timed[1:]) if b["step"] == a["step"] + 1
+        ]
         compute += [r["compute_s"] for r in timed]
     if len(intervals) < steps:
         raise RuntimeError(f"{run_dir}: only {len(intervals)} timed step intervals")
@@ -186,12 +232,21 @@ def hetps_step_s(overrides: list[str], world: int, shards: int, setting: list[st
 
 # ------------------------------------------------------------ report
 
+
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{os.cpu_count()} cores ({cpu}), {gpu}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, 1 torch thread per process")
+    return (
+        f"{os.cpu_count()} cores ({cpu}), {gpu}, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, 1 torch thread per process"
+    )
 
 
 def bench_one(name: str, world: int, args, tmp: Path) -> list[str]:
@@ -204,28 +259,49 @@ def bench_one(name: str, world: int, args, tmp: Path) -> list[str]:
     labels = list(args.settings)
     for repeat in range(args.repeats):
         ddp_runs.append(ddp_step_s(overrides, world, args.warmup, args.steps))
-        for label in labels[repeat % len(labels):] + labels[:repeat % len(labels)]:
-            runs[label].append(hetps_step_s(overrides, world, args.shards, args.settings[label], args.warmup,
-                                            args.steps, tmp))
+        for label in labels[repeat % len(labels) :] + labels[: repeat % len(labels)]:
+            runs[label].append(
+                hetps_step_s(
+                    overrides,
+                    world,
+                    args.shards,
+                    args.settings[label],
+                    args.warmup,
+                    args.steps,
+                    tmp,
+                )
+            )
     ddp = statistics.median(ddp_runs)
     rows = []
     for label in args.settings:
         step = statistics.median(r[0] for r in runs[label])
         compute = statistics.median(r[1] for r in runs[label])
-        rows.append(f"| {name} | {world} | {label} | {step * 1e3:.1f} | "
-                    f"{compute * 1e3:.1f} | {ddp * 1e3:.1f} | {step / ddp:.2f} |")
+        rows.append(
+            f"| {name} | {world} | {label} | {step * 1e3:.1f} | "
+            f"{compute * 1e3:.1f} | {ddp * 1e3:.1f} | {step / ddp:.2f} |"
+        )
         print(rows[-1], flush=True)
     return rows
 
 
-def comm_settings(overlap: list[str], fuse: list[str], transports: list[str] = ("ipc",),
-                  shard_processes: list[str] = ("0",)) -> dict[str, list[str]]:
+def comm_settings(
+    overlap: list[str],
+    fuse: list[str],
+    transports: list[str] = ("ipc",),
+    shard_processes: list[str] = ("0",),
+) -> dict[str, list[str]]:
     """Label ("overlap, fuse[, transport, N shard processes]") -> overrides, for each combination to time."""
     settings = {}
     for o, f, t, n in itertools.product(overlap, fuse, transports, shard_processes):
-        label = f"{o}, {f}" + (f", {t}, {n} shard proc." if len(transports) > 1 or len(shard_processes) > 1 else "")
-        settings[label] = [f"comm.overlap={o == 'on'}".lower(), f"comm.fuse_pull={f == 'on'}".lower(),
-                           f"comm.local_transport={t}", f"cluster.shard_processes={n}"]
+        label = f"{o}, {f}" + (
+            f", {t}, {n} shard proc." if len(transports) > 1 or len(shard_processes) > 1 else ""
+        )
+        settings[label] = [
+            f"comm.overlap={o == 'on'}".lower(),
+            f"comm.fuse_pull={f == 'on'}".lower(),
+            f"comm.local_transport={t}",
+            f"cluster.shard_processes={n}",
+        ]
     return settings
 
 
@@ -236,18 +312,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="timed steps per worker")
     parser.add_argument("--warmup", type=int, default=15, help="untimed steps first")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shards", type=int, default=2, help="hetps shard processes (configs/sync.yaml: 2)")
-    parser.add_argument("--overlap", default="off", help="comm.overlap settings to run: off | on | off,on")
-    parser.add_argument("--fuse-pull", default="on", help="comm.fuse_pull settings to run: on | off | on,off")
-    parser.add_argument("--local-transport", default="ipc", help="comm.local_transport settings: ipc | tcp | tcp,ipc")
-    parser.add_argument("--shard-processes", default="0",
-                        help="cluster.shard_processes settings: 0 (one per shard) | 1 | 0,1")
+    parser.add_argument(
+        "--shards", type=int, default=2, help="hetps shard processes (configs/sync.yaml: 2)"
+    )
+    parser.add_argument(
+        "--overlap", default="off", help="comm.overlap settings to run: off | on | off,on"
+    )
+    parser.add_argument(
+        "--fuse-pull", default="on", help="comm.fuse_pull settings to run: on | off | on,off"
+    )
+    parser.add_argument(
+        "--local-transport",
+        default="ipc",
+        help="comm.local_transport settings: ipc | tcp | tcp,ipc",
+    )
+    parser.add_argument(
+        "--shard-processes",
+        default="0",
+        help="cluster.shard_processes settings: 0 (one per shard) | 1 | 0,1",
+    )
     args = parser.parse_args()
-    args.settings = comm_settings(args.overlap.split(","), args.fuse_pull.split(","),
-                                  args.local_transport.split(","), args.shard_processes.split(","))
+    args.settings = comm_settings(
+        args.overlap.split(","),
+        args.fuse_pull.split(","),
+        args.local_transport.split(","),
+        args.shard_processes.split(","),
+    )
     os.environ["OMP_NUM_THREADS"] = "1"  # as `hetps run` gives its children
     print(f"machine: {machine()}; hetps: {args.shards} shard(s), scheduler, no evaluator")
-    print("| model | P | overlap, fused push+pull | hetps sync ms | hetps compute ms | DDP-gloo ms | ratio |")
+    print(
+        "| model | P | overlap, fused push+pull | hetps sync ms | hetps compute ms | DDP-gloo ms | ratio |"
+    )
     print("|---|---|---|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory(prefix="hetps-step-") as tmp:
         for name in args.models.split(","):

@@ -12,6 +12,7 @@ no evaluator), stopped after the window; CPU is read from /proc for every
 process whose command line names the run directory, and the workers' step
 records written so far, at the window's start and end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from step import COMMON, CONFIG, MODELS, REPO  # bench/ is the script's directory
 
-SETTLE_S = 8.0   # start-up and the first steps, before the window
+SETTLE_S = 8.0  # start-up and the first steps, before the window
 
 
 def run_cpu_s(run_dir: Path) -> float:
@@ -51,15 +52,37 @@ def steps_so_far(run_dir: Path) -> int:
     return text.count('"kind": "step"')
 
 
-def measure(workers: int, shards: int, window_s: float, overrides: list[str], tmp: Path) -> tuple[float, float]:
+def measure(
+    workers: int, shards: int, window_s: float, overrides: list[str], tmp: Path
+) -> tuple[float, float]:
     """(global steps/s, CPU ms per global step) over the window."""
     run_dir = tmp / f"run-{len(list(tmp.iterdir()))}"
-    cmd = [sys.executable, "-m", "hetps.frontend.cli", "run", CONFIG, *COMMON, *MODELS["lenet5"],
-           f"cluster.workers={workers}", f"cluster.shards={shards}", "eval.enabled=false",
-           "stop.target_accuracy=null", f"stop.max_seconds={SETTLE_S + window_s + 30}", *overrides,
-           "--out", str(run_dir), "--quiet"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetps.frontend.cli",
+        "run",
+        CONFIG,
+        *COMMON,
+        *MODELS["lenet5"],
+        f"cluster.workers={workers}",
+        f"cluster.shards={shards}",
+        "eval.enabled=false",
+        "stop.target_accuracy=null",
+        f"stop.max_seconds={SETTLE_S + window_s + 30}",
+        *overrides,
+        "--out",
+        str(run_dir),
+        "--quiet",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         time.sleep(SETTLE_S)
         cpu0, steps0, t0 = run_cpu_s(run_dir), steps_so_far(run_dir), time.monotonic()
@@ -86,14 +109,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = parser.parse_args()
-    print(f"{os.cpu_count()} cores; hetps sync, LeNet-5, {args.shards} shard(s), {args.window:.0f} s window")
+    print(
+        f"{os.cpu_count()} cores; hetps sync, LeNet-5, {args.shards} shard(s), {args.window:.0f} s window"
+    )
     print("| P | steps/s | CPU ms / step | CPU cores busy |")
     print("|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory(prefix="hetps-step-cpu-") as tmp:
         for workers in map(int, args.workers.split(",")):
             for _ in range(args.repeats):
                 rate, cpu_ms = measure(workers, args.shards, args.window, args.overrides, Path(tmp))
-                print(f"| {workers} | {rate:.0f} | {cpu_ms:.2f} | {rate * cpu_ms / 1e3:.2f} |", flush=True)
+                print(
+                    f"| {workers} | {rate:.0f} | {cpu_ms:.2f} | {rate * cpu_ms / 1e3:.2f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ shard of the last repeat of each row. `--address-scheme ipc`: both the raw
 echo and the shard bind a unix socket (ipc://, in a temporary directory)
 instead of tcp loopback, as `hetps run` does with comm.local_transport: ipc.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,14 @@ import torch
 import zmq
 
 CURVE_CLIENT = "bench"
-SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20, "64M": 64 << 20, "256M": 256 << 20}
+SIZES = {
+    "4K": 4 << 10,
+    "64K": 64 << 10,
+    "1M": 1 << 20,
+    "16M": 16 << 20,
+    "64M": 64 << 20,
+    "256M": 256 << 20,
+}
 
 
 def tensor_set(row: str) -> list:
@@ -67,8 +75,14 @@ def set_nbytes(specs: list) -> int:
 def one_shard_plan(specs: list, address: str, algorithm: str = "async"):
     from hetps.proto.plan import ClusterPlan, NodeEntry
 
-    return ClusterPlan(plan_id=1, algorithm=algorithm, workers=[NodeEntry(2, 0)],
-                       shards=[NodeEntry(1, 0, address)], tensors=specs, placement={s.name: 0 for s in specs})
+    return ClusterPlan(
+        plan_id=1,
+        algorithm=algorithm,
+        workers=[NodeEntry(2, 0)],
+        shards=[NodeEntry(1, 0, address)],
+        tensors=specs,
+        placement={s.name: 0 for s in specs},
+    )
 
 
 def bind_address(scheme: str) -> str:
@@ -81,7 +95,7 @@ def bind_address(scheme: str) -> str:
 def remove_socket_dir(address: str) -> None:
     """The temporary directory of an ipc:// address made by `bind_address` (tcp: nothing)."""
     if address.startswith("ipc://"):
-        shutil.rmtree(os.path.dirname(address[len("ipc://"):]), ignore_errors=True)
+        shutil.rmtree(os.path.dirname(address[len("ipc://") :]), ignore_errors=True)
 
 
 def raw_echo_server(address_queue: mp.Queue, scheme: str) -> None:
@@ -109,12 +123,13 @@ def use_curve(keys_dir: str, role: str) -> None:
         configure(cfg, role, client_key=CURVE_CLIENT)
 
 
-def hetps_shard_server(row: str, queue: mp.Queue, stop, profile: str, keys_dir: str, scheme: str,
-                       shm_bytes: int = 0) -> None:
+def hetps_shard_server(
+    row: str, queue: mp.Queue, stop, profile: str, keys_dir: str, scheme: str, shm_bytes: int = 0
+) -> None:
     torch.set_num_threads(1)
-    from hetps.runconfig.load import load_config
     from hetps.proto.transport import TransportOptions, make_server
     from hetps.ps.shard import Shard
+    from hetps.runconfig.load import load_config
 
     use_curve(keys_dir, "ps")
 
@@ -176,8 +191,11 @@ def bench_raw(specs: list, seconds: float, per_tensor: bool, scheme: str = "tcp"
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(q.get(timeout=30))
-    frames = ([torch.ones(s.shape).reshape(-1).numpy() for s in specs] if per_tensor
-              else [torch.ones(set_nbytes(specs) // 4).numpy()])
+    frames = (
+        [torch.ones(s.shape).reshape(-1).numpy() for s in specs]
+        if per_tensor
+        else [torch.ones(set_nbytes(specs) // 4).numpy()]
+    )
 
     def step():
         sock.send_multipart(frames, copy=False)
@@ -193,22 +211,37 @@ def bench_raw(specs: list, seconds: float, per_tensor: bool, scheme: str = "tcp"
     return elapsed / n
 
 
-def bench_hetps(row: str, seconds: float, profile: str, fuse_pull: bool = True,
-                keys_dir: str = "", scheme: str = "tcp", shm_bytes: int = 0) -> tuple[float, float]:
+def bench_hetps(
+    row: str,
+    seconds: float,
+    profile: str,
+    fuse_pull: bool = True,
+    keys_dir: str = "",
+    scheme: str = "tcp",
+    shm_bytes: int = 0,
+) -> tuple[float, float]:
     """(seconds per push+pull round trip, shard update seconds per push)."""
-    from hetps.runconfig.schema import ClusterConfig
     from hetps.proto.transport import TransportOptions
+    from hetps.runconfig.schema import ClusterConfig
     from hetps.worker.client import PSClient
 
     specs = tensor_set(row)
     q: mp.Queue = mp.Queue()
     stop = mp.Event()
-    proc = mp.Process(target=hetps_shard_server, args=(row, q, stop, profile, keys_dir, scheme, shm_bytes),
-                      daemon=True)
+    proc = mp.Process(
+        target=hetps_shard_server,
+        args=(row, q, stop, profile, keys_dir, scheme, shm_bytes),
+        daemon=True,
+    )
     proc.start()
     use_curve(keys_dir, "worker")
-    client = PSClient(one_shard_plan(specs, q.get(timeout=60)), 2, ClusterConfig(),
-                      fuse_pull=fuse_pull, transport=TransportOptions(shm_bytes=shm_bytes))
+    client = PSClient(
+        one_shard_plan(specs, q.get(timeout=60)),
+        2,
+        ClusterConfig(),
+        fuse_pull=fuse_pull,
+        transport=TransportOptions(shm_bytes=shm_bytes),
+    )
     try:
         client.init({s.name: torch.zeros(s.shape) for s in specs})
         grads = worker_gradients(specs, client.names)
@@ -244,20 +277,43 @@ def bench_row(row: str, args) -> dict:
     specs = tensor_set(row)
     raw, ours, update = [], [], []
     for r in range(args.repeats):
-        raw.append(bench_raw(specs, args.seconds, args.raw_frames == "per-tensor", args.address_scheme))
-        rt, upd = bench_hetps(row, args.seconds, args.profile if r == args.repeats - 1 else "",
-                              args.fuse_pull == "on", args.keys_dir, args.address_scheme, args.shm)
+        raw.append(
+            bench_raw(specs, args.seconds, args.raw_frames == "per-tensor", args.address_scheme)
+        )
+        rt, upd = bench_hetps(
+            row,
+            args.seconds,
+            args.profile if r == args.repeats - 1 else "",
+            args.fuse_pull == "on",
+            args.keys_dir,
+            args.address_scheme,
+            args.shm,
+        )
         ours.append(rt)
         update.append(upd)
-    raw_s, ours_s, upd_s = statistics.median(raw), statistics.median(ours), statistics.median(update)
-    return {"row": row, "tensors": len(specs), "bytes": set_nbytes(specs), "raw_s": raw_s, "hetps_s": ours_s,
-            "update_s": upd_s, "ratio": raw_s / ours_s, "ratio_excl_update": raw_s / max(ours_s - upd_s, 1e-9)}
+    raw_s, ours_s, upd_s = (
+        statistics.median(raw),
+        statistics.median(ours),
+        statistics.median(update),
+    )
+    return {
+        "row": row,
+        "tensors": len(specs),
+        "bytes": set_nbytes(specs),
+        "raw_s": raw_s,
+        "hetps_s": ours_s,
+        "update_s": upd_s,
+        "ratio": raw_s / ours_s,
+        "ratio_excl_update": raw_s / max(ours_s - upd_s, 1e-9),
+    }
 
 
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         return platform.processor() or "unknown CPU"
 
@@ -269,12 +325,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--raw-frames", choices=["one", "per-tensor"], default="one")
     parser.add_argument("--fuse-pull", choices=["on", "off"], default="on")
-    parser.add_argument("--curve", action="store_true", help="hetps over CurveZMQ (raw stays plain)")
-    parser.add_argument("--shm", type=int, default=0, metavar="BYTES",
-                        help="hetps frames of at least BYTES through shared memory (0: off)")
+    parser.add_argument(
+        "--curve", action="store_true", help="hetps over CurveZMQ (raw stays plain)"
+    )
+    parser.add_argument(
+        "--shm",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="hetps frames of at least BYTES through shared memory (0: off)",
+    )
     parser.add_argument("--profile", default="", metavar="DIR")
-    parser.add_argument("--address-scheme", choices=["tcp", "ipc"], default="tcp",
-                        help="bind tcp loopback or unix sockets (ipc://), raw and hetps alike")
+    parser.add_argument(
+        "--address-scheme",
+        choices=["tcp", "ipc"],
+        default="tcp",
+        help="bind tcp loopback or unix sockets (ipc://), raw and hetps alike",
+    )
     args = parser.parse_args()
     args.keys_dir = ""
     if args.curve:
@@ -286,14 +353,18 @@ def main() -> None:
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     torch.set_num_threads(1)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {cpu_model()}, "
-          f"Python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
-          f"libzmq {zmq.zmq_version()}; medians of {args.repeats}, raw frames: {args.raw_frames}, "
-          f"fused push+pull: {args.fuse_pull}, curve: {'on' if args.curve else 'off'}, "
-          f"shared memory: {f'frames >= {args.shm} bytes' if args.shm else 'off'}, "
-          f"address scheme: {args.address_scheme}")
-    print(f"{'row':>6} {'tensors':>7} {'bytes':>10} {'raw us':>9} {'hetps us':>9} {'update us':>9} "
-          f"{'raw MB/s':>9} {'hetps MB/s':>10} {'ratio':>6} {'excl. update':>12}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, {cpu_model()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}, "
+        f"libzmq {zmq.zmq_version()}; medians of {args.repeats}, raw frames: {args.raw_frames}, "
+        f"fused push+pull: {args.fuse_pull}, curve: {'on' if args.curve else 'off'}, "
+        f"shared memory: {f'frames >= {args.shm} bytes' if args.shm else 'off'}, "
+        f"address scheme: {args.address_scheme}"
+    )
+    print(
+        f"{'row':>6} {'tensors':>7} {'bytes':>10} {'raw us':>9} {'hetps us':>9} {'update us':>9} "
+        f"{'raw MB/s':>9} {'hetps MB/s':>10} {'ratio':>6} {'excl. update':>12}"
+    )
     try:
         for row in args.sizes.split(","):
             print_row(row, bench_row(row, args))
@@ -304,9 +375,12 @@ def main() -> None:
 
 def print_row(row: str, r: dict) -> None:
     mb = 2 * r["bytes"] / 1e6
-    print(f"{row:>6} {r['tensors']:>7} {r['bytes']:>10} {r['raw_s'] * 1e6:9.0f} {r['hetps_s'] * 1e6:9.0f} "
-          f"{r['update_s'] * 1e6:9.0f} {mb / r['raw_s']:9.0f} {mb / r['hetps_s']:10.0f} {r['ratio']:6.2f} "
-          f"{r['ratio_excl_update']:12.2f}", flush=True)
+    print(
+        f"{row:>6} {r['tensors']:>7} {r['bytes']:>10} {r['raw_s'] * 1e6:9.0f} {r['hetps_s'] * 1e6:9.0f} "
+        f"{r['update_s'] * 1e6:9.0f} {mb / r['raw_s']:9.0f} {mb / r['hetps_s']:10.0f} {r['ratio']:6.2f} "
+        f"{r['ratio_excl_update']:12.2f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ With no command, $HETPS_ROLE names it (containers). `ps` and `worker` hand over 
 command line; `hetps run` also exits 1 when a node failed, 3 when training
 diverged and 130 when interrupted (scheduler/outcome.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,21 +34,38 @@ ROLE_MODULES = {"ps": "hetps.ps", "worker": "hetps.worker", "export": "hetps.wor
 
 
 def run_command(argv: list[str]) -> int:
-    from .launcher import default_run_dir, run_local
     from hetps.scheduler.tensorboard import missing as tensorboard_missing
 
-    parser = argparse.ArgumentParser(prog="hetps run", description="train one experiment on a local cluster")
-    parser.add_argument("config", nargs="?", help="YAML experiment, e.g. configs/default.yaml "
-                                                  "(with --resume: the run's own config.yaml)")
+    from .launcher import default_run_dir, run_local
+
+    parser = argparse.ArgumentParser(
+        prog="hetps run", description="train one experiment on a local cluster"
+    )
+    parser.add_argument(
+        "config",
+        nargs="?",
+        help="YAML experiment, e.g. configs/default.yaml "
+        "(with --resume: the run's own config.yaml)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    parser.add_argument("--out", default=None, help="run directory (default: out_dir/NAME-ALGO-TIME)")
+    parser.add_argument(
+        "--out", default=None, help="run directory (default: out_dir/NAME-ALGO-TIME)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress line or summary")
-    parser.add_argument("--metrics", action="store_true",
-                        help="every daemon serves Prometheus /metrics on a free port, listed in "
-                             "RUN_DIR/prometheus_targets.json (a file_sd file)")
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its checkpoints")
-    parser.add_argument("--tensorboard", action="store_true",
-                        help="TensorBoard event files in RUN_DIR/tensorboard (log.tensorboard=true)")
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="every daemon serves Prometheus /metrics on a free port, listed in "
+        "RUN_DIR/prometheus_targets.json (a file_sd file)",
+    )
+    parser.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue a stopped run from its checkpoints"
+    )
+    parser.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="TensorBoard event files in RUN_DIR/tensorboard (log.tensorboard=true)",
+    )
     args = parser.parse_intermixed_args(argv)
     if args.tensorboard:
         args.overrides.append("log.tensorboard=true")
@@ -70,14 +88,23 @@ def simulate_command(argv: list[str]) -> int:
     from .launcher import default_run_dir
     from .plots import plot_simulated
 
-    parser = argparse.ArgumentParser(prog="hetps simulate", description="run one experiment in virtual time: "
-                                     "the real shards, scheduler and gradients, simulated clocks (docs/simulation.md)")
+    parser = argparse.ArgumentParser(
+        prog="hetps simulate",
+        description="run one experiment in virtual time: "
+        "the real shards, scheduler and gradients, simulated clocks (docs/simulation.md)",
+    )
     parser.add_argument("config", help="YAML experiment, e.g. configs/default.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    parser.add_argument("--out", default=None, help="run directory (default: out_dir/NAME-ALGO-TIME)")
-    parser.add_argument("--replay", metavar="RUN_DIR", default=None,
-                        help="the workers' cost model measured in a real run's directory (sim/costs.py): "
-                             "each worker's compute per step and the link latency, replacing cluster.workers")
+    parser.add_argument(
+        "--out", default=None, help="run directory (default: out_dir/NAME-ALGO-TIME)"
+    )
+    parser.add_argument(
+        "--replay",
+        metavar="RUN_DIR",
+        default=None,
+        help="the workers' cost model measured in a real run's directory (sim/costs.py): "
+        "each worker's compute per step and the link latency, replacing cluster.workers",
+    )
     args = parser.parse_intermixed_args(argv)
     if args.replay:
         from hetps.sim.costs import measured_costs, workers_override
@@ -88,9 +115,12 @@ def simulate_command(argv: list[str]) -> int:
             print(f"hetps simulate: {exc}", file=sys.stderr)
             return 2
         args.overrides.append(workers_override(costs))
-        print(f"hetps simulate: {len(costs)} workers measured in {args.replay}: "
-              + ", ".join(f"{c['step_s'] * 1000:.1f} ms" for c in costs)
-              + f" a step, {costs[0]['latency_ms']:.1f} ms latency each way", file=sys.stderr)
+        print(
+            f"hetps simulate: {len(costs)} workers measured in {args.replay}: "
+            + ", ".join(f"{c['step_s'] * 1000:.1f} ms" for c in costs)
+            + f" a step, {costs[0]['latency_ms']:.1f} ms latency each way",
+            file=sys.stderr,
+        )
     cfg = load_or_exit(args.config, args.overrides, import_targets=True)
     run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     try:
@@ -99,9 +129,11 @@ def simulate_command(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"hetps simulate: {exc}", file=sys.stderr)
         return 2
-    print(f"hetps simulate: {summary['stop_reason']}; final accuracy {summary['final_accuracy']}, "
-          f"time to target {summary['time_to_target_s']} virtual s, {summary['global_steps']} steps, "
-          f"{summary['simulation']['real_wall_s']} s real; {run_dir}")
+    print(
+        f"hetps simulate: {summary['stop_reason']}; final accuracy {summary['final_accuracy']}, "
+        f"time to target {summary['time_to_target_s']} virtual s, {summary['global_steps']} steps, "
+        f"{summary['simulation']['real_wall_s']} s real; {run_dir}"
+    )
     return 3 if summary["status"] == "diverged" else 0  # as `hetps run` (scheduler/outcome.py)
 
 
@@ -121,8 +153,11 @@ def resume_command(args: argparse.Namespace) -> int:
         print(f"hetps run: cannot resume: {exc}", file=sys.stderr)
         return 2
     if not args.quiet:
-        print(f"hetps run: resuming run {point.run_id} in {run_dir} from shard versions "
-              f"{point.versions}{'' if point.consistent else ' (not one common version)'}", file=sys.stderr)
+        print(
+            f"hetps run: resuming run {point.run_id} in {run_dir} from shard versions "
+            f"{point.versions}{'' if point.consistent else ' (not one common version)'}",
+            file=sys.stderr,
+        )
     return run_local(cfg, run_dir, quiet=args.quiet, metrics=args.metrics, resume=point)
 
 
@@ -131,7 +166,9 @@ def config_command(argv: list[str]) -> int:
 
     from hetps.runconfig.load import config_to_dict
 
-    parser = argparse.ArgumentParser(prog="hetps config", description="print the resolved config as YAML")
+    parser = argparse.ArgumentParser(
+        prog="hetps config", description="print the resolved config as YAML"
+    )
     parser.add_argument("config", help="YAML experiment")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     args = parser.parse_intermixed_args(argv)
@@ -143,10 +180,17 @@ def config_command(argv: list[str]) -> int:
 def keys_command(argv: list[str]) -> int:
     from hetps.proto.security import SecurityError, write_keys
 
-    parser = argparse.ArgumentParser(prog="hetps keys", description="write CurveZMQ keys for security.curve: "
-                                     "a server key pair, N client key pairs and the allow-list")
-    parser.add_argument("dir", help="keys directory to create (security.keys_dir / $HETPS_KEYS_DIR)")
-    parser.add_argument("--clients", type=int, default=1, help="client key pairs client-0 ... client-N-1")
+    parser = argparse.ArgumentParser(
+        prog="hetps keys",
+        description="write CurveZMQ keys for security.curve: "
+        "a server key pair, N client key pairs and the allow-list",
+    )
+    parser.add_argument(
+        "dir", help="keys directory to create (security.keys_dir / $HETPS_KEYS_DIR)"
+    )
+    parser.add_argument(
+        "--clients", type=int, default=1, help="client key pairs client-0 ... client-N-1"
+    )
     args = parser.parse_args(argv)
     if args.clients < 1:
         parser.error("--clients must be at least 1")
@@ -162,7 +206,18 @@ def keys_command(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = ("run", "simulate", "compare", "plot", "scheduler", "ps", "worker", "keys", "config", "export")
+    commands = (
+        "run",
+        "simulate",
+        "compare",
+        "plot",
+        "scheduler",
+        "ps",
+        "worker",
+        "keys",
+        "config",
+        "export",
+    )
     if (not argv or argv[0] not in commands) and os.environ.get("HETPS_ROLE") in commands:
         argv = [os.environ["HETPS_ROLE"], *argv]  # containers: the role from the environment
     if not argv or argv[0] not in commands:

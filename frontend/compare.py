@@ -20,6 +20,7 @@ scheduler/efficiency.py) and OUT/compare.png (per algorithm, the median test
 accuracy over all repeats with the min-max band, against time, global steps or
 bytes moved: `--x`; `hetps plot OUT --x steps` draws it again).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,19 +31,20 @@ import sys
 import time
 from pathlib import Path
 
-from hetps.runconfig.schema import ConfigError
 from hetps.runconfig.load import apply_override, config_from_dict, load_config, load_raw
-
+from hetps.runconfig.schema import ConfigError
 from hetps.scheduler.efficiency import useful_efficiency
+from hetps.scheduler.runlog import read_metrics
+
 from .launcher import run_local
 from .plots import X_AXES, plot_compare
-from hetps.scheduler.runlog import read_metrics
 
 
 def algorithm_config(raw: dict, algorithm: str, common: list[str], extra: list[str], seed: int):
     raw = copy.deepcopy(raw)
     if (raw.get("algorithm") or {}).get("name") != algorithm:
-        raw["algorithm"] = {"name": algorithm}  # the config's parameters belong to another algorithm
+        # the config's parameters belong to another algorithm
+        raw["algorithm"] = {"name": algorithm}
     for assignment in [*common, *extra, f"seed={seed}"]:
         apply_override(raw, assignment)
     return config_from_dict(raw, import_targets=True)
@@ -62,22 +64,31 @@ def median_or_none(values: list) -> float | None:
 def aggregate(algorithm: str, summaries: list[dict]) -> dict:
     """One table row; time to target is a median only if every repeat reached it."""
     return {
-        "algorithm": algorithm, "repeats": len(summaries),
+        "algorithm": algorithm,
+        "repeats": len(summaries),
         "time_to_target_s": median_or_none([s["time_to_target_s"] for s in summaries]),
         "reached": sum(s["time_to_target_s"] is not None for s in summaries),
         "final_accuracy": statistics.median(s["final_accuracy"] or 0.0 for s in summaries),
         "bytes": statistics.median(s["bytes_sent"] + s["bytes_received"] for s in summaries),
-        "rounds": statistics.median(s.get("communication_rounds") or max(
-            s["shard_versions"].values(), default=0) for s in summaries),
+        "rounds": statistics.median(
+            s.get("communication_rounds") or max(s["shard_versions"].values(), default=0)
+            for s in summaries
+        ),
         "global_steps": statistics.median(s["global_steps"] for s in summaries),
-        "efficiency": median_or_none([(s.get("efficiency") or {}).get("heterogeneity_efficiency")
-                                      for s in summaries]),
-        "samples_to_target": median_or_none([(s.get("efficiency") or {}).get("samples_to_target")
-                                             for s in summaries]),
-        "milestones": {m: median_or_none([s.get("milestones", {}).get(m) for s in summaries])
-                       for m in summaries[0].get("milestones", {})},
-        "milestone_spread": {m: spread([s.get("milestones", {}).get(m) for s in summaries])
-                             for m in summaries[0].get("milestones", {})},
+        "efficiency": median_or_none(
+            [(s.get("efficiency") or {}).get("heterogeneity_efficiency") for s in summaries]
+        ),
+        "samples_to_target": median_or_none(
+            [(s.get("efficiency") or {}).get("samples_to_target") for s in summaries]
+        ),
+        "milestones": {
+            m: median_or_none([s.get("milestones", {}).get(m) for s in summaries])
+            for m in summaries[0].get("milestones", {})
+        },
+        "milestone_spread": {
+            m: spread([s.get("milestones", {}).get(m) for s in summaries])
+            for m in summaries[0].get("milestones", {})
+        },
         "runs": [s["run_dir"] for s in summaries],
     }
 
@@ -94,8 +105,9 @@ def add_useful(rows: list[dict], reference: str | None) -> list[dict]:
     without a reference or where a median is missing."""
     ref = next((r for r in rows if r["algorithm"] == reference), None)
     for r in rows:
-        r["useful_efficiency"] = useful_efficiency(r.get("efficiency"), ref and ref.get("samples_to_target"),
-                                                   r.get("samples_to_target"))
+        r["useful_efficiency"] = useful_efficiency(
+            r.get("efficiency"), ref and ref.get("samples_to_target"), r.get("samples_to_target")
+        )
         r["reference"] = reference if ref else None
     return rows
 
@@ -105,21 +117,29 @@ def markdown(rows: list[dict], title: str) -> str:
     reference = base.get("reference")
     useful = f"useful efficiency (vs {reference})" if reference else "useful efficiency"
     marks = list(base.get("milestones", {}))
-    lines = [f"# {title}", "",
-             f"| algorithm | time to target (s, median) | speedup over {base['algorithm']} | "
-             + "".join(f"time to {m} (s) | " for m in marks) +
-             f"final accuracy (median) | MB moved | rounds | steps | reached | efficiency | {useful} |",
-             "|---|---|---|" + "---|" * len(marks) + "---|---|---|---|---|---|---|"]
+    lines = [
+        f"# {title}",
+        "",
+        f"| algorithm | time to target (s, median) | speedup over {base['algorithm']} | "
+        + "".join(f"time to {m} (s) | " for m in marks)
+        + f"final accuracy (median) | MB moved | rounds | steps | reached | efficiency | {useful} |",
+        "|---|---|---|" + "---|" * len(marks) + "---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ttt = r["time_to_target_s"]
-        speedup = (f"{base['time_to_target_s'] / ttt:.2f}x"
-                   if ttt and base["time_to_target_s"] else "-")
-        times = "".join(f"{_time(t, r.get('milestone_spread', {}).get(m))} | "
-                        for m, t in r.get("milestones", {}).items())
-        lines.append(f"| {r['algorithm']} | {'-' if ttt is None else f'{ttt:.1f}'} | {speedup} | {times}"
-                     f"{r['final_accuracy']:.4f} | {r['bytes'] / 1e6:.0f} | {r['rounds']:.0f} | "
-                     f"{r['global_steps']:.0f} | {r['reached']}/{r['repeats']} | {_ratio(r.get('efficiency'))} | "
-                     f"{_ratio(r.get('useful_efficiency'))} |")
+        speedup = (
+            f"{base['time_to_target_s'] / ttt:.2f}x" if ttt and base["time_to_target_s"] else "-"
+        )
+        times = "".join(
+            f"{_time(t, r.get('milestone_spread', {}).get(m))} | "
+            for m, t in r.get("milestones", {}).items()
+        )
+        lines.append(
+            f"| {r['algorithm']} | {'-' if ttt is None else f'{ttt:.1f}'} | {speedup} | {times}"
+            f"{r['final_accuracy']:.4f} | {r['bytes'] / 1e6:.0f} | {r['rounds']:.0f} | "
+            f"{r['global_steps']:.0f} | {r['reached']}/{r['repeats']} | {_ratio(r.get('efficiency'))} | "
+            f"{_ratio(r.get('useful_efficiency'))} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -127,7 +147,9 @@ def _time(median: float | None, span: list | None) -> str:
     """A median time, with the repeats' range when they differ: "7.5 (6.1–9.0)"."""
     if median is None:
         return "-"
-    return f"{median:.1f}" + (f" ({span[0]:.1f}–{span[1]:.1f})" if span and span[0] != span[1] else "")
+    return f"{median:.1f}" + (
+        f" ({span[0]:.1f}–{span[1]:.1f})" if span and span[0] != span[1] else ""
+    )
 
 
 def _ratio(value: float | None) -> str:
@@ -151,6 +173,7 @@ def simulated_runner():
         summary = simulate(cfg, run_dir, data=loaded[key])
         plot_simulated(cfg, run_dir)
         return 3 if summary["status"] == "diverged" else 0
+
     return run
 
 
@@ -158,22 +181,45 @@ def compare_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hetps compare", description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every run")
-    parser.add_argument("--algorithms", required=True,
-                        help="comma-separated ALGO or LABEL:ALGO, e.g. sync,async,solo:eager")
+    parser.add_argument(
+        "--algorithms",
+        required=True,
+        help="comma-separated ALGO or LABEL:ALGO, e.g. sync,async,solo:eager",
+    )
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--with", dest="extra", nargs=2, action="append", default=[],
-                        metavar=("LABEL", "KEY=VALUE"), help="an override for one entry only")
+    parser.add_argument(
+        "--with",
+        dest="extra",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("LABEL", "KEY=VALUE"),
+        help="an override for one entry only",
+    )
     parser.add_argument("--out", default=None)
-    parser.add_argument("--x", choices=list(X_AXES), default="time",
-                        help="compare.png's x axis: wall-clock time, global steps or bytes moved (default time)")
-    parser.add_argument("--milestones", default="",
-                        help="comma-separated accuracies, e.g. 0.95,0.97: median seconds to each as columns")
-    parser.add_argument("--reference", default="sync",
-                        help="the entry whose samples-to-target useful efficiency is measured against")
-    parser.add_argument("--simulate", action="store_true", help="simulated runs in virtual time (hetps simulate)")
+    parser.add_argument(
+        "--x",
+        choices=list(X_AXES),
+        default="time",
+        help="compare.png's x axis: wall-clock time, global steps or bytes moved (default time)",
+    )
+    parser.add_argument(
+        "--milestones",
+        default="",
+        help="comma-separated accuracies, e.g. 0.95,0.97: median seconds to each as columns",
+    )
+    parser.add_argument(
+        "--reference",
+        default="sync",
+        help="the entry whose samples-to-target useful efficiency is measured against",
+    )
+    parser.add_argument(
+        "--simulate", action="store_true", help="simulated runs in virtual time (hetps simulate)"
+    )
     args = parser.parse_intermixed_args(argv)
     try:
-        base = load_config(args.config, args.overrides)  # the file and the common overrides, checked once
+        # the file and the common overrides, checked once
+        base = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"hetps: config error: {exc}", file=sys.stderr)
         return 2
@@ -183,28 +229,47 @@ def compare_command(argv: list[str]) -> int:
     labels = {e.split(":")[0]: e.split(":")[-1] for e in entries}
     algorithms = list(labels)
     unknown = sorted({name for name, _ in args.extra} - set(algorithms))
-    problem = ("--algorithms: name at least one algorithm" if not algorithms else
-               f"--algorithms: {args.algorithms!r} names an entry twice" if len(algorithms) != len(entries) else
-               f"--repeats: must be >= 1, got {args.repeats}" if args.repeats < 1 else
-               f"--with {unknown[0]}: not an entry of --algorithms ({', '.join(algorithms)})" if unknown else None)
+    problem = (
+        "--algorithms: name at least one algorithm"
+        if not algorithms
+        else f"--algorithms: {args.algorithms!r} names an entry twice"
+        if len(algorithms) != len(entries)
+        else f"--repeats: must be >= 1, got {args.repeats}"
+        if args.repeats < 1
+        else f"--with {unknown[0]}: not an entry of --algorithms ({', '.join(algorithms)})"
+        if unknown
+        else None
+    )
     if problem:
         print(f"hetps compare: {problem}", file=sys.stderr)
         return 2
     try:
         milestones = [float(m) for m in args.milestones.split(",") if m.strip()]
     except ValueError:
-        print(f"hetps: --milestones: expected comma-separated accuracies, got {args.milestones!r}", file=sys.stderr)
+        print(
+            f"hetps: --milestones: expected comma-separated accuracies, got {args.milestones!r}",
+            file=sys.stderr,
+        )
         return 2
     extra = {a: [kv for name, kv in args.extra if name == a] for a in algorithms}
     try:
-        configs = {a: [algorithm_config(raw, labels[a], args.overrides, extra[a], base.seed + r)
-                       for r in range(args.repeats)] for a in algorithms}
+        configs = {
+            a: [
+                algorithm_config(raw, labels[a], args.overrides, extra[a], base.seed + r)
+                for r in range(args.repeats)
+            ]
+            for a in algorithms
+        }
     except ConfigError as exc:
         print(f"hetps: config error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    run_one = simulated_runner() if args.simulate else lambda cfg, run_dir: run_local(cfg, run_dir, quiet=True)
+    run_one = (
+        simulated_runner()
+        if args.simulate
+        else lambda cfg, run_dir: run_local(cfg, run_dir, quiet=True)
+    )
     rows = []
     for a in algorithms:
         summaries = []
@@ -214,8 +279,13 @@ def compare_command(argv: list[str]) -> int:
             if run_one(cfg, run_dir) not in (0, 3):  # a diverged run is a result (status diverged)
                 print(f"hetps compare: {a} run {r + 1} failed; see {run_dir}/logs", file=sys.stderr)
                 return 1
-            summaries.append({**json.loads((run_dir / "summary.json").read_text()), "run_dir": str(run_dir),
-                              "milestones": milestone_times(run_dir, milestones)})
+            summaries.append(
+                {
+                    **json.loads((run_dir / "summary.json").read_text()),
+                    "run_dir": str(run_dir),
+                    "milestones": milestone_times(run_dir, milestones),
+                }
+            )
         rows.append(aggregate(a, summaries))
     add_useful(rows, args.reference)
     (out / "compare.json").write_text(json.dumps(rows, indent=2))

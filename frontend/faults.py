@@ -6,6 +6,7 @@ Every action is appended to RUN_DIR/faults.jsonl; a killed shard's line
 names the newest checkpoint version it had on disk, the one its restart must
 resume from.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,19 +16,23 @@ from pathlib import Path
 from typing import Callable
 
 from hetps.runconfig.schema import KillFault
-
 from hetps.runtime import checkpoint
 
 
 class FaultInjector:
-    def __init__(self, kills: list[KillFault], run_dir: Path, checkpoint_root: Path | None,
-                 respawn: Callable[[str, str], None]):
+    def __init__(
+        self,
+        kills: list[KillFault],
+        run_dir: Path,
+        checkpoint_root: Path | None,
+        respawn: Callable[[str, str], None],
+    ):
         self.pending = sorted(kills, key=lambda k: k.at_s)
         self.restarts: list[tuple[float, str, str]] = []  # (when, name, address)
         self.run_dir = run_dir
         self.checkpoint_root = checkpoint_root
         self.respawn = respawn
-        self.killed: set[str] = set()   # names whose exit was ours
+        self.killed: set[str] = set()  # names whose exit was ours
         self.started: float | None = None
 
     def _plan(self) -> dict | None:
@@ -60,13 +65,19 @@ class FaultInjector:
         child = next((c for c in children if c.name == fault.node and c.popen.poll() is None), None)
         if child is None:
             return
-        print(f"\nhetps run: fault injection: killing {child.name} at {fault.at_s}s", file=sys.stderr)
+        print(
+            f"\nhetps run: fault injection: killing {child.name} at {fault.at_s}s", file=sys.stderr
+        )
         address = self._address(fault.node)
         child.popen.kill()
         child.popen.wait(timeout=10)
         self.killed.add(child.name)
-        self._record(action="kill", node=fault.node, t=round(elapsed, 3),
-                     checkpoint_version=self._checkpoint_version(fault.node))
+        self._record(
+            action="kill",
+            node=fault.node,
+            t=round(elapsed, 3),
+            checkpoint_version=self._checkpoint_version(fault.node),
+        )
         if fault.restart_after_s is not None:
             self.restarts.append((elapsed + fault.restart_after_s, fault.node, address))
 

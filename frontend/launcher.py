@@ -9,6 +9,7 @@ in its own session (so a terminal's Ctrl-C reaches only the launcher, which
 turns it into a clean stop) and is reaped, killed if need be, on every exit
 path. Child output goes to RUN_DIR/logs/<name>.log.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,28 +22,30 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetps.runconfig.schema import RunConfig
-from hetps.runconfig.load import dump_config
 from hetps.proto.errors import HetpsError
-from hetps.runtime.devices import assign_devices, local_gpu_count
+from hetps.runconfig.load import dump_config
+from hetps.runconfig.schema import RunConfig
 from hetps.runtime.curve_setup import keys_for_run
+from hetps.runtime.devices import assign_devices, local_gpu_count
 from hetps.runtime.startup import process_age_s
+from hetps.scheduler.outcome import EXIT_CODES, INTERRUPTED
+from hetps.scheduler.runlog import mark_failed, read_summary, write_json_atomic
+from hetps.scheduler.state import STATE_FILE
 
 from .faults import FaultInjector
 from .local_sockets import LocalSockets, shard_groups, shard_process
-from hetps.scheduler.outcome import EXIT_CODES, INTERRUPTED
 from .plots import plot_run
 from .report import Progress, format_summary
-from hetps.scheduler.runlog import mark_failed, read_summary, write_json_atomic
-from .startup_report import startup_line, startup_section
 from .resume import ResumePoint, checkpoints_root, strip_resume
-from hetps.scheduler.state import STATE_FILE
 from .shared_forks import fork_server
+from .startup_report import startup_line, startup_section
 
-ADDR_WAIT_S = 60.0   # longest wait for the scheduler to publish its address
-TARGETS = "prometheus_targets.json"  # --metrics: each daemon serves /metrics on a free port and adds it here
-EXECUTED = {"hetps.scheduler"}  # never forked: it imports no torch, and starts before the fork server is warm
-REAP_WAIT_S = 15.0   # after the scheduler exits, how long the rest may take to leave
+ADDR_WAIT_S = 60.0  # longest wait for the scheduler to publish its address
+# --metrics: each daemon serves /metrics on a free port and adds it here
+TARGETS = "prometheus_targets.json"
+# never forked: it imports no torch, and starts before the fork server is warm
+EXECUTED = {"hetps.scheduler"}
+REAP_WAIT_S = 15.0  # after the scheduler exits, how long the rest may take to leave
 CHECK_WAIT_S = 600.0  # the dry step loads the dataset: a generous upper bound
 
 
@@ -71,7 +74,9 @@ class Child:
 
 def client_names(cfg: RunConfig) -> list[str]:
     """The processes of a local run that connect to a server (named as in `LocalCluster.start`)."""
-    names = [f"ps{r}" for r in range(len(cfg.cluster.shards))] + [f"spare{r}" for r in range(cfg.cluster.spare_shards)]
+    names = [f"ps{r}" for r in range(len(cfg.cluster.shards))] + [
+        f"spare{r}" for r in range(cfg.cluster.spare_shards)
+    ]
     names += [f"worker{r}" for r in range(len(cfg.cluster.workers))]
     return names + ["evaluator"] if cfg.eval.enabled else names
 
@@ -93,22 +98,34 @@ def default_run_dir(cfg: RunConfig) -> Path:
 
 
 class LocalCluster:
-    def __init__(self, cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool = False,
-                 resume: ResumePoint | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        quiet: bool = False,
+        metrics: bool = False,
+        resume: ResumePoint | None = None,
+    ):
         self.cfg = cfg
         self.run_dir = run_dir
         self.quiet = quiet
         self.resume = resume
         # shards checkpoint into RUN_DIR/checkpoints unless checkpoint.dir says elsewhere
-        self.checkpoint_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else checkpoints_root(run_dir)
-        self.metrics_args = ("--metrics-port", "0", "--metrics-targets", str(run_dir / TARGETS)) if metrics else ()
+        self.checkpoint_root = (
+            Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else checkpoints_root(run_dir)
+        )
+        self.metrics_args = (
+            ("--metrics-port", "0", "--metrics-targets", str(run_dir / TARGETS)) if metrics else ()
+        )
         self.children: list[Child] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         # security.curve without a keys directory: fresh keys in RUN_DIR/keys, one client key per process
-        self.cfg, self.own_keys = keys_for_run(with_local_devices(self.cfg), run_dir / "keys",
-                                               client_names(self.cfg))
+        self.cfg, self.own_keys = keys_for_run(
+            with_local_devices(self.cfg), run_dir / "keys", client_names(self.cfg)
+        )
         self.config_path = run_dir / "config.yaml"
-        self.sockets = LocalSockets(self.cfg, run_dir)  # comm.local_transport: ipc sockets, or tcp loopback
+        # comm.local_transport: ipc sockets, or tcp loopback
+        self.sockets = LocalSockets(self.cfg, run_dir)
         dump_config(self.cfg, self.config_path)
         self.interrupted = 0
         self.failed_as: tuple[str, str] | None = None  # (node, error) once a process failed
@@ -116,13 +133,22 @@ class LocalCluster:
         # every daemon imports torch: fork them from one warm process instead of importing it in each
         # (shared by many runs with $HETPS_FORK_SERVER, frontend/shared_forks.py)
         self.forks = fork_server()
-        self.timeline: dict[str, float] = {"launch": time.time() - process_age_s()}  # wall times (startup_report.py)
+        # wall times (startup_report.py)
+        self.timeline: dict[str, float] = {"launch": time.time() - process_age_s()}
 
     # ------------------------------------------------------------ processes
     def spawn(self, name: str, module: str, *args: str) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
-        argv = ["--config", str(self.config_path), *self.metrics_args, *self.client_key_args(name), *args]
-        child = Child(name, self._start(module, argv, log_path, append=True), log_path, module, args)
+        argv = [
+            "--config",
+            str(self.config_path),
+            *self.metrics_args,
+            *self.client_key_args(name),
+            *args,
+        ]
+        child = Child(
+            name, self._start(module, argv, log_path, append=True), log_path, module, args
+        )
         self.children.append(child)
         return child
 
@@ -135,9 +161,14 @@ class LocalCluster:
                 log_path.write_text("")
             return self.forks.start(module, argv, log_path, env)
         with open(log_path, "a" if append else "w") as log_file:
-            return subprocess.Popen([sys.executable, "-m", module, *argv], stdout=log_file,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **env}, start_new_session=True)
+            return subprocess.Popen(
+                [sys.executable, "-m", module, *argv],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **env},
+                start_new_session=True,
+            )
 
     def respawn(self, name: str, address: str) -> None:
         """Start the process `name` again, bound to `address` (its old one)."""
@@ -155,8 +186,12 @@ class LocalCluster:
 
     def start_check(self) -> subprocess.Popen:
         """Start the dry forward+backward of the model on one batch (hetps.worker.preflight)."""
-        self.check = self._start("hetps.worker.preflight", ["--config", str(self.config_path)],
-                                 self.run_dir / "logs" / "check.log", append=False)
+        self.check = self._start(
+            "hetps.worker.preflight",
+            ["--config", str(self.config_path)],
+            self.run_dir / "logs" / "check.log",
+            append=False,
+        )
         return self.check
 
     def wait_check(self) -> None:
@@ -165,9 +200,13 @@ class LocalCluster:
             code = self.check.wait(timeout=CHECK_WAIT_S)
         except subprocess.TimeoutExpired:
             raise LaunchError(f"the model check did not finish within {CHECK_WAIT_S}s") from None
-        lines = (self.run_dir / "logs" / "check.log").read_text(errors="replace").strip().splitlines()
+        lines = (
+            (self.run_dir / "logs" / "check.log").read_text(errors="replace").strip().splitlines()
+        )
         if code == 2 and lines:
-            raise CheckFailed("\n".join(lines[-1:] if lines[-1].startswith("hetps: check") else lines[-5:]))
+            raise CheckFailed(
+                "\n".join(lines[-1:] if lines[-1].startswith("hetps: check") else lines[-5:])
+            )
         if code != 0:
             raise LaunchError(f"the model check exited with {code}:\n" + "\n".join(lines[-15:]))
 
@@ -180,10 +219,17 @@ class LocalCluster:
         if not self.resume:  # a new run in a reused directory must not carry an old one on
             (self.run_dir / STATE_FILE).unlink(missing_ok=True)
         # the scheduler (exec'd, no torch) starts while the first fork waits for the fork server's imports
-        scheduler = self.spawn("scheduler", "hetps.scheduler", "--run-dir", str(self.run_dir), *run_id,
-                               *self.sockets.bind_args("scheduler"))
+        scheduler = self.spawn(
+            "scheduler",
+            "hetps.scheduler",
+            "--run-dir",
+            str(self.run_dir),
+            *run_id,
+            *self.sockets.bind_args("scheduler"),
+        )
         self.start_check()
-        self.timeline["fork_server"] = time.time()  # the check is forked once the fork server imported torch
+        # the check is forked once the fork server imported torch
+        self.timeline["fork_server"] = time.time()
         addr = self._scheduler_address(scheduler)
         if not self.interrupted:  # Ctrl-C before the scheduler was up: it stops; start nobody else
             self._spawn_nodes(addr)
@@ -193,30 +239,58 @@ class LocalCluster:
 
     def _spawn_nodes(self, addr: str) -> None:
         """Start the shards, the workers and the evaluator (each waits for the plan)."""
-        for ranks in shard_groups(self.cfg):  # cluster.shard_processes: several ranks in one process
-            name, args = shard_process(ranks, self.sockets, self.resume.versions if self.resume else None)
-            self.spawn(name, "hetps.ps", *args, "--scheduler", addr, "--checkpoint-dir", str(self.checkpoint_root))
-        for rank in range(self.cfg.cluster.spare_shards):  # idle until a failover names them (ps/spare.py)
-            self.spawn(f"spare{rank}", "hetps.ps", "--spare", *("--rank", str(rank), "--scheduler", addr),
-                       "--checkpoint-dir", str(self.checkpoint_root))
+        # cluster.shard_processes: several ranks in one process
+        for ranks in shard_groups(self.cfg):
+            name, args = shard_process(
+                ranks, self.sockets, self.resume.versions if self.resume else None
+            )
+            self.spawn(
+                name,
+                "hetps.ps",
+                *args,
+                "--scheduler",
+                addr,
+                "--checkpoint-dir",
+                str(self.checkpoint_root),
+            )
+        # idle until a failover names them (ps/spare.py)
+        for rank in range(self.cfg.cluster.spare_shards):
+            self.spawn(
+                f"spare{rank}",
+                "hetps.ps",
+                "--spare",
+                *("--rank", str(rank), "--scheduler", addr),
+                "--checkpoint-dir",
+                str(self.checkpoint_root),
+            )
         for rank in range(len(self.cfg.cluster.workers)):
             self.spawn(f"worker{rank}", "hetps.worker", "--rank", str(rank), "--scheduler", addr)
         if self.cfg.eval.enabled:
             # the evaluator writes the final model it measured: RUN_DIR/model.safetensors, model.json
-            self.spawn("evaluator", "hetps.worker", "--evaluator", "--scheduler", addr,
-                       "--model-out", str(self.run_dir))
+            self.spawn(
+                "evaluator",
+                "hetps.worker",
+                "--evaluator",
+                "--scheduler",
+                addr,
+                "--model-out",
+                str(self.run_dir),
+            )
 
     def _scheduler_address(self, scheduler: Child) -> str:
         path = self.run_dir / "scheduler.addr"
         deadline = time.monotonic() + ADDR_WAIT_S
         while not path.exists():
             if scheduler.popen.poll() is not None:
-                raise LaunchError(f"scheduler exited with {scheduler.popen.returncode} before binding:\n"
-                                  f"{scheduler.tail()}")
+                raise LaunchError(
+                    f"scheduler exited with {scheduler.popen.returncode} before binding:\n"
+                    f"{scheduler.tail()}"
+                )
             if time.monotonic() > deadline:
                 raise LaunchError(f"scheduler did not publish its address within {ADDR_WAIT_S}s")
             time.sleep(0.05)
-        self.timeline["scheduler_up"] = path.stat().st_mtime  # when it bound, not when this loop looked
+        # when it bound, not when this loop looked
+        self.timeline["scheduler_up"] = path.stat().st_mtime
         return path.read_text().strip()
 
     # ------------------------------------------------------------ watching
@@ -224,29 +298,46 @@ class LocalCluster:
         """Show progress until the scheduler exits. Raises LaunchError when a
         process fails (after asking the scheduler to stop the others)."""
         stop = self.cfg.stop
-        progress = Progress(self.run_dir / "metrics.jsonl", expected=client_names(self.cfg),
-                            target=stop.target_accuracy, max_seconds=stop.max_seconds, max_steps=stop.max_steps)
+        progress = Progress(
+            self.run_dir / "metrics.jsonl",
+            expected=client_names(self.cfg),
+            target=stop.target_accuracy,
+            max_seconds=stop.max_seconds,
+            max_steps=stop.max_steps,
+        )
         last_print = 0.0
         tolerated: set[str] = set()
-        tolerable = ("worker", "ps", "spare") if self.cfg.cluster.replicas else ("worker",)  # may die in training
-        faults = FaultInjector(self.cfg.cluster.kill, self.run_dir, self.checkpoint_root, self.respawn)
+        # may die in training
+        tolerable = ("worker", "ps", "spare") if self.cfg.cluster.replicas else ("worker",)
+        faults = FaultInjector(
+            self.cfg.cluster.kill, self.run_dir, self.checkpoint_root, self.respawn
+        )
         while self.children[0].popen.poll() is None or faults.restarting("scheduler"):
             time.sleep(0.25)
             faults.fire(self.children)
             for child in self.children[1:]:
                 code = child.popen.poll()
-                if (code in (None, 0) or child.name in tolerated or child.name in faults.killed
-                        or self.interrupted):  # after Ctrl-C, nodes waiting for a plan exit with an error
+                if (
+                    code in (None, 0)
+                    or child.name in tolerated
+                    or child.name in faults.killed
+                    # after Ctrl-C, nodes waiting for a plan exit with an error
+                    or self.interrupted
+                ):
                     continue
                 if child.name.startswith(tolerable) and (self.run_dir / "plan.json").exists():
                     # training began: the scheduler notices the silence and re-plans (or fails over) without it
                     tolerated.add(child.name)
-                    print(f"\nhetps run: {child.name} exited with {code}; the cluster goes on without it",
-                          file=sys.stderr)
+                    print(
+                        f"\nhetps run: {child.name} exited with {code}; the cluster goes on without it",
+                        file=sys.stderr,
+                    )
                     continue
                 raise LaunchError(self.failure(child.name, f"{child.name} exited with {code}"))
             progress.poll()
-            if not self.quiet and time.monotonic() - last_print > (0.5 if sys.stderr.isatty() else 5.0):
+            if not self.quiet and time.monotonic() - last_print > (
+                0.5 if sys.stderr.isatty() else 5.0
+            ):
                 end = "\r" if sys.stderr.isatty() else "\n"
                 print(progress.line(), end=end, file=sys.stderr, flush=True)
                 last_print = time.monotonic()
@@ -255,7 +346,9 @@ class LocalCluster:
             print(progress.line(), file=sys.stderr)
         scheduler = self.children[0]
         if scheduler.popen.returncode not in (0, EXIT_CODES["diverged"]):
-            raise LaunchError(self.failure("scheduler", f"scheduler exited with {scheduler.popen.returncode}"))
+            raise LaunchError(
+                self.failure("scheduler", f"scheduler exited with {scheduler.popen.returncode}")
+            )
         self._wait_rest(tolerated, faults.killed)
 
     def failure(self, name: str, what: str) -> str:
@@ -264,12 +357,17 @@ class LocalCluster:
         failed (reported by that node), wins over the first exit the launcher saw.
         summary.json says `status: failed` whatever the scheduler managed to write."""
         self.stop_scheduler()
-        with contextlib.suppress(subprocess.TimeoutExpired):  # it stops at once before training began
+        # it stops at once before training began
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.children[0].popen.wait(timeout=REAP_WAIT_S)
         summary = read_summary(self.run_dir) or {}
         node = summary.get("failed_node") or name
         # the scheduler's own words when it failed the run (a node's report, or the cluster never formed)
-        detail = summary.get("detail") if summary.get("status") == "failed" and summary.get("detail") else what
+        detail = (
+            summary.get("detail")
+            if summary.get("status") == "failed" and summary.get("detail")
+            else what
+        )
         child = next((c for c in self.children if c.name == node), None)
         self.failed_as = (node, detail)
         mark_failed(self.run_dir, summary, node, detail)
@@ -284,9 +382,14 @@ class LocalCluster:
             with contextlib.suppress(subprocess.TimeoutExpired):  # the caller kills what is left
                 child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
         self.timeline["exited"] = time.time()
-        failed = [c for c in self.children[1:] if c.popen.returncode not in (0, None)  # [0]: checked by watch
-                  and c.name not in tolerated | faults_killed]
-        if failed and not self.interrupted:  # stopped before the plan, nodes exit with "run stopped"
+        # [0]: checked by watch
+        failed = [
+            c
+            for c in self.children[1:]
+            if c.popen.returncode not in (0, None) and c.name not in tolerated | faults_killed
+        ]
+        # stopped before the plan, nodes exit with "run stopped"
+        if failed and not self.interrupted:
             c = failed[0]
             raise LaunchError(self.failure(c.name, f"{c.name} exited with {c.popen.returncode}"))
 
@@ -322,8 +425,13 @@ class LocalCluster:
         self.sockets.close()
 
 
-def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool = False,
-              resume: ResumePoint | None = None) -> int:
+def run_local(
+    cfg: RunConfig,
+    run_dir: Path,
+    quiet: bool = False,
+    metrics: bool = False,
+    resume: ResumePoint | None = None,
+) -> int:
     """Run one experiment end to end; returns the process exit status:
     0 completed, 1 failed, 3 diverged, 130 interrupted (see outcome.py).
     `metrics`: every daemon serves Prometheus /metrics on a free port;
@@ -345,7 +453,8 @@ def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool 
         signal.signal(signal.SIGINT, previous)
         signal.signal(signal.SIGTERM, previous_term)
     if error is not None and not cluster.interrupted:
-        if cluster.failed_as:  # again: a scheduler stopped late may have written its own summary since
+        # again: a scheduler stopped late may have written its own summary since
+        if cluster.failed_as:
             mark_failed(run_dir, read_summary(run_dir) or {}, *cluster.failed_as)
         print(f"hetps run: {error}\nrun directory: {run_dir}", file=sys.stderr)
         return EXIT_CODES["failed"]
@@ -358,8 +467,11 @@ def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool 
     status = "interrupted" if cluster.interrupted else summary.get("status", "completed")
     if summary.get("evals") or summary.get("global_steps"):
         plot_run(run_dir, title=f"{cfg.name}: {cfg.algorithm.name}")
-    if status in ("completed", "interrupted") and summary.get("global_steps") \
-            and not (run_dir / "model.safetensors").exists():
+    if (
+        status in ("completed", "interrupted")
+        and summary.get("global_steps")
+        and not (run_dir / "model.safetensors").exists()
+    ):
         export_model(cluster, quiet)
     if not quiet and summary:
         print(f"{startup_line(summary['startup'])}\n{format_summary(summary, run_dir)}")
@@ -371,7 +483,9 @@ def run_local(cfg: RunConfig, run_dir: Path, quiet: bool = False, metrics: bool 
 def mark_interrupted(run_dir: Path, summary: dict) -> None:
     """Ctrl-C: the summary says so, even if the scheduler saw the stop another way."""
     if summary.get("stop_reason") != INTERRUPTED or summary.get("status") != INTERRUPTED:
-        write_json_atomic(run_dir / "summary.json", {**summary, "status": INTERRUPTED, "stop_reason": INTERRUPTED})
+        write_json_atomic(
+            run_dir / "summary.json", {**summary, "status": INTERRUPTED, "stop_reason": INTERRUPTED}
+        )
 
 
 def export_model(cluster: LocalCluster, quiet: bool) -> None:
@@ -379,15 +493,25 @@ def export_model(cluster: LocalCluster, quiet: bool) -> None:
     build RUN_DIR/model.safetensors from the shards' last checkpoints
     (`hetps export`, which evaluates it once). Best effort: a failure is reported, not fatal."""
     out = cluster.run_dir / "model.safetensors"
-    cmd = [sys.executable, "-m", "hetps.worker.export", str(cluster.checkpoint_root), "--out", str(out),
-           "--config", str(cluster.config_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetps.worker.export",
+        str(cluster.checkpoint_root),
+        "--out",
+        str(out),
+        "--config",
+        str(cluster.config_path),
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHECK_WAIT_S)
     except subprocess.TimeoutExpired:
-        print(f"hetps run: {out} not written: the export took longer than {CHECK_WAIT_S}s", file=sys.stderr)
+        print(
+            f"hetps run: {out} not written: the export took longer than {CHECK_WAIT_S}s",
+            file=sys.stderr,
+        )
         return
     if done.returncode != 0:
         print(f"hetps run: {out} not written: {done.stderr.strip()}", file=sys.stderr)
     elif not quiet:
         print(done.stdout.strip(), file=sys.stderr)
-

@@ -13,6 +13,7 @@ cluster.shard_processes: N > 0 packs the shard ranks into N processes
 (contiguous ranks, the first processes taking one more when they do not
 divide evenly); each process serves its ranks on their own sockets.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -21,8 +22,8 @@ from pathlib import Path
 
 from hetps.runconfig.schema import RunConfig
 
-UNIX_PATH_MAX = 100   # bytes of a unix socket's path, with room to spare below sun_path's 104-108
-LONGEST_NAME = 16     # "scheduler", "ps12", "ps{rank}" and their separator fit
+UNIX_PATH_MAX = 100  # bytes of a unix socket's path, with room to spare below sun_path's 104-108
+LONGEST_NAME = 16  # "scheduler", "ps12", "ps{rank}" and their separator fit
 
 
 class LocalSockets:
@@ -35,7 +36,10 @@ class LocalSockets:
         if cfg.comm.local_transport == "ipc":
             folder = (run_dir / "sockets").resolve()
             if len(str(folder)) + LONGEST_NAME > UNIX_PATH_MAX:
-                folder, self.own_folder = Path(tempfile.mkdtemp(prefix="hetps-", dir=short_tmp())), True
+                folder, self.own_folder = (
+                    Path(tempfile.mkdtemp(prefix="hetps-", dir=short_tmp())),
+                    True,
+                )
             folder.mkdir(parents=True, exist_ok=True)
             self.folder = folder
 
@@ -73,8 +77,9 @@ def process_name(ranks: list[int]) -> str:
     return f"ps{ranks[0]}" if len(ranks) == 1 else f"ps{ranks[0]}-{ranks[-1]}"
 
 
-def shard_process(ranks: list[int], sockets: LocalSockets, versions: dict[int, int] | None = None
-                  ) -> tuple[str, tuple[str, ...]]:
+def shard_process(
+    ranks: list[int], sockets: LocalSockets, versions: dict[int, int] | None = None
+) -> tuple[str, tuple[str, ...]]:
     """(launcher name, `hetps ps` arguments) of the process serving `ranks`:
     --rank or --ranks, its --bind, and with `versions` (each rank's checkpoint
     version, by rank: a resumed run) --resume --restore-version."""

@@ -10,6 +10,7 @@
 The functions that compute what is drawn (eval_curve, median_band, group_lanes)
 are pure and tested on their own; the plot_* functions only draw them.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -18,11 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from hetps.scheduler.runlog import read_metrics
-from hetps.scheduler.runlog import read_summary
+from hetps.scheduler.runlog import read_metrics, read_summary
 
-X_AXES = {"time": ("t", "wall-clock time (s)"), "steps": ("global_steps", "global steps (all workers)"),
-          "bytes": ("bytes", "bytes moved by the workers (sent + received)")}
+X_AXES = {
+    "time": ("t", "wall-clock time (s)"),
+    "steps": ("global_steps", "global steps (all workers)"),
+    "bytes": ("bytes", "bytes moved by the workers (sent + received)"),
+}
 
 
 def _pyplot():
@@ -30,6 +33,7 @@ def _pyplot():
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -43,11 +47,15 @@ def eval_curve(records: list[dict], x: str = "time") -> tuple[list[float], list[
     key = X_AXES[x][0]
     evals = [r for r in records if r.get("kind") == "eval"]
     if any(key not in r for r in evals):
-        raise ValueError(f"these evaluations do not record {key!r}, so they cannot be plotted against {x}")
+        raise ValueError(
+            f"these evaluations do not record {key!r}, so they cannot be plotted against {x}"
+        )
     return [float(r[key]) for r in evals], [float(r["accuracy"]) for r in evals]
 
 
-def first_reach(xs: list[float], ys: list[float], target: float | None) -> tuple[float, float] | None:
+def first_reach(
+    xs: list[float], ys: list[float], target: float | None
+) -> tuple[float, float] | None:
     """(x, accuracy) of the first evaluation at or above `target`; None if none or no target."""
     if target is None:
         return None
@@ -72,16 +80,24 @@ def median_band(curves: list[tuple[list[float], list[float]]]) -> dict[str, np.n
         xs, ys = xs[order], ys[order]
         index = np.searchsorted(xs, grid, side="right") - 1
         values[row, index >= 0] = ys[index[index >= 0]]
-    return {"x": grid, "median": np.nanmedian(values, axis=0), "low": np.nanmin(values, axis=0),
-            "high": np.nanmax(values, axis=0), "n": np.sum(~np.isnan(values), axis=0)}
+    return {
+        "x": grid,
+        "median": np.nanmedian(values, axis=0),
+        "low": np.nanmin(values, axis=0),
+        "high": np.nanmax(values, axis=0),
+        "n": np.sum(~np.isnan(values), axis=0),
+    }
 
 
 def _plan_finder(records: list[dict]):
     """A function: step record -> id of the plan it was taken under, the latest plan at or
     before its time that has its group (a worker finishes a step or two under the old plan
     after a new one went out; plan 1 when the records hold no plan)."""
-    plans = sorted((float(r["t"]), int(r["plan_id"]), len(r.get("groups") or ()))
-                   for r in records if r.get("kind") == "plan")
+    plans = sorted(
+        (float(r["t"]), int(r["plan_id"]), len(r.get("groups") or ()))
+        for r in records
+        if r.get("kind") == "plan"
+    )
     starts = [t for t, _, _ in plans]
 
     def plan_of(record: dict) -> int:
@@ -89,6 +105,7 @@ def _plan_finder(records: list[dict]):
         while at > 0 and record["group"] >= plans[at][2]:
             at -= 1
         return plans[at][1] if at >= 0 else 1
+
     return plan_of
 
 
@@ -127,10 +144,18 @@ def run_title(summary: dict, fallback: str = "") -> str:
     name = f"{summary.get('name', '')}: {summary.get('algorithm', '')}".strip(": ") or fallback
     workers = sum(1 for n in summary.get("per_node", {}) if n.startswith("worker"))
     head = f"{name}, {workers} workers" if workers else name
-    target, ttt, final = summary.get("target_accuracy"), summary.get("time_to_target_s"), summary.get("final_accuracy")
+    target, ttt, final = (
+        summary.get("target_accuracy"),
+        summary.get("time_to_target_s"),
+        summary.get("final_accuracy"),
+    )
     parts = []
     if target is not None:
-        parts.append(f"{target:.0%} reached at {ttt:.1f} s" if ttt is not None else f"{target:.0%} not reached")
+        parts.append(
+            f"{target:.0%} reached at {ttt:.1f} s"
+            if ttt is not None
+            else f"{target:.0%} not reached"
+        )
     if final is not None:
         parts.append(f"final {final:.4f}")
     return head + (": " + ", ".join(parts) if parts else "")
@@ -146,15 +171,30 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     xs, ys = eval_curve(records, "time")
     losses = [float(r["loss"]) for r in records if r.get("kind") == "eval"]
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ax_acc.plot(xs, ys, marker="o", markersize=3.5, label="test accuracy (each marker: one evaluation)")
+    ax_acc.plot(
+        xs, ys, marker="o", markersize=3.5, label="test accuracy (each marker: one evaluation)"
+    )
     if target is not None:
-        ax_acc.axhline(target, color="tab:red", linestyle="--", linewidth=1, label=f"target {target}")
+        ax_acc.axhline(
+            target, color="tab:red", linestyle="--", linewidth=1, label=f"target {target}"
+        )
     reached = first_reach(xs, ys, target)
     if reached is not None:
         ax_acc.axvline(reached[0], color="tab:green", linestyle=":", linewidth=1)
-        ax_acc.plot([reached[0]], [reached[1]], marker="*", markersize=13, color="tab:green", linestyle="none",
-                    label=f"target reached at {reached[0]:.1f} s")
-    ax_acc.set(xlabel="wall-clock time since the first plan (s)", ylabel="test accuracy", title="test accuracy")
+        ax_acc.plot(
+            [reached[0]],
+            [reached[1]],
+            marker="*",
+            markersize=13,
+            color="tab:green",
+            linestyle="none",
+            label=f"target reached at {reached[0]:.1f} s",
+        )
+    ax_acc.set(
+        xlabel="wall-clock time since the first plan (s)",
+        ylabel="test accuracy",
+        title="test accuracy",
+    )
     ax_acc.grid(alpha=0.3)
     ax_acc.legend(loc="lower right", fontsize=8)
     _plot_loss(ax_loss, records, xs, losses)
@@ -178,9 +218,13 @@ def _plot_loss(ax, records: list[dict], xs: list[float], losses: list[float]) ->
     steps = sorted((r for r in records if r.get("kind") == "step"), key=lambda r: r["t"])
     if steps:
         window = max(1, len(steps) // 50)
-        chunks = [steps[i:i + window] for i in range(0, len(steps), window)]
-        ax.plot([c[0]["t"] for c in chunks], [sum(r["loss"] for r in c) / len(c) for c in chunks],
-                alpha=0.7, label=f"train loss (mean of {window} steps)")
+        chunks = [steps[i : i + window] for i in range(0, len(steps), window)]
+        ax.plot(
+            [c[0]["t"] for c in chunks],
+            [sum(r["loss"] for r in c) / len(c) for c in chunks],
+            alpha=0.7,
+            label=f"train loss (mean of {window} steps)",
+        )
     ax.set(xlabel="wall-clock time since the first plan (s)", ylabel="cross-entropy", title="loss")
     if any(v > 0 for v in losses):
         ax.set_yscale("log")
@@ -196,18 +240,26 @@ def plot_groups(run_dir: Path, records: list[dict] | None = None) -> Path:
     lanes = group_lanes(records)
     members = lane_members(records, lanes)
     several_plans = len({plan for plan, _ in lanes}) > 1
-    keys = list(lanes)[::-1]   # the first plan's groups on top
+    keys = list(lanes)[::-1]  # the first plan's groups on top
     fig, ax = plt.subplots(figsize=(11, 1.3 + 0.5 * max(1, len(keys))))
-    ax.eventplot([lanes[k] for k in keys], lineoffsets=range(len(keys)), linelengths=0.7, linewidths=0.8)
-    ax.set_yticks(range(len(keys)),
-                  [(f"plan {plan}, " if several_plans else "") + f"group {group} (workers "
-                   f"{', '.join(map(str, members[(plan, group)]))}): {len(lanes[(plan, group)])}"
-                   for plan, group in keys])
+    ax.eventplot(
+        [lanes[k] for k in keys], lineoffsets=range(len(keys)), linelengths=0.7, linewidths=0.8
+    )
+    ax.set_yticks(
+        range(len(keys)),
+        [
+            (f"plan {plan}, " if several_plans else "") + f"group {group} (workers "
+            f"{', '.join(map(str, members[(plan, group)]))}): {len(lanes[(plan, group)])}"
+            for plan, group in keys
+        ],
+    )
     for r in records:
         if r.get("kind") == "plan" and r.get("plan_id", 1) > 1:
             ax.axvline(r["t"], color="grey", linestyle="--", linewidth=0.8)
-    ax.set(xlabel="wall-clock time since the first plan (s)",
-           title="when each group's update was applied (count after the colon; dashed: a new plan)")
+    ax.set(
+        xlabel="wall-clock time since the first plan (s)",
+        title="when each group's update was applied (count after the colon; dashed: a new plan)",
+    )
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     out = run_dir / "groups.png"
@@ -218,8 +270,12 @@ def plot_groups(run_dir: Path, records: list[dict] | None = None) -> Path:
 
 def compare_bands(rows: list[dict], x: str = "time") -> dict[str, dict[str, np.ndarray]]:
     """Per algorithm (compare.json rows), the median_band of all its repeats' accuracy curves."""
-    return {r["algorithm"]: median_band([eval_curve(read_metrics(Path(run) / "metrics.jsonl"), x)
-                                         for run in r["runs"]]) for r in rows}
+    return {
+        r["algorithm"]: median_band(
+            [eval_curve(read_metrics(Path(run) / "metrics.jsonl"), x) for run in r["runs"]]
+        )
+        for r in rows
+    }
 
 
 def plot_compare(rows: list[dict], out: Path, x: str = "time") -> Path:
@@ -228,16 +284,27 @@ def plot_compare(rows: list[dict], out: Path, x: str = "time") -> Path:
     ValueError for an axis the runs did not record."""
     plt = _pyplot()
     bands = compare_bands(rows, x)
-    target = (read_summary(Path(rows[0]["runs"][0])) or {}).get("target_accuracy") if rows and rows[0]["runs"] else None
+    target = (
+        (read_summary(Path(rows[0]["runs"][0])) or {}).get("target_accuracy")
+        if rows and rows[0]["runs"]
+        else None
+    )
     fig, ax = plt.subplots(figsize=(8, 5))
     for algorithm, band in bands.items():
         repeats = int(band["n"].max()) if len(band["n"]) else 0
-        (line,) = ax.step(band["x"], band["median"], where="post", label=f"{algorithm} (median of {repeats})")
-        ax.fill_between(band["x"], band["low"], band["high"], step="post", alpha=0.2, color=line.get_color())
+        (line,) = ax.step(
+            band["x"], band["median"], where="post", label=f"{algorithm} (median of {repeats})"
+        )
+        ax.fill_between(
+            band["x"], band["low"], band["high"], step="post", alpha=0.2, color=line.get_color()
+        )
     if target is not None:
         ax.axhline(target, color="tab:red", linestyle="--", linewidth=1, label=f"target {target}")
-    ax.set(xlabel=X_AXES[x][1], ylabel="test accuracy",
-           title="test accuracy: median over repeats, band from min to max")
+    ax.set(
+        xlabel=X_AXES[x][1],
+        ylabel="test accuracy",
+        title="test accuracy: median over repeats, band from min to max",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -253,18 +320,28 @@ def plot_command(argv: list[str]) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="hetps plot", description=plot_command.__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="hetps plot", description=plot_command.__doc__.splitlines()[0]
+    )
     parser.add_argument("dir", help="a run directory, or the output directory of hetps compare")
-    parser.add_argument("--x", choices=list(X_AXES), default="time", help="compare.png's x axis (default time)")
+    parser.add_argument(
+        "--x", choices=list(X_AXES), default="time", help="compare.png's x axis (default time)"
+    )
     args = parser.parse_args(argv)
     folder = Path(args.dir)
     try:
         if (folder / "compare.json").exists():
-            written = [plot_compare(json.loads((folder / "compare.json").read_text()), folder, args.x)]
+            written = [
+                plot_compare(json.loads((folder / "compare.json").read_text()), folder, args.x)
+            ]
         elif (folder / "metrics.jsonl").exists():
-            written = [plot_run(folder)] + ([folder / "groups.png"] if (folder / "groups.png").exists() else [])
+            written = [plot_run(folder)] + (
+                [folder / "groups.png"] if (folder / "groups.png").exists() else []
+            )
         else:
-            print(f"hetps plot: {folder} has neither compare.json nor metrics.jsonl", file=sys.stderr)
+            print(
+                f"hetps plot: {folder} has neither compare.json nor metrics.jsonl", file=sys.stderr
+            )
             return 2
     except ValueError as exc:
         print(f"hetps plot: {exc}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """What `hetps run` prints while a run goes and when it ends: a live progress
 line that follows metrics.jsonl as it grows, and the closing summary."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-STALL_FRESH_S = 3.0   # an open stall's record older than this (run seconds) is not shown
+STALL_FRESH_S = 3.0  # an open stall's record older than this (run seconds) is not shown
 
 
 @dataclass
@@ -19,7 +19,8 @@ class Progress:
     scheduler's latest `stall` records name one, whom training waits for."""
 
     path: Path
-    expected: list = field(default_factory=list)  # node names the run starts, e.g. ps0, worker3, evaluator
+    # node names the run starts, e.g. ps0, worker3, evaluator
+    expected: list = field(default_factory=list)
     target: float | None = None
     max_seconds: float = 0.0
     max_steps: int = 0
@@ -27,13 +28,13 @@ class Progress:
     planned: bool = False
     launched: float = field(default_factory=time.monotonic)
     offset: int = 0
-    steps: dict = field(default_factory=dict)   # worker index -> latest step
+    steps: dict = field(default_factory=dict)  # worker index -> latest step
     accuracy: float | None = None
     t: float = 0.0
     rate: float = 0.0
-    plan: tuple = (0, 0)   # (plan id, number of groups) of the latest plan
-    groups: list = field(default_factory=list)   # the latest plan's groups (node ids)
-    stalls: dict = field(default_factory=dict)   # node -> its latest `stall` record
+    plan: tuple = (0, 0)  # (plan id, number of groups) of the latest plan
+    groups: list = field(default_factory=list)  # the latest plan's groups (node ids)
+    stalls: dict = field(default_factory=dict)  # node -> its latest `stall` record
     _samples: list = field(default_factory=list)  # (t, total steps) over the last few seconds
 
     def poll(self) -> None:
@@ -53,8 +54,11 @@ class Progress:
             elif rec["kind"] == "eval":
                 self.accuracy = rec["accuracy"]
             elif rec["kind"] == "register":
-                node = "evaluator" if str(rec.get("node")).startswith("evaluator") else rec.get("node")
-                if node not in self.registered:  # (the scheduler's evaluator0 is hetps run's evaluator)
+                node = (
+                    "evaluator" if str(rec.get("node")).startswith("evaluator") else rec.get("node")
+                )
+                # (the scheduler's evaluator0 is hetps run's evaluator)
+                if node not in self.registered:
                     self.registered.append(node)
             elif rec["kind"] == "plan":
                 self.planned = True
@@ -74,24 +78,38 @@ class Progress:
         acc = f"{self.accuracy:.4f}" if self.accuracy is not None else "  -   "
         target = f" (target {self.target})" if self.target is not None else ""
         steps = f"/{self.max_steps}" if self.max_steps else ""
-        several = len(self.groups) > 1 and max(map(len, self.groups)) > 1  # async and ssp: one per worker
-        groups = (f": groups {'+'.join(str(len(g)) for g in self.groups)}" if several
-                  else ": 1 group" if len(self.groups) == 1 else "")
+        # async and ssp: one per worker
+        several = len(self.groups) > 1 and max(map(len, self.groups)) > 1
+        groups = (
+            f": groups {'+'.join(str(len(g)) for g in self.groups)}"
+            if several
+            else ": 1 group"
+            if len(self.groups) == 1
+            else ""
+        )
         plan = f"  plan {self.plan[0]}{groups}" if self.planned else ""
-        return (f"[{self.t:7.1f}s/{self.max_seconds:g}s] steps {sum(self.steps.values()):7d}{steps}  "
-                f"test acc {acc}{target}  {self.rate:7.1f} steps/s{plan}{self.blocked_by()}")
+        return (
+            f"[{self.t:7.1f}s/{self.max_seconds:g}s] steps {sum(self.steps.values()):7d}{steps}  "
+            f"test acc {acc}{target}  {self.rate:7.1f} steps/s{plan}{self.blocked_by()}"
+        )
 
     def blocked_by(self) -> str:
         """E.g. ` — waiting 3.2 s for worker4 (compute) — 5 workers idle`; empty
         when no open stall was recorded in the last STALL_FRESH_S of the run."""
-        open_ = [r for r in self.stalls.values() if not r.get("ended") and r.get("t", 0.0) >= self.t - STALL_FRESH_S]
+        open_ = [
+            r
+            for r in self.stalls.values()
+            if not r.get("ended") and r.get("t", 0.0) >= self.t - STALL_FRESH_S
+        ]
         if not open_:
             return ""
         top = max(open_, key=lambda r: r.get("for_s", 0.0))
         more = f" and {len(open_) - 1} more" if len(open_) > 1 else ""
         idle = top.get("waiting", 0)
-        return (f" — waiting {top.get('for_s', 0.0):.1f} s for {top['node']} ({top.get('reason')}){more}"
-                f" — {idle} worker{'' if idle == 1 else 's'} idle")
+        return (
+            f" — waiting {top.get('for_s', 0.0):.1f} s for {top['node']} ({top.get('reason')}){more}"
+            f" — {idle} worker{'' if idle == 1 else 's'} idle"
+        )
 
     def startup_line(self) -> str:
         """E.g. `registered 5/7 — waiting for ps1, worker3 (loading data, profiling)`."""
@@ -101,15 +119,21 @@ class Progress:
             return f"{clock} starting {len(self.expected)} processes (loading data, building the model, profiling)"
         if not waiting:
             return f"{clock} registered {len(self.registered)}/{len(self.expected)} — planning"
-        names = ", ".join(waiting[:6]) + (f" and {len(waiting) - 6} more" if len(waiting) > 6 else "")
-        return (f"{clock} registered {len(self.registered)}/{len(self.expected)} — waiting for {names} "
-                "(loading data, profiling)")
+        names = ", ".join(waiting[:6]) + (
+            f" and {len(waiting) - 6} more" if len(waiting) > 6 else ""
+        )
+        return (
+            f"{clock} registered {len(self.registered)}/{len(self.expected)} — waiting for {names} "
+            "(loading data, profiling)"
+        )
 
 
 def format_summary(summary: dict, run_dir: Path) -> str:
     acc = summary.get("final_accuracy")
     ttt = summary.get("time_to_target_s")
-    return (f"{summary.get('algorithm')}: {summary.get('status', 'completed')}, final accuracy "
-            f"{acc if acc is None else round(acc, 4)}, best {summary.get('best_accuracy')}, time to target "
-            f"{'not reached' if ttt is None else f'{ttt:.1f}s'}, {summary.get('global_steps', 0)} steps in "
-            f"{summary.get('wall_s', 0.0):.1f}s ({summary.get('stop_reason')})\nrun directory: {run_dir}")
+    return (
+        f"{summary.get('algorithm')}: {summary.get('status', 'completed')}, final accuracy "
+        f"{acc if acc is None else round(acc, 4)}, best {summary.get('best_accuracy')}, time to target "
+        f"{'not reached' if ttt is None else f'{ttt:.1f}s'}, {summary.get('global_steps', 0)} steps in "
+        f"{summary.get('wall_s', 0.0):.1f}s ({summary.get('stop_reason')})\nrun directory: {run_dir}"
+    )

@@ -8,31 +8,35 @@ without a common version, each shard's newest. The resumed run keeps the run
 id (so checkpoints stay in one folder), the config (RUN_DIR/config.yaml, plus
 any overrides) and the run directory; metrics are appended.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetps.runtime import checkpoint
 from hetps.runconfig.schema import ConfigError
-
+from hetps.runtime import checkpoint
 from hetps.scheduler import state
 
 
 @dataclass(frozen=True)
 class ResumePoint:
     run_id: str
-    versions: dict[int, int]   # shard rank -> checkpoint version to restore
-    consistent: bool           # every shard restores the same version
+    versions: dict[int, int]  # shard rank -> checkpoint version to restore
+    consistent: bool  # every shard restores the same version
 
 
 def resume_point(run_dir: Path, n_shards: int) -> ResumePoint:
     saved = state.read(run_dir)
     if saved is None:
-        raise ConfigError(f"{run_dir}: no {state.STATE_FILE}; not a run directory written by `hetps run`")
+        raise ConfigError(
+            f"{run_dir}: no {state.STATE_FILE}; not a run directory written by `hetps run`"
+        )
     root = checkpoints_root(run_dir)
-    found = {rank: dict(checkpoint.checkpoints(checkpoint.shard_dir(root, saved["run_id"], rank)))
-             for rank in range(n_shards)}
+    found = {
+        rank: dict(checkpoint.checkpoints(checkpoint.shard_dir(root, saved["run_id"], rank)))
+        for rank in range(n_shards)
+    }
     empty = [f"ps{r}" for r, versions in found.items() if not versions]
     if empty:
         raise ConfigError(f"{run_dir}: no checkpoints of {', '.join(empty)} under {root}")
@@ -47,8 +51,10 @@ def check_same_shards(run_dir: Path, n_shards: int) -> None:
     plan = (state.read(run_dir) or {}).get("plan") or {}
     before = len(plan.get("shards", []))
     if before and before != n_shards:
-        raise ConfigError(f"cluster.shards: the stopped run had {before} shards, not {n_shards}; "
-                          "a resumed run keeps its shards (tensors do not move)")
+        raise ConfigError(
+            f"cluster.shards: the stopped run had {before} shards, not {n_shards}; "
+            "a resumed run keeps its shards (tensors do not move)"
+        )
 
 
 def checkpoints_root(run_dir: Path) -> Path:

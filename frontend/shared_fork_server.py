@@ -3,6 +3,7 @@ shared_forks.py): imports the daemons' modules once, then forks one daemon
 per request from launchers of its own user, namespaces, interpreter, cgroup
 and CPU set, and sends each launcher its daemon's exit status.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,17 +24,20 @@ from .zygote import PRELOAD, run_daemon
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 16 << 20
-REAP_EVERY_S = 0.05   # how often exited daemons are collected and their statuses sent
+REAP_EVERY_S = 0.05  # how often exited daemons are collected and their statuses sent
 
 
 def peer_problem(conn: socket.socket, request: dict) -> str | None:
     """Why this server must not fork for the peer (None: it may): another
     user, process namespace, interpreter, cgroup or CPU set than the server's
     (its daemon would run under the server's, not the launcher's)."""
-    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    pid, uid, _ = struct.unpack(
+        "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    )
     if uid != os.getuid():
         return f"peer uid {uid} is not this server's ({os.getuid()})"
-    if request.get("pid") != pid:  # its own pid differs from the one the kernel sees: another pid namespace
+    # its own pid differs from the one the kernel sees: another pid namespace
+    if request.get("pid") != pid:
         return "the peer is in another pid namespace"
     try:
         if namespaces(pid) != namespaces():
@@ -108,7 +112,7 @@ class Server:
         self.path, self.parent = path, parent
         self.selector = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.waiting: dict[int, socket.socket] = {}   # daemon pid -> its launcher's connection
+        self.waiting: dict[int, socket.socket] = {}  # daemon pid -> its launcher's connection
         self.pending: dict[socket.socket, bytes] = {}  # connections whose request is still arriving
 
     def bind(self) -> None:
@@ -190,7 +194,9 @@ class Server:
             request[key]  # noqa: B018 - a missing key is refused here, not in the child
         pid = os.fork()
         if pid == 0:
-            become_daemon(request, [self.selector, self.listener, conn, *self.waiting.values(), *self.pending])
+            become_daemon(
+                request, [self.selector, self.listener, conn, *self.waiting.values(), *self.pending]
+            )
         conn.setblocking(True)
         self.waiting[pid] = conn
         answer(conn, {"pid": pid})
@@ -215,12 +221,15 @@ def serve(path: str) -> None:
     import importlib
 
     parent = os.getppid()
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # statuses are collected by waitpid, not discarded
-    os.environ["OMP_NUM_THREADS"] = "1"  # no BLAS/OpenMP pool in the server (fork safety, as zygote.py)
+    # statuses are collected by waitpid, not discarded
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # no BLAS/OpenMP pool in the server (fork safety, as zygote.py)
+    os.environ["OMP_NUM_THREADS"] = "1"
     for name in PRELOAD:
         importlib.import_module(name)
     with contextlib.suppress(ImportError):  # claims the argv/environ memory now, before a daemon
-        import setproctitle                 # clears os.environ (then it could not set the title)
+        import setproctitle  # clears os.environ (then it could not set the title)
+
         setproctitle.getproctitle()
     server = Server(path, parent)
     server.bind()

@@ -22,6 +22,7 @@ run inside `ip netns exec` or under `taskset` still gets its daemons there).
 When the process that started it exits, it stops taking requests and exits
 once its daemons have.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,8 @@ from .zygote import ForkServer, SignalsByPid, forking_enabled
 
 log = logging.getLogger(__name__)
 ENV_VAR = "HETPS_FORK_SERVER"
-ANSWER_WAIT_S = 60.0   # a launcher's wait for the pid (the server answers at once unless overloaded)
+# a launcher's wait for the pid (the server answers at once unless overloaded)
+ANSWER_WAIT_S = 60.0
 
 
 class SharedForkRefused(RuntimeError):
@@ -60,7 +62,10 @@ def namespaces(pid: int | str = "self") -> tuple:
 
 def confinement(pid: int | str = "self") -> tuple:
     """What a forked daemon would inherit from its server rather than its launcher: cgroup and CPUs."""
-    return (Path(f"/proc/{pid}/cgroup").read_text(), sorted(os.sched_getaffinity(0 if pid == "self" else int(pid))))
+    return (
+        Path(f"/proc/{pid}/cgroup").read_text(),
+        sorted(os.sched_getaffinity(0 if pid == "self" else int(pid))),
+    )
 
 
 def read_line(buffer: bytes) -> tuple[dict | None, bytes]:
@@ -84,7 +89,8 @@ class RemoteDaemon(SignalsByPid):
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
-        self._buffer = buffer   # what came after the pid line (the exit status, for a daemon that exits at once)
+        # what came after the pid line (the exit status, for a daemon that exits at once)
+        self._buffer = buffer
         self._server_gone = False
 
     def _read_status(self, timeout: float | None) -> None:
@@ -104,7 +110,9 @@ class RemoteDaemon(SignalsByPid):
                 if status is not None:
                     self.returncode = int(status["exit"])
                     break
-                self.conn.settimeout(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                self.conn.settimeout(
+                    None if deadline is None else max(0.0, deadline - time.monotonic())
+                )
                 chunk = self.conn.recv(4096)
             except (TimeoutError, BlockingIOError):
                 return
@@ -148,14 +156,24 @@ class SharedForkServer:
     def __init__(self, path: str | Path):
         self.path = str(path)
 
-    def start(self, module: str, argv: list[str], log_path: Path, env: dict[str, str]) -> RemoteDaemon:
+    def start(
+        self, module: str, argv: list[str], log_path: Path, env: dict[str, str]
+    ) -> RemoteDaemon:
         """Fork `python -m module *argv` there. Raises SharedForkRefused when it
         could not ask or was refused (nothing started), SharedForkLost when it
         asked and got no answer."""
         args = [sys.executable, "-m", module, *argv]
-        request = {"module": module, "argv": argv, "log_path": str(log_path), "title": " ".join(args),
-                   "env": {**os.environ, **env}, "cwd": os.getcwd(), "sys_path": sys.path,
-                   "executable": sys.executable, "pid": os.getpid()}
+        request = {
+            "module": module,
+            "argv": argv,
+            "log_path": str(log_path),
+            "title": " ".join(args),
+            "env": {**os.environ, **env},
+            "cwd": os.getcwd(),
+            "sys_path": sys.path,
+            "executable": sys.executable,
+            "pid": os.getpid(),
+        }
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(10.0)
@@ -174,7 +192,9 @@ class SharedForkServer:
                 answer, buffer = read_line(buffer + chunk)
         except (OSError, ValueError) as exc:
             conn.close()
-            raise SharedForkLost(f"the shared fork server at {self.path} did not answer: {exc}") from None
+            raise SharedForkLost(
+                f"the shared fork server at {self.path} did not answer: {exc}"
+            ) from None
         if answer is None or "pid" not in answer:
             conn.close()
             why = answer.get("error") if answer else "it closed the connection"

@@ -16,6 +16,7 @@ and each child initialises those itself, as a freshly exec'd daemon would.
 `HETPS_SPAWN=exec` in the environment turns this off (one exec per daemon,
 the way a multi-host deployment starts them).
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -29,7 +30,13 @@ from pathlib import Path
 # (torch._dynamo: torch.optim imports it when a shard builds its optimizer, ~1.3 s of CPU).
 # (The scheduler is exec'd, not forked: it imports no torch. The daemons' `__main__` modules parse
 # flags only; their bodies are ps/serving.py and worker/lifecycle.py.)
-PRELOAD = ["torch", "torch._dynamo", "hetps.ps.serving", "hetps.worker.lifecycle", "hetps.worker.preflight"]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "hetps.ps.serving",
+    "hetps.worker.lifecycle",
+    "hetps.worker.preflight",
+]
 
 
 def forking_enabled() -> bool:
@@ -84,7 +91,6 @@ class ForkedDaemon(SignalsByPid):
         return self.process.exitcode
 
 
-
 class ForkServer:
     """One warm fork server per launcher; `start` returns a ForkedDaemon."""
 
@@ -95,18 +101,25 @@ class ForkServer:
         os.environ["OMP_NUM_THREADS"] = "1"
         self.context.set_forkserver_preload(PRELOAD)
 
-    def start(self, module: str, argv: list[str], log_path: Path, env: dict[str, str]) -> ForkedDaemon:
+    def start(
+        self, module: str, argv: list[str], log_path: Path, env: dict[str, str]
+    ) -> ForkedDaemon:
         """Fork `python -m module *argv` (non-blocking once the server is warm;
         the first call waits for the server's imports)."""
         args = [sys.executable, "-m", module, *argv]
-        process = self.context.Process(target=run_daemon, args=(module, argv, str(log_path), env,
-                                                                " ".join(args)),
-                                       name=module, daemon=False)
+        process = self.context.Process(
+            target=run_daemon,
+            args=(module, argv, str(log_path), env, " ".join(args)),
+            name=module,
+            daemon=False,
+        )
         process.start()
         return ForkedDaemon(process, args)
 
 
-def run_daemon(module: str, argv: list[str], log_path: str, env: dict[str, str], title: str) -> None:
+def run_daemon(
+    module: str, argv: list[str], log_path: str, env: dict[str, str], title: str
+) -> None:
     """In the forked child: become `python -m module *argv` in a session of its own."""
     os.setsid()  # a terminal's Ctrl-C reaches only the launcher, as with start_new_session
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -118,8 +131,10 @@ def run_daemon(module: str, argv: list[str], log_path: str, env: dict[str, str],
     os.environ.update(env)
     try:
         import setproctitle
+
         setproctitle.setproctitle(title)
-    except ImportError:  # optional: the daemon runs the same, `ps` shows the fork server's command line
+    # optional: the daemon runs the same, `ps` shows the fork server's command line
+    except ImportError:
         pass
     sys.argv = [module, *argv]
     # multiprocessing's atexit handling must not treat the daemon as one of its workers

@@ -17,6 +17,7 @@ must copy before writing into them. Small tensors travel together in one pack
 frame (layout.py); compressed gradients are decoded to fresh dense tensors of
 their declared dtype and shape here (compression.py), so no caller sees either.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,17 +30,33 @@ import msgpack
 import numpy
 
 from . import dtypes as _dt
+from . import known_layouts
 from .compression import Compressed, check_encoding, decompress, payload_nbytes
 from .errors import ProtocolError
+from .known_layouts import CheckedLayout, Spec, contiguous_strides
+from .layout import (
+    PACK_BELOW,
+    aligned,
+    build_pack,
+    byte_view,
+    check_packed,
+    choose_packed,
+    split_frames,
+)
 from .lazy import lazy_module
-from .layout import PACK_BELOW, aligned, build_pack, byte_view, check_packed, choose_packed, split_frames
+from .messages import (
+    MESSAGES,
+    PROTOCOL_VERSION,
+    Error,
+    Message,
+    Op,
+    Status,
+    has_tensors,
+    header_fields,
+)
+from .pack_templates import packed_fields_and_frame
 from .records import READERS, to_wire
 from .runs import flat_runs
-from . import known_layouts
-from .known_layouts import CheckedLayout, Spec, contiguous_strides
-from .pack_templates import packed_fields_and_frame
-from .messages import (MESSAGES, PROTOCOL_VERSION, Error, Message, Op, Status,
-                       has_tensors, header_fields)
 
 torch = lazy_module("torch")  # the scheduler decodes headers only and never loads it
 
@@ -59,7 +76,9 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 # protocol defines it as little-endian (docs/protocol.md) and refuses other hosts.
 BYTE_ORDER = "little"
 if sys.byteorder != BYTE_ORDER:
-    raise ImportError(f"hetps needs a {BYTE_ORDER}-endian host: tensor frames are raw {BYTE_ORDER}-endian memory")
+    raise ImportError(
+        f"hetps needs a {BYTE_ORDER}-endian host: tensor frames are raw {BYTE_ORDER}-endian memory"
+    )
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30
 MAX_HEADER_BYTES = 1 << 20
 _TYPES = {"int": int, "str": str, "list": list, "dict": dict, "bool": bool, "float": (int, float)}
@@ -87,7 +106,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def tensor_frame(t: torch.Tensor) -> memoryview:
     """A flat byte view of a CPU tensor's data, copied only if it is not contiguous."""
     t = t.detach()
-    if t.dtype in _dt.NUMPY_DTYPES and t.numel() and t.dim() and t.is_contiguous():  # common case, fewer calls
+    # common case, fewer calls
+    if t.dtype in _dt.NUMPY_DTYPES and t.numel() and t.dim() and t.is_contiguous():
         return memoryview(t.numpy()).cast("B")
     flat = t.reshape(-1)
     if flat.stride() != (1,):  # a strided 1-D view (e.g. every other entry): copy it
@@ -106,8 +126,9 @@ class EncodedTensors:
     frames: list
 
 
-def encode_tensors(tensors: Mapping[str, Any], pack_below: int = PACK_BELOW,
-                   arena: torch.Tensor | None = None) -> EncodedTensors:
+def encode_tensors(
+    tensors: Mapping[str, Any], pack_below: int = PACK_BELOW, arena: torch.Tensor | None = None
+) -> EncodedTensors:
     """Specs and payload frames of `tensors` (CPU; `Compressed` values travel
     compressed). Payloads under `pack_below` bytes share one pack frame at
     the end (0: one frame each; all of them if their total is small, see
@@ -117,7 +138,9 @@ def encode_tensors(tensors: Mapping[str, Any], pack_below: int = PACK_BELOW,
     layout (ps/arena.py): it is sent as it is, as the one pack frame."""
     if arena is not None and is_pack_of(tensors, arena):
         specs = [[n, _dt.DTYPE_NAMES[t.dtype], list(t.shape)] for n, t in tensors.items()]
-        return EncodedTensors({"tensors": specs, "packed": list(range(len(specs)))}, [tensor_frame(arena)])
+        return EncodedTensors(
+            {"tensors": specs, "packed": list(range(len(specs)))}, [tensor_frame(arena)]
+        )
     template = packed_fields_and_frame(tensors, pack_below)  # a repeated tensor list of one dtype
     if template is not None:
         fields, frame = template
@@ -148,15 +171,24 @@ def is_pack_of(tensors: Mapping[str, Any], arena: torch.Tensor) -> bool:
         return False
     at, offset = arena.data_ptr(), 0
     for t in tensors.values():
-        if type(t) is not torch.Tensor or not t.is_contiguous() or t.data_ptr() != at + offset \
-                or t.dtype not in _dt.DTYPE_NAMES:
+        if (
+            type(t) is not torch.Tensor
+            or not t.is_contiguous()
+            or t.data_ptr() != at + offset
+            or t.dtype not in _dt.DTYPE_NAMES
+        ):
             return False
         offset += aligned(t.numel() * t.element_size())
     return offset == arena.numel()
 
 
-def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_BELOW,
-           encoded: EncodedTensors | None = None) -> list:
+def encode(
+    msg: Message,
+    req_id: int = 0,
+    src: int = 0,
+    pack_below: int = PACK_BELOW,
+    encoded: EncodedTensors | None = None,
+) -> list:
     """Frames for `msg`: [header bytes, tensor payloads ...] (see `encode_tensors`).
     `encoded`: `msg.tensors` encoded already (`encode_tensors`), sent as they are."""
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": int(msg.OP), "id": req_id, "src": src}
@@ -175,7 +207,9 @@ def encode(msg: Message, req_id: int = 0, src: int = 0, pack_below: int = PACK_B
 def _unpack_header(raw) -> dict:
     raw = bytes(raw)
     if len(raw) > MAX_HEADER_BYTES:  # msgpack.unpackb has no max_buffer_size argument
-        raise ProtocolError(Status.MALFORMED, f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
+        raise ProtocolError(
+            Status.MALFORMED, f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}"
+        )
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
@@ -189,8 +223,11 @@ def _check_type(name: str, value: Any, type_name: str, req_id: int) -> None:
     want = _TYPES[type_name]
     ok = isinstance(value, want) and not (isinstance(value, bool) and type_name in ("int", "float"))
     if not ok:
-        raise ProtocolError(Status.MALFORMED,
-                            f"field {name!r} must be {type_name}, got {type(value).__name__}", req_id)
+        raise ProtocolError(
+            Status.MALFORMED,
+            f"field {name!r} must be {type_name}, got {type(value).__name__}",
+            req_id,
+        )
 
 
 def _read_op(header: dict) -> tuple[type[Message], int, int]:
@@ -198,8 +235,11 @@ def _read_op(header: dict) -> tuple[type[Message], int, int]:
     req_id = req_id if isinstance(req_id, int) and not isinstance(req_id, bool) else 0
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError(Status.BAD_VERSION,
-                            f"protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}", req_id)
+        raise ProtocolError(
+            Status.BAD_VERSION,
+            f"protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}",
+            req_id,
+        )
     for key in ("op", "id", "src"):
         if key not in header:
             raise ProtocolError(Status.MALFORMED, f"missing field {key!r}", req_id)
@@ -213,21 +253,33 @@ def _read_op(header: dict) -> tuple[type[Message], int, int]:
 
 def _read_spec(spec: Any, max_bytes: int, req_id: int) -> Spec:
     # type() rather than isinstance: msgpack makes exact lists, ints and strs, and a bool is no dim
-    if not (type(spec) is list and len(spec) == 3 and type(spec[0]) is str and type(spec[1]) is str
-            and type(spec[2]) is list and all(type(d) is int and d >= 0 for d in spec[2])):
+    if not (
+        type(spec) is list
+        and len(spec) == 3
+        and type(spec[0]) is str
+        and type(spec[1]) is str
+        and type(spec[2]) is list
+        and all(type(d) is int and d >= 0 for d in spec[2])
+    ):
         raise ProtocolError(Status.MALFORMED, f"bad tensor spec {spec!r:.80}", req_id)
     name, dtype_str, shape = spec
     dtype = _dt.DTYPES.get(dtype_str)
     if dtype is None:
-        raise ProtocolError(Status.DTYPE_NOT_ALLOWED,
-                            f"tensor {name!r}: dtype {dtype_str!r} not in {sorted(_dt.DTYPES)}", req_id)
+        raise ProtocolError(
+            Status.DTYPE_NOT_ALLOWED,
+            f"tensor {name!r}: dtype {dtype_str!r} not in {sorted(_dt.DTYPES)}",
+            req_id,
+        )
     bound = dtype.itemsize  # >= nbytes; also bounds dims beside a 0
     for d in shape:  # stop as soon as it is too large: a shape may list thousands of huge dims
         if d > 1:
             bound *= d
             if bound > max_bytes:
-                raise ProtocolError(Status.TOO_LARGE, f"tensor {name!r} declares more than {max_bytes} bytes, "
-                                                      f"shape {shape!r:.80}", req_id)
+                raise ProtocolError(
+                    Status.TOO_LARGE,
+                    f"tensor {name!r} declares more than {max_bytes} bytes, shape {shape!r:.80}",
+                    req_id,
+                )
     return Spec(name, dtype, tuple(shape), math.prod(shape))
 
 
@@ -236,8 +288,13 @@ def _read_encodings(raw: list, specs: list[Spec], req_id: int) -> dict[int, tupl
     entry: tensor index -> (kind, count)."""
     out: dict[int, tuple[str, int]] = {}
     for entry in raw:
-        if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int
-                and 0 <= entry[0] < len(specs) and entry[0] not in out):
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and type(entry[0]) is int
+            and 0 <= entry[0] < len(specs)
+            and entry[0] not in out
+        ):
             raise ProtocolError(Status.MALFORMED, f"bad 'enc' entry {entry!r:.60}", req_id)
         i, kind, count = entry
         check_encoding(kind, count, specs[i].dtype, specs[i].numel, specs[i].name, req_id)
@@ -266,25 +323,35 @@ def check_catalog(specs: Sequence[Spec], catalog: TensorCatalog, req_id: int = 0
     """Raise unless every tensor is in `catalog` with the registered dtype and shape."""
     for s in specs:
         if s.name not in catalog:
-            raise ProtocolError(Status.UNKNOWN_TENSOR, f"tensor {s.name!r} is not held here", req_id)
+            raise ProtocolError(
+                Status.UNKNOWN_TENSOR, f"tensor {s.name!r} is not held here", req_id
+            )
         dtype_str, shape = catalog[s.name]
         if s.shape != tuple(shape):
-            raise ProtocolError(Status.SHAPE_MISMATCH,
-                                f"tensor {s.name!r}: shape {list(s.shape)}, registered {list(shape)}", req_id)
+            raise ProtocolError(
+                Status.SHAPE_MISMATCH,
+                f"tensor {s.name!r}: shape {list(s.shape)}, registered {list(shape)}",
+                req_id,
+            )
         if _dt.DTYPE_NAMES[s.dtype] != dtype_str:
-            raise ProtocolError(Status.DTYPE_NOT_ALLOWED,
-                                f"tensor {s.name!r}: dtype {_dt.DTYPE_NAMES[s.dtype]}, registered {dtype_str}", req_id)
+            raise ProtocolError(
+                Status.DTYPE_NOT_ALLOWED,
+                f"tensor {s.name!r}: dtype {_dt.DTYPE_NAMES[s.dtype]}, registered {dtype_str}",
+                req_id,
+            )
 
 
-def _decode_tensors(header: dict, frames: Sequence, catalog: TensorCatalog | None, max_bytes: int,
-                    req_id: int) -> dict[str, torch.Tensor]:
+def _decode_tensors(
+    header: dict, frames: Sequence, catalog: TensorCatalog | None, max_bytes: int, req_id: int
+) -> dict[str, torch.Tensor]:
     """Field types, then specs, then encodings, then frame layout and lengths, then the catalog;
     only then are tensors made (views of the frames, or decompressed)."""
     for key in ("tensors", "enc", "packed"):  # field types first, like every header field
         if not isinstance(header.get(key, []), list):
             raise ProtocolError(Status.MALFORMED, f"field {key!r} must be a list", req_id)
     layout, specs, encodings, sizes = _checked_layout(header, max_bytes, req_id)
-    if layout is not None and layout.fits(frames):  # a layout seen before, in one pack frame of its length
+    # a layout seen before, in one pack frame of its length
+    if layout is not None and layout.fits(frames):
         if catalog is not None and layout.catalog is not catalog:
             check_catalog(layout.specs, catalog, req_id)
             layout.catalog = catalog
@@ -293,13 +360,19 @@ def _decode_tensors(header: dict, frames: Sequence, catalog: TensorCatalog | Non
     if catalog is not None:
         check_catalog(specs, catalog, req_id)
     in_pack = _pack_views(frames, specs, sizes, header.get("packed", []), encodings)
-    return {s.name: in_pack[i] if i in in_pack else _dense_view(s, p) if i not in encodings
-            else decompress(*encodings[i], s.dtype, s.shape, p, s.name, req_id)
-            for i, (s, p) in enumerate(zip(specs, payloads))}
+    return {
+        s.name: in_pack[i]
+        if i in in_pack
+        else _dense_view(s, p)
+        if i not in encodings
+        else decompress(*encodings[i], s.dtype, s.shape, p, s.name, req_id)
+        for i, (s, p) in enumerate(zip(specs, payloads))
+    }
 
 
-def _checked_layout(header: dict, max_bytes: int, req_id: int
-                    ) -> tuple[CheckedLayout | None, list[Spec], dict[int, tuple[str, int]], list[int]]:
+def _checked_layout(
+    header: dict, max_bytes: int, req_id: int
+) -> tuple[CheckedLayout | None, list[Spec], dict[int, tuple[str, int]], list[int]]:
     """The header's layout, checked: the dense one remembered (known_layouts.py; None for compressed
     tensors), the specs, the encodings and the payload sizes."""
     key = known_layouts.key_of(header, max_bytes)
@@ -318,8 +391,9 @@ def _checked_layout(header: dict, max_bytes: int, req_id: int
     return layout, specs, encodings, sizes
 
 
-def _pack_views(frames: Sequence, specs: list[Spec], sizes: list[int], packed: list[int],
-                encodings: dict) -> dict[int, torch.Tensor]:
+def _pack_views(
+    frames: Sequence, specs: list[Spec], sizes: list[int], packed: list[int], encodings: dict
+) -> dict[int, torch.Tensor]:
     """The dense packed tensors as views of one tensor over the pack frame
     (split_frames checked its length), so that the tensors of one dtype that
     lie back to back can be read as one run (`nonfinite_names`, the shard's
@@ -339,13 +413,18 @@ def _pack_views(frames: Sequence, specs: list[Spec], sizes: list[int], packed: l
             typed = as_dtype.get(dtype)
             if typed is None:
                 typed = as_dtype[dtype] = base.view(dtype)
-            views[i] = typed.as_strided(s.shape, contiguous_strides(s.shape), offset // dtype.itemsize)
+            views[i] = typed.as_strided(
+                s.shape, contiguous_strides(s.shape), offset // dtype.itemsize
+            )
         offset += aligned(sizes[i])
     return views
 
 
-def decode(frames: Sequence, catalog: TensorCatalog | None = None,
-           max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Envelope:
+def decode(
+    frames: Sequence,
+    catalog: TensorCatalog | None = None,
+    max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+) -> Envelope:
     """Validate and decode frames into an Envelope. Raises ProtocolError."""
     if not frames:
         raise ProtocolError(Status.MALFORMED, "empty message")
@@ -357,12 +436,17 @@ def decode(frames: Sequence, catalog: TensorCatalog | None = None,
             _check_type(f.name, header[f.name], str(f.type), req_id)
             values[f.name] = header[f.name]
         elif f.default is MISSING and f.default_factory is MISSING:
-            raise ProtocolError(Status.MALFORMED, f"{cls.OP.name}: missing field {f.name!r}", req_id)
+            raise ProtocolError(
+                Status.MALFORMED, f"{cls.OP.name}: missing field {f.name!r}", req_id
+            )
     if has_tensors(cls):
-        values["tensors"] = _decode_tensors(header, frames[1:], catalog if cls.CATALOGUED else None,
-                                            max_tensor_bytes, req_id)
+        values["tensors"] = _decode_tensors(
+            header, frames[1:], catalog if cls.CATALOGUED else None, max_tensor_bytes, req_id
+        )
     elif len(frames) != 1:
-        raise ProtocolError(Status.MALFORMED, f"{len(frames) - 1} tensor frames for 0 tensor specs", req_id)
+        raise ProtocolError(
+            Status.MALFORMED, f"{len(frames) - 1} tensor frames for 0 tensor specs", req_id
+        )
     try:
         msg = cls(**values)  # reads the free-form fields into typed records (records.py)
     except ProtocolError as err:

@@ -26,11 +26,12 @@ the indices and returns the dense tensor of the declared dtype and shape, so
 policies only ever see dense gradients. The payload's byte length is checked
 before, against `payload_nbytes`.
 """
+
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Container, Mapping
 
@@ -39,7 +40,8 @@ from .layout import aligned
 from .lazy import lazy_module
 from .messages import Status
 
-torch = lazy_module("torch")  # the scheduler imports this module (through codec) and never loads torch
+# the scheduler imports this module (through codec) and never loads torch
+torch = lazy_module("torch")
 
 _FLOATS: tuple = ()  # (torch.float32, torch.float64): dense dtypes that may travel compressed
 
@@ -56,6 +58,8 @@ def __getattr__(name: str):
     if name == "FLOATS":  # the constant's old name, for importers
         return floats()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 KINDS = ("fp16", "topk")
 
 
@@ -90,20 +94,35 @@ def payload_nbytes(kind: str, dtype: torch.dtype, numel: int, count: int) -> int
 # ---------------------------------------------------------------- shard side (trust boundary)
 
 
-def check_encoding(kind: object, count: object, dtype: torch.dtype, numel: int, name: str,
-                   req_id: int) -> None:
+def check_encoding(
+    kind: object, count: object, dtype: torch.dtype, numel: int, name: str, req_id: int
+) -> None:
     """Raise MALFORMED unless `[kind, count]` can describe a tensor of `dtype`, `numel` entries."""
     if kind not in KINDS:
-        raise ProtocolError(Status.MALFORMED, f"tensor {name!r}: unknown encoding {kind!r:.20}", req_id)
+        raise ProtocolError(
+            Status.MALFORMED, f"tensor {name!r}: unknown encoding {kind!r:.20}", req_id
+        )
     if dtype not in floats():
-        raise ProtocolError(Status.MALFORMED, f"tensor {name!r}: {kind} of a {dtype} tensor", req_id)
+        raise ProtocolError(
+            Status.MALFORMED, f"tensor {name!r}: {kind} of a {dtype} tensor", req_id
+        )
     if type(count) is not int or not 0 <= count <= numel or (kind == "fp16" and count != numel):
-        raise ProtocolError(Status.MALFORMED, f"tensor {name!r}: {kind} count {count!r:.20} "
-                                              f"for {numel} entries", req_id)
+        raise ProtocolError(
+            Status.MALFORMED,
+            f"tensor {name!r}: {kind} count {count!r:.20} for {numel} entries",
+            req_id,
+        )
 
 
-def decompress(kind: str, count: int, dtype: torch.dtype, shape: tuple[int, ...], payload: memoryview,
-               name: str, req_id: int) -> torch.Tensor:
+def decompress(
+    kind: str,
+    count: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    payload: memoryview,
+    name: str,
+    req_id: int,
+) -> torch.Tensor:
     """The dense tensor a checked encoding and a payload of `payload_nbytes` bytes describe."""
     numel = math.prod(shape)
     if kind == "fp16":
@@ -114,10 +133,17 @@ def decompress(kind: str, count: int, dtype: torch.dtype, shape: tuple[int, ...]
     if count:
         itype = index_dtype(numel)
         index = torch.frombuffer(payload, dtype=itype, count=count)
-        values = torch.frombuffer(payload, dtype=dtype, count=count, offset=aligned(count * itype.itemsize))
-        if not (int(index[0]) >= 0 and int(index[-1]) < numel and bool((index[1:] > index[:-1]).all())):
-            raise ProtocolError(Status.MALFORMED, f"tensor {name!r}: topk indices must increase "
-                                                  f"strictly within [0, {numel})", req_id)
+        values = torch.frombuffer(
+            payload, dtype=dtype, count=count, offset=aligned(count * itype.itemsize)
+        )
+        if not (
+            int(index[0]) >= 0 and int(index[-1]) < numel and bool((index[1:] > index[:-1]).all())
+        ):
+            raise ProtocolError(
+                Status.MALFORMED,
+                f"tensor {name!r}: topk indices must increase strictly within [0, {numel})",
+                req_id,
+            )
         dense[index.long()] = values
     return dense.reshape(shape)
 
@@ -131,7 +157,7 @@ def topk_payload(index: torch.Tensor, values: torch.Tensor, numel: int) -> torch
     k = index.numel()
     offset = aligned(k * itype.itemsize)
     payload = torch.zeros(offset + k * values.element_size(), dtype=torch.uint8)
-    payload[:k * itype.itemsize].view(itype).copy_(index)
+    payload[: k * itype.itemsize].view(itype).copy_(index)
     payload[offset:].view(values.dtype).copy_(values)
     return payload
 
@@ -145,8 +171,8 @@ class Compressor(ABC):
 
     def __init__(self, ratio: float):
         self.ratio = ratio
-        self.dense_bytes = 0   # what the compressed tensors would have taken dense
-        self.sent_bytes = 0    # what they took
+        self.dense_bytes = 0  # what the compressed tensors would have taken dense
+        self.sent_bytes = 0  # what they took
         self._lock = threading.Lock()
 
     def compress(self, tensors: Mapping[str, torch.Tensor], names: Container[str]) -> dict:
@@ -172,8 +198,11 @@ class Compressor(ABC):
         """One gradient as it travels (the subclass's encoding)."""
 
     def stats(self) -> dict:
-        return {"compression": self.name, "grad_dense_bytes": self.dense_bytes,
-                "grad_sent_bytes": self.sent_bytes}
+        return {
+            "compression": self.name,
+            "grad_dense_bytes": self.dense_bytes,
+            "grad_sent_bytes": self.sent_bytes,
+        }
 
 
 def _nbytes(t: Compressed | torch.Tensor) -> int:
@@ -185,7 +214,9 @@ class Fp16Compressor(Compressor):
 
     def encode(self, name: str, grad: torch.Tensor) -> Compressed:
         half = grad.to(torch.float16).reshape(-1)
-        return Compressed("fp16", grad.dtype, tuple(grad.shape), half.numel(), half.view(torch.uint8))
+        return Compressed(
+            "fp16", grad.dtype, tuple(grad.shape), half.numel(), half.view(torch.uint8)
+        )
 
 
 class TopKCompressor(Compressor):
@@ -210,7 +241,9 @@ class TopKCompressor(Compressor):
         index = torch.topk(acc.abs(), k, sorted=False).indices.sort().values
         values = acc[index]
         acc[index] = 0
-        return Compressed("topk", acc.dtype, tuple(grad.shape), k, topk_payload(index, values, numel))
+        return Compressed(
+            "topk", acc.dtype, tuple(grad.shape), k, topk_payload(index, values, numel)
+        )
 
     def _accumulate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """Flat gradient + residual, in this tensor's residual buffer."""
@@ -231,5 +264,7 @@ def make_compressor(name: str, ratio: float) -> Compressor | None:
     if name == "none":
         return None
     if name not in COMPRESSORS:
-        raise ValueError(f"comm.compression: unknown value {name!r}; allowed: none, {', '.join(COMPRESSORS)}")
+        raise ValueError(
+            f"comm.compression: unknown value {name!r}; allowed: none, {', '.join(COMPRESSORS)}"
+        )
     return COMPRESSORS[name](ratio)

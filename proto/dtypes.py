@@ -5,11 +5,18 @@ the codec, tensor specs and plans check the same allow-list.
 without importing it (seconds of start-up on a loaded machine). `DTYPES`,
 `DTYPE_NAMES` and `NUMPY_DTYPES` import torch on first use.
 """
+
 from __future__ import annotations
 
 ITEMSIZES: dict[str, int] = {
-    "float32": 4, "float64": 8, "float16": 2, "bfloat16": 2,
-    "int64": 8, "int32": 4, "uint8": 1, "bool": 1,
+    "float32": 4,
+    "float64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "uint8": 1,
+    "bool": 1,
 }
 _LAZY = ("DTYPES", "DTYPE_NAMES", "NUMPY_DTYPES")
 
@@ -22,6 +29,10 @@ def __getattr__(name: str):
     import torch
 
     dtypes = {n: getattr(torch, n) for n in ITEMSIZES}
-    globals().update(DTYPES=dtypes, DTYPE_NAMES={v: k for k, v in dtypes.items()},
-                     NUMPY_DTYPES={d: numpy.dtype(n) for n, d in dtypes.items() if n != "bfloat16"})  # no bfloat16
+    globals().update(
+        DTYPES=dtypes,
+        DTYPE_NAMES={v: k for k, v in dtypes.items()},
+        # no bfloat16
+        NUMPY_DTYPES={d: numpy.dtype(n) for n, d in dtypes.items() if n != "bfloat16"},
+    )
     return globals()[name]

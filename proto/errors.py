@@ -5,6 +5,7 @@ TransportError, SecurityError, RemoteError, RequestTimeout, ...).
 
 Imports nothing of hetps, so every module may import it.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

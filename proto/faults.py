@@ -3,6 +3,7 @@ dropped or held back, with seeded probabilities, so that the retry and
 re-send paths of rpc.py can be exercised (`cluster.faults` in a run; the
 runtime builds a `WireFaults` from it, runtime/emulation.py `wire_faults`).
 """
+
 from __future__ import annotations
 
 import random
@@ -16,8 +17,10 @@ class WireFaults:
 
     def __init__(self, drop: float = 0.0, delay: float = 0.0, delay_s: float = 0.05, seed: int = 0):
         if not (0.0 <= drop <= 1.0 and 0.0 <= delay <= 1.0 and delay_s >= 0.0):
-            raise ValueError(f"want drop and delay in [0, 1] and delay_s >= 0, "
-                             f"got drop={drop} delay={delay} delay_s={delay_s}")
+            raise ValueError(
+                f"want drop and delay in [0, 1] and delay_s >= 0, "
+                f"got drop={drop} delay={delay} delay_s={delay_s}"
+            )
         self.drop, self.delay, self.delay_s = drop, delay, delay_s
         self.rng = random.Random(seed)
         self.dropped = 0

@@ -13,6 +13,7 @@ message whose specs differ in any way, even `True` for `1`, is checked in
 full. Thread-safe for reading and adding (a worker's shard
 threads decode at once); at most MAX_LAYOUTS are kept, then all are dropped.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,13 +21,14 @@ from typing import Any, NamedTuple, Sequence
 
 import msgpack
 
-from .lazy import lazy_module
 from .layout import aligned, byte_view
+from .lazy import lazy_module
 from .runs import RunTensors
 
 torch = lazy_module("torch")
 
-MAX_LAYOUTS = 256  # a process sees one layout per peer and message kind; a flood of others just re-checks
+# a process sees one layout per peer and message kind; a flood of others just re-checks
+MAX_LAYOUTS = 256
 
 
 class Spec(NamedTuple):
@@ -59,7 +61,8 @@ class CheckedLayout:
 
     def __init__(self, specs: list[Spec], sizes: list[int], packed: list[int]):
         self.specs, self.sizes, self.packed = specs, sizes, packed
-        self.catalog: Any = None  # the last catalogue every spec was found in (compared by identity)
+        # the last catalogue every spec was found in (compared by identity)
+        self.catalog: Any = None
         self.pack_nbytes = sum(aligned(sizes[i]) for i in packed)
         self.views: list[PackedView] | None = None
         self.runs: list[tuple[torch.dtype, int, int, list[str]]] = []
@@ -71,14 +74,26 @@ class CheckedLayout:
         views, offset = [], 0
         last = None  # (dtype, end in bytes) of the last non-empty floating tensor
         for s, nbytes in zip(self.specs, self.sizes):
-            views.append(PackedView(s.name, s.dtype, s.shape, contiguous_strides(s.shape), offset // s.dtype.itemsize,
-                                    s.numel))
+            views.append(
+                PackedView(
+                    s.name,
+                    s.dtype,
+                    s.shape,
+                    contiguous_strides(s.shape),
+                    offset // s.dtype.itemsize,
+                    s.numel,
+                )
+            )
             if s.numel and s.dtype.is_floating_point:
                 if last is not None and last == (s.dtype, offset):
                     dtype, start, _, names = self.runs[-1]
                     names.append(s.name)
-                    self.runs[-1] = (dtype, start, (offset + nbytes - start * dtype.itemsize) // dtype.itemsize,
-                                     names)
+                    self.runs[-1] = (
+                        dtype,
+                        start,
+                        (offset + nbytes - start * dtype.itemsize) // dtype.itemsize,
+                        names,
+                    )
                 else:
                     self.runs.append((s.dtype, offset // s.dtype.itemsize, s.numel, [s.name]))
                 last = (s.dtype, offset + aligned(nbytes))
@@ -87,7 +102,11 @@ class CheckedLayout:
 
     def fits(self, frames: Sequence) -> bool:
         """Whether `frames` (after the header) are the one pack frame of the right length."""
-        return self.views is not None and len(frames) == 1 and byte_view(frames[0]).nbytes == self.pack_nbytes
+        return (
+            self.views is not None
+            and len(frames) == 1
+            and byte_view(frames[0]).nbytes == self.pack_nbytes
+        )
 
     def tensors(self, frame: Any) -> RunTensors:
         """Read-only views of a pack frame that `fits`, with their flat runs."""
@@ -100,11 +119,14 @@ class CheckedLayout:
                 continue
             as_dtype = typed.get(v.dtype)
             if as_dtype is None:
-                as_dtype = typed[v.dtype] = base.view(v.dtype)  # the frame's length is a multiple of ALIGN
+                # the frame's length is a multiple of ALIGN
+                as_dtype = typed[v.dtype] = base.view(v.dtype)
             views.append((v.name, as_dtype.as_strided(v.shape, v.strides, v.offset)))
         out = RunTensors(views)
-        out.runs = [(typed[dtype].as_strided((count,), (1,), start), list(names))
-                    for dtype, start, count, names in self.runs]
+        out.runs = [
+            (typed[dtype].as_strided((count,), (1,), start), list(names))
+            for dtype, start, count, names in self.runs
+        ]
         return out
 
 
@@ -120,7 +142,9 @@ def key_of(header: dict, max_bytes: int) -> tuple | None:
     if "enc" in header:
         return None
     try:
-        return msgpack.packb((header.get("tensors", []), header.get("packed")), use_bin_type=True), max_bytes
+        return msgpack.packb(
+            (header.get("tensors", []), header.get("packed")), use_bin_type=True
+        ), max_bytes
     except Exception:  # e.g. nested deeper than msgpack packs: not a layout anyone sends
         return None
 

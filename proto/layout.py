@@ -17,6 +17,7 @@ TRUST BOUNDARY: `split_frames` checks `packed`, the frame count and every
 length against the sizes the already validated specs imply, and returns
 views; it allocates nothing sized by the header.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -72,14 +73,21 @@ def byte_view(frame: Any) -> memoryview:
 def check_packed(packed: Any, n: int, req_id: int) -> list[int]:
     """`packed` (a header field) if it is increasing indices below `n`; raises ProtocolError (MALFORMED)."""
     if not isinstance(packed, list) or not all(type(i) is int for i in packed):
-        raise ProtocolError(Status.MALFORMED, "field 'packed' must be a list of tensor indices", req_id)
-    if packed and not (0 <= packed[0] and packed[-1] < n
-                       and all(a < b for a, b in zip(packed, packed[1:]))):
-        raise ProtocolError(Status.MALFORMED, f"field 'packed' must be increasing indices below {n}", req_id)
+        raise ProtocolError(
+            Status.MALFORMED, "field 'packed' must be a list of tensor indices", req_id
+        )
+    if packed and not (
+        0 <= packed[0] and packed[-1] < n and all(a < b for a, b in zip(packed, packed[1:]))
+    ):
+        raise ProtocolError(
+            Status.MALFORMED, f"field 'packed' must be increasing indices below {n}", req_id
+        )
     return packed
 
 
-def split_frames(frames: Sequence, sizes: Sequence[int], packed: Any, req_id: int) -> list[memoryview]:
+def split_frames(
+    frames: Sequence, sizes: Sequence[int], packed: Any, req_id: int
+) -> list[memoryview]:
     """One byte view per tensor payload (in spec order), each exactly `sizes[i]`
     long. `frames` are the message's frames after the header. Raises
     ProtocolError (MALFORMED) on a wrong frame count or length."""
@@ -87,24 +95,34 @@ def split_frames(frames: Sequence, sizes: Sequence[int], packed: Any, req_id: in
     packed = check_packed(packed, n, req_id)
     expected = n - len(packed) + (1 if packed else 0)
     if len(frames) != expected:
-        raise ProtocolError(Status.MALFORMED, f"{len(frames)} tensor frames for {n} tensor specs"
-                                              f"{f' ({len(packed)} packed)' if packed else ''}", req_id)
+        raise ProtocolError(
+            Status.MALFORMED,
+            f"{len(frames)} tensor frames for {n} tensor specs"
+            f"{f' ({len(packed)} packed)' if packed else ''}",
+            req_id,
+        )
     views: list = [None] * n
     if packed:
         pack = byte_view(frames[-1])
         need = sum(aligned(sizes[i]) for i in packed)
         if pack.nbytes != need:
-            raise ProtocolError(Status.MALFORMED, f"pack frame has {pack.nbytes} bytes, its "
-                                                  f"{len(packed)} tensors need {need}", req_id)
+            raise ProtocolError(
+                Status.MALFORMED,
+                f"pack frame has {pack.nbytes} bytes, its {len(packed)} tensors need {need}",
+                req_id,
+            )
         offset = 0
         for i in packed:
-            views[i] = pack[offset:offset + sizes[i]]
+            views[i] = pack[offset : offset + sizes[i]]
             offset += aligned(sizes[i])
     own = iter(frames)
     for i in range(n):
         if views[i] is None:
             views[i] = byte_view(next(own))
             if views[i].nbytes != sizes[i]:
-                raise ProtocolError(Status.MALFORMED,
-                                    f"tensor #{i}: frame has {views[i].nbytes} bytes, needs {sizes[i]}", req_id)
+                raise ProtocolError(
+                    Status.MALFORMED,
+                    f"tensor #{i}: frame has {views[i].nbytes} bytes, needs {sizes[i]}",
+                    req_id,
+                )
     return views

@@ -3,6 +3,7 @@ process that never touches tensors -- the scheduler -- never pays for torch
 (1.5 s of CPU, several seconds of wall time on a loaded machine), while the
 modules it shares with the shards and workers still name `torch` at the top.
 """
+
 from __future__ import annotations
 
 import importlib.util

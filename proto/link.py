@@ -7,6 +7,7 @@ makes (`TransportOptions.link`, transport.py), so all of the process's
 traffic shares the same capacity each way, as it would share one network
 interface. No link (None) costs nothing per message.
 """
+
 from __future__ import annotations
 
 import threading

@@ -8,6 +8,7 @@ the header by ``tensors: [[name, dtype, shape], ...]``.
 Compatibility rule: a new protocol revision only ever *adds* optional fields
 (fields with defaults). Decoders ignore header keys they do not know.
 """
+
 from __future__ import annotations
 
 import enum
@@ -27,40 +28,41 @@ ZERO_COPY_BYTES = 256 * 1024
 
 
 class Op(enum.IntEnum):
-    REGISTER = 1   # node -> scheduler: join the cluster
-    WELCOME = 2    # scheduler -> node: your node id
-    GET_PLAN = 3   # node -> scheduler: wait for a plan newer than `after`
-    PLAN = 4       # scheduler -> node: the versioned cluster plan
+    REGISTER = 1  # node -> scheduler: join the cluster
+    WELCOME = 2  # scheduler -> node: your node id
+    GET_PLAN = 3  # node -> scheduler: wait for a plan newer than `after`
+    PLAN = 4  # scheduler -> node: the versioned cluster plan
     HEARTBEAT = 5  # node -> scheduler: alive, with stats and step records
-    INIT = 6       # worker -> shard: initial tensor values (first one wins)
-    PUSH = 7       # worker -> shard: gradients (and buffers) of one step
-    PULL = 8       # worker -> shard: ask for current values
-    PARAMS = 9     # shard -> worker: tensor values
-    ACK = 10       # generic success reply
-    BARRIER = 11   # node -> scheduler: wait until `count` nodes reach `name`
-    STOP = 12      # anyone -> scheduler: stop the run
-    ERROR = 13     # reply: a Status and a message
-    REPORT = 14    # evaluator -> scheduler: one evaluation result
-    BYE = 15       # node -> scheduler: leaving cleanly
-    FAILED = 16    # node -> scheduler: it cannot start (the run ends at once, naming it)
-    SNAPSHOT = 17  # primary shard -> its new backup: the primary's whole state at one point of its push order
+    INIT = 6  # worker -> shard: initial tensor values (first one wins)
+    PUSH = 7  # worker -> shard: gradients (and buffers) of one step
+    PULL = 8  # worker -> shard: ask for current values
+    PARAMS = 9  # shard -> worker: tensor values
+    ACK = 10  # generic success reply
+    BARRIER = 11  # node -> scheduler: wait until `count` nodes reach `name`
+    STOP = 12  # anyone -> scheduler: stop the run
+    ERROR = 13  # reply: a Status and a message
+    REPORT = 14  # evaluator -> scheduler: one evaluation result
+    BYE = 15  # node -> scheduler: leaving cleanly
+    FAILED = 16  # node -> scheduler: it cannot start (the run ends at once, naming it)
+    # primary shard -> its new backup: the primary's whole state at one point of its push order
+    SNAPSHOT = 17
 
 
 class Status(enum.IntEnum):
-    UNSET = 0             # no status given
-    BAD_VERSION = 1       # header `v` is not this protocol version
-    MALFORMED = 2         # undecodable, missing/ill-typed field, wrong frame count or byte length
-    UNKNOWN_OP = 3        # `op` is not an Op this peer handles
-    UNKNOWN_TENSOR = 4    # tensor name not owned by this shard
-    SHAPE_MISMATCH = 5    # tensor shape differs from the registered one
+    UNSET = 0  # no status given
+    BAD_VERSION = 1  # header `v` is not this protocol version
+    MALFORMED = 2  # undecodable, missing/ill-typed field, wrong frame count or byte length
+    UNKNOWN_OP = 3  # `op` is not an Op this peer handles
+    UNKNOWN_TENSOR = 4  # tensor name not owned by this shard
+    SHAPE_MISMATCH = 5  # tensor shape differs from the registered one
     DTYPE_NOT_ALLOWED = 6  # dtype outside the allow-list, or not the registered one
-    NONFINITE = 7         # NaN or Inf in a pushed tensor
-    STALE_PLAN = 8        # request made under an older plan
-    UNAUTHORIZED = 9      # peer not allowed
-    TOO_LARGE = 10        # declared sizes exceed the configured limit
-    INTERNAL = 11         # handler failed; the daemon keeps serving
-    NOT_READY = 12        # e.g. push before any INIT reached the shard
-    BAD_STATE = 13        # request not valid now (e.g. unknown node id)
+    NONFINITE = 7  # NaN or Inf in a pushed tensor
+    STALE_PLAN = 8  # request made under an older plan
+    UNAUTHORIZED = 9  # peer not allowed
+    TOO_LARGE = 10  # declared sizes exceed the configured limit
+    INTERNAL = 11  # handler failed; the daemon keeps serving
+    NOT_READY = 12  # e.g. push before any INIT reached the shard
+    BAD_STATE = 13  # request not valid now (e.g. unknown node id)
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ class Message:
     raises ProtocolError there, in the sender as in the decoder."""
 
     OP: ClassVar[Op]
-    CATALOGUED: ClassVar[bool] = True  # its tensors must be ones the receiving shard holds (codec.decode)
+    # its tensors must be ones the receiving shard holds (codec.decode)
+    CATALOGUED: ClassVar[bool] = True
 
     def __post_init__(self):
         records = _records or _import_records()
@@ -85,6 +88,7 @@ _records = None  # records.py, once imported: it imports this module's classes, 
 def _import_records():
     global _records
     from . import records
+
     _records = records
     return records
 
@@ -92,17 +96,21 @@ def _import_records():
 @dataclass(frozen=True)
 class Register(Message):
     OP: ClassVar[Op] = Op.REGISTER
-    role: str                     # "ps" | "worker" | "evaluator"
+    role: str  # "ps" | "worker" | "evaluator"
     rank: int
-    address: str = ""             # advertised server address (shards)
-    tensor_specs: list = field(default_factory=list)  # [[name, dtype, shape, kind]] forward order -> [TensorSpec]
+    address: str = ""  # advertised server address (shards)
+    # [[name, dtype, shape, kind]] forward order -> [TensorSpec]
+    tensor_specs: list = field(default_factory=list)
     schema_hash: str = ""
-    speed: float = 0.0            # profiled speed: samples/s (workers), bytes/s updated (shards)
-    node_id: int = 0              # the id this node already had, when it registers again
-    host: str = ""                # the node's host name (recorded in the run directory)
-    startup: dict = field(default_factory=dict)  # {phase: seconds} before registering (runtime/startup.py)
-    replica_address: str = ""     # shards with cluster.replicas > 0: where it serves the backup it holds
-    spare_slots: list = field(default_factory=list)  # a spare (cluster.spare_shards): its backup sockets' addresses
+    speed: float = 0.0  # profiled speed: samples/s (workers), bytes/s updated (shards)
+    node_id: int = 0  # the id this node already had, when it registers again
+    host: str = ""  # the node's host name (recorded in the run directory)
+    # {phase: seconds} before registering (runtime/startup.py)
+    startup: dict = field(default_factory=dict)
+    # shards with cluster.replicas > 0: where it serves the backup it holds
+    replica_address: str = ""
+    # a spare (cluster.spare_shards): its backup sockets' addresses
+    spare_slots: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -116,21 +124,21 @@ class Welcome(Message):
 @dataclass(frozen=True)
 class GetPlan(Message):
     OP: ClassVar[Op] = Op.GET_PLAN
-    after: int = 0                # reply once plan_id > after (parked until then)
+    after: int = 0  # reply once plan_id > after (parked until then)
 
 
 @dataclass(frozen=True)
 class Plan(Message):
     OP: ClassVar[Op] = Op.PLAN
     plan_id: int
-    plan: dict                    # read into a checked ClusterPlan
+    plan: dict  # read into a checked ClusterPlan
 
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
     OP: ClassVar[Op] = Op.HEARTBEAT
     node_id: int
-    stats: dict = field(default_factory=dict)    # read into records.NodeStats
+    stats: dict = field(default_factory=dict)  # read into records.NodeStats
     records: list = field(default_factory=list)  # step records, each with `ago` seconds
     # long poll: the scheduler may hold the ACK up to this many seconds (at most cluster.heartbeat_s)
     # and answers at once when it has news for the node (a newer plan, stop); 0 = answer now
@@ -148,10 +156,11 @@ class Init(Message):
 class Push(Message):
     OP: ClassVar[Op] = Op.PUSH
     plan_id: int
-    clock: int                    # pushes this worker made before this one
-    base_version: int             # shard version the gradient was computed on
+    clock: int  # pushes this worker made before this one
+    base_version: int  # shard version the gradient was computed on
     n_samples: int = 0
-    info: dict = field(default_factory=dict)  # algorithm extras (e.g. local steps): records.PushInfo
+    # algorithm extras (e.g. local steps): records.PushInfo
+    info: dict = field(default_factory=dict)
     # True: the reply is the PARAMS that a PULL with clock + 1 sent right behind this push
     # would get (parked alike), carrying this push's ACK in `ack`: one round trip, two messages
     pull: bool = False
@@ -162,7 +171,7 @@ class Push(Message):
 class Pull(Message):
     OP: ClassVar[Op] = Op.PULL
     plan_id: int
-    clock: int = -1               # -1: latest values, never parked (evaluator)
+    clock: int = -1  # -1: latest values, never parked (evaluator)
 
 
 @dataclass(frozen=True)
@@ -171,7 +180,8 @@ class Params(Message):
     version: int
     # a reply to a PUSH with `pull`: that push's ACK fields (version, staleness, plan_id, info),
     # plus `held_s`, the seconds the values waited at the shard after the push was applied
-    ack: dict = field(default_factory=dict)  # records.FusedAck, None when empty (a plain pull's reply)
+    # records.FusedAck, None when empty (a plain pull's reply)
+    ack: dict = field(default_factory=dict)
     tensors: dict = field(default_factory=dict)
 
 
@@ -209,7 +219,7 @@ class Error(Message):
 class Report(Message):
     OP: ClassVar[Op] = Op.REPORT
     node_id: int
-    kind: str                     # "eval"
+    kind: str  # "eval"
     values: dict = field(default_factory=dict)
 
 
@@ -217,19 +227,20 @@ class Report(Message):
 class Bye(Message):
     OP: ClassVar[Op] = Op.BYE
     node_id: int
-    stats: dict = field(default_factory=dict)    # read into records.NodeStats
-    error: str = ""       # why the node leaves before the run stopped ("" = it was told to stop)
-    refused: int = 0      # the Status a peer's ERROR carried, when that error made it leave (0: none)
+    stats: dict = field(default_factory=dict)  # read into records.NodeStats
+    error: str = ""  # why the node leaves before the run stopped ("" = it was told to stop)
+    # the Status a peer's ERROR carried, when that error made it leave (0: none)
+    refused: int = 0
 
 
 @dataclass(frozen=True)
 class Failed(Message):
     OP: ClassVar[Op] = Op.FAILED
-    role: str                     # "ps" | "worker" | "evaluator"
+    role: str  # "ps" | "worker" | "evaluator"
     rank: int
-    error: str                    # what failed, one line or a short traceback tail
+    error: str  # what failed, one line or a short traceback tail
     host: str = ""
-    node_id: int = 0              # 0 when it failed before registering
+    node_id: int = 0  # 0 when it failed before registering
 
 
 @dataclass(frozen=True)
@@ -237,17 +248,36 @@ class Snapshot(Message):
     """A primary's whole state for a backup that starts after training began;
     the primary forwards its pushes behind it. Only a backup takes it, and only
     from its primary's connection."""
+
     OP: ClassVar[Op] = Op.SNAPSHOT
     CATALOGUED: ClassVar[bool] = False  # optimizer moments and open rounds, not the plan's tensors
-    plan: dict                    # the primary's plan at the snapshot (read into a ClusterPlan)
-    state: dict                   # the shard's state_dict, tensors replaced by references (ps/state_copy.py)
+    plan: dict  # the primary's plan at the snapshot (read into a ClusterPlan)
+    # the shard's state_dict, tensors replaced by references (ps/state_copy.py)
+    state: dict
     tensors: dict = field(default_factory=dict)
 
 
 MESSAGES: dict[Op, type[Message]] = {
     cls.OP: cls
-    for cls in (Register, Welcome, GetPlan, Plan, Heartbeat, Init, Push, Pull,
-                Params, Ack, Barrier, Stop, Error, Report, Bye, Failed, Snapshot)
+    for cls in (
+        Register,
+        Welcome,
+        GetPlan,
+        Plan,
+        Heartbeat,
+        Init,
+        Push,
+        Pull,
+        Params,
+        Ack,
+        Barrier,
+        Stop,
+        Error,
+        Report,
+        Bye,
+        Failed,
+        Snapshot,
+    )
 }
 
 

@@ -11,6 +11,7 @@ bytes are exactly what `layout.build_pack` would make.
 Thread-safe for reading and adding; at most MAX_TEMPLATES are kept, then
 all are dropped.
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -29,14 +30,18 @@ class PackTemplate:
 
     def __init__(self, names: list[str], dtype: torch.dtype, shapes: list[tuple[int, ...]]):
         dtype_name = _dt.DTYPE_NAMES[dtype]
-        self.fields = {"tensors": [[n, dtype_name, list(s)] for n, s in zip(names, shapes)],
-                       "packed": list(range(len(names)))}  # sent as is: never changed
-        self.pads: list = []  # a zero tensor after each payload that does not end on ALIGN, else None
+        self.fields = {
+            "tensors": [[n, dtype_name, list(s)] for n, s in zip(names, shapes)],
+            "packed": list(range(len(names))),
+        }  # sent as is: never changed
+        # a zero tensor after each payload that does not end on ALIGN, else None
+        self.pads: list = []
         self.offsets: list[int] = []  # bytes from the frame's start
         self.nbytes = 0
         for shape in shapes:
             nbytes = dtype.itemsize * _numel(shape)
-            pad = (aligned(nbytes) - nbytes) // dtype.itemsize  # ALIGN is a multiple of every itemsize
+            # ALIGN is a multiple of every itemsize
+            pad = (aligned(nbytes) - nbytes) // dtype.itemsize
             self.pads.append(torch.zeros(pad, dtype=dtype) if pad else None)
             self.offsets.append(self.nbytes)
             self.nbytes += aligned(nbytes)
@@ -63,8 +68,10 @@ class PackTemplate:
             return None
         storage = first.untyped_storage()
         start = first.data_ptr()
-        for t, offset in zip(tensors, self.offsets):  # at their addresses, inside the first one's storage
-            if t.data_ptr() != start + offset or not t.is_contiguous():  # (checked below): its memory
+        # at their addresses, inside the first one's storage
+        for t, offset in zip(tensors, self.offsets):
+            # (checked below): its memory
+            if t.data_ptr() != start + offset or not t.is_contiguous():
                 return None
         at = start - storage.data_ptr()
         if at + self.nbytes > storage.nbytes():
@@ -100,7 +107,8 @@ def packed_fields_and_frame(tensors: Mapping, pack_below: int) -> tuple[dict, me
         return None
     try:
         return template.fields, template.frame(values)
-    except (RuntimeError, TypeError):  # not CPU memory, or not all on one device: the general way says so
+    # not CPU memory, or not all on one device: the general way says so
+    except (RuntimeError, TypeError):
         return None
 
 

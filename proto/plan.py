@@ -2,6 +2,7 @@
 which tensor. Made by the scheduler, versioned by `plan_id`, shipped as plain
 data in PLAN messages, read by shards and workers.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,15 +26,26 @@ class TensorSpec:
     def from_wire(cls, spec) -> "TensorSpec":
         """Read `[name, dtype, shape, kind]`. Raises ProtocolError: MALFORMED
         for a bad layout, DTYPE_NOT_ALLOWED for a dtype outside the allow-list."""
-        if not (isinstance(spec, (list, tuple)) and len(spec) == 4 and type(spec[0]) is str
-                and type(spec[1]) is str and isinstance(spec[2], (list, tuple))
-                and all(type(d) is int and 0 <= d < 2**63 for d in spec[2]) and spec[3] in TENSOR_KINDS):
-            raise ProtocolError(Status.MALFORMED, f"bad tensor spec {spec!r:.80} (want [name, dtype, "
-                                                  f"[dims >= 0], kind in {TENSOR_KINDS}])")
+        if not (
+            isinstance(spec, (list, tuple))
+            and len(spec) == 4
+            and type(spec[0]) is str
+            and type(spec[1]) is str
+            and isinstance(spec[2], (list, tuple))
+            and all(type(d) is int and 0 <= d < 2**63 for d in spec[2])
+            and spec[3] in TENSOR_KINDS
+        ):
+            raise ProtocolError(
+                Status.MALFORMED,
+                f"bad tensor spec {spec!r:.80} (want [name, dtype, "
+                f"[dims >= 0], kind in {TENSOR_KINDS}])",
+            )
         name, dtype, shape, kind = spec
         if dtype not in ITEMSIZES:
-            raise ProtocolError(Status.DTYPE_NOT_ALLOWED,
-                                f"tensor {name!r}: dtype {dtype!r} not in {sorted(ITEMSIZES)}")
+            raise ProtocolError(
+                Status.DTYPE_NOT_ALLOWED,
+                f"tensor {name!r}: dtype {dtype!r} not in {sorted(ITEMSIZES)}",
+            )
         return cls(name, dtype, tuple(shape), kind)
 
     def to_wire(self) -> list:
@@ -53,7 +65,9 @@ def schema_hash(specs: list[TensorSpec]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def chunk_specs(specs: list[TensorSpec], max_bytes: int) -> tuple[list[TensorSpec], dict[str, dict]]:
+def chunk_specs(
+    specs: list[TensorSpec], max_bytes: int
+) -> tuple[list[TensorSpec], dict[str, dict]]:
     """Cut every tensor larger than `max_bytes` (0: none) into 1-D parts
     `NAME#0, NAME#1, ...` of at most `max_bytes`, in place in forward order,
     so placement can spread one large tensor over several shards. Returns the
@@ -66,8 +80,10 @@ def chunk_specs(specs: list[TensorSpec], max_bytes: int) -> tuple[list[TensorSpe
             continue
         itemsize = ITEMSIZES[s.dtype]
         numel, per = s.nbytes // itemsize, max(1, max_bytes // itemsize)
-        parts = [TensorSpec(f"{s.name}#{i}", s.dtype, (min(per, numel - start),), s.kind)
-                 for i, start in enumerate(range(0, numel, per))]
+        parts = [
+            TensorSpec(f"{s.name}#{i}", s.dtype, (min(per, numel - start),), s.kind)
+            for i, start in enumerate(range(0, numel, per))
+        ]
         out.extend(parts)
         chunks[s.name] = {"shape": list(s.shape), "parts": [p.name for p in parts]}
     return out, chunks
@@ -85,23 +101,26 @@ class ClusterPlan:
     plan_id: int
     algorithm: str
     workers: list[NodeEntry]
-    shards: list[NodeEntry]          # fastest first
-    tensors: list[TensorSpec]        # forward order
-    placement: dict[str, int]        # tensor name -> index into `shards`
+    shards: list[NodeEntry]  # fastest first
+    tensors: list[TensorSpec]  # forward order
+    placement: dict[str, int]  # tensor name -> index into `shards`
     schema_hash: str = ""
     groups: list[list[int]] = field(default_factory=list)  # worker node ids per synchronous group
     speeds: dict[str, float] = field(default_factory=dict)  # node id -> measured speed
     shares: dict[str, float] = field(default_factory=dict)  # worker node id -> relative data share
-    placement_id: int = 1            # plan id that last changed the placement
-    chunks: dict[str, dict] = field(default_factory=dict)  # name -> {shape, parts}: tensors cut into 1-D parts
+    placement_id: int = 1  # plan id that last changed the placement
+    # name -> {shape, parts}: tensors cut into 1-D parts
+    chunks: dict[str, dict] = field(default_factory=dict)
     info: dict = field(default_factory=dict)
-    run_id: str = ""                 # names the run's checkpoints; kept by a resumed run
-    algorithm_params: dict = field(default_factory=dict)  # resolved; every node checks its config against them
+    run_id: str = ""  # names the run's checkpoints; kept by a resumed run
+    # resolved; every node checks its config against them
+    algorithm_params: dict = field(default_factory=dict)
     # cluster.replicas: shard node id -> {"node": node id of the process holding its backup, "address": where}
     backups: dict = field(default_factory=dict)
     # shard node id -> node id of the process serving it now (a promoted backup); absent: itself
     served_by: dict = field(default_factory=dict)
-    batches: dict[str, float] = field(default_factory=dict)  # worker node id -> its batch size (balanced)
+    # worker node id -> its batch size (balanced)
+    batches: dict[str, float] = field(default_factory=dict)
 
     def shard_index(self, node_id: int) -> int:
         for i, s in enumerate(self.shards):
@@ -137,15 +156,23 @@ class ClusterPlan:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ClusterPlan":
-        return cls(plan_id=data["plan_id"], algorithm=data["algorithm"],
-                   workers=[NodeEntry(**w) for w in data["workers"]],
-                   shards=[NodeEntry(**s) for s in data["shards"]],
-                   tensors=[TensorSpec.from_wire(t) for t in data["tensors"]],
-                   placement=dict(data["placement"]), schema_hash=data.get("schema_hash", ""),
-                   groups=[list(g) for g in data.get("groups", [])],
-                   speeds=dict(data.get("speeds", {})), shares=dict(data.get("shares", {})),
-                   placement_id=data.get("placement_id", 1), chunks=dict(data.get("chunks", {})),
-                   info=dict(data.get("info", {})), run_id=str(data.get("run_id", "")),
-                   algorithm_params=dict(data.get("algorithm_params", {})),
-                   backups=dict(data.get("backups", {})), served_by=dict(data.get("served_by", {})),
-                   batches=dict(data.get("batches", {})))
+        return cls(
+            plan_id=data["plan_id"],
+            algorithm=data["algorithm"],
+            workers=[NodeEntry(**w) for w in data["workers"]],
+            shards=[NodeEntry(**s) for s in data["shards"]],
+            tensors=[TensorSpec.from_wire(t) for t in data["tensors"]],
+            placement=dict(data["placement"]),
+            schema_hash=data.get("schema_hash", ""),
+            groups=[list(g) for g in data.get("groups", [])],
+            speeds=dict(data.get("speeds", {})),
+            shares=dict(data.get("shares", {})),
+            placement_id=data.get("placement_id", 1),
+            chunks=dict(data.get("chunks", {})),
+            info=dict(data.get("info", {})),
+            run_id=str(data.get("run_id", "")),
+            algorithm_params=dict(data.get("algorithm_params", {})),
+            backups=dict(data.get("backups", {})),
+            served_by=dict(data.get("served_by", {})),
+            batches=dict(data.get("batches", {})),
+        )

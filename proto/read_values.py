@@ -1,6 +1,7 @@
 """Checked reads of plain values from a peer: counts, ids, bounded numbers,
 and nested plain data (records.py and waits.py build their records on them).
 Each raises ProtocolError(MALFORMED) naming the field."""
+
 from __future__ import annotations
 
 import math
@@ -9,11 +10,12 @@ from typing import Any
 from .errors import ProtocolError
 from .messages import Status
 
-MAX_COUNT = 2**62       # steps, bytes, versions: far above any run, far below int64 overflow
-MAX_RATE = 1e15         # samples/s or bytes/s: far above any machine, far below float overflow in sums
+MAX_COUNT = 2**62  # steps, bytes, versions: far above any run, far below int64 overflow
+# samples/s or bytes/s: far above any machine, far below float overflow in sums
+MAX_RATE = 1e15
 MAX_SECONDS = 1e9
-MAX_DEPTH = 4           # nesting of plain values (lists and maps) in extras and step records
-MAX_TEXT = 4096         # characters of a string in a plain value
+MAX_DEPTH = 4  # nesting of plain values (lists and maps) in extras and step records
+MAX_TEXT = 4096  # characters of a string in a plain value
 
 
 def bad(where: str, message: str, status: Status = Status.MALFORMED):
@@ -33,14 +35,16 @@ def read_count(where: str, value: Any) -> int:
 
 def read_int(where: str, value: Any) -> int:
     """Any int64 (ids, clocks); a bool is no int."""
-    if not is_int(value) or not -2**63 <= value < 2**63:
+    if not is_int(value) or not -(2**63) <= value < 2**63:
         bad(where, f"must be a 64-bit int, got {value!r:.40}")
     return int(value)
 
 
 def read_number(where: str, value: Any, high: float) -> float:
     """A finite float in [0, high]; ints are accepted and made floats."""
-    if not (is_int(value) or isinstance(value, float)) or not (math.isfinite(value) and 0 <= value <= high):
+    if not (is_int(value) or isinstance(value, float)) or not (
+        math.isfinite(value) and 0 <= value <= high
+    ):
         bad(where, f"must be a finite number in [0, {high:g}], got {value!r:.40}")
     return float(value)
 

@@ -21,6 +21,7 @@ field; the codec adds the request id. Numbers the scheduler computes with are
 bounded well below overflow, so one node's heartbeat cannot make placement or
 grouping produce inf or NaN.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -28,19 +29,39 @@ from typing import Any, Callable
 
 from . import messages as m
 from .plan import ClusterPlan, NodeEntry, TensorSpec
-from .read_values import MAX_RATE, MAX_SECONDS, MAX_TEXT, bad as _bad, read_count, read_int, read_map, \
-    read_number, read_plain
+from .read_values import (
+    MAX_RATE,
+    MAX_SECONDS,
+    MAX_TEXT,
+    read_count,
+    read_int,
+    read_map,
+    read_number,
+    read_plain,
+)
+from .read_values import bad as _bad
 from .waits import HeldUp, WaitingFor, read_held, read_waiting
 
 RESERVED_RECORD_KEYS = ("kind", "t")  # the run log's own keys for a step record
-MAX_PHASES = 16        # REGISTER's `startup` carries at most this many phases (runtime/startup.py)
+MAX_PHASES = 16  # REGISTER's `startup` carries at most this many phases (runtime/startup.py)
 MAX_PHASE_S = 86400.0  # a phase longer than a day is a bad value, not a slow start
 
 
 # ---------------------------------------------------------------- heartbeat statistics
 
-_STAT_COUNTS = ("steps", "bytes_sent", "bytes_received", "version", "rounds", "resent", "dropped", "delayed",
-                "grad_dense_bytes", "grad_sent_bytes", "samples")
+_STAT_COUNTS = (
+    "steps",
+    "bytes_sent",
+    "bytes_received",
+    "version",
+    "rounds",
+    "resent",
+    "dropped",
+    "delayed",
+    "grad_dense_bytes",
+    "grad_sent_bytes",
+    "samples",
+)
 
 
 _STAT_WAITS = {"waiting": read_waiting, "held": read_held}  # stall attribution (waits.py)
@@ -52,20 +73,21 @@ class NodeStats:
     the scheduler counts or plans with are typed (None: not reported); the
     rest is role-specific plain data kept for the summary (`extra`)."""
 
-    steps: int | None = None              # training steps done (workers)
+    steps: int | None = None  # training steps done (workers)
     bytes_sent: int | None = None
     bytes_received: int | None = None
-    version: int | None = None            # updates applied (shards)
-    rounds: int | None = None             # communication rounds (averaging algorithms)
-    resent: int | None = None             # requests re-sent after a timeout
-    dropped: int | None = None            # emulated wire faults
+    version: int | None = None  # updates applied (shards)
+    rounds: int | None = None  # communication rounds (averaging algorithms)
+    resent: int | None = None  # requests re-sent after a timeout
+    dropped: int | None = None  # emulated wire faults
     delayed: int | None = None
-    grad_dense_bytes: int | None = None   # gradient bytes before compression
-    grad_sent_bytes: int | None = None    # ... and after
-    speed: float | None = None            # samples/s (workers), measured while training
-    waiting: tuple[WaitingFor, ...] | None = None  # shards: whom their rounds and parked pulls wait for
-    held: tuple[HeldUp, ...] | None = None         # shards: seconds each node held their waiters up
-    samples: int | None = None            # training examples computed on (workers)
+    grad_dense_bytes: int | None = None  # gradient bytes before compression
+    grad_sent_bytes: int | None = None  # ... and after
+    speed: float | None = None  # samples/s (workers), measured while training
+    # shards: whom their rounds and parked pulls wait for
+    waiting: tuple[WaitingFor, ...] | None = None
+    held: tuple[HeldUp, ...] | None = None  # shards: seconds each node held their waiters up
+    samples: int | None = None  # training examples computed on (workers)
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -83,8 +105,11 @@ class NodeStats:
 
     def as_dict(self) -> dict:
         """The wire form: reported fields and extras, in one map."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name != "extra" and getattr(self, f.name) is not None}
+        out = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "extra" and getattr(self, f.name) is not None
+        }
         for key in _STAT_WAITS:
             if key in out:
                 out[key] = [e.to_wire() for e in out[key]]
@@ -120,15 +145,16 @@ def read_step_records(value: Any) -> list[dict]:
 
 # ---------------------------------------------------------------- worker -> shard extras
 
+
 @dataclass(frozen=True)
 class PushInfo:
     """What a model-averaging worker reports with its model (None: not sent)."""
 
-    steps: int | None = None           # local steps since the last average
-    period: int | None = None          # the period it used
+    steps: int | None = None  # local steps since the last average
+    period: int | None = None  # the period it used
     lr: float | None = None
     weight_decay: float | None = None
-    final: bool | None = None          # the last push of the run
+    final: bool | None = None  # the last push of the run
 
     _COUNTS = ("steps", "period")
     _RATES = ("lr", "weight_decay")
@@ -150,18 +176,23 @@ class PushInfo:
                     _bad("info.final", f"must be a bool, got {v!r:.40}")
                 out[key] = v
             elif key in cls._COUNTS:  # an integral float (e.g. 3.0) counts too
-                out[key] = read_count(f"info.{key}", int(v) if type(v) is float and v.is_integer() else v)
+                out[key] = read_count(
+                    f"info.{key}", int(v) if type(v) is float and v.is_integer() else v
+                )
             else:
                 out[key] = read_number(f"info.{key}", v, MAX_RATE)
         return cls(**out)
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+        }
 
     to_wire = as_dict
 
 
 # ---------------------------------------------------------------- shard -> worker: the ACK in a fused reply
+
 
 @dataclass(frozen=True)
 class FusedAck:
@@ -170,8 +201,9 @@ class FusedAck:
     version: int
     staleness: int = 0
     plan_id: int = 0
-    info: dict = field(default_factory=dict)   # the policy's reply extras (e.g. the next period)
-    held_s: float = 0.0                        # seconds the values waited at the shard after the push
+    info: dict = field(default_factory=dict)  # the policy's reply extras (e.g. the next period)
+    # seconds the values waited at the shard after the push
+    held_s: float = 0.0
 
     _FIELDS = ("version", "staleness", "plan_id", "info", "held_s")
 
@@ -183,7 +215,8 @@ class FusedAck:
             _bad("ack", f"must be a map, got {type(value).__name__}")
         if not value:
             return None  # a plain pull's reply
-        if any(k not in cls._FIELDS for k in value):  # a newer peer's keys: plain data, like any map's
+        # a newer peer's keys: plain data, like any map's
+        if any(k not in cls._FIELDS for k in value):
             read_plain("ack", value)
         if "version" not in value:
             _bad("ack", "missing 'version'")
@@ -191,21 +224,31 @@ class FusedAck:
         if type(info) is not dict:
             _bad("ack.info", f"must be a map, got {type(info).__name__}")
         # each field read once, by its own reader (info one level down, as inside the ack map)
-        return cls(version=read_count("ack.version", value["version"]),
-                   staleness=read_count("ack.staleness", value.get("staleness", 0)),
-                   plan_id=read_int("ack.plan_id", value.get("plan_id", 0)),
-                   info=read_plain("ack.info", info, 1),
-                   held_s=read_number("ack.held_s", value.get("held_s", 0.0), MAX_SECONDS))
+        return cls(
+            version=read_count("ack.version", value["version"]),
+            staleness=read_count("ack.staleness", value.get("staleness", 0)),
+            plan_id=read_int("ack.plan_id", value.get("plan_id", 0)),
+            info=read_plain("ack.info", info, 1),
+            held_s=read_number("ack.held_s", value.get("held_s", 0.0), MAX_SECONDS),
+        )
 
     def to_wire(self) -> dict:
-        return {"version": self.version, "staleness": self.staleness, "plan_id": self.plan_id,
-                "info": self.info, "held_s": self.held_s}
+        return {
+            "version": self.version,
+            "staleness": self.staleness,
+            "plan_id": self.plan_id,
+            "info": self.info,
+            "held_s": self.held_s,
+        }
 
     def ack(self) -> m.Ack:
-        return m.Ack(version=self.version, staleness=self.staleness, plan_id=self.plan_id, info=self.info)
+        return m.Ack(
+            version=self.version, staleness=self.staleness, plan_id=self.plan_id, info=self.info
+        )
 
 
 # ---------------------------------------------------------------- registration and plan
+
 
 def read_tensor_specs(value: Any) -> list[TensorSpec]:
     if type(value) not in (list, tuple):
@@ -238,8 +281,13 @@ def _entries(where: str, value: Any) -> list[NodeEntry]:
         e = read_map(f"{where}[{i}]", e)
         if set(e) - {"node_id", "rank", "address"} or type(e.get("address", "")) is not str:
             _bad(f"{where}[{i}]", f"want {{node_id, rank, address}}, got {e!r:.60}")
-        out.append(NodeEntry(read_int(f"{where}[{i}].node_id", e.get("node_id")),
-                             read_int(f"{where}[{i}].rank", e.get("rank")), e.get("address", "")))
+        out.append(
+            NodeEntry(
+                read_int(f"{where}[{i}].node_id", e.get("node_id")),
+                read_int(f"{where}[{i}].rank", e.get("rank")),
+                e.get("address", ""),
+            )
+        )
     return out
 
 
@@ -250,7 +298,11 @@ def _str_keyed_numbers(where: str, value: Any) -> dict[str, float]:
 
 def read_addresses(where: str, value: Any) -> list[str]:
     """A spare's backup slots: at most 64 addresses of 1-MAX_TEXT characters."""
-    if type(value) is list and len(value) <= 64 and all(type(a) is str and 0 < len(a) <= MAX_TEXT for a in value):
+    if (
+        type(value) is list
+        and len(value) <= 64
+        and all(type(a) is str and 0 < len(a) <= MAX_TEXT for a in value)
+    ):
         return list(value)
     _bad(where, f"must be a list of at most 64 addresses, got {value!r:.60}")
 
@@ -265,40 +317,57 @@ def read_plan(value: Any) -> ClusterPlan:
     for key in ("plan_id", "algorithm", "workers", "shards", "tensors", "placement"):
         if key not in d:
             _bad("plan", f"missing {key!r}")
-    if type(d["algorithm"]) is not str or type(d.get("schema_hash", "")) is not str \
-            or type(d.get("run_id", "")) is not str:
+    if (
+        type(d["algorithm"]) is not str
+        or type(d.get("schema_hash", "")) is not str
+        or type(d.get("run_id", "")) is not str
+    ):
         _bad("plan", "algorithm, schema_hash and run_id must be strings")
     workers, shards = _entries("plan.workers", d["workers"]), _entries("plan.shards", d["shards"])
     tensors = read_tensor_specs(d["tensors"])
     placement = read_map("plan.placement", d["placement"])
     if set(placement) != {t.name for t in tensors} or not all(
-            type(i) is int and 0 <= i < len(shards) for i in placement.values()):
+        type(i) is int and 0 <= i < len(shards) for i in placement.values()
+    ):
         _bad("plan.placement", "must map every tensor, and only those, to a shard index")
     groups = d.get("groups", [])
     ids = {w.node_id for w in workers}
-    if type(groups) is not list or not all(type(g) is list and all(type(w) is int and w in ids for w in g)
-                                           for g in groups):
+    if type(groups) is not list or not all(
+        type(g) is list and all(type(w) is int and w in ids for w in g) for g in groups
+    ):
         _bad("plan.groups", "must be lists of the plan's worker ids")
-    return ClusterPlan(plan_id=read_int("plan.plan_id", d["plan_id"]), algorithm=d["algorithm"],
-                       workers=workers, shards=shards, tensors=tensors, placement=placement,
-                       schema_hash=d.get("schema_hash", ""), groups=[list(g) for g in groups],
-                       speeds=_str_keyed_numbers("plan.speeds", d.get("speeds", {})),
-                       shares=_str_keyed_numbers("plan.shares", d.get("shares", {})),
-                       placement_id=read_int("plan.placement_id", d.get("placement_id", 1)),
-                       chunks=read_map("plan.chunks", d.get("chunks", {})),
-                       info=read_map("plan.info", d.get("info", {})), run_id=d.get("run_id", ""),
-                       algorithm_params=read_map("plan.algorithm_params", d.get("algorithm_params", {})),
-                       backups=_backups(d.get("backups", {})),
-                       served_by=_str_keyed_ints("plan.served_by", d.get("served_by", {})),
-                       batches=_batches(d.get("batches", {}), ids))
+    return ClusterPlan(
+        plan_id=read_int("plan.plan_id", d["plan_id"]),
+        algorithm=d["algorithm"],
+        workers=workers,
+        shards=shards,
+        tensors=tensors,
+        placement=placement,
+        schema_hash=d.get("schema_hash", ""),
+        groups=[list(g) for g in groups],
+        speeds=_str_keyed_numbers("plan.speeds", d.get("speeds", {})),
+        shares=_str_keyed_numbers("plan.shares", d.get("shares", {})),
+        placement_id=read_int("plan.placement_id", d.get("placement_id", 1)),
+        chunks=read_map("plan.chunks", d.get("chunks", {})),
+        info=read_map("plan.info", d.get("info", {})),
+        run_id=d.get("run_id", ""),
+        algorithm_params=read_map("plan.algorithm_params", d.get("algorithm_params", {})),
+        backups=_backups(d.get("backups", {})),
+        served_by=_str_keyed_ints("plan.served_by", d.get("served_by", {})),
+        batches=_batches(d.get("batches", {}), ids),
+    )
 
 
 def _backups(value: Any) -> dict:
     """plan.backups: shard node id (a string) -> {"node": int, "address": str}."""
     backups = read_map("plan.backups", value)
     for key, entry in backups.items():
-        if not (type(key) is str and isinstance(entry, dict) and type(entry.get("node")) is int
-                and type(entry.get("address")) is str):
+        if not (
+            type(key) is str
+            and isinstance(entry, dict)
+            and type(entry.get("node")) is int
+            and type(entry.get("address")) is str
+        ):
             _bad("plan.backups", f"entry {key!r} must be {{node: int, address: str}}")
     return backups
 
@@ -313,7 +382,9 @@ def _str_keyed_ints(where: str, value: Any) -> dict:
 def _batches(value: Any, workers: set[int]) -> dict[str, float]:
     """plan.batches: worker node id -> a positive whole batch size."""
     batches = _str_keyed_numbers("plan.batches", value)
-    if not all(k.isdigit() and int(k) in workers and v >= 1 and v == int(v) for k, v in batches.items()):
+    if not all(
+        k.isdigit() and int(k) in workers and v >= 1 and v == int(v) for k, v in batches.items()
+    ):
         _bad("plan.batches", "must map the plan's worker ids to whole batch sizes >= 1")
     return batches
 
@@ -321,14 +392,22 @@ def _batches(value: Any, workers: set[int]) -> dict[str, float]:
 # ---------------------------------------------------------------- which field is read how
 
 READERS: dict[type, dict[str, Callable[[Any], Any]]] = {
-    m.Heartbeat: {"stats": NodeStats.read, "records": read_step_records,
-                  "hold_s": lambda v: read_number("hold_s", v, MAX_SECONDS)},
+    m.Heartbeat: {
+        "stats": NodeStats.read,
+        "records": read_step_records,
+        "hold_s": lambda v: read_number("hold_s", v, MAX_SECONDS),
+    },
     m.Bye: {"stats": NodeStats.read},
-    m.Register: {"tensor_specs": read_tensor_specs, "speed": read_speed, "startup": read_startup,
-                 "spare_slots": lambda v: read_addresses("spare_slots", v)},
+    m.Register: {
+        "tensor_specs": read_tensor_specs,
+        "speed": read_speed,
+        "startup": read_startup,
+        "spare_slots": lambda v: read_addresses("spare_slots", v),
+    },
     m.Push: {"info": PushInfo.read},
     m.Params: {"ack": FusedAck.read},
-    m.Plan: {"plan": read_plan}, m.Snapshot: {"plan": read_plan},
+    m.Plan: {"plan": read_plan},
+    m.Snapshot: {"plan": read_plan},
 }
 
 

@@ -5,11 +5,12 @@ A failing handler becomes an ERROR reply (INTERNAL) and the loop keeps
 serving; at the caller an ERROR reply becomes `RemoteError`, which names the
 peer and the op. Every wait has a deadline.
 """
+
 from __future__ import annotations
 
 import itertools
-import os
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -91,11 +92,17 @@ class RpcClient:
     # (re-drawn in every forked child: daemons forked from one warm server must not share it)
     _ids = itertools.count(secrets.randbelow(1 << 40) + 1)
 
-    def __init__(self, address: str, src: int = 0, timeout_s: float = 60.0,
-                 options: TransportOptions | None = None,
-                 should_abort: Callable[[], bool] | None = None,
-                 retry_s: float = 0.0, faults: WireFaults | None = None,
-                 redirect: Callable[[], str] | None = None):
+    def __init__(
+        self,
+        address: str,
+        src: int = 0,
+        timeout_s: float = 60.0,
+        options: TransportOptions | None = None,
+        should_abort: Callable[[], bool] | None = None,
+        retry_s: float = 0.0,
+        faults: WireFaults | None = None,
+        redirect: Callable[[], str] | None = None,
+    ):
         """`redirect`, if given, is asked while waiting for the server's
         current address (a failover moved it): on a change every unanswered
         request is re-sent there at once. Raises TransportError."""
@@ -112,8 +119,9 @@ class RpcClient:
         self._early: dict[int, Message] = {}
         self._ops: dict[int, str] = {}
         self._unanswered: dict[int, Unanswered] = {}
-        self._served_version = -1   # highest PARAMS version seen since the server last (re)started
-        self._lost_state = False    # a reply showed the server went back: re-send everything at once
+        self._served_version = -1  # highest PARAMS version seen since the server last (re)started
+        # a reply showed the server went back: re-send everything at once
+        self._lost_state = False
         self.resent = 0
 
     @property
@@ -131,8 +139,12 @@ class RpcClient:
         with their first ACK."""
         if address == self.address:
             return
-        log.warning("server %s replaced by %s: re-sending %d unanswered requests", self.address, address,
-                    len(self._unanswered))
+        log.warning(
+            "server %s replaced by %s: re-sending %d unanswered requests",
+            self.address,
+            address,
+            len(self._unanswered),
+        )
         self._bytes_before = (self.bytes_sent, self.bytes_received)
         self.transport.close()
         self.transport = make_client(address, self.options)
@@ -155,8 +167,12 @@ class RpcClient:
         frames = encode(msg, req_id, self.src)
         if self.retry_s > 0:
             earlier = self._unanswered.get(after) if after is not None else None
-            self._unanswered[req_id] = Unanswered(frames, time.monotonic() + self.retry_s, self.retry_s,
-                                                  earlier.frames if earlier else None)
+            self._unanswered[req_id] = Unanswered(
+                frames,
+                time.monotonic() + self.retry_s,
+                self.retry_s,
+                earlier.frames if earlier else None,
+            )
         self._transmit(frames)
         return req_id
 
@@ -181,8 +197,9 @@ class RpcClient:
                     self._transmit(kept.before)
                 self._transmit(kept.frames)
 
-    def wait(self, req_id: int, timeout_s: float | None = None,
-             tend: Sequence["RpcClient"] = ()) -> Message:
+    def wait(
+        self, req_id: int, timeout_s: float | None = None, tend: Sequence["RpcClient"] = ()
+    ) -> Message:
         """Block until the reply to `req_id` arrives. While waiting, the
         clients in `tend` (other servers' requests of the same step) re-send
         what is due and take in their replies (`tend()`). Raises RemoteError,
@@ -197,12 +214,15 @@ class RpcClient:
         self._ops.pop(req_id, None)  # after a timeout the caller may wait for it again
         reply = self._early.pop(req_id)
         if isinstance(reply, Error):
-            status = Status(reply.status) if reply.status in Status._value2member_map_ else Status.UNSET
+            status = (
+                Status(reply.status) if reply.status in Status._value2member_map_ else Status.UNSET
+            )
             raise RemoteError(status, reply.message, self.address, op)
         return reply
 
-    def _await(self, req_id: int, op: str, timeout_s: float, deadline: float,
-               tend: Sequence["RpcClient"]) -> None:
+    def _await(
+        self, req_id: int, op: str, timeout_s: float, deadline: float, tend: Sequence["RpcClient"]
+    ) -> None:
         while req_id not in self._early:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -233,7 +253,8 @@ class RpcClient:
         env = decode(frames)
         if isinstance(env.msg, Params):
             if env.msg.version < self._served_version:
-                self._lost_state = True  # restored from an older checkpoint: it may lack our requests
+                # restored from an older checkpoint: it may lack our requests
+                self._lost_state = True
             self._served_version = env.msg.version
         if env.req_id in self._ops:
             self._early[env.req_id] = env.msg
@@ -254,7 +275,9 @@ def _fresh_request_ids() -> None:
 os.register_at_fork(after_in_child=_fresh_request_ids)
 
 
-def wait_all(requests: Sequence[tuple[RpcClient, int]], timeout_s: float | None = None) -> list[Message]:
+def wait_all(
+    requests: Sequence[tuple[RpcClient, int]], timeout_s: float | None = None
+) -> list[Message]:
     """The replies to requests sent to several servers, in the given order.
     Blocking: while one reply is awaited, every other client re-sends its due
     requests and takes in its replies, so a server that restarted (and lost
@@ -278,7 +301,10 @@ class Service:
         self.server = server
         self.node_id = node_id
         self.handlers: dict[Op, Callable] = {
-            op: getattr(self, f"on_{op.name.lower()}") for op in Op if hasattr(self, f"on_{op.name.lower()}")}
+            op: getattr(self, f"on_{op.name.lower()}")
+            for op in Op
+            if hasattr(self, f"on_{op.name.lower()}")
+        }
         self.malformed = 0  # requests refused at decode
 
     def catalog(self) -> TensorCatalog | None:
@@ -304,11 +330,16 @@ class Service:
                 raise
             except Exception as exc:  # a decoder bug must not kill the loop either
                 log.exception("decoder failed on a message from %r", peer)
-                raise ProtocolError(Status.MALFORMED, f"undecodable: {type(exc).__name__}") from None
+                raise ProtocolError(
+                    Status.MALFORMED, f"undecodable: {type(exc).__name__}"
+                ) from None
             handler = self.handlers.get(env.msg.OP)
             if handler is None:
-                raise ProtocolError(Status.UNKNOWN_OP,
-                                    f"{env.msg.OP.name} is not served by {type(self).__name__}", env.req_id)
+                raise ProtocolError(
+                    Status.UNKNOWN_OP,
+                    f"{env.msg.OP.name} is not served by {type(self).__name__}",
+                    env.req_id,
+                )
         except ProtocolError as err:
             self.malformed += 1
             log.warning("refused request from %r: %s", peer, err)

@@ -6,6 +6,7 @@ other there can be checked or updated as one 1-D tensor over that memory
 (the padding between them included), one kernel instead of one per tensor.
 Read-only: nothing here writes or copies a tensor.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
@@ -42,6 +43,7 @@ def _forgetting(name: str):
     def changed(self, *args, **kwargs):
         self.runs = None
         return method(self, *args, **kwargs)
+
     changed.__name__ = name
     return changed
 
@@ -64,9 +66,14 @@ def flat_runs(tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, l
     for name, t in tensors.items():
         if not (t.is_floating_point() and t.numel()):
             continue
-        if last is not None and t.dtype == last.dtype and t.is_contiguous() and last.is_contiguous() and \
-                t.untyped_storage().data_ptr() == last.untyped_storage().data_ptr() and \
-                t.data_ptr() == last.data_ptr() + aligned(last.numel() * last.element_size()):
+        if (
+            last is not None
+            and t.dtype == last.dtype
+            and t.is_contiguous()
+            and last.is_contiguous()
+            and t.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
+            and t.data_ptr() == last.data_ptr() + aligned(last.numel() * last.element_size())
+        ):
             names.append(name)
         else:
             if first is not None:

@@ -29,6 +29,7 @@ once per daemon, before any socket exists; `transport` then calls
 `secure_socket` on every socket it creates. Not meant to be changed while
 sockets are open.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -63,6 +64,7 @@ class SecurityError(HetpsError):
 class CurveKeys:
     """What one process needs: always the server's public key; servers also
     its secret key and the allow-list; clients their own key pair."""
+
     keys_dir: Path
     server_public: bytes
     server_secret: bytes | None = field(default=None, repr=False)
@@ -82,8 +84,10 @@ def write_keys(keys_dir: Path, client_names: list[str]) -> list[Path]:
     under umask 077, so never readable by others). Refuses to overwrite an
     existing server key. Returns the files written. Not thread-safe (umask)."""
     if (keys_dir / f"{SERVER_NAME}.key_secret").exists():
-        raise SecurityError(f"{keys_dir / (SERVER_NAME + '.key_secret')} already exists; "
-                            "not overwriting keys (remove the directory or pick another)")
+        raise SecurityError(
+            f"{keys_dir / (SERVER_NAME + '.key_secret')} already exists; "
+            "not overwriting keys (remove the directory or pick another)"
+        )
     return write_missing_keys(keys_dir, client_names)
 
 
@@ -147,7 +151,9 @@ def client_key_path(keys_dir: Path, client_key: str | None) -> Path:
 def _allow_list(keys_dir: Path) -> tuple[Path, int]:
     allow_dir = keys_dir / ALLOW_DIR
     if not allow_dir.is_dir():
-        raise SecurityError(f"allow-list directory {allow_dir} not found (make keys with `hetps keys DIR`)")
+        raise SecurityError(
+            f"allow-list directory {allow_dir} not found (make keys with `hetps keys DIR`)"
+        )
     count = len(zmq.auth.load_certificates(allow_dir))
     if count == 0:
         raise SecurityError(f"allow-list {allow_dir} holds no client public keys (*.key)")
@@ -162,30 +168,39 @@ def load_keys(keys_dir: Path, role: str, client_key: str | None = None) -> Curve
     if not zmq.has("curve"):
         raise SecurityError(f"this libzmq ({zmq.zmq_version()}) was built without CURVE support")
     if not keys_dir.is_dir():
-        raise SecurityError(f"keys directory {keys_dir} not found "
-                            f"(make one with `hetps keys {keys_dir}`)")
+        raise SecurityError(
+            f"keys directory {keys_dir} not found (make one with `hetps keys {keys_dir}`)"
+        )
     server_file = keys_dir / f"{SERVER_NAME}.key"
     keys = CurveKeys(keys_dir, server_public=b"")
     if role in SERVER_ROLES:
         public, secret = _secret_pair(keys_dir / f"{SERVER_NAME}.key_secret", "server secret key")
         allow_dir, allowed = _allow_list(keys_dir)
-        keys = replace(keys, server_public=public, server_secret=secret, allow_dir=allow_dir, allowed=allowed)
+        keys = replace(
+            keys, server_public=public, server_secret=secret, allow_dir=allow_dir, allowed=allowed
+        )
     else:
         if not server_file.is_file():
-            raise SecurityError(f"server public key {server_file} not found (make keys with `hetps keys DIR`)")
+            raise SecurityError(
+                f"server public key {server_file} not found (make keys with `hetps keys DIR`)"
+            )
         keys = replace(keys, server_public=_key_pair(server_file, "server public key")[0])
     if role in CLIENT_ROLES:
         path = client_key_path(keys_dir, client_key)
         public, secret = _secret_pair(path, "client secret key")
-        keys = replace(keys, client_name=path.name.removesuffix(".key_secret"),
-                       client_public=public, client_secret=secret)
+        keys = replace(
+            keys,
+            client_name=path.name.removesuffix(".key_secret"),
+            client_public=public,
+            client_secret=secret,
+        )
     return keys
 
 
 # ---------------------------------------------------------------- process state
 
-_KEYS: list[CurveKeys] = []                # this process's keys, when curve is on
-_AUTH: list[ThreadAuthenticator] = []      # started with the first server socket
+_KEYS: list[CurveKeys] = []  # this process's keys, when curve is on
+_AUTH: list[ThreadAuthenticator] = []  # started with the first server socket
 _LOCK = threading.Lock()
 atexit.register(lambda: reset())  # stop the authenticator's thread before the interpreter goes
 
@@ -198,8 +213,9 @@ def use_keys(keys: CurveKeys | None) -> CurveKeys | None:
     if keys is None:
         return None
     _KEYS.append(keys)
-    sides = ([f"server, {keys.allowed} allowed client keys"] if keys.server_secret else []) + \
-        ([f"client key {keys.client_name}"] if keys.client_secret else [])
+    sides = ([f"server, {keys.allowed} allowed client keys"] if keys.server_secret else []) + (
+        [f"client key {keys.client_name}"] if keys.client_secret else []
+    )
     log.info("CurveZMQ on (keys %s): %s", keys.keys_dir, "; ".join(sides))
     return keys
 
@@ -231,16 +247,20 @@ def secure_socket(sock: zmq.Socket, server: bool) -> None:
     keys = _KEYS[0]
     if server:
         if keys.server_secret is None:
-            raise SecurityError(f"curve is on but this process has no server secret key "
-                                f"({keys.keys_dir / (SERVER_NAME + '.key_secret')})")
+            raise SecurityError(
+                f"curve is on but this process has no server secret key "
+                f"({keys.keys_dir / (SERVER_NAME + '.key_secret')})"
+            )
         _start_authenticator(keys)
         sock.curve_secretkey = keys.server_secret
         sock.curve_publickey = keys.server_public
         sock.curve_server = True
         return
     if keys.client_secret is None:
-        raise SecurityError(f"curve is on but this process has no client key "
-                            f"(--client-key or $HETPS_CLIENT_KEY under {keys.keys_dir / CLIENTS_DIR})")
+        raise SecurityError(
+            f"curve is on but this process has no client key "
+            f"(--client-key or $HETPS_CLIENT_KEY under {keys.keys_dir / CLIENTS_DIR})"
+        )
     sock.curve_secretkey = keys.client_secret
     sock.curve_publickey = keys.client_public
     sock.curve_serverkey = keys.server_public

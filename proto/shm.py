@@ -31,6 +31,7 @@ inside it. A descriptor that fails a check is dropped with a log line; the
 message then reaches the codec with empty frames and is refused MALFORMED.
 Linux only.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -48,10 +49,12 @@ log = logging.getLogger(__name__)
 
 MARK = b"\xc1hetps-shm"  # 0xc1 never starts a msgpack value, so never a message header
 MEMFD_NAME = "hetps-shm"
-PAGE = mmap.PAGESIZE     # the first page holds the busy flag; frames start at the second
+PAGE = mmap.PAGESIZE  # the first page holds the busy flag; frames start at the second
 ALIGN = 64
-MAX_SEGMENTS = 4         # per client: messages in flight through shared memory at once
-OPEN_SEGMENTS = 64       # per server: segments kept open (least recently used closed first)
+MAX_SEGMENTS = 4  # per client: messages in flight through shared memory at once
+OPEN_SEGMENTS = 64  # per server: segments kept open (least recently used closed first)
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -102,17 +105,22 @@ class SegmentPool:
         self.min_bytes = min_bytes
         self.max_segments = max_segments
         self.segments: list[Segment] = []
-        self.aside: list[tuple[int, Segment]] = []  # (reconnect, segment): busy when the server went away
+        # (reconnect, segment): busy when the server went away
+        self.aside: list[tuple[int, Segment]] = []
         self.reconnects = 0
-        self.staged = 0     # messages sent through shared memory
+        self.staged = 0  # messages sent through shared memory
         self.fallbacks = 0  # messages with large frames sent through the socket: no free segment
 
     def stage(self, frames: Sequence) -> list | None:
         """The parts to send for `frames`: [descriptor, *frames with each frame of
         at least `min_bytes` emptied], its bytes written into a free segment; or
         None when no frame is that large or no segment is free (send `frames`)."""
-        views = [memoryview(f).cast("B") if not isinstance(f, memoryview) or f.format != "B" or f.ndim != 1
-                 else f for f in frames]
+        views = [
+            memoryview(f).cast("B")
+            if not isinstance(f, memoryview) or f.format != "B" or f.ndim != 1
+            else f
+            for f in frames
+        ]
         large = [i for i, v in enumerate(views) if v.nbytes >= self.min_bytes]
         if not large:
             return None
@@ -125,7 +133,7 @@ class SegmentPool:
         places, offset = [], 0
         for i in large:
             n = views[i].nbytes
-            segment.view[PAGE + offset:PAGE + offset + n] = views[i]
+            segment.view[PAGE + offset : PAGE + offset + n] = views[i]
             places.append([i, offset, n])
             offset += _aligned(n)
         self.staged += 1
@@ -167,7 +175,8 @@ class SegmentPool:
         fits = [s for s in free if s.capacity >= need]
         if fits:
             return min(fits, key=lambda s: s.capacity)
-        if free and len(self.segments) >= self.max_segments:  # make room: replace a free one too small
+        # make room: replace a free one too small
+        if free and len(self.segments) >= self.max_segments:
             self.segments.remove(free[0])
             free[0].close()
         if len(self.segments) >= self.max_segments:
@@ -192,7 +201,8 @@ class _Opened:
         self.map = mmap.mmap(fd, size)
 
     def close(self) -> None:
-        os.close(self.fd)  # the mapping goes with its last reference: views and finalizers may hold it
+        # the mapping goes with its last reference: views and finalizers may hold it
+        os.close(self.fd)
 
 
 def _release(segment_map: mmap.mmap) -> None:
@@ -210,18 +220,33 @@ class SegmentReader:
     def restore(self, frames: Sequence) -> list:
         """`frames` (descriptor first) as the client meant them. Raises ShmRefused."""
         try:
-            boot, pid, fd, ino, places = msgpack.unpackb(bytes(frames[0][len(MARK):]), raw=False)
-        except Exception as exc:  # msgpack raises several unrelated types; a bad shape fails to unpack
+            boot, pid, fd, ino, places = msgpack.unpackb(bytes(frames[0][len(MARK) :]), raw=False)
+        # msgpack raises several unrelated types; a bad shape fails to unpack
+        except Exception as exc:
             raise ShmRefused(f"undecodable descriptor: {exc}") from None
-        if not (type(pid) is int and type(fd) is int and type(ino) is int and type(places) is list and places):
-            raise ShmRefused("descriptor must be [boot id, pid, fd, inode, [[frame, offset, bytes], ...]]")
+        if not (
+            type(pid) is int
+            and type(fd) is int
+            and type(ino) is int
+            and type(places) is list
+            and places
+        ):
+            raise ShmRefused(
+                "descriptor must be [boot id, pid, fd, inode, [[frame, offset, bytes], ...]]"
+            )
         if boot != BOOT_ID:
-            raise ShmRefused("the sender runs on another host (comm.shm_bytes is for processes on one host)")
+            raise ShmRefused(
+                "the sender runs on another host (comm.shm_bytes is for processes on one host)"
+            )
         seg = self._open(pid, fd, ino)
         out = list(frames[1:])
         low, high = seg.size, 0
         for place in places:
-            if not (type(place) is list and len(place) == 3 and all(type(x) is int and x >= 0 for x in place)):
+            if not (
+                type(place) is list
+                and len(place) == 3
+                and all(type(x) is int and x >= 0 for x in place)
+            ):
                 raise ShmRefused(f"bad frame place {place!r:.60}")
             i, offset, n = place
             if not i < len(out) or memoryview(out[i]).nbytes or offset + n > seg.size - PAGE:
@@ -233,14 +258,15 @@ class SegmentReader:
         weakref.finalize(region, _release, seg.map)
         whole = memoryview(region).cast("B").toreadonly()
         for i, offset, n in places:
-            out[i] = whole[offset - low:offset - low + n]
+            out[i] = whole[offset - low : offset - low + n]
         return out
 
     def _open(self, pid: int, fd: int, want_ino: int) -> _Opened:
         path = f"/proc/{pid}/fd/{fd}"
         try:
             ino = os.stat(path).st_ino
-            if ino != want_ino:  # another process of that pid (another pid namespace): not the sender's
+            # another process of that pid (another pid namespace): not the sender's
+            if ino != want_ino:
                 raise ShmRefused(f"{path} is not the sender's segment")
             seg = self.opened.get((pid, fd))
             if seg is not None and seg.ino == ino:
@@ -289,4 +315,4 @@ class SegmentReader:
 
 
 def is_descriptor(frame) -> bool:
-    return memoryview(frame)[:len(MARK)] == MARK
+    return memoryview(frame)[: len(MARK)] == MARK

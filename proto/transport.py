@@ -30,6 +30,7 @@ free port; read `server.address` for the one actually bound. Nothing here
 blocks longer than the `timeout_s` it is given, except a capped link's
 sleeps. Sockets are not thread-safe: one per thread.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -51,7 +52,6 @@ from .messages import ZERO_COPY_BYTES
 from .security import SecurityError, secure_socket
 from .shm import SegmentPool, SegmentReader, ShmRefused, is_descriptor
 
-
 log = logging.getLogger(__name__)
 
 
@@ -59,8 +59,9 @@ class TransportError(HetpsError):
     """Bind/connect failed or the peer is unknown."""
 
 
-REPLY_SEGMENTS = 2       # a server's segments per peer for replies through shared memory
-REPLY_PEERS = 256        # peers a server keeps reply segments for (least recently heard closed first)
+REPLY_SEGMENTS = 2  # a server's segments per peer for replies through shared memory
+# peers a server keeps reply segments for (least recently heard closed first)
+REPLY_PEERS = 256
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ DEFAULT_OPTIONS = TransportOptions()
 
 class ServerTransport(ABC):
     address: str
-    options: TransportOptions = DEFAULT_OPTIONS  # made with these (a shard's own clients reuse them)
+    # made with these (a shard's own clients reuse them)
+    options: TransportOptions = DEFAULT_OPTIONS
 
     @abstractmethod
     def recv(self, timeout_s: float) -> tuple[bytes, list] | None:
@@ -182,7 +184,11 @@ class ZmqServer(ServerTransport):
         self.link = options.link
         self.sock = _zmq_socket(zmq.ROUTER, options.max_message_bytes)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        bind_to = address[:-2] + ":*" if address.startswith("tcp://") and address.endswith(":0") else address
+        bind_to = (
+            address[:-2] + ":*"
+            if address.startswith("tcp://") and address.endswith(":0")
+            else address
+        )
         try:
             self.sock.bind(bind_to)
         except zmq.ZMQError as exc:
@@ -253,7 +259,8 @@ class ZmqClient(ClientTransport):
         options = options or DEFAULT_OPTIONS
         self.link = options.link
         self.sock = _zmq_socket(zmq.DEALER, options.max_message_bytes)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)  # before connecting: sees the first
+        # before connecting: sees the first
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         self.connects = 0
         self.shm = SegmentPool(options.shm_bytes) if options.shm_bytes else None
         self.shm_replies = SegmentReader(REPLY_SEGMENTS) if options.shm_bytes else None
@@ -320,8 +327,9 @@ _MEM_IDS = itertools.count(1)
 
 
 class MemServer(ServerTransport):
-    def __init__(self, address: str, take_over: bool = False,
-                 options: TransportOptions | None = None):
+    def __init__(
+        self, address: str, take_over: bool = False, options: TransportOptions | None = None
+    ):
         """`take_over`: replace the server bound at `address` in one step (a
         restarted process at a dead one's address, in tests); what was queued
         for the old one stays with it, as a killed process's input would.

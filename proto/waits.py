@@ -10,14 +10,16 @@ TRUST BOUNDARY, like records.py (which reads these two fields of NodeStats):
 
 A bad value raises ProtocolError(MALFORMED) naming the field.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from .read_values import MAX_SECONDS, bad as _bad
+from .read_values import MAX_SECONDS
+from .read_values import bad as _bad
 
-MAX_WAITERS = 4096      # workers named in one entry: far above any cluster this runs
+MAX_WAITERS = 4096  # workers named in one entry: far above any cluster this runs
 
 
 def _node(where: str, value: Any) -> int:
@@ -27,8 +29,11 @@ def _node(where: str, value: Any) -> int:
 
 
 def _seconds(where: str, value: Any) -> float:
-    if type(value) not in (int, float) or not 0 <= value <= MAX_SECONDS:  # NaN fails both comparisons
-        _bad(where, f"must be a finite number of seconds in [0, {MAX_SECONDS:g}], got {value!r:.40}")
+    # NaN fails both comparisons
+    if type(value) not in (int, float) or not 0 <= value <= MAX_SECONDS:
+        _bad(
+            where, f"must be a finite number of seconds in [0, {MAX_SECONDS:g}], got {value!r:.40}"
+        )
     return float(value)
 
 
@@ -63,7 +68,7 @@ class HeldUp:
 
     node: int
     seconds: float
-    waiters: int = 0    # workers its last release freed
+    waiters: int = 0  # workers its last release freed
 
     def to_wire(self) -> dict:
         return {"node": self.node, "s": round(self.seconds, 4), "waiters": self.waiters}
@@ -76,8 +81,13 @@ def read_waiting(value: Any) -> tuple[WaitingFor, ...]:
         waiters = e["waiters"]
         if type(waiters) not in (list, tuple) or len(waiters) > MAX_WAITERS:
             _bad(f"{where}.waiters", f"must be a list of at most {MAX_WAITERS} node ids")
-        out.append(WaitingFor(_node(f"{where}.node", e["node"]), _seconds(f"{where}.for_s", e["for_s"]),
-                              tuple(_node(f"{where}.waiters", w) for w in waiters)))
+        out.append(
+            WaitingFor(
+                _node(f"{where}.node", e["node"]),
+                _seconds(f"{where}.for_s", e["for_s"]),
+                tuple(_node(f"{where}.waiters", w) for w in waiters),
+            )
+        )
     return tuple(out)
 
 
@@ -88,5 +98,7 @@ def read_held(value: Any) -> tuple[HeldUp, ...]:
         waiters = e["waiters"]
         if type(waiters) is not int or not 0 <= waiters <= MAX_WAITERS:
             _bad(f"{where}.waiters", f"must be an int in [0, {MAX_WAITERS}], got {waiters!r:.40}")
-        out.append(HeldUp(_node(f"{where}.node", e["node"]), _seconds(f"{where}.s", e["s"]), waiters))
+        out.append(
+            HeldUp(_node(f"{where}.node", e["node"]), _seconds(f"{where}.s", e["s"]), waiters)
+        )
     return tuple(out)

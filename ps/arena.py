@@ -19,6 +19,7 @@ value, zero gradient) unless a peer's push carried other bytes in its pack
 padding (the optimizer may read a packed push in place): either way they are
 read by nobody, a receiver skips padding. Not thread-safe.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,9 +36,11 @@ class Arena:
         entries = list(entries)
         params = [e for e in entries if e[3]]
         dtypes = list(dict.fromkeys(e[1] for e in params))
-        ordered = [e for d in dtypes for e in params if e[1] == d] + [e for e in entries if not e[3]]
+        ordered = [e for d in dtypes for e in params if e[1] == d] + [
+            e for e in entries if not e[3]
+        ]
         self.order: list[str] = [e[0] for e in ordered]
-        self.offsets: dict[str, int] = {}   # bytes from the arena's start
+        self.offsets: dict[str, int] = {}  # bytes from the arena's start
         runs: dict[torch.dtype, list[int]] = {}
         offset = 0
         for name, dtype, shape, is_param in ordered:
@@ -50,8 +53,12 @@ class Arena:
         self._specs = {e[0]: (e[1], tuple(e[2])) for e in ordered}
         self._runs = {d: (start, end) for d, (start, end) in runs.items()}
         self.memory = torch.zeros(offset, dtype=torch.uint8)
-        self.views: dict[str, torch.Tensor] = {n: torch.empty(0, dtype=self._specs[n][0]) for n in self.order}
-        self.flat: dict[torch.dtype, torch.Tensor] = {d: torch.empty(0, dtype=d) for d in self._runs}
+        self.views: dict[str, torch.Tensor] = {
+            n: torch.empty(0, dtype=self._specs[n][0]) for n in self.order
+        }
+        self.flat: dict[torch.dtype, torch.Tensor] = {
+            d: torch.empty(0, dtype=d) for d in self._runs
+        }
         self._seat()
 
     @property
@@ -61,7 +68,9 @@ class Arena:
     def run_names(self, dtype: torch.dtype) -> list[str]:
         """The parameters in `dtype`'s flat run, in its order."""
         start, end = self._runs[dtype]
-        return [n for n in self.order if self._specs[n][0] == dtype and start <= self.offsets[n] < end]
+        return [
+            n for n in self.order if self._specs[n][0] == dtype and start <= self.offsets[n] < end
+        ]
 
     def offset_in_run(self, name: str) -> int:
         """Entries from the start of the tensor's flat run to the tensor."""
@@ -79,10 +88,17 @@ class Arena:
         base = self.memory.storage_offset()  # bytes (uint8)
         for name, view in self.views.items():
             dtype, shape = self._specs[name]
-            view.set_(storage, (base + self.offsets[name]) // dtype.itemsize, shape, _contiguous_strides(shape))
+            view.set_(
+                storage,
+                (base + self.offsets[name]) // dtype.itemsize,
+                shape,
+                _contiguous_strides(shape),
+            )
         for dtype, flat in self.flat.items():
             start, end = self._runs[dtype]
-            flat.set_(storage, (base + start) // dtype.itemsize, ((end - start) // dtype.itemsize,), (1,))
+            flat.set_(
+                storage, (base + start) // dtype.itemsize, ((end - start) // dtype.itemsize,), (1,)
+            )
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:

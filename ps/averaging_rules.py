@@ -8,6 +8,7 @@ A period rule has `warmup_rounds` (rounds run at period 1 before it decides),
 `observe(variance, period, lr)` (called when a round closes) and
 `next_period(steps_done, rounds_done) -> int`. Not thread-safe.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,23 +61,36 @@ class VariancePeriod:
        schedule's decay alone does not stretch the period.
     """
 
-    def __init__(self, warmup_rounds: int = 4, base_period: float = 1.0, max_period: int = 32,
-                 budget_rounds: int = 0, horizon_steps: int = 0, smoothing: float = 1.0):
+    def __init__(
+        self,
+        warmup_rounds: int = 4,
+        base_period: float = 1.0,
+        max_period: int = 32,
+        budget_rounds: int = 0,
+        horizon_steps: int = 0,
+        smoothing: float = 1.0,
+    ):
         self.warmup_rounds = warmup_rounds
         self.base_period = base_period
         self.max_period = max_period
         self.budget_rounds = budget_rounds
         self.horizon_steps = horizon_steps
         self.smoothing = smoothing
-        self.spread: float | None = None   # smoothed v
+        self.spread: float | None = None  # smoothed v
         self.peak = 0.0
         self.lr: float | None = None
         self.last = 1
 
     @classmethod
     def from_params(cls, params) -> "VariancePeriod":
-        return cls(params.warmup_rounds, params.base_period, params.max_period,
-                   params.budget_rounds, params.horizon_steps, params.smoothing)
+        return cls(
+            params.warmup_rounds,
+            params.base_period,
+            params.max_period,
+            params.budget_rounds,
+            params.horizon_steps,
+            params.smoothing,
+        )
 
     def observe(self, variance: float, period: int, lr: float) -> None:
         v = variance / max(1, period)
@@ -102,7 +116,8 @@ class VariancePeriod:
         if self.spread is not None and self.peak > 0:
             ratio = self.peak / self.spread if self.spread > 0 else math.inf
             x = self.base_period * ratio
-            proposal = min(self.max_period, max(1, math.ceil(x - 1e-6 * x)))  # float noise: 2.0000001 is 2
+            # float noise: 2.0000001 is 2
+            proposal = min(self.max_period, max(1, math.ceil(x - 1e-6 * x)))
         self.last = max(proposal, self.last, self.budget_floor(steps_done, rounds_done))
         return self.last
 
@@ -111,6 +126,7 @@ PERIOD_RULES: dict[str, Callable] = {"variance": VariancePeriod.from_params}
 
 
 # ------------------------------------------------------------ weight rules
+
 
 def equal_weights(steps: Sequence[int], lr: float, weight_decay: float) -> list[float]:
     """simuparallel: every model counts the same."""
@@ -131,10 +147,13 @@ def wpsgd_weights(steps: Sequence[int], lr: float, weight_decay: float) -> list[
     decay = 1.0 - lr * weight_decay
     if not 0.0 < decay < 1.0:
         return step_weights(steps, lr, weight_decay)
-    raw = [1.0 - decay ** t for t in steps]
+    raw = [1.0 - decay**t for t in steps]
     total = sum(raw)
     return [w / total for w in raw] if total > 0 else equal_weights(steps, lr, weight_decay)
 
 
 WEIGHT_RULES: dict[str, Callable[[Sequence[int], float, float], list[float]]] = {
-    "wpsgd": wpsgd_weights, "steps": step_weights, "equal": equal_weights}
+    "wpsgd": wpsgd_weights,
+    "steps": step_weights,
+    "equal": equal_weights,
+}

@@ -19,6 +19,7 @@ PLAN_FETCH_S) holds up the others meanwhile; with a fixed --metrics-port P,
 rank i of the process serves /metrics on P + i. Backups (cluster.replicas) are refused: a
 primary and the backup of its neighbour could share the process that dies.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,23 +29,28 @@ import sys
 
 import torch
 
+from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
+from hetps.proto.transport import (
+    ServerPoll,
+    ServerTransport,
+    TransportError,
+    TransportOptions,
+    make_server,
+)
 from hetps.runconfig.algorithms import AlgorithmMismatch
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.runtime.daemon import check_and_exit, scheduler_lost_exit, transport_options
 from hetps.runtime.emulation import Slowdown
 from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
 from hetps.runtime.metrics import serve_metrics
-from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.runtime.startup import Phases
-from hetps.proto.transport import (ServerPoll, ServerTransport, TransportError, TransportOptions,
-                                  make_server)
 
 from .serving import PlanFollower, setup_checkpoints
 from .shard import Shard, profile_update_speed
 
 log = logging.getLogger("hetps.ps")
 POLL_S = 0.05  # longest wait for any rank's socket before the plan timers run again
-DRAIN = 64     # requests one rank may take in a row before the next rank's turn
+DRAIN = 64  # requests one rank may take in a row before the next rank's turn
 
 
 def rank_binds(template: str | None, ranks: list[int], cfg: RunConfig) -> list[str]:
@@ -53,8 +59,10 @@ def rank_binds(template: str | None, ranks: list[int], cfg: RunConfig) -> list[s
     when one fixed address would be bound by several ranks."""
     template = template or f"tcp://{cfg.cluster.host}:0"
     if len(ranks) > 1 and "{rank}" not in template and not template.endswith(":0"):
-        raise ValueError(f"--bind {template} names one address for {len(ranks)} ranks: put {{rank}} in it "
-                         "(e.g. ipc:///run/ps{rank}) or bind port 0")
+        raise ValueError(
+            f"--bind {template} names one address for {len(ranks)} ranks: put {{rank}} in it "
+            "(e.g. ipc:///run/ps{rank}) or bind port 0"
+        )
     return [template.replace("{rank}", str(r)) for r in ranks]
 
 
@@ -69,18 +77,27 @@ def run_colocated(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phas
         if cfg.cluster.replicas:
             raise ValueError("--ranks with cluster.replicas: backups need one process per shard")
         if args.advertise:
-            raise ValueError("--ranks takes no --advertise: each rank advertises the address it bound "
-                             "(0.0.0.0: this host's address on its route to the scheduler)")
+            raise ValueError(
+                "--ranks takes no --advertise: each rank advertises the address it bound "
+                "(0.0.0.0: this host's address on its route to the scheduler)"
+            )
         if args.restore_version and len(args.restore_version) != len(ranks):
-            raise ValueError(f"--restore-version needs one version per rank ({len(ranks)}), "
-                             f"got {len(args.restore_version)}")
+            raise ValueError(
+                f"--restore-version needs one version per rank ({len(ranks)}), "
+                f"got {len(args.restore_version)}"
+            )
     except ValueError as exc:
         print(f"hetps ps: {exc}", file=sys.stderr)
         return 2
     label_log_lines(ranks)
     if args.check:
-        check_and_exit("ps", ranks=",".join(map(str, ranks)), scheduler=scheduler, bind=",".join(binds),
-                       config=args.config)
+        check_and_exit(
+            "ps",
+            ranks=",".join(map(str, ranks)),
+            scheduler=scheduler,
+            bind=",".join(binds),
+            config=args.config,
+        )
     node = cfg.cluster.shards[ranks[0]] if ranks[0] < len(cfg.cluster.shards) else NodeConfig()
     torch.set_num_threads(node.threads)
     ranks_served = ColocatedRanks(ranks, cfg, transport_options(cfg, node))
@@ -100,7 +117,9 @@ def label_log_lines(ranks: list[int]) -> None:
     label = "ps" + ",".join(map(str, ranks))
     for handler in logging.getLogger().handlers:
         if type(handler) is logging.StreamHandler:  # the one basicConfig made, not a test runner's
-            handler.setFormatter(logging.Formatter(f"%(asctime)s {label} %(levelname)s %(name)s: %(message)s"))
+            handler.setFormatter(
+                logging.Formatter(f"%(asctime)s {label} %(levelname)s %(name)s: %(message)s")
+            )
 
 
 class ColocatedRanks:
@@ -112,7 +131,8 @@ class ColocatedRanks:
     def __init__(self, ranks: list[int], cfg: RunConfig, transport: TransportOptions | None = None):
         self.ranks, self.cfg = ranks, cfg
         self.transport = transport or TransportOptions(
-            max_message_bytes=cfg.cluster.max_message_bytes)
+            max_message_bytes=cfg.cluster.max_message_bytes
+        )
         self.servers: list[ServerTransport] = []
         self.members: list[Membership] = []
         self.shards: list[Shard | None] = [None] * len(ranks)
@@ -126,22 +146,39 @@ class ColocatedRanks:
     def run(self, phases: Phases, args: argparse.Namespace) -> int:
         """Register every rank, build its shard, serve, finish; the exit status."""
         cfg, first = self.cfg, self.members[0]
-        slowdowns = [Slowdown(cfg.cluster.shards[r] if r < len(cfg.cluster.shards) else NodeConfig())
-                     for r in self.ranks]
+        slowdowns = [
+            Slowdown(cfg.cluster.shards[r] if r < len(cfg.cluster.shards) else NodeConfig())
+            for r in self.ranks
+        ]
         with first.starting():  # one profile: the ranks share this process's CPU
             speed = profile_update_speed(slowdowns[0])
             phases.mark("profile")
         for member, server in zip(self.members, self.servers):
-            member.join(address=reachable(server.address, member.scheduler), speed=speed, startup=phases.as_dict())
-        plans = [member.wait_plan() for member in self.members]  # the plan needs every rank registered
+            member.join(
+                address=reachable(server.address, member.scheduler),
+                speed=speed,
+                startup=phases.as_dict(),
+            )
+        # the plan needs every rank registered
+        plans = [member.wait_plan() for member in self.members]
         for i, member in enumerate(self.members):
-            member.start_heartbeats(lambda i=i: self.shards[i].stats() if self.shards[i] is not None else {})
+            member.start_heartbeats(
+                lambda i=i: self.shards[i].stats() if self.shards[i] is not None else {}
+            )
         for i, (member, plan) in enumerate(zip(self.members, plans)):
             self.shards[i] = self._make_shard(i, plan, slowdowns[i], args)
         for i, (rank, shard) in enumerate(zip(self.ranks, self.shards)):
-            port = args.metrics_port + i if args.metrics_port > 0 else args.metrics_port  # fixed: one per rank
-            serve_metrics(port, args.metrics_host or cfg.cluster.host, "ps", rank, shard.stats,
-                          algorithm=cfg.algorithm.name, targets=args.metrics_targets)
+            # fixed: one per rank
+            port = args.metrics_port + i if args.metrics_port > 0 else args.metrics_port
+            serve_metrics(
+                port,
+                args.metrics_host or cfg.cluster.host,
+                "ps",
+                rank,
+                shard.stats,
+                algorithm=cfg.algorithm.name,
+                targets=args.metrics_targets,
+            )
         serve_ranks(self.shards, self.members, self.servers)
         return self.finish()
 
@@ -151,10 +188,17 @@ class ColocatedRanks:
         with member.starting({AlgorithmMismatch: 2}):
             shard = Shard(self.servers[i], member.node_id, plan, self.cfg, slowdown)
             version = args.restore_version[i] if args.restore_version else None
-            setup_checkpoints(shard, args.checkpoint_dir or self.cfg.checkpoint.dir, rank, version, args.resume)
+            setup_checkpoints(
+                shard, args.checkpoint_dir or self.cfg.checkpoint.dir, rank, version, args.resume
+            )
         shard.park_future_pushes = True  # the rank's PlanFollower fetches the plans they wait for
-        log.info("shard %d (node %d) serving %d tensors at %s", rank, member.node_id, len(shard.store.specs),
-                 self.servers[i].address)
+        log.info(
+            "shard %d (node %d) serving %d tensors at %s",
+            rank,
+            member.node_id,
+            len(shard.store.specs),
+            self.servers[i].address,
+        )
         return shard
 
     def finish(self) -> int:
@@ -176,8 +220,12 @@ class ColocatedRanks:
             server.close()
 
 
-def serve_ranks(shards: list[Shard], members: list[Membership], servers: list[ServerTransport],
-                poll_s: float = POLL_S) -> None:
+def serve_ranks(
+    shards: list[Shard],
+    members: list[Membership],
+    servers: list[ServerTransport],
+    poll_s: float = POLL_S,
+) -> None:
     """Serve every rank from this thread until each was told to stop (or the
     scheduler is lost): a rank takes what is queued for it (up to DRAIN
     requests), runs its plan timer, and the thread then waits on all sockets

@@ -8,6 +8,7 @@ order, with state the tensor's own size. So a checkpoint reads the same
 whichever way the shard lays its memory out, and either kind restores into
 either. Pure functions over state dicts; nothing here steps an optimizer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,12 @@ def flat_state(tensor_state: dict, arena: Arena, names: list[str]) -> dict:
             continue
         if any(e is None for e in entries):
             raise ValueError("optimizer state holds some tensors of a run and not others")
-        state[run] = {key: entries[0][key] if key in SHARED else
-                      _join([e[key] for e in entries], members, arena, flat) for key in entries[0]}
+        state[run] = {
+            key: entries[0][key]
+            if key in SHARED
+            else _join([e[key] for e in entries], members, arena, flat)
+            for key in entries[0]
+        }
     groups = [{**g, "params": list(range(len(arena.flat)))} for g in tensor_state["param_groups"]]
     return {"state": state, "param_groups": groups}
 
@@ -54,12 +59,12 @@ def _slice(key: str, value, arena: Arena, name: str):
         return value.clone() if isinstance(value, torch.Tensor) else value
     view = arena.views[name]
     start = arena.offset_in_run(name)
-    return value[start:start + view.numel()].view(view.shape).clone()
+    return value[start : start + view.numel()].view(view.shape).clone()
 
 
 def _join(values: list, names: list[str], arena: Arena, flat: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(flat.shape, dtype=values[0].dtype)  # padding entries stay zero
     for value, name in zip(values, names):
         start = arena.offset_in_run(name)
-        out[start:start + arena.views[name].numel()].copy_(value.reshape(-1))
+        out[start : start + arena.views[name].numel()].copy_(value.reshape(-1))
     return out

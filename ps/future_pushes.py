@@ -8,6 +8,7 @@ itself -- until the daemon's loop adopts the plan (or gives up on a plan id
 the scheduler does not know, and the shard takes the push under the plan it
 has). Not thread-safe: the shard's loop thread only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,6 +9,7 @@ overlap, so a node that holds its round up all the time gains about one
 second per second. `report` is called from the heartbeat thread: it reads
 snapshots (list() of a dict or list is atomic under the GIL) and never writes.
 """
+
 from __future__ import annotations
 
 import time
@@ -22,9 +23,9 @@ from .policies import ConsistencyPolicy
 class HoldLedger:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
-        self.held_s: dict[int, float] = {}       # node -> seconds it held waiters up
-        self.last_waiters: dict[int, int] = {}   # node -> workers its last release freed
-        self.until: dict[int, float] = {}        # node -> end of its last counted hold
+        self.held_s: dict[int, float] = {}  # node -> seconds it held waiters up
+        self.last_waiters: dict[int, int] = {}  # node -> workers its last release freed
+        self.until: dict[int, float] = {}  # node -> end of its last counted hold
 
     def released(self, node: int, pulls: Iterable) -> None:
         """`node`'s push made `pulls` (ParkedPull-like: worker, since) ready."""
@@ -44,8 +45,13 @@ class HoldLedger:
         now = self.clock()
         try:
             waits = policy.waiting_for([(p.worker, p.clock, p.since) for p in list(parked)])
-        except (RuntimeError, LookupError):  # rounds or groups changed under us: the next heartbeat will do
+        # rounds or groups changed under us: the next heartbeat will do
+        except (RuntimeError, LookupError):
             waits = []
-        waiting = [WaitingFor(w.node, max(0.0, now - w.since), tuple(sorted(w.waiters))) for w in waits]
-        held = [HeldUp(n, s, self.last_waiters.get(n, 0)) for n, s in sorted(list(self.held_s.items()))]
+        waiting = [
+            WaitingFor(w.node, max(0.0, now - w.since), tuple(sorted(w.waiters))) for w in waits
+        ]
+        held = [
+            HeldUp(n, s, self.last_waiters.get(n, 0)) for n, s in sorted(list(self.held_s.items()))
+        ]
         return {"waiting": [w.to_wire() for w in waiting], "held": [h.to_wire() for h in held]}

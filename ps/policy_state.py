@@ -6,6 +6,7 @@ small state classes (rounds, period rules) and random.Random. `to_plain` turns a
 class marked `@storable` into `{"__state__": class name, "vars": its fields}`;
 `from_plain` makes it again, only ever from the classes marked here.
 """
+
 from __future__ import annotations
 
 import random
@@ -39,7 +40,11 @@ def from_plain(value: Any) -> Any:
         rng = random.Random()
         rng.setstate(value[_RANDOM])
         return rng
-    if isinstance(value, dict) and value.get(_TAG) in STATE_CLASSES and set(value) == {_TAG, "vars"}:
+    if (
+        isinstance(value, dict)
+        and value.get(_TAG) in STATE_CLASSES
+        and set(value) == {_TAG, "vars"}
+    ):
         obj = object.__new__(STATE_CLASSES[value[_TAG]])
         vars(obj).update(from_plain(value["vars"]))
         return obj

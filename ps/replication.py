@@ -27,6 +27,7 @@ When the scheduler declares a primary dead it publishes a plan that names the
 backup's address for those tensors (`plan.served_by`); the backup's process
 promotes it, and workers re-send what was unanswered to the new address.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,24 +37,29 @@ from dataclasses import dataclass
 
 import zmq
 
-from hetps.runtime import checkpoint
 from hetps.proto.codec import Envelope, ProtocolError, decode, encode
 from hetps.proto.messages import Ack, Error, Message, Plan, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.transport import ServerTransport, TransportOptions, make_client
+from hetps.runtime import checkpoint
 
 from .shard import Shard
 from .state_copy import load_snapshot, snapshot_of
 
 log = logging.getLogger(__name__)
-PENDING_POLL_S = 0.001  # while the backup's confirmation is due, the longest block on the workers' socket
+# while the backup's confirmation is due, the longest block on the workers' socket
+PENDING_POLL_S = 0.001
 
 
 def same_members(a: ClusterPlan, b: ClusterPlan) -> bool:
     """True when plan `b` differs from `a` only in where shards are (a
     failover): the policies keep their rounds and plan id."""
-    return (a.worker_ids() == b.worker_ids() and a.groups == b.groups and a.shares == b.shares
-            and a.algorithm_params == b.algorithm_params)
+    return (
+        a.worker_ids() == b.worker_ids()
+        and a.groups == b.groups
+        and a.shares == b.shares
+        and a.algorithm_params == b.algorithm_params
+    )
 
 
 def backup_of(plan: ClusterPlan, node_id: int) -> str | None:
@@ -84,10 +90,10 @@ class Replicator:
     def __init__(self, address: str, options: TransportOptions | None, send):
         self.address = address
         self.client = make_client(address, options)
-        self.send = send          # (peer, req_id, msg) -> sends a reply for real
-        self.sent = 0             # messages forwarded
-        self.confirmed = 0        # of which the backup answered (in order: one connection)
-        self.errors = 0           # answered with ERROR (the backup refused what the primary took)
+        self.send = send  # (peer, req_id, msg) -> sends a reply for real
+        self.sent = 0  # messages forwarded
+        self.confirmed = 0  # of which the backup answered (in order: one connection)
+        self.errors = 0  # answered with ERROR (the backup refused what the primary took)
         self.held: deque[Held] = deque()
 
     @property
@@ -119,7 +125,9 @@ class Replicator:
             reply = decode(frames).msg
             if isinstance(reply, Error):
                 self.errors += 1
-                log.error("the backup at %s refused a replicated message: %s", self.address, reply.message)
+                log.error(
+                    "the backup at %s refused a replicated message: %s", self.address, reply.message
+                )
         while self.held and self.held[0].upto <= self.confirmed:
             h = self.held.popleft()
             self.send(h.peer, h.req_id, h.msg)
@@ -143,7 +151,8 @@ class ReplicatedShard(Shard):
         self._deferring = False
         self._released_by: int | None = None  # the push that freed parked pulls while deferring
         self.primary_peer: bytes | None = None  # a backup: the connection its primary forwards on
-        self.early: list[tuple[bytes, Envelope]] = []  # a backup: workers' requests before its promotion
+        # a backup: workers' requests before its promotion
+        self.early: list[tuple[bytes, Envelope]] = []
         self.counts.update(replicated=0)
         if role == "primary":
             self._follow_backup(self.plan)
@@ -168,8 +177,11 @@ class ReplicatedShard(Shard):
     def stats(self) -> dict:
         out = super().stats()
         if self.replicator is not None:
-            out.update(replica_bytes=self.replicator.bytes_sent, replica_held=len(self.replicator.held),
-                       replica_errors=self.replicator.errors)
+            out.update(
+                replica_bytes=self.replicator.bytes_sent,
+                replica_held=len(self.replicator.held),
+                replica_errors=self.replicator.errors,
+            )
         return out
 
     def reply(self, peer: bytes, req_id: int, msg):
@@ -191,10 +203,14 @@ class ReplicatedShard(Shard):
                 self._serve_parked()
 
     def _serve_parked(self, released_by: int | None = None) -> None:
-        if self._deferring:  # answered after the forward; the worker that released them is credited then
+        # answered after the forward; the worker that released them is credited then
+        if self._deferring:
             self._released_by = released_by if released_by is not None else self._released_by
             return
-        released_by, self._released_by = (released_by if released_by is not None else self._released_by), None
+        released_by, self._released_by = (
+            (released_by if released_by is not None else self._released_by),
+            None,
+        )
         super()._serve_parked(released_by=released_by)
 
     def _forward(self, env: Envelope) -> None:
@@ -238,12 +254,15 @@ class ReplicatedShard(Shard):
         if self.role == "backup" and self.primary_peer is None:
             self.primary_peer = peer
         if self.role != "backup" or peer != self.primary_peer:
-            raise ProtocolError(Status.BAD_STATE, "PLAN is only forwarded to a backup, by its primary")
+            raise ProtocolError(
+                Status.BAD_STATE, "PLAN is only forwarded to a backup, by its primary"
+            )
         self.adopt(env.msg.plan)
         return Ack(plan_id=self.plan.plan_id)
 
     def on_snapshot(self, peer: bytes, env: Envelope):
-        return load_snapshot(self, peer, env.msg)  # a backup made after training began (state_copy.py)
+        # a backup made after training began (state_copy.py)
+        return load_snapshot(self, peer, env.msg)
 
     def _apply_push(self, env: Envelope) -> Ack:
         if self.role != "primary":
@@ -261,7 +280,9 @@ class ReplicatedShard(Shard):
         rounds open; one that changes workers or groups closes them (Shard.adopt),
         and a primary forwards it to its backup at this point of the push order."""
         if plan.placement_id != self.plan.placement_id:
-            raise ValueError(f"plan {plan.plan_id} moves tensors; live re-placement is not supported")
+            raise ValueError(
+                f"plan {plan.plan_id} moves tensors; live re-placement is not supported"
+            )
         if same_members(self.plan, plan):
             self.plan = plan
         else:
@@ -279,8 +300,12 @@ class ReplicatedShard(Shard):
 
     def promote(self, plan: ClusterPlan) -> None:
         """This backup serves its tensors from now on (a failover plan names it)."""
-        log.warning("backup of shard node %d promoted to primary by plan %d (version %d)", self.node_id,
-                    plan.plan_id, self.store.version)
+        log.warning(
+            "backup of shard node %d promoted to primary by plan %d (version %d)",
+            self.node_id,
+            plan.plan_id,
+            self.store.version,
+        )
         self.role = "primary"
         self.adopt(plan)
         early, self.early = self.early, []
@@ -295,16 +320,29 @@ class ReplicatedShard(Shard):
     def _follow_backup(self, plan: ClusterPlan) -> None:
         address = backup_of(plan, self.node_id)
         if self.replicator is not None and self.replicator.address != address:
-            log.warning("shard node %d: backup at %s is gone from plan %d", self.node_id,
-                        self.replicator.address, plan.plan_id)
+            log.warning(
+                "shard node %d: backup at %s is gone from plan %d",
+                self.node_id,
+                self.replicator.address,
+                plan.plan_id,
+            )
             self.replicator.drop()
             self.replicator = None
         if address and self.replicator is None:
-            self.replicator = Replicator(address, self.server.options,
-                                         lambda peer, req, msg: Shard.reply(self, peer, req, msg))
-            if self.policy is not None:  # training began: the new backup starts from a copy of this state
-                log.warning("shard node %d: copying state (version %d) to the new backup at %s (plan %d)",
-                            self.node_id, self.store.version, address, plan.plan_id)
+            self.replicator = Replicator(
+                address,
+                self.server.options,
+                lambda peer, req, msg: Shard.reply(self, peer, req, msg),
+            )
+            # training began: the new backup starts from a copy of this state
+            if self.policy is not None:
+                log.warning(
+                    "shard node %d: copying state (version %d) to the new backup at %s (plan %d)",
+                    self.node_id,
+                    self.store.version,
+                    address,
+                    plan.plan_id,
+                )
                 self.replicator.forward(snapshot_of(self), 0, self.node_id)
 
 
@@ -312,10 +350,17 @@ class ReplicaHost:
     """The backup one shard process holds (for its predecessor in the ring),
     on its own socket; made when the plan names this process as a backup."""
 
-    def __init__(self, server: ServerTransport, cfg, node_id: int = 0, checkpoint_root: str | None = None,
-                 advertise: str | None = None):
+    def __init__(
+        self,
+        server: ServerTransport,
+        cfg,
+        node_id: int = 0,
+        checkpoint_root: str | None = None,
+        advertise: str | None = None,
+    ):
         self.server = server
-        self.advertise = advertise  # what the shard registers (--replica-advertise, or reachable()); else bound
+        # what the shard registers (--replica-advertise, or reachable()); else bound
+        self.advertise = advertise
         self.checkpoint_root = checkpoint_root
         self.cfg = cfg
         self.node_id = node_id
@@ -372,9 +417,16 @@ class ReplicaHost:
         if self.shadow is None:
             return {}
         s = self.shadow
-        return {"backup": {"of": s.node_id, "role": s.role, "version": s.store.version,
-                           "accepted": s.policy.counts["accepted"] if s.policy else 0,
-                           "pushes": s.counts["pushes"], "retried": s.counts["retried"]}}
+        return {
+            "backup": {
+                "of": s.node_id,
+                "role": s.role,
+                "version": s.store.version,
+                "accepted": s.policy.counts["accepted"] if s.policy else 0,
+                "pushes": s.counts["pushes"],
+                "retried": s.counts["retried"],
+            }
+        }
 
     def close(self) -> None:
         self.server.close()

@@ -9,6 +9,7 @@ so the optimizer steps on the sum's runs in place of gathering its tensors
 summed tensor by tensor into the same memory: the values are the same
 either way, to the bit (the same additions, in the same order, per entry).
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -65,9 +66,15 @@ def add_to_sum(total: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tenso
         by_names = {tuple(names): run for run, names in mine}
         for run, names in theirs:
             target = by_names.get(tuple(names))
-            if target is not None and target.dtype == run.dtype and \
-                    run.numel() <= target.numel() == aligned(run.numel() * run.element_size()) // run.element_size():
-                target[:run.numel()].add_(run)  # the same tensors at the same offsets; padding stays zero
+            if (
+                target is not None
+                and target.dtype == run.dtype
+                and run.numel()
+                <= target.numel()
+                == aligned(run.numel() * run.element_size()) // run.element_size()
+            ):
+                # the same tensors at the same offsets; padding stays zero
+                target[: run.numel()].add_(run)
                 done.update(names)
     for n, t in tensors.items():
         if n in done:

@@ -2,6 +2,7 @@
 bind, profile, register, wait for the plan, serve until the scheduler says
 stop, checkpoint, say goodbye. Kept apart from the flag parsing so that
 `hetps ps --check` and a flag error never import torch."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,29 +12,37 @@ import sys
 
 import torch
 
-from hetps.runtime import checkpoint
+from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
+from hetps.proto.transport import TransportError, make_server
 from hetps.runconfig.algorithms import AlgorithmMismatch
 from hetps.runconfig.schema import NodeConfig, RunConfig
+from hetps.runtime import checkpoint
 from hetps.runtime.daemon import scheduler_lost_exit, transport_options
 from hetps.runtime.emulation import Slowdown
 from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
 from hetps.runtime.metrics import serve_metrics
-from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.runtime.startup import Phases
-from hetps.proto.transport import TransportError, make_server
 
 from .replication import ReplicaHost, ReplicatedShard, serve_round
 from .shard import Shard, profile_update_speed
 
 log = logging.getLogger("hetps.ps")
-PLAN_FETCH_S = 1.0  # longest wait for a plan a push names; the scheduler answers at once when it has it
+# longest wait for a plan a push names; the scheduler answers at once when it has it
+PLAN_FETCH_S = 1.0
 
 
-def run_shard(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: Phases,
-              replica_bind: str | None) -> int:
+def run_shard(
+    args: argparse.Namespace,
+    cfg: RunConfig,
+    scheduler: str,
+    phases: Phases,
+    replica_bind: str | None,
+) -> int:
     """Serve shard `args.rank` until the run stops; the daemon's exit status."""
     # `--rank auto` (rank < 0): the default node settings, the rank comes at registration
-    node = cfg.cluster.shards[args.rank] if 0 <= args.rank < len(cfg.cluster.shards) else NodeConfig()
+    node = (
+        cfg.cluster.shards[args.rank] if 0 <= args.rank < len(cfg.cluster.shards) else NodeConfig()
+    )
     torch.set_num_threads(node.threads)
     # every socket of this process: comm.shm_bytes (co-located worker -> shard frames,
     # docs/big-messages.md) and one emulated link of the node's link_mbps, shared by all
@@ -45,8 +54,12 @@ def run_shard(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: 
         host = None
         if cfg.cluster.replicas:
             replica_server = make_server(replica_bind, transport)
-            host = ReplicaHost(replica_server, cfg, checkpoint_root=args.checkpoint_dir or cfg.checkpoint.dir,
-                               advertise=args.replica_advertise or reachable(replica_server.address, scheduler))
+            host = ReplicaHost(
+                replica_server,
+                cfg,
+                checkpoint_root=args.checkpoint_dir or cfg.checkpoint.dir,
+                advertise=args.replica_advertise or reachable(replica_server.address, scheduler),
+            )
         member = Membership(scheduler, "ps", args.rank, cfg.cluster, transport)
         phases.mark("config")
     except TransportError as exc:
@@ -56,9 +69,12 @@ def run_shard(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: 
         with member.starting():  # reported to the scheduler, which ends the run naming this shard
             speed = profile_update_speed(slowdown)
             phases.mark("profile")
-        member.join(address=args.advertise or reachable(server.address, scheduler), speed=speed,
-                    startup=phases.as_dict(),
-                    replica_address=host.address if host else "")
+        member.join(
+            address=args.advertise or reachable(server.address, scheduler),
+            speed=speed,
+            startup=phases.as_dict(),
+            replica_address=host.address if host else "",
+        )
         args.rank = member.rank  # `--rank auto`: from here on, the rank the scheduler gave
         plan = member.wait_plan()
         # heartbeats from the moment the plan arrives (the scheduler counts silence from then on):
@@ -66,21 +82,39 @@ def run_shard(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: 
         shard = None
         member.start_heartbeats(lambda: process_stats(shard, host) if shard is not None else {})
         slowdown.start()
-        with member.starting({AlgorithmMismatch: 2}):  # a mismatching algorithm block is a config error
+        # a mismatching algorithm block is a config error
+        with member.starting({AlgorithmMismatch: 2}):
             if host is None:
                 shard = Shard(server, member.node_id, plan, cfg, slowdown)
             else:
                 shard = ReplicatedShard(server, member.node_id, plan, cfg, slowdown)
                 host.node_id = member.node_id
                 host.follow(plan)
-            setup_checkpoints(shard, args.checkpoint_dir or cfg.checkpoint.dir, args.rank,
-                              args.restore_version[0] if args.restore_version else None, args.resume)
+            setup_checkpoints(
+                shard,
+                args.checkpoint_dir or cfg.checkpoint.dir,
+                args.rank,
+                args.restore_version[0] if args.restore_version else None,
+                args.resume,
+            )
 
         shard.park_future_pushes = True  # PlanFollower fetches the plans they wait for
-        log.info("shard %d (node %d) serving %d tensors at %s", args.rank, member.node_id,
-                 len(shard.store.specs), server.address)
-        serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, "ps", args.rank, shard.stats,
-                      algorithm=cfg.algorithm.name, targets=args.metrics_targets)
+        log.info(
+            "shard %d (node %d) serving %d tensors at %s",
+            args.rank,
+            member.node_id,
+            len(shard.store.specs),
+            server.address,
+        )
+        serve_metrics(
+            args.metrics_port,
+            args.metrics_host or cfg.cluster.host,
+            "ps",
+            args.rank,
+            shard.stats,
+            algorithm=cfg.algorithm.name,
+            targets=args.metrics_targets,
+        )
         serve(shard, member, host)
         log.info("stopping: %s", member.stop_reason)
         # workers have stopped (or, the scheduler lost, will): a point to resume from
@@ -144,8 +178,13 @@ class PlanFollower:
                     self._adopt(member.wait_plan(shard.plan.plan_id, timeout_s=PLAN_FETCH_S))
                 except RequestTimeout:
                     self.gave_up = wanted
-                    log.warning("plan %d, named by a push, did not come within %ss: taking its pushes under "
-                                "plan %d", wanted, PLAN_FETCH_S, shard.plan.plan_id)
+                    log.warning(
+                        "plan %d, named by a push, did not come within %ss: taking its pushes under "
+                        "plan %d",
+                        wanted,
+                        PLAN_FETCH_S,
+                        shard.plan.plan_id,
+                    )
             elif member.latest_plan_id > max(shard.plan.plan_id, self.refused):
                 newer = member.newer_plan(shard.plan.plan_id)
                 if newer is not None:
@@ -156,7 +195,9 @@ class PlanFollower:
             shard.counts["timer_errors"] += 1
             self.gave_up = max(self.gave_up, wanted)
             log.exception("could not adopt a newer plan; serving plan %d on", shard.plan.plan_id)
-        if shard.future_pushes.parked and shard.future_pushes.wanted() <= max(self.gave_up, shard.plan.plan_id):
+        if shard.future_pushes.parked and shard.future_pushes.wanted() <= max(
+            self.gave_up, shard.plan.plan_id
+        ):
             shard.take_future_pushes()
 
     def _adopt(self, plan) -> None:
@@ -169,8 +210,9 @@ class PlanFollower:
             raise
 
 
-def setup_checkpoints(shard: Shard, root: str | None, rank: int, version: int | None,
-                      resume: bool = False) -> None:
+def setup_checkpoints(
+    shard: Shard, root: str | None, rank: int, version: int | None, resume: bool = False
+) -> None:
     """Turn checkpoints on (when a directory is given) and continue from this
     run's newest one (or `version`) if there is one; `resume`: new workers."""
     if not root:
@@ -185,4 +227,3 @@ def setup_checkpoints(shard: Shard, root: str | None, rank: int, version: int | 
     shard.checkpointer = checkpoint.Checkpointer(shard.cfg.checkpoint, folder)
     shard.checkpointer.last_version = shard.store.version if path is not None else -1
     log.info("checkpoints in %s%s", folder, f"; restored {path.name}" if path else "")
-

@@ -6,36 +6,38 @@ answered after a later push makes it ready. The shard never imports model
 code: it knows tensor names, dtypes, shapes and kinds from the plan, and
 values from the first INIT.
 """
+
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
-from hetps.runconfig.algorithms import algorithm, check_plan_algorithm
 from hetps.proto.codec import Envelope, ProtocolError, encode, nonfinite_names
-from hetps.runconfig.schema import NodeConfig, RunConfig
-from hetps.runtime.emulation import Slowdown, work_clock
 from hetps.proto.messages import Ack, Error, Op, Params, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
-
+from hetps.runconfig.algorithms import algorithm, check_plan_algorithm
+from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.runtime.checkpoint import Checkpointer
+from hetps.runtime.emulation import Slowdown, work_clock
+
 from .future_pushes import FuturePushes
 from .hold_ledger import HoldLedger
-from .updater import Updater
 from .policies import POLICIES, ConsistencyPolicy
 from .store import TensorStore
+from .updater import Updater
 
 # what a push flagged NaN/Inf becomes under `cluster.nonfinite: skip`, by what the algorithm pushes
 # (the table's `pushes`): a neutral contribution, so the rounds it belongs to still close
-NEUTRAL_PUSH = {"gradients": lambda store, name, pushed: torch.zeros_like(pushed),
-                "model": lambda store, name, pushed: store.tensors[name].clone()}
+NEUTRAL_PUSH = {
+    "gradients": lambda store, name, pushed: torch.zeros_like(pushed),
+    "model": lambda store, name, pushed: store.tensors[name].clone(),
+}
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +49,26 @@ class ParkedPull:
     worker: int
     clock: int
     ack: Ack | None = None  # a push with `pull`: its ACK goes out with the values
-    since: float = 0.0      # monotonic time it was parked
+    since: float = 0.0  # monotonic time it was parked
 
 
 class Shard(Service):
-    def __init__(self, server: ServerTransport, node_id: int, plan: ClusterPlan, cfg: RunConfig,
-                 slowdown: Slowdown | None = None):
+    def __init__(
+        self,
+        server: ServerTransport,
+        node_id: int,
+        plan: ClusterPlan,
+        cfg: RunConfig,
+        slowdown: Slowdown | None = None,
+    ):
         check_plan_algorithm(cfg.algorithm, plan)  # raises AlgorithmMismatch naming both
         super().__init__(server, node_id)
         self.cfg = cfg
         self.plan = plan
         self.algorithm = algorithm(plan.algorithm)
         self.slowdown = slowdown or Slowdown(NodeConfig())
-        self.clock = time.monotonic  # seconds for parked requests' `held_s`; virtual under `hetps simulate`
+        # seconds for parked requests' `held_s`; virtual under `hetps simulate`
+        self.clock = time.monotonic
         self.store = TensorStore(plan.owned(plan.shard_index(node_id)))
         self.policy: ConsistencyPolicy | None = None
         self.parked: list[ParkedPull] = []
@@ -67,19 +76,30 @@ class Shard(Service):
         self.park_future_pushes = False
         self.future_pushes = FuturePushes()
         self.checkpointer: Checkpointer | None = None  # set by the daemon when checkpoints are on
-        self.recent_acks: dict[int, tuple[int, Ack]] = {}  # worker -> (request id, ACK) of its last push
+        # worker -> (request id, ACK) of its last push
+        self.recent_acks: dict[int, tuple[int, Ack]] = {}
         self.restored_version: int | None = None
         # whom parked pulls wait for, and who held them up (stall attribution); on the shard's clock
         self.holds = HoldLedger(lambda: self.clock())
-        self.counts = {"pushes": 0, "pulls": 0, "nonfinite": 0, "retried": 0, "checkpoint_errors": 0,
-                       "timer_errors": 0, "busy_s": 0.0}
+        self.counts = {
+            "pushes": 0,
+            "pulls": 0,
+            "nonfinite": 0,
+            "retried": 0,
+            "checkpoint_errors": 0,
+            "timer_errors": 0,
+            "busy_s": 0.0,
+        }
         # pull replies leave zero-copy from the live tensors: whatever else may write them settles first
-        self.handlers = {op: h if op == Op.PULL else self._settled(h) for op, h in self.handlers.items()}
+        self.handlers = {
+            op: h if op == Op.PULL else self._settled(h) for op, h in self.handlers.items()
+        }
 
     def _settled(self, handler):
         def settle_then_handle(peer: bytes, env: Envelope):
             self.store.settle()
             return handler(peer, env)
+
         return settle_then_handle
 
     # ------------------------------------------------------------ Service hooks
@@ -91,19 +111,37 @@ class Shard(Service):
 
     def stats(self) -> dict:
         policy = self.policy.stats() if self.policy else {}
-        saved = ({"checkpoints": self.checkpointer.written, "checkpoint_s": round(self.checkpointer.seconds, 3),
-                  "checkpoint_version": self.checkpointer.last_version} if self.checkpointer else {})
-        return {"version": self.store.version, "parked": len(self.parked), "plan_id": self.plan.plan_id,
-                "pushes_awaiting_plan": self.future_pushes.count,
-                "malformed": self.malformed, "tensors": len(self.store.specs),
-                "restored_version": self.restored_version, "snapshot_moves": self.store.snapshots.moves,
-                "lr": self.policy.updater.lr if self.policy else 0.0, **self.counts, **saved, **policy,
-                **self.holds.report(self.policy, self.parked)}
+        saved = (
+            {
+                "checkpoints": self.checkpointer.written,
+                "checkpoint_s": round(self.checkpointer.seconds, 3),
+                "checkpoint_version": self.checkpointer.last_version,
+            }
+            if self.checkpointer
+            else {}
+        )
+        return {
+            "version": self.store.version,
+            "parked": len(self.parked),
+            "plan_id": self.plan.plan_id,
+            "pushes_awaiting_plan": self.future_pushes.count,
+            "malformed": self.malformed,
+            "tensors": len(self.store.specs),
+            "restored_version": self.restored_version,
+            "snapshot_moves": self.store.snapshots.moves,
+            "lr": self.policy.updater.lr if self.policy else 0.0,
+            **self.counts,
+            **saved,
+            **policy,
+            **self.holds.report(self.policy, self.parked),
+        }
 
     def adopt(self, plan: ClusterPlan) -> None:
         """Switch to a newer plan (same placement): open rounds are closed first."""
         if plan.placement_id != self.plan.placement_id:
-            raise ValueError(f"plan {plan.plan_id} moves tensors; live re-placement is not supported")
+            raise ValueError(
+                f"plan {plan.plan_id} moves tensors; live re-placement is not supported"
+            )
         log.info("adopting plan %d (groups %s)", plan.plan_id, plan.groups)
         self.store.settle()  # closing rounds writes the tensors
         self.plan = plan
@@ -115,7 +153,8 @@ class Shard(Service):
     def take_future_pushes(self, plan_id: int | None = None) -> None:
         """Handle, and answer, the parked pushes made under plans up to
         `plan_id` (None: all, under the plan this shard has)."""
-        parking, self.park_future_pushes = self.park_future_pushes, False  # taken now, whatever plan they name
+        # taken now, whatever plan they name
+        parking, self.park_future_pushes = self.park_future_pushes, False
         try:
             for parked in self.future_pushes.take(plan_id):
                 self._answer_parked_push(parked)
@@ -139,21 +178,28 @@ class Shard(Service):
         if first:
             self._make_policy()
             log.info("initialized %d tensors from node %d", len(self.store.specs), env.src)
-            self.maybe_checkpoint(force=True)  # a restart before the first periodic one still has the values
+            # a restart before the first periodic one still has the values
+            self.maybe_checkpoint(force=True)
             self._serve_parked()
         return Ack(version=self.store.version, plan_id=self.plan.plan_id, info={"first": first})
 
     def _make_policy(self) -> None:
-        updater = Updater(self.store.tensors, self.store.param_names(), self.cfg.optimizer, self.store.arena)
-        self.policy = POLICIES[self.algorithm.policy](self.store, updater, self.plan, self.cfg.algorithm.params)
+        updater = Updater(
+            self.store.tensors, self.store.param_names(), self.cfg.optimizer, self.store.arena
+        )
+        self.policy = POLICIES[self.algorithm.policy](
+            self.store, updater, self.plan, self.cfg.algorithm.params
+        )
 
     def on_push(self, peer: bytes, env: Envelope):
         push = env.msg
         if self.policy is None:
             raise ProtocolError(Status.NOT_READY, "no INIT has reached this shard yet")
         if push.plan_id < self.plan.placement_id:  # made for a placement that no longer holds
-            raise ProtocolError(Status.STALE_PLAN, f"plan {push.plan_id} predates placement of plan "
-                                                   f"{self.plan.placement_id}")
+            raise ProtocolError(
+                Status.STALE_PLAN,
+                f"plan {push.plan_id} predates placement of plan {self.plan.placement_id}",
+            )
         if self.park_future_pushes and push.plan_id > self.plan.plan_id:
             # the sender already follows a newer plan: wait for it (the daemon's loop fetches it), so
             # this push joins the new plan's rounds here as on every other shard
@@ -163,7 +209,9 @@ class Shard(Service):
         if not push.pull:
             return ack
         # the values a PULL with clock + 1 right behind this push would get, with the ACK
-        return self._answer_or_park(ParkedPull(peer, env.req_id, env.src, push.clock + 1, ack, self.clock()))
+        return self._answer_or_park(
+            ParkedPull(peer, env.req_id, env.src, push.clock + 1, ack, self.clock())
+        )
 
     def _apply_push(self, env: Envelope) -> Ack:
         push = env.msg
@@ -177,21 +225,29 @@ class Shard(Service):
         self._stretch(work_clock() - started)
         self.counts["pushes"] += 1
         self._serve_parked(released_by=env.src)
-        ack = Ack(version=self.store.version, staleness=max(0, staleness), plan_id=self.plan.plan_id,
-                  info=self.policy.reply_info(env.src))
+        ack = Ack(
+            version=self.store.version,
+            staleness=max(0, staleness),
+            plan_id=self.plan.plan_id,
+            info=self.policy.reply_info(env.src),
+        )
         self.recent_acks[env.src] = (env.req_id, ack)
         self.maybe_checkpoint()
         return ack
 
     def on_pull(self, peer: bytes, env: Envelope):
-        return self._answer_or_park(ParkedPull(peer, env.req_id, env.src, env.msg.clock, since=self.clock()))
+        return self._answer_or_park(
+            ParkedPull(peer, env.req_id, env.src, env.msg.clock, since=self.clock())
+        )
 
     def _answer_or_park(self, pull: ParkedPull) -> Params | None:
         if self._ready(pull):
             return self._params(pull)
         # a retried pull replaces its parked original (its peer id may be new after a reconnect);
         # it keeps the original's `since`, so `held_s` counts from the first arrival
-        original = next((p for p in self.parked if (p.worker, p.req_id) == (pull.worker, pull.req_id)), None)
+        original = next(
+            (p for p in self.parked if (p.worker, p.req_id) == (pull.worker, pull.req_id)), None
+        )
         if original is not None:
             self.parked.remove(original)
             pull = replace(pull, since=original.since)
@@ -201,11 +257,19 @@ class Shard(Service):
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Everything needed to serve on from here after a restart."""
-        return {"run_id": self.plan.run_id, "rank": self.node_rank(), "plan_id": self.plan.plan_id,
-                "algorithm": self.plan.algorithm, **self.store.state_dict(),
-                "updater": self.policy.updater.state_dict(), "policy": self.policy.state_dict(),
-                "recent_acks": {w: (req, dataclasses.asdict(ack)) for w, (req, ack) in self.recent_acks.items()},
-                "counts": self.counts}
+        return {
+            "run_id": self.plan.run_id,
+            "rank": self.node_rank(),
+            "plan_id": self.plan.plan_id,
+            "algorithm": self.plan.algorithm,
+            **self.store.state_dict(),
+            "updater": self.policy.updater.state_dict(),
+            "policy": self.policy.state_dict(),
+            "recent_acks": {
+                w: (req, dataclasses.asdict(ack)) for w, (req, ack) in self.recent_acks.items()
+            },
+            "counts": self.counts,
+        }
 
     def node_rank(self) -> int:
         return self.plan.shards[self.plan.shard_index(self.node_id)].rank
@@ -214,7 +278,11 @@ class Shard(Service):
         """Continue from a checkpoint of this shard (same run, same placement).
         `new_workers` (a resumed run): the workers are new processes with new
         ids and clocks, so the policy's bookkeeping starts afresh."""
-        for key, mine in (("algorithm", self.plan.algorithm), ("run_id", self.plan.run_id), ("rank", self.node_rank())):
+        for key, mine in (
+            ("algorithm", self.plan.algorithm),
+            ("run_id", self.plan.run_id),
+            ("rank", self.node_rank()),
+        ):
             if state[key] != mine:
                 raise ValueError(f"checkpoint is of {key} {state[key]!r}, this shard's is {mine!r}")
         self.store.settle()
@@ -224,12 +292,16 @@ class Shard(Service):
         if not new_workers:
             self.policy.load_state_dict(state["policy"])
             self.policy.restored = True
-            self.recent_acks = {w: (req, Ack(**ack)) for w, (req, ack) in state["recent_acks"].items()}
+            self.recent_acks = {
+                w: (req, Ack(**ack)) for w, (req, ack) in state["recent_acks"].items()
+            }
             self.counts.update(state["counts"])
         self.restored_version = self.store.version
         if state["plan_id"] != self.plan.plan_id and not new_workers:
             self.policy.adopt(self.plan)
-        log.info("restored version %d (plan %d) from a checkpoint", self.store.version, state["plan_id"])
+        log.info(
+            "restored version %d (plan %d) from a checkpoint", self.store.version, state["plan_id"]
+        )
         self._serve_parked()
 
     def maybe_checkpoint(self, force: bool = False) -> None:
@@ -238,7 +310,8 @@ class Shard(Service):
         if force or self.checkpointer.due(self.store.version):
             try:
                 self.checkpointer.write(self.state_dict())
-            except OSError as exc:  # a full or failing disk must not cost the update already applied
+            # a full or failing disk must not cost the update already applied
+            except OSError as exc:
                 self.counts["checkpoint_errors"] += 1
                 log.error("checkpoint v%d not written: %s", self.store.version, exc)
 
@@ -280,16 +353,24 @@ class Shard(Service):
         ack = {}
         if pull is not None and pull.ack is not None:
             a = pull.ack
-            ack = {"version": a.version, "staleness": a.staleness, "plan_id": a.plan_id, "info": a.info,
-                   "held_s": round(self.clock() - pull.since, 6)}
+            ack = {
+                "version": a.version,
+                "staleness": a.staleness,
+                "plan_id": a.plan_id,
+                "info": a.info,
+                "held_s": round(self.clock() - pull.since, 6),
+            }
         return Params(version=self.store.version, ack=ack, tensors=self.store.snapshot())
 
     def reply(self, peer: bytes, req_id: int, msg):
         if not isinstance(msg, Params):
             return super().reply(peer, req_id, msg)
         # the pulls of one version share one encoding of the tensors; only their headers differ
-        tracker = self.server.send(peer, encode(msg, req_id, self.node_id, encoded=self.store.encoded(msg.tensors)))
-        self.store.track(msg.tensors, tracker)  # its snapshot's buffers are reused once the transport is done
+        tracker = self.server.send(
+            peer, encode(msg, req_id, self.node_id, encoded=self.store.encoded(msg.tensors))
+        )
+        # its snapshot's buffers are reused once the transport is done
+        self.store.track(msg.tensors, tracker)
         return tracker
 
     def _serve_parked(self, released_by: int | None = None) -> None:

@@ -19,6 +19,7 @@ The Shard calls `settle` before every handler other than PULL's and before a
 plan switch or a restore; any other code that writes a store's tensors must
 do the same. Not thread-safe: the shard's loop owns it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,10 +32,10 @@ KEEP = 2  # older memory remembered for reuse; more is left to the garbage colle
 
 @dataclass
 class _Lend:
-    aliases: dict[str, torch.Tensor]              # views of one generation of the live memory
-    untracked: int = 0                            # handed out, no tracker heard of yet
+    aliases: dict[str, torch.Tensor]  # views of one generation of the live memory
+    untracked: int = 0  # handed out, no tracker heard of yet
     trackers: list = field(default_factory=list)
-    memory: torch.Tensor | None = None            # the arena memory they view, if any
+    memory: torch.Tensor | None = None  # the arena memory they view, if any
 
     def in_flight(self) -> bool:
         return self.untracked > 0 or not all(t.done for t in self.trackers)
@@ -42,22 +43,25 @@ class _Lend:
     def fits(self, live: Mapping[str, torch.Tensor]) -> bool:
         return list(self.aliases) == list(live) and all(
             a.shape == t.shape and a.dtype == t.dtype and a.stride() == t.stride()
-            for a, t in zip(self.aliases.values(), live.values()))
+            for a, t in zip(self.aliases.values(), live.values())
+        )
 
 
 class Snapshots:
     def __init__(self):
         self.current: _Lend | None = None  # aliases of the live memory, lent since the last settle
-        self.older: list[_Lend] = []       # memory the live tensors moved away from
-        self.moves = 0                     # settles that had to copy the live tensors
-        self.reused = 0                    # of which into older memory
+        self.older: list[_Lend] = []  # memory the live tensors moved away from
+        self.moves = 0  # settles that had to copy the live tensors
+        self.reused = 0  # of which into older memory
 
     def lend(self, live: Mapping[str, torch.Tensor], arena=None) -> dict[str, torch.Tensor]:
         """Aliases of `live` (views of `arena`, if given) for a reply (the same
         dict until the next settle); counted as in flight until `track` hears of it."""
         if self.current is None:
-            self.current = _Lend({n: t.detach() for n, t in live.items()},
-                                 memory=arena.memory.detach() if arena is not None else None)
+            self.current = _Lend(
+                {n: t.detach() for n, t in live.items()},
+                memory=arena.memory.detach() if arena is not None else None,
+            )
         self.current.untracked += 1
         return self.current.aliases
 
@@ -101,8 +105,14 @@ class Snapshots:
         self.older = [o for o in (*self.older, lend) if o.untracked == 0][-KEEP:]
 
     def _move_arena(self, arena, lend: _Lend) -> None:
-        spare = next((o for o in self.older if not o.in_flight() and o.memory is not None
-                      and o.memory.numel() == arena.nbytes), None)
+        spare = next(
+            (
+                o
+                for o in self.older
+                if not o.in_flight() and o.memory is not None and o.memory.numel() == arena.nbytes
+            ),
+            None,
+        )
         if spare is None:
             target = torch.empty_like(arena.memory)
         else:

@@ -9,6 +9,7 @@ plan promotes the slot and the spare serves the range.
 
     hetps ps --spare --config CONFIG --rank N [--scheduler tcp://HOST:PORT] [--replica-bind ADDR ...]
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,11 +18,11 @@ import sys
 
 import zmq
 
-from hetps.runtime.daemon import check_and_exit, scheduler_lost_exit, transport_options
-from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.transport import ServerTransport, TransportError, make_server
+from hetps.runtime.daemon import check_and_exit, scheduler_lost_exit, transport_options
+from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
 
 from .replication import ReplicaHost
 
@@ -36,10 +37,16 @@ class SlotHost(ReplicaHost):
 
     def follow(self, plan: ClusterPlan) -> None:
         shadow = self.shadow
-        if (shadow is not None and shadow.role == "backup" and self.primary_in(plan) != shadow.node_id
-                and plan.served_by.get(str(shadow.node_id)) != self.node_id):
+        if (
+            shadow is not None
+            and shadow.role == "backup"
+            and self.primary_in(plan) != shadow.node_id
+            and plan.served_by.get(str(shadow.node_id)) != self.node_id
+        ):
             # neither backed up here nor promoted: its range was lost, the slot is free for another one
-            log.warning("slot %s: no longer the backup of shard node %d", self.address, shadow.node_id)
+            log.warning(
+                "slot %s: no longer the backup of shard node %d", self.address, shadow.node_id
+            )
             self.shadow = None
         super().follow(plan)
 
@@ -47,7 +54,13 @@ class SlotHost(ReplicaHost):
 class Spare:
     """A spare's backup slots. Not thread-safe; serve it from one loop."""
 
-    def __init__(self, servers: list[ServerTransport], cfg, node_id: int = 0, checkpoint_root: str | None = None):
+    def __init__(
+        self,
+        servers: list[ServerTransport],
+        cfg,
+        node_id: int = 0,
+        checkpoint_root: str | None = None,
+    ):
         self.slots = [SlotHost(s, cfg, node_id, checkpoint_root) for s in servers]
         self.plan_id = 0
 
@@ -90,8 +103,13 @@ class Spare:
     def stats(self) -> dict:
         """For heartbeats: `backups`, one entry per held backup (of, role, version, ...); `ready`:
         it holds the primary's state (the copy arrived), so the scheduler may promote it."""
-        return {"backups": [{**s.stats()["backup"], "ready": s.shadow.policy is not None}
-                            for s in self.slots if s.shadow is not None]}
+        return {
+            "backups": [
+                {**s.stats()["backup"], "ready": s.shadow.policy is not None}
+                for s in self.slots
+                if s.shadow is not None
+            ]
+        }
 
     def final_checkpoint(self) -> None:
         for s in self.slots:
@@ -133,15 +151,25 @@ def run_spare(args, cfg, scheduler: str, phases, replica_bind: str | None) -> in
     others), register as a spare, follow plans until the scheduler says stop.
     Returns the exit status (2: the config has no replicas to back up)."""
     if replica_bind is None:
-        print("hetps ps --spare: a spare needs cluster.replicas: 1 (it becomes a backup after a failover)",
-              file=sys.stderr)
+        print(
+            "hetps ps --spare: a spare needs cluster.replicas: 1 (it becomes a backup after a failover)",
+            file=sys.stderr,
+        )
         return 2
     slots = max(1, len(cfg.cluster.shards))
     binds = slot_addresses(replica_bind, slots)
-    adverts = slot_addresses(args.replica_advertise, slots) if args.replica_advertise else [None] * slots
+    adverts = (
+        slot_addresses(args.replica_advertise, slots) if args.replica_advertise else [None] * slots
+    )
     root = args.checkpoint_dir or cfg.checkpoint.dir
     if args.check:
-        check_and_exit("ps --spare", rank=args.rank, scheduler=scheduler, slots=",".join(binds), config=args.config)
+        check_and_exit(
+            "ps --spare",
+            rank=args.rank,
+            scheduler=scheduler,
+            slots=",".join(binds),
+            config=args.config,
+        )
     transport = transport_options(cfg)  # comm.shm_bytes; no node settings, so no link cap
     try:
         spare = Spare([make_server(b, transport) for b in binds], cfg, checkpoint_root=root)
@@ -157,8 +185,13 @@ def run_spare(args, cfg, scheduler: str, phases, replica_bind: str | None) -> in
         plan = member.wait_plan()
         member.start_heartbeats(spare.stats)
         spare.follow(plan)
-        log.info("spare %d (node %d) waiting with %d backup slots at %s", member.rank, member.node_id, slots,
-                 ", ".join(spare.addresses))
+        log.info(
+            "spare %d (node %d) waiting with %d backup slots at %s",
+            member.rank,
+            member.node_id,
+            slots,
+            ", ".join(spare.addresses),
+        )
         serve_spare(spare, member)
         spare.final_checkpoint()
         if member.scheduler_lost:

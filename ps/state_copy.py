@@ -16,6 +16,7 @@ which every map is `{"d": [[key, value], ...]}` (optimizer state has integer
 keys), every list `{"l": [...]}`, tuple `{"u": [...]}`, set `{"s": [...]}`
 and tensor `{"t": frame name}`; the tensors travel as frames.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,15 +60,20 @@ def from_wire(plain: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """The state `to_wire` made. Tensors are copied out of the frames (the
     backup writes them in place). Raises ProtocolError (MALFORMED) for
     anything `to_wire` would not have made."""
+
     def walk(v: Any, depth: int) -> Any:
         if isinstance(v, _SCALARS):
             return v
         if depth > MAX_DEPTH or type(v) is not dict or len(v) != 1:
             raise ProtocolError(Status.MALFORMED, f"SNAPSHOT: not a state value: {v!r:.60}")
-        (tag, body), = v.items()
+        ((tag, body),) = v.items()
         if tag == "t" and isinstance(body, str) and body in tensors:
             return tensors[body].clone()
-        if tag == "d" and isinstance(body, list) and all(isinstance(p, list) and len(p) == 2 for p in body):
+        if (
+            tag == "d"
+            and isinstance(body, list)
+            and all(isinstance(p, list) and len(p) == 2 for p in body)
+        ):
             return {_key(walk(k, depth + 1)): walk(x, depth + 1) for k, x in body}
         if tag in _CONTAINERS and isinstance(body, list):
             return _CONTAINERS[tag](walk(x, depth + 1) for x in body)
@@ -103,7 +109,9 @@ def load_snapshot(shard, peer: bytes, msg: Snapshot) -> Ack:
     try:
         for key, mine in (("algorithm", shard.plan.algorithm), ("run_id", shard.plan.run_id)):
             if state[key] != mine:
-                raise ProtocolError(Status.BAD_STATE, f"SNAPSHOT of {key} {state[key]!r}, this backup's is {mine!r}")
+                raise ProtocolError(
+                    Status.BAD_STATE, f"SNAPSHOT of {key} {state[key]!r}, this backup's is {mine!r}"
+                )
         shard.store.settle()
         shard.plan = msg.plan
         shard.store.load_state_dict(state)
@@ -113,8 +121,13 @@ def load_snapshot(shard, peer: bytes, msg: Snapshot) -> Ack:
         shard.recent_acks = {w: (req, Ack(**ack)) for w, (req, ack) in state["recent_acks"].items()}
         shard.counts.update(state["counts"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise ProtocolError(Status.MALFORMED, f"SNAPSHOT: {type(exc).__name__}: {exc}"[:200]) from None
-    log.warning("backup of shard node %d: copied the primary's state at version %d (plan %d)", shard.node_id,
-                shard.store.version, shard.plan.plan_id)
+        raise ProtocolError(
+            Status.MALFORMED, f"SNAPSHOT: {type(exc).__name__}: {exc}"[:200]
+        ) from None
+    log.warning(
+        "backup of shard node %d: copied the primary's state at version %d (plan %d)",
+        shard.node_id,
+        shard.store.version,
+        shard.plan.plan_id,
+    )
     return Ack(version=shard.store.version, plan_id=shard.plan.plan_id)
-

@@ -8,6 +8,7 @@ form one flat run for the optimizer, and a pull reply sends the arena as one
 frame.
 Not thread-safe: owned by the shard's single loop.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,9 +17,15 @@ from typing import Mapping
 import torch
 
 from hetps.proto import dtypes
+from hetps.proto.codec import (
+    EncodedTensors,
+    ProtocolError,
+    TensorCatalog,
+    encode_tensors,
+    is_pack_of,
+    tensor_frame,
+)
 from hetps.proto.layout import PACK_BELOW
-from hetps.proto.codec import (EncodedTensors, ProtocolError, TensorCatalog, encode_tensors, is_pack_of,
-                               tensor_frame)
 from hetps.proto.messages import Status
 from hetps.proto.plan import TensorSpec
 
@@ -32,13 +39,15 @@ class TensorStore:
     def __init__(self, specs: list[TensorSpec]):
         self.specs = {s.name: s for s in specs}
         self.catalog: TensorCatalog = {s.name: (s.dtype, s.shape) for s in specs}
-        self.tensors: dict[str, torch.Tensor] = {}  # views of `arena`, in its order, once initialized
+        # views of `arena`, in its order, once initialized
+        self.tensors: dict[str, torch.Tensor] = {}
         self.arena: Arena | None = None
         self.versions: dict[str, int] = {s.name: 0 for s in specs}
         self.version = 0
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._encoded: tuple[dict, EncodedTensors] | None = None  # (snapshot, its encoding)
-        self._pack_fields: tuple[Arena, dict] | None = None  # (arena, header fields of its snapshots)
+        # (arena, header fields of its snapshots)
+        self._pack_fields: tuple[Arena, dict] | None = None
         self.snapshots = Snapshots()
 
     @property
@@ -63,22 +72,30 @@ class TensorStore:
 
     def _fill(self, values: Mapping[str, torch.Tensor]) -> None:
         """Lay the tensors out in a new arena and copy `values` in."""
-        arena = Arena((s.name, dtypes.DTYPES[s.dtype], tuple(s.shape), s.kind == "param") for s in self.specs.values())
+        arena = Arena(
+            (s.name, dtypes.DTYPES[s.dtype], tuple(s.shape), s.kind == "param")
+            for s in self.specs.values()
+        )
         views = arena.views
         torch._foreach_copy_([views[n] for n in arena.order], [values[n] for n in arena.order])
         self.arena, self.tensors = arena, dict(views)
 
     def state_dict(self) -> dict:
         # each tensor on its own memory: torch.save refuses views of one storage as several dtypes
-        return {"tensors": {n: t.clone() for n, t in self.tensors.items()}, "versions": self.versions,
-                "version": self.version}
+        return {
+            "tensors": {n: t.clone() for n, t in self.tensors.items()},
+            "versions": self.versions,
+            "version": self.version,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Values and versions from a checkpoint of this same tensor set."""
         tensors = state["tensors"]
         if set(tensors) != set(self.specs):
-            raise ValueError(f"checkpoint holds tensors {sorted(tensors)[:5]}..., this shard owns "
-                             f"{sorted(self.specs)[:5]}...: not the same placement")
+            raise ValueError(
+                f"checkpoint holds tensors {sorted(tensors)[:5]}..., this shard owns "
+                f"{sorted(self.specs)[:5]}...: not the same placement"
+            )
         self._fill(tensors)
         self.versions = dict(state["versions"])
         self.version = int(state["version"])
@@ -108,7 +125,9 @@ class TensorStore:
         that no later write will reach: writers call `settle` first (see
         snapshots.py). Hand the dict to `track` once it was sent."""
         if self._snapshot is None and self.snapshots.current is not None:
-            log.error("shard tensors were written without settle(): a reply in flight may have seen it")
+            log.error(
+                "shard tensors were written without settle(): a reply in flight may have seen it"
+            )
         self._snapshot = (self.version, self.snapshots.lend(self.tensors, self.arena))
         return self._snapshot[1]
 

@@ -8,15 +8,16 @@ the separate tensors: one tensor per dtype, a few kernels per step whatever
 the number of tensors, the same values. Its checkpoint state keeps the
 per-tensor form (flat_state.py).
 """
+
 from __future__ import annotations
 
 from typing import Mapping
 
 import torch
 
+from hetps.proto.runs import flat_runs
 from hetps.runconfig.schema import OptimizerConfig
 from hetps.runtime.optim import build_lr_scheduler, build_optimizer
-from hetps.proto.runs import flat_runs
 
 from .arena import Arena
 from .flat_state import flat_state, per_tensor_state
@@ -27,8 +28,13 @@ class Updater:
     scheduler step per update. `lr_scale` lets a policy damp an update.
     `arena`: the tensors are its views; the optimizer updates its flat runs."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], names: list[str], cfg: OptimizerConfig,
-                 arena: Arena | None = None):
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        names: list[str],
+        cfg: OptimizerConfig,
+        arena: Arena | None = None,
+    ):
         self.names = list(names)
         self.params = {n: tensors[n] for n in names}
         self.arena = arena if names and arena is not None and arena.flat else None
@@ -40,21 +46,25 @@ class Updater:
             for dtype, grad in zip(self.arena.flat, self.flat_grads):
                 for n in self._run_names[dtype]:
                     start, view = self.arena.offset_in_run(n), self.arena.views[n]
-                    self._grad_views[n] = grad[start:start + view.numel()].view(view.shape)
+                    self._grad_views[n] = grad[start : start + view.numel()].view(view.shape)
         else:
             targets = list(self.params.values())
         # one flat run per dtype already makes a step a few kernels; not torch's foreach implementation,
         # which writes into the gradients (SGD's Nesterov term), and a flat gradient may be a peer's frame
         foreach = False if self.arena is not None else None
         self.optimizer = build_optimizer(targets, cfg, foreach) if names else None
-        self.scheduler = (build_lr_scheduler(self.optimizer, cfg.schedule)
-                          if self.optimizer else None)
+        self.scheduler = (
+            build_lr_scheduler(self.optimizer, cfg.schedule) if self.optimizer else None
+        )
         self.updates = 0
         # plain SGD over the flat runs steps through sgd_step (the same kernels, without torch.optim's
         # per-step wrappers) from its second step on: the first goes through optimizer.step(), which
         # the lr scheduler checks for
-        self._direct = (self.arena is not None and type(self.optimizer) is torch.optim.SGD
-                        and len(self.optimizer.param_groups) == 1)
+        self._direct = (
+            self.arena is not None
+            and type(self.optimizer) is torch.optim.SGD
+            and len(self.optimizer.param_groups) == 1
+        )
         self._stepped = False
 
     @property
@@ -65,8 +75,11 @@ class Updater:
         optimizer = self.optimizer.state_dict() if self.optimizer else None
         if self.arena is not None:
             optimizer = per_tensor_state(optimizer, self.arena, self.names)
-        return {"updates": self.updates, "optimizer": optimizer,
-                "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+        return {
+            "updates": self.updates,
+            "optimizer": optimizer,
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.updates = int(state["updates"])
@@ -75,7 +88,8 @@ class Updater:
             if self.arena is not None:
                 optimizer = flat_state(optimizer, self.arena, self.names)
                 for group, live in zip(optimizer["param_groups"], self.optimizer.param_groups):
-                    group["foreach"] = live["foreach"]  # how this layout steps, whoever wrote the state
+                    # how this layout steps, whoever wrote the state
+                    group["foreach"] = live["foreach"]
             self.optimizer.load_state_dict(optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
 
@@ -112,7 +126,11 @@ class Updater:
         lies in the run's layout (a packed push, layout.py), else one foreach
         copy into the run's own gradient buffer."""
         # runs a decoder found already (a repeated pack layout, codec.decode) are looked up, not searched
-        known = {tuple(names): run for run, names in flat_runs(grads)} if getattr(grads, "runs", None) else {}
+        known = (
+            {tuple(names): run for run, names in flat_runs(grads)}
+            if getattr(grads, "runs", None)
+            else {}
+        )
         for (dtype, flat), own in zip(self.arena.flat.items(), self.flat_grads):
             names = self._run_names[dtype]
             run = known.get(tuple(names))
@@ -135,7 +153,10 @@ def _widened(run: torch.Tensor, numel: int) -> torch.Tensor | None:
     if run.numel() == numel:
         return run
     storage = run.untyped_storage()
-    if run.numel() > numel or (run.storage_offset() + numel) * run.element_size() > storage.nbytes():
+    if (
+        run.numel() > numel
+        or (run.storage_offset() + numel) * run.element_size() > storage.nbytes()
+    ):
         return None
     return run.new_empty(0).set_(storage, run.storage_offset(), (numel,), (1,))
 

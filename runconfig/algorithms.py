@@ -13,39 +13,63 @@ The plan carries the algorithm's name and resolved parameters
 its own config when the plan arrives (`check_plan_algorithm`) and refuses to
 run on a mismatch.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from .algorithm_params import (AdpsgdParams, AsyncParams, BalancedParams, CpsgdParams, DilocoParams, EagerParams,
-                               GroupingParams, SimuParallelParams, SspParams, SyncParams, WpsgdParams)
 from hetps.proto.errors import ConfigError
 
-GROUPS = ("all", "each", "by_speed", "balanced")  # one group of all | each alone | k-means on speed |
+from .algorithm_params import (
+    AdpsgdParams,
+    AsyncParams,
+    BalancedParams,
+    CpsgdParams,
+    DilocoParams,
+    EagerParams,
+    GroupingParams,
+    SimuParallelParams,
+    SspParams,
+    SyncParams,
+    WpsgdParams,
+)
+
+# one group of all | each alone | k-means on speed |
+GROUPS = ("all", "each", "by_speed", "balanced")
 #                                                one group, batch sizes proportional to speed
-WORKER_LOOPS = ("gradients", "local_steps", "pseudo_gradients")  # push a gradient per step | local optimizer
+# push a gradient per step | local optimizer
+WORKER_LOOPS = ("gradients", "local_steps", "pseudo_gradients")
 #                          steps, then the model | local steps, then start - end (diloco)
 PUSHES = ("gradients", "model")
-PERIODS = ("", "steps", "shard", "seconds")   # local_steps, pseudo_gradients: how a worker counts its period
+# local_steps, pseudo_gradients: how a worker counts its period
+PERIODS = ("", "steps", "shard", "seconds")
 
 
 @dataclass(frozen=True)
 class Algorithm:
     name: str
-    params: type             # frozen dataclass of its parameters (algorithm_params.py)
-    groups: str              # GROUPS: how the scheduler forms the synchronous groups
-    worker_loop: str         # WORKER_LOOPS
-    pushes: str              # PUSHES: what a push carries (gradients are compressed, models travel exact)
-    policy: str              # the shard's consistency policy, by name (ps/policies POLICIES)
+    params: type  # frozen dataclass of its parameters (algorithm_params.py)
+    groups: str  # GROUPS: how the scheduler forms the synchronous groups
+    worker_loop: str  # WORKER_LOOPS
+    # PUSHES: what a push carries (gradients are compressed, models travel exact)
+    pushes: str
+    policy: str  # the shard's consistency policy, by name (ps/policies POLICIES)
     fuses_pull: bool = True  # a push may ask for the next values in itself (`comm.fuse_pull`)
-    period: str = ""         # PERIODS: steps (`period`), shard (the shards' ACKs decide), seconds (`period_s`)
+    # PERIODS: steps (`period`), shard (the shards' ACKs decide), seconds (`period_s`)
+    period: str = ""
 
     def __post_init__(self):
-        for key, allowed in (("groups", GROUPS), ("worker_loop", WORKER_LOOPS), ("pushes", PUSHES),
-                             ("period", PERIODS)):
+        for key, allowed in (
+            ("groups", GROUPS),
+            ("worker_loop", WORKER_LOOPS),
+            ("pushes", PUSHES),
+            ("period", PERIODS),
+        ):
             if getattr(self, key) not in allowed:
-                raise ValueError(f"algorithm {self.name}: {key} {getattr(self, key)!r} not in {allowed}")
+                raise ValueError(
+                    f"algorithm {self.name}: {key} {getattr(self, key)!r} not in {allowed}"
+                )
 
 
 _GRADIENTS = dict(worker_loop="gradients", pushes="gradients")
@@ -54,21 +78,38 @@ _GRADIENTS = dict(worker_loop="gradients", pushes="gradients")
 _MODELS = dict(worker_loop="local_steps", pushes="model", fuses_pull=False)
 
 # One line per algorithm (docs/algorithms.md describes each; docs/adding-an-algorithm.md the columns).
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    Algorithm("sync", SyncParams, groups="all", policy="sync", **_GRADIENTS),
-    Algorithm("async", AsyncParams, groups="each", policy="async", **_GRADIENTS),
-    Algorithm("ssp", SspParams, groups="each", policy="ssp", **_GRADIENTS),
-    Algorithm("grouping", GroupingParams, groups="by_speed", policy="grouping", **_GRADIENTS),
-    Algorithm("eager", EagerParams, groups="all", policy="eager", **_GRADIENTS),
-    Algorithm("cpsgd", CpsgdParams, groups="all", policy="cpsgd", period="steps", **_MODELS),
-    Algorithm("adpsgd", AdpsgdParams, groups="all", policy="adpsgd", period="shard", **_MODELS),
-    Algorithm("wpsgd", WpsgdParams, groups="all", policy="wpsgd", period="seconds", **_MODELS),
-    Algorithm("simuparallel", SimuParallelParams, groups="all", policy="wpsgd", period="seconds", **_MODELS),
-    Algorithm("balanced", BalancedParams, groups="balanced", policy="balanced", **_GRADIENTS),
-    # pseudo-gradients are gradients to the shard (compressed, zeros when neutral), applied at once
-    Algorithm("diloco", DilocoParams, groups="each", policy="diloco", worker_loop="pseudo_gradients",
-              pushes="gradients", period="steps"),
-)}
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("sync", SyncParams, groups="all", policy="sync", **_GRADIENTS),
+        Algorithm("async", AsyncParams, groups="each", policy="async", **_GRADIENTS),
+        Algorithm("ssp", SspParams, groups="each", policy="ssp", **_GRADIENTS),
+        Algorithm("grouping", GroupingParams, groups="by_speed", policy="grouping", **_GRADIENTS),
+        Algorithm("eager", EagerParams, groups="all", policy="eager", **_GRADIENTS),
+        Algorithm("cpsgd", CpsgdParams, groups="all", policy="cpsgd", period="steps", **_MODELS),
+        Algorithm("adpsgd", AdpsgdParams, groups="all", policy="adpsgd", period="shard", **_MODELS),
+        Algorithm("wpsgd", WpsgdParams, groups="all", policy="wpsgd", period="seconds", **_MODELS),
+        Algorithm(
+            "simuparallel",
+            SimuParallelParams,
+            groups="all",
+            policy="wpsgd",
+            period="seconds",
+            **_MODELS,
+        ),
+        Algorithm("balanced", BalancedParams, groups="balanced", policy="balanced", **_GRADIENTS),
+        # pseudo-gradients are gradients to the shard (compressed, zeros when neutral), applied at once
+        Algorithm(
+            "diloco",
+            DilocoParams,
+            groups="each",
+            policy="diloco",
+            worker_loop="pseudo_gradients",
+            pushes="gradients",
+            period="steps",
+        ),
+    )
+}
 
 # Algorithm name -> its parameter dataclass (what config loading needs).
 ALGORITHM_PARAMS: dict[str, type] = {name: a.params for name, a in ALGORITHMS.items()}
@@ -79,7 +120,9 @@ def algorithm(name: str) -> Algorithm:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        raise ConfigError(f"algorithm.name: unknown value {name!r}; allowed: {', '.join(ALGORITHMS)}") from None
+        raise ConfigError(
+            f"algorithm.name: unknown value {name!r}; allowed: {', '.join(ALGORITHMS)}"
+        ) from None
 
 
 class AlgorithmMismatch(ConfigError):
@@ -100,12 +143,16 @@ def check_plan_algorithm(cfg_algorithm, plan) -> None:
     theirs = {"name": plan.algorithm, **plan.algorithm_params}
     if plan.algorithm != cfg_algorithm.name or (plan.algorithm_params and theirs != mine):
         # another algorithm: its parameters differ by nature, the name says it all
-        differ = ["name"] if plan.algorithm != cfg_algorithm.name else \
-            sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        differ = (
+            ["name"]
+            if plan.algorithm != cfg_algorithm.name
+            else sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        )
         raise AlgorithmMismatch(
             f"algorithm mismatch in {', '.join(differ)}: this node's config says {_brief(mine, differ)}, "
             f"the plan (the scheduler's config) says {_brief(theirs, differ)}; start every node with the "
-            f"same algorithm block")
+            f"same algorithm block"
+        )
 
 
 def _brief(values: dict, keys: list[str]) -> str:

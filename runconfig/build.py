@@ -2,6 +2,7 @@
 every problem collected rather than the first raised: a bad field is
 reported, left out, and the instance keeps its default there.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,15 +52,19 @@ def _build(tp: Any, value: Any, path: str, problems: Problems) -> Any:
     if tp is float and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
         return float(value)  # PyYAML (YAML 1.1) leaves `1e-4` (no dot) a string
     if tp in (int, float, str, bool, dict, list) and (
-            not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        not isinstance(value, tp) or (tp is int and isinstance(value, bool))
+    ):
         problems.add(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
         return BAD
     return value
 
 
 def _required(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
 
 
 def build_dataclass(cls: type, value: Any, path: str, problems: Problems) -> Any:

@@ -3,6 +3,7 @@ number, cross-field constraints, and (where models and datasets will be
 built) that `pkg.module:factory` names import. Each check returns its
 problems as `key: what is wrong` lines, so that all are reported at once.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,7 +16,8 @@ from .schema import BUILTIN_MODELS, CHOICES, DATASETS, RunConfig
 
 FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:factory
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # as runtime/devices.py
-RUN_NAME = re.compile(r"([A-Za-z0-9_-][A-Za-z0-9._-]*)?")  # one path component, not hidden, not `..`
+# one path component, not hidden, not `..`
+RUN_NAME = re.compile(r"([A-Za-z0-9_-][A-Za-z0-9._-]*)?")
 
 # a rule: (test, allowed range as a user reads it)
 Rule = tuple[Callable[[Any], bool], str]
@@ -53,9 +55,14 @@ NUMBER_RULES: dict[str, Rule] = {
     "cluster.faults.drop": FRACTION,
     "cluster.faults.delay": FRACTION,
     "cluster.faults.delay_s": NON_NEGATIVE,
-    "stop.target_accuracy": (lambda v: v is None or 0 < v <= 1,
-                             "must be in (0, 1] (a fraction: 0.95, not 95) or null"),
-    "stop.target_patience": (lambda v: v >= 1, "must be >= 1 (1: stop at the first evaluation that reaches it)"),
+    "stop.target_accuracy": (
+        lambda v: v is None or 0 < v <= 1,
+        "must be in (0, 1] (a fraction: 0.95, not 95) or null",
+    ),
+    "stop.target_patience": (
+        lambda v: v >= 1,
+        "must be >= 1 (1: stop at the first evaluation that reaches it)",
+    ),
     "stop.max_seconds": POSITIVE,
     "stop.max_steps": (lambda v: v >= 0, "must be >= 0 (0 = no limit)"),
     "stop.diverged_after": (lambda v: v >= 0, "must be >= 0 (0 = no chance-level check)"),
@@ -98,7 +105,9 @@ def check_values(cfg: RunConfig) -> list[str]:
     out: list[str] = []
     for path, allowed in CHOICES.items():
         if value_at(cfg, path) not in allowed:
-            out.append(f"{path}: unknown value {value_at(cfg, path)!r}; allowed: {', '.join(allowed)}")
+            out.append(
+                f"{path}: unknown value {value_at(cfg, path)!r}; allowed: {', '.join(allowed)}"
+            )
     out += _check_names(cfg)
     _apply(NUMBER_RULES, cfg, "", out)
     out += _check_nodes(cfg)
@@ -110,20 +119,27 @@ def _check_names(cfg: RunConfig) -> list[str]:
     out = []
     dataset = cfg.data.dataset
     if dataset not in DATASETS and not FACTORY.fullmatch(dataset):
-        out.append(f"data.dataset: unknown value {dataset!r}; allowed: {', '.join(DATASETS)}, "
-                   "or package.module:factory")
+        out.append(
+            f"data.dataset: unknown value {dataset!r}; allowed: {', '.join(DATASETS)}, "
+            "or package.module:factory"
+        )
     if cfg.data.kwargs and not FACTORY.fullmatch(dataset):
-        out.append("data.kwargs: only for a package.module:factory dataset "
-                   f"(data.dataset is {dataset!r})")
+        out.append(
+            f"data.kwargs: only for a package.module:factory dataset (data.dataset is {dataset!r})"
+        )
     name = cfg.model.name
     if name not in BUILTIN_MODELS and not FACTORY.fullmatch(name):
         import torchvision  # deferred: only needed for non-builtin names
 
         if name not in torchvision.models.list_models():
-            out.append(f"model.name: unknown value {name!r}; allowed: {', '.join(BUILTIN_MODELS)}, "
-                       "a torchvision.models name, or package.module:factory")
+            out.append(
+                f"model.name: unknown value {name!r}; allowed: {', '.join(BUILTIN_MODELS)}, "
+                "a torchvision.models name, or package.module:factory"
+            )
     if not RUN_NAME.fullmatch(cfg.name):
-        out.append(f"name: must be letters, digits, '.', '_' or '-' (it names the run directory), got {cfg.name!r}")
+        out.append(
+            f"name: must be letters, digits, '.', '_' or '-' (it names the run directory), got {cfg.name!r}"
+        )
     resize = cfg.data.resize
     if resize is not None and (len(resize) != 2 or min(resize) < 1):
         out.append(f"data.resize: must be [height, width] with both >= 1, or null, got {resize!r}")
@@ -139,21 +155,33 @@ def _check_nodes(cfg: RunConfig) -> list[str]:
         for i, node in enumerate(nodes):
             _apply(NODE_RULES, node, f"cluster.{kind}.{i}.", out)
             if not DEVICE.fullmatch(node.device):
-                out.append(f"cluster.{kind}.{i}.device: unknown value {node.device!r}; "
-                           "allowed: auto, cpu, cuda, cuda:N")
+                out.append(
+                    f"cluster.{kind}.{i}.device: unknown value {node.device!r}; "
+                    "allowed: auto, cpu, cuda, cuda:N"
+                )
             for j, change in enumerate(node.schedule):
                 if not (change.slowdown >= 1.0 and 0 <= change.at_s < math.inf):  # NaN fails too
-                    out.append(f"cluster.{kind}.{i}.schedule.{j}: needs at_s >= 0 and slowdown >= 1.0, "
-                               f"got at_s {change.at_s}, slowdown {change.slowdown}")
-    names = (["scheduler"] + [f"ps{i}" for i in range(len(cfg.cluster.shards))]
-             + [f"worker{i}" for i in range(len(cfg.cluster.workers))] + (["evaluator"] if cfg.eval.enabled else []))
+                    out.append(
+                        f"cluster.{kind}.{i}.schedule.{j}: needs at_s >= 0 and slowdown >= 1.0, "
+                        f"got at_s {change.at_s}, slowdown {change.slowdown}"
+                    )
+    names = (
+        ["scheduler"]
+        + [f"ps{i}" for i in range(len(cfg.cluster.shards))]
+        + [f"worker{i}" for i in range(len(cfg.cluster.workers))]
+        + (["evaluator"] if cfg.eval.enabled else [])
+    )
     for i, kill in enumerate(cfg.cluster.kill):
         if kill.node not in names:
-            out.append(f"cluster.kill.{i}.node: no process {kill.node!r} in this run; allowed: {', '.join(names)}")
+            out.append(
+                f"cluster.kill.{i}.node: no process {kill.node!r} in this run; allowed: {', '.join(names)}"
+            )
         if not 0 <= kill.at_s < math.inf:  # NaN fails too
             out.append(f"cluster.kill.{i}.at_s: must be >= 0 (and finite), got {kill.at_s}")
         if kill.restart_after_s is not None and kill.restart_after_s < 0:
-            out.append(f"cluster.kill.{i}.restart_after_s: must be >= 0 or null, got {kill.restart_after_s}")
+            out.append(
+                f"cluster.kill.{i}.restart_after_s: must be >= 0 or null, got {kill.restart_after_s}"
+            )
     return out
 
 
@@ -161,24 +189,38 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
     out = []
     cluster, optimizer = cfg.cluster, cfg.optimizer
     if 0 < cluster.dead_after_s <= cluster.heartbeat_s:
-        out.append(f"cluster.heartbeat_s: must be < cluster.dead_after_s ({cluster.dead_after_s}), "
-                   f"got {cluster.heartbeat_s}; a node would be declared dead between two heartbeats")
+        out.append(
+            f"cluster.heartbeat_s: must be < cluster.dead_after_s ({cluster.dead_after_s}), "
+            f"got {cluster.heartbeat_s}; a node would be declared dead between two heartbeats"
+        )
     if 0 < cluster.scheduler_grace_s <= cluster.heartbeat_s:
-        out.append(f"cluster.scheduler_grace_s: must be > cluster.heartbeat_s ({cluster.heartbeat_s}), "
-                   f"got {cluster.scheduler_grace_s}; a node would give up on the scheduler between two heartbeats")
+        out.append(
+            f"cluster.scheduler_grace_s: must be > cluster.heartbeat_s ({cluster.heartbeat_s}), "
+            f"got {cluster.scheduler_grace_s}; a node would give up on the scheduler between two heartbeats"
+        )
     if cluster.replicas not in (0, 1):
-        out.append(f"cluster.replicas: allowed values 0 (no backups) and 1 (one backup per shard), "
-                   f"got {cluster.replicas!r}")
+        out.append(
+            f"cluster.replicas: allowed values 0 (no backups) and 1 (one backup per shard), "
+            f"got {cluster.replicas!r}"
+        )
     elif cluster.replicas == 1 and len(cluster.shards) < 2:
-        out.append(f"cluster.replicas: 1 needs at least 2 shards (a backup lives on another shard process), "
-                   f"got {len(cluster.shards)}")
+        out.append(
+            f"cluster.replicas: 1 needs at least 2 shards (a backup lives on another shard process), "
+            f"got {len(cluster.shards)}"
+        )
     if cluster.spare_shards < 0:
-        out.append(f"cluster.spare_shards: must be >= 0 (idle shard processes), got {cluster.spare_shards!r}")
+        out.append(
+            f"cluster.spare_shards: must be >= 0 (idle shard processes), got {cluster.spare_shards!r}"
+        )
     elif cluster.spare_shards and cluster.replicas != 1:
-        out.append(f"cluster.spare_shards: {cluster.spare_shards} needs cluster.replicas: 1 (a spare becomes a "
-                   f"backup after a failover), got replicas {cluster.replicas!r}")
+        out.append(
+            f"cluster.spare_shards: {cluster.spare_shards} needs cluster.replicas: 1 (a spare becomes a "
+            f"backup after a failover), got replicas {cluster.replicas!r}"
+        )
     if cfg.comm.shm_bytes and cfg.security.curve:
-        out.append("comm.shm_bytes: shared-memory frames bypass CurveZMQ; allowed with security.curve: false only")
+        out.append(
+            "comm.shm_bytes: shared-memory frames bypass CurveZMQ; allowed with security.curve: false only"
+        )
     out += _check_shard_processes(cluster)
     if cfg.comm.compression == "topk" and cfg.comm.topk_ratio <= 0.0:
         out.append("comm.topk_ratio: must be > 0 with comm.compression: topk")
@@ -186,14 +228,18 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
         out.append("optimizer.schedule.total_steps: must be > 0 for the cosine schedule")
     loop = getattr(ALGORITHMS.get(cfg.algorithm.name), "worker_loop", None)
     if optimizer.clip_grad_norm and cfg.comm.overlap and loop == "gradients":
-        out.append("optimizer.clip_grad_norm: needs the whole gradient before the push; not with comm.overlap: true "
-                   "(which pushes each layer's gradient during the backward)")
+        out.append(
+            "optimizer.clip_grad_norm: needs the whole gradient before the push; not with comm.overlap: true "
+            "(which pushes each layer's gradient during the backward)"
+        )
     if optimizer.nesterov and optimizer.momentum <= 0:
         out.append("optimizer.nesterov: needs optimizer.momentum > 0")
     if len(optimizer.betas) != 2 or not all(0 <= b < 1 for b in optimizer.betas):
         out.append(f"optimizer.betas: must be two numbers in [0, 1), got {optimizer.betas!r}")
     if not cfg.data.synthetic.shape or min(cfg.data.synthetic.shape) < 1:
-        out.append(f"data.synthetic.shape: must be a non-empty list of sizes >= 1, got {cfg.data.synthetic.shape!r}")
+        out.append(
+            f"data.synthetic.shape: must be a non-empty list of sizes >= 1, got {cfg.data.synthetic.shape!r}"
+        )
     return out
 
 
@@ -202,18 +248,24 @@ def _check_shard_processes(cluster) -> list[str]:
     co-located ranks die together, so neither backups nor per-shard kills apply."""
     n = cluster.shard_processes
     if not isinstance(n, int) or not 0 <= n <= len(cluster.shards):
-        return [f"cluster.shard_processes: must be 0 (one process per shard) up to the number of shards "
-                f"({len(cluster.shards)}), got {n!r}"]
+        return [
+            f"cluster.shard_processes: must be 0 (one process per shard) up to the number of shards "
+            f"({len(cluster.shards)}), got {n!r}"
+        ]
     if not n or n == len(cluster.shards):
         return []
     out = []
     if cluster.replicas:
-        out.append(f"cluster.shard_processes: {n} puts several shards in one process, which cannot hold "
-                   "backups for each other; use 0 with cluster.replicas: 1")
+        out.append(
+            f"cluster.shard_processes: {n} puts several shards in one process, which cannot hold "
+            "backups for each other; use 0 with cluster.replicas: 1"
+        )
     for i, kill in enumerate(cluster.kill):
         if kill.node.startswith("ps"):
-            out.append(f"cluster.kill.{i}.node: {kill.node} shares its process with other shards under "
-                       f"cluster.shard_processes: {n}; use 0 to kill one shard")
+            out.append(
+                f"cluster.kill.{i}.node: {kill.node} shares its process with other shards under "
+                f"cluster.shard_processes: {n}; use 0 to kill one shard"
+            )
     return out
 
 
@@ -237,8 +289,10 @@ def import_problem(spec: str) -> str | None:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # the user's module may raise anything while importing
-        return (f"cannot import {module_name!r} ({type(exc).__name__}: {exc}); the module must be importable "
-                "on every host that builds it (PYTHONPATH or an installed package)")
+        return (
+            f"cannot import {module_name!r} ({type(exc).__name__}: {exc}); the module must be importable "
+            "on every host that builds it (PYTHONPATH or an installed package)"
+        )
     if not callable(getattr(module, attr, None)):
         return f"module {module_name!r} has no callable {attr!r}"
     return None

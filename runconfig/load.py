@@ -8,6 +8,7 @@ names and numbers out of range (checks.py) raise one `ConfigError` listing
 every problem, each naming the key path and the allowed values or range.
 `dump_config` writes the resolved config back (a run directory's config.yaml).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,8 @@ from .checks import check_targets, check_values
 from .node_spec import node_list
 from .schema import AlgorithmConfig, ClusterConfig, RunConfig
 
-
 # ------------------------------------------------------------ typed building
+
 
 def _algorithm_fields(name: str) -> list[str]:
     return [f.name for f in dataclasses.fields(ALGORITHM_PARAMS[name])]
@@ -40,13 +41,18 @@ def _build_algorithm(value: Any, problems: Problems) -> AlgorithmConfig:
     value = dict(value or {})
     name = value.pop("name", "sync")
     if not isinstance(name, str) or name not in ALGORITHM_PARAMS:
-        problems.add("algorithm.name", f"unknown value {name!r}; allowed: {', '.join(ALGORITHM_PARAMS)}")
+        problems.add(
+            "algorithm.name", f"unknown value {name!r}; allowed: {', '.join(ALGORITHM_PARAMS)}"
+        )
         return AlgorithmConfig()
     own = _algorithm_fields(name)
     for key in [k for k in value if k not in own]:
         owners = [a for a in ALGORITHM_PARAMS if key in _algorithm_fields(a)]
-        where = (f"belongs to {' or '.join(owners)}, not to {name} (algorithm.name={owners[0]} takes it)"
-                 if owners else "unknown key")
+        where = (
+            f"belongs to {' or '.join(owners)}, not to {name} (algorithm.name={owners[0]} takes it)"
+            if owners
+            else "unknown key"
+        )
         problems.add(f"algorithm.{key}", f"{where}; allowed: {', '.join(own) or '(none)'}")
         del value[key]
     params = build_dataclass(ALGORITHM_PARAMS[name], value, "algorithm", problems)
@@ -61,7 +67,9 @@ def _resolve_algorithm(cfg: RunConfig, problems: Problems) -> RunConfig:
     if resolve is None or problems:
         return cfg
     try:
-        return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, params=resolve(cfg)))
+        return dataclasses.replace(
+            cfg, algorithm=dataclasses.replace(cfg.algorithm, params=resolve(cfg))
+        )
     except ConfigError as exc:
         problems.extend(exc.errors)
         return cfg
@@ -93,7 +101,8 @@ def _config_from_dict(raw: Any, import_targets: bool, problems: Problems) -> Run
     cfg = dataclasses.replace(build_dataclass(RunConfig, raw, "", problems), algorithm=algorithm)
     problems.extend(check_values(cfg))
     cfg = _resolve_algorithm(cfg, problems)
-    if import_targets and not problems:  # a config with other errors is not worth importing code for
+    # a config with other errors is not worth importing code for
+    if import_targets and not problems:
         problems.extend(check_targets(cfg))
     if problems:
         raise ConfigError(problems)
@@ -101,6 +110,7 @@ def _config_from_dict(raw: Any, import_targets: bool, problems: Problems) -> Run
 
 
 # ------------------------------------------------------------ overrides and files
+
 
 def apply_override(raw: dict, assignment: str, keep_algorithm_keys: set[str] | None = None) -> None:
     """Apply one `dotted.key=value` (value parsed as YAML) to the raw mapping, in place.
@@ -149,13 +159,18 @@ def load_raw(path: str | Path) -> dict:
     try:
         raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:  # missing, a directory, not UTF-8 text
-        raise ConfigError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or 'not UTF-8 text'})") from None
+        raise ConfigError(
+            f"{path}: cannot read ({getattr(exc, 'strerror', None) or 'not UTF-8 text'})"
+        ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-    return {} if raw is None else raw  # an empty file: the defaults; any other non-mapping is refused
+    # an empty file: the defaults; any other non-mapping is refused
+    return {} if raw is None else raw
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), import_targets: bool = False) -> RunConfig:
+def load_config(
+    path: str | Path | None, overrides: list[str] = (), import_targets: bool = False
+) -> RunConfig:
     """Load a YAML file (None: all defaults), apply overrides, validate.
 
     `algorithm.name=X` among the overrides drops the keys of the previous
@@ -184,8 +199,12 @@ def switch_algorithm(raw: dict, name: Any, keep: set[str] = frozenset()) -> None
     previous algorithm that `name` does not take are dropped (except `keep`).
     An unknown `name` changes nothing here (it is reported when building)."""
     algorithm = raw.get("algorithm")
-    if (not isinstance(algorithm, dict) or not isinstance(name, str) or name not in ALGORITHM_PARAMS
-            or algorithm.get("name", "sync") == name):
+    if (
+        not isinstance(algorithm, dict)
+        or not isinstance(name, str)
+        or name not in ALGORITHM_PARAMS
+        or algorithm.get("name", "sync") == name
+    ):
         return
     own = set(_algorithm_fields(name)) | set(keep) | {"name"}
     raw["algorithm"] = {k: v for k, v in algorithm.items() if k in own}

@@ -14,6 +14,7 @@ fractions sum to 1; rounding goes to the last class), at that slowdown.
 Any other key is a node setting (`link_mbps`, `latency_ms`, `step_s`, ...)
 given to every node. Pure data in, data out; raises ConfigError naming the key.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,10 @@ def expand_nodes(spec: dict, path: str, node_fields: list[str]) -> list[dict]:
     """The list of node mappings `spec` stands for (see the module docstring)."""
     unknown = [k for k in spec if k not in SPEC_KEYS and k not in node_fields]
     if unknown:
-        fail(f"{path}.{unknown[0]}", f"unknown key; allowed: {', '.join(SPEC_KEYS + tuple(node_fields))}")
+        fail(
+            f"{path}.{unknown[0]}",
+            f"unknown key; allowed: {', '.join(SPEC_KEYS + tuple(node_fields))}",
+        )
     count, seed = spec.get("count"), spec.get("seed", 0)
     if not _is_int(count) or count < 1:
         fail(f"{path}.count", f"must be an integer >= 1, got {count!r}")
@@ -55,7 +59,10 @@ def _is_int(v: Any) -> bool:
 
 def _slowdowns(speeds: Any, count: int, seed: int, path: str) -> list[float]:
     if not isinstance(speeds, dict) or len(speeds) != 1 or next(iter(speeds)) not in DISTRIBUTIONS:
-        fail(path, f"must be a mapping with one key, one of: {', '.join(DISTRIBUTIONS)}; got {speeds!r}")
+        fail(
+            path,
+            f"must be a mapping with one key, one of: {', '.join(DISTRIBUTIONS)}; got {speeds!r}",
+        )
     kind, params = next(iter(speeds.items()))
     if kind == "lognormal":
         return _lognormal(params, count, seed, f"{path}.lognormal")
@@ -80,9 +87,16 @@ def _classes(params: Any, count: int, path: str) -> list[float]:
             fail(f"{path}.{i}", f"must be a mapping with exactly slowdown and fraction, got {c!r}")
         for key, low in (("slowdown", 1.0), ("fraction", 0.0)):
             v = c[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < low or (key == "fraction" and v > 1):
-                fail(f"{path}.{i}.{key}", f"must be a number {'>= 1.0' if key == 'slowdown' else 'in [0, 1]'}, "
-                                          f"got {v!r}")
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or v < low
+                or (key == "fraction" and v > 1)
+            ):
+                fail(
+                    f"{path}.{i}.{key}",
+                    f"must be a number {'>= 1.0' if key == 'slowdown' else 'in [0, 1]'}, got {v!r}",
+                )
     total = sum(c["fraction"] for c in params)
     if abs(total - 1.0) > 1e-6:
         fail(path, f"fractions must sum to 1, got {total:g}")

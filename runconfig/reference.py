@@ -9,6 +9,7 @@ field's line in the source (or, for the few fields without one, `HELP`
 below); allowed values come from `config.CHOICES` and the algorithm table.
 tests/unit/test_config_docs.py fails when the file is out of date.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,7 +69,11 @@ def _comments(cls: type) -> dict[str, str]:
         if found:
             name, columns = found.group(1), (line.index("#"), found.start(2))
             out[name] = found.group(2).strip()
-        elif more and name is not None and (line.index("#") == columns[0] or more.start(1) == columns[1]):
+        elif (
+            more
+            and name is not None
+            and (line.index("#") == columns[0] or more.start(1) == columns[1])
+        ):
             # a comment-only line right under it, its '#' or its text lined up with the field's comment
             out[name] += " " + more.group(1).strip()
         else:
@@ -103,7 +108,9 @@ def _element(cls: type, f: dataclasses.Field):
 
 def _row(key: str, f: dataclasses.Field, cls: type) -> str:
     help_text = _comments(cls).get(f.name) or HELP.get(key) or HELP.get(f.name, "")
-    choices = config.CHOICES.get(key) or (tuple(ALGORITHM_PARAMS) if key == "algorithm.name" else None)
+    choices = config.CHOICES.get(key) or (
+        tuple(ALGORITHM_PARAMS) if key == "algorithm.name" else None
+    )
     if choices:
         help_text += f" (one of: {', '.join(f'`{c}`' for c in choices)})"
     return f"| `{key}` | `{f.type}` | {_show(_default(f))} | {help_text.replace('|', '/')} |"
@@ -128,8 +135,12 @@ def _table(prefix: str, cls: type, sections: list) -> list[str]:
 
 
 def _algorithms() -> list[str]:
-    out = ["## algorithm parameters", "",
-           "`algorithm: {name: NAME, KEY: VALUE, ...}`; unknown keys for that algorithm are an error.", ""]
+    out = [
+        "## algorithm parameters",
+        "",
+        "`algorithm: {name: NAME, KEY: VALUE, ...}`; unknown keys for that algorithm are an error.",
+        "",
+    ]
     for name, cls in ALGORITHM_PARAMS.items():
         out.append(f"### `{name}`")
         out.append("")
@@ -138,30 +149,48 @@ def _algorithms() -> list[str]:
             out += [inspect.getdoc(cls) or "No parameters.", ""]
             continue
         out += ["| key | type | default | meaning |", "|---|---|---|---|"]
-        comments = {**_comments(ALGORITHM_PARAMS["wpsgd"]), **_comments(cls)} if issubclass(
-            cls, ALGORITHM_PARAMS["wpsgd"]) else _comments(cls)  # a subclass inherits its base's comments
-        out += [f"| `algorithm.{f.name}` | `{f.type}` | {_show(_default(f))} | "
-                f"{(comments.get(f.name) or HELP.get(f'algorithm.{f.name}', '')).replace('|', '/')} |"
-                for f in params]
+        comments = (
+            {**_comments(ALGORITHM_PARAMS["wpsgd"]), **_comments(cls)}
+            if issubclass(
+                # a subclass inherits its base's comments
+                cls,
+                ALGORITHM_PARAMS["wpsgd"],
+            )
+            else _comments(cls)
+        )
+        out += [
+            f"| `algorithm.{f.name}` | `{f.type}` | {_show(_default(f))} | "
+            f"{(comments.get(f.name) or HELP.get(f'algorithm.{f.name}', '')).replace('|', '/')} |"
+            for f in params
+        ]
         out.append("")
     return out
 
 
 def render() -> str:
     """The whole reference as Markdown."""
-    out = ["# Configuration reference", "",
-           f"<!-- generated from runconfig/schema.py and runconfig/algorithm_params.py by `{REGENERATE}`; "
-           "do not edit by hand -->", "",
-           "A config is YAML; every key has a default. Unknown keys, wrong types and unknown names are errors "
-           "that name the key path and the allowed values. Override any key on the command line with its "
-           "dotted path: `optimizer.lr=0.01`, `cluster.workers=8`, `cluster.workers.1.slowdown=3`, "
-           "`stop.target_accuracy=null`. `hetps run` writes the resolved config to `RUN_DIR/config.yaml`.", ""]
+    out = [
+        "# Configuration reference",
+        "",
+        f"<!-- generated from runconfig/schema.py and runconfig/algorithm_params.py by `{REGENERATE}`; "
+        "do not edit by hand -->",
+        "",
+        "A config is YAML; every key has a default. Unknown keys, wrong types and unknown names are errors "
+        "that name the key path and the allowed values. Override any key on the command line with its "
+        "dotted path: `optimizer.lr=0.01`, `cluster.workers=8`, `cluster.workers.1.slowdown=3`, "
+        "`stop.target_accuracy=null`. `hetps run` writes the resolved config to `RUN_DIR/config.yaml`.",
+        "",
+    ]
     sections: list = [("", config.RunConfig)]
     while sections:
         prefix, cls = sections.pop(0)
         title = SECTION_TITLES.get(prefix, f"`{prefix}`")
         out += [f"## {title}", ""]
-        doc = inspect.getdoc(cls) if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "(") else ""
+        doc = (
+            inspect.getdoc(cls)
+            if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "(")
+            else ""
+        )
         if doc:
             out += [doc.replace("\n", " "), ""]
         out += _table(f"{prefix}." if prefix else "", cls, sections) + [""]

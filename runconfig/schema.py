@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
+from hetps.proto.errors import ConfigError  # noqa: F401  (re-exported: callers catch hetps.runconfig.schema.ConfigError)
 
 from .algorithm_params import SyncParams
-from hetps.proto.errors import ConfigError  # noqa: F401  (re-exported: callers catch hetps.runconfig.schema.ConfigError)
 
 BUILTIN_MODELS = ("mlp", "lenet5", "resnet20")
 DATASETS = ("mnist-5k", "mnist", "cifar10", "cifar100", "imagefolder", "synthetic")

@@ -11,6 +11,7 @@ state, versions, the policy's clocks and open rounds as plain data, recent
 push ACKs) in torch's format, and load with `torch.load(weights_only=True)`:
 tensors and plain containers only, no pickled class is ever loaded.
 """
+
 from __future__ import annotations
 
 import logging
@@ -101,7 +102,10 @@ class Checkpointer:
     def due(self, version: int) -> bool:
         if version == self.last_version:
             return False
-        by_count = self.cfg.every_updates > 0 and version - max(self.last_version, 0) >= self.cfg.every_updates
+        by_count = (
+            self.cfg.every_updates > 0
+            and version - max(self.last_version, 0) >= self.cfg.every_updates
+        )
         by_time = self.cfg.every_s > 0 and time.monotonic() - self.last_time >= self.cfg.every_s
         return by_count or by_time
 
@@ -113,7 +117,7 @@ class Checkpointer:
         self.last_version, self.last_time = version, time.monotonic()
         self.written += 1
         self.seconds += self.last_time - started
-        for _, old in checkpoints(self.folder)[:-max(1, self.cfg.keep)]:
+        for _, old in checkpoints(self.folder)[: -max(1, self.cfg.keep)]:
             old.unlink(missing_ok=True)
         log.debug("checkpoint v%d written in %.3fs", version, self.last_time - started)
         return path

@@ -6,6 +6,7 @@ decides what to hand it.
 
 Process-global: `configure` once per daemon, before any socket is made.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,10 @@ def resolve_keys_dir(sec: SecurityConfig) -> Path:
     neither is set or the directory does not exist."""
     chosen = os.environ.get("HETPS_KEYS_DIR") or sec.keys_dir
     if not chosen:
-        raise SecurityError("security.curve is on but no keys directory: set security.keys_dir or "
-                            "$HETPS_KEYS_DIR (make one with `hetps keys DIR`)")
+        raise SecurityError(
+            "security.curve is on but no keys directory: set security.keys_dir or "
+            "$HETPS_KEYS_DIR (make one with `hetps keys DIR`)"
+        )
     path = Path(chosen).expanduser()
     if not path.is_dir():
         raise SecurityError(f"keys directory {path} not found (make one with `hetps keys {path}`)")

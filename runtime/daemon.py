@@ -3,6 +3,7 @@ the environment), config loading with exit code 2 on a bad config, logging,
 CurveZMQ from the config (runtime/curve_setup.py), the scheduler address, and
 the options every socket of a daemon is made with (`transport_options`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,11 +15,11 @@ import re
 import signal
 import sys
 
-from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
-from hetps.runconfig.load import load_config
 from hetps.proto.link import Link
 from hetps.proto.security import SecurityError
 from hetps.proto.transport import TransportOptions
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
 
 from .curve_setup import configure
 
@@ -67,11 +68,16 @@ def port_arg(value: str) -> int:
     except ValueError:
         port = -2
     if not -1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"want a port 1-65535, 0 (a free one) or -1 (off), got {value!r}")
+        raise argparse.ArgumentTypeError(
+            f"want a port 1-65535, 0 (a free one) or -1 (off), got {value!r}"
+        )
     return port
 
 
-_ADDRESS = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})|(ipc|inproc|mem)://.+")  # mem: in-process
+# mem: in-process
+_ADDRESS = re.compile(
+    r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})|(ipc|inproc|mem)://.+"
+)
 
 
 def address_arg(value: str) -> str:
@@ -79,45 +85,76 @@ def address_arg(value: str) -> str:
     inproc://NAME; `{rank}` may stand for a number (--ranks); empty = unset."""
     found = _ADDRESS.fullmatch(value.replace("{rank}", "0"))
     if value and (found is None or (found.group(2) is not None and int(found.group(2)) > 65535)):
-        raise argparse.ArgumentTypeError(f"want tcp://HOST:PORT (port 0-65535), ipc://PATH or inproc://NAME, "
-                                         f"got {value!r}")
+        raise argparse.ArgumentTypeError(
+            f"want tcp://HOST:PORT (port 0-65535), ipc://PATH or inproc://NAME, got {value!r}"
+        )
     return value
 
 
 def common_args(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
-    parser.add_argument("--config", default=env("HETPS_CONFIG"), help="YAML experiment ($HETPS_CONFIG)")
-    parser.add_argument("--rank", type=rank_arg, default=env("HETPS_RANK", "0"),
-                        help="this node's rank among its role, or `auto`: a free one claimed from the scheduler "
-                             "for launchers without indices ($HETPS_RANK)")
-    parser.add_argument("--scheduler", type=address_arg, default=env("HETPS_SCHEDULER"),
-                        help="scheduler address tcp://HOST:PORT ($HETPS_SCHEDULER; else cluster.scheduler)")
+    parser.add_argument(
+        "--config", default=env("HETPS_CONFIG"), help="YAML experiment ($HETPS_CONFIG)"
+    )
+    parser.add_argument(
+        "--rank",
+        type=rank_arg,
+        default=env("HETPS_RANK", "0"),
+        help="this node's rank among its role, or `auto`: a free one claimed from the scheduler "
+        "for launchers without indices ($HETPS_RANK)",
+    )
+    parser.add_argument(
+        "--scheduler",
+        type=address_arg,
+        default=env("HETPS_SCHEDULER"),
+        help="scheduler address tcp://HOST:PORT ($HETPS_SCHEDULER; else cluster.scheduler)",
+    )
     log_level_args(parser)
-    parser.add_argument("--check", action="store_true",
-                        help="validate flags, environment and config, print them, exit 0 without connecting")
-    parser.add_argument("--client-key", default=None,
-                        help="with security.curve: this node's client key, a name under KEYS_DIR/clients or a "
-                             ".key_secret path ($HETPS_CLIENT_KEY; default client-0)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="validate flags, environment and config, print them, exit 0 without connecting",
+    )
+    parser.add_argument(
+        "--client-key",
+        default=None,
+        help="with security.curve: this node's client key, a name under KEYS_DIR/clients or a "
+        ".key_secret path ($HETPS_CLIENT_KEY; default client-0)",
+    )
     metrics_args(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
 def log_level_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", type=log_level_arg, default=os.environ.get("HETPS_LOG_LEVEL", "INFO"),
-                        help=f"{' | '.join(LOG_LEVELS)} ($HETPS_LOG_LEVEL; default INFO)")
+    parser.add_argument(
+        "--log-level",
+        type=log_level_arg,
+        default=os.environ.get("HETPS_LOG_LEVEL", "INFO"),
+        help=f"{' | '.join(LOG_LEVELS)} ($HETPS_LOG_LEVEL; default INFO)",
+    )
 
 
 def metrics_args(parser: argparse.ArgumentParser) -> None:
     """The Prometheus endpoint's flags (see runtime/metrics.py); every daemon has them."""
     env = os.environ.get
-    parser.add_argument("--metrics-port", type=port_arg, default=env("HETPS_METRICS_PORT", "-1"),
-                        help="serve Prometheus /metrics on this port ($HETPS_METRICS_PORT; 0 = a free port; "
-                             "default -1 = off)")
-    parser.add_argument("--metrics-host", default=env("HETPS_METRICS_HOST"),
-                        help="address /metrics listens on ($HETPS_METRICS_HOST; default cluster.host)")
-    parser.add_argument("--metrics-targets", default=env("HETPS_METRICS_TARGETS"),
-                        help="a Prometheus file_sd JSON file this daemon adds its /metrics address to "
-                             "($HETPS_METRICS_TARGETS; hetps run --metrics: RUN_DIR/prometheus_targets.json)")
+    parser.add_argument(
+        "--metrics-port",
+        type=port_arg,
+        default=env("HETPS_METRICS_PORT", "-1"),
+        help="serve Prometheus /metrics on this port ($HETPS_METRICS_PORT; 0 = a free port; "
+        "default -1 = off)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=env("HETPS_METRICS_HOST"),
+        help="address /metrics listens on ($HETPS_METRICS_HOST; default cluster.host)",
+    )
+    parser.add_argument(
+        "--metrics-targets",
+        default=env("HETPS_METRICS_TARGETS"),
+        help="a Prometheus file_sd JSON file this daemon adds its /metrics address to "
+        "($HETPS_METRICS_TARGETS; hetps run --metrics: RUN_DIR/prometheus_targets.json)",
+    )
 
 
 def rank_label(rank: int) -> str:
@@ -147,9 +184,11 @@ def transport_options(cfg: RunConfig, node: NodeConfig | None = None) -> Transpo
     cluster.max_message_bytes, comm.shm_bytes, and one emulated link of the
     node's `link_mbps` (None, or 0: no cap). Make it once per process and
     pass the same object to every socket, so that they share the link."""
-    return TransportOptions(max_message_bytes=cfg.cluster.max_message_bytes,
-                            shm_bytes=cfg.comm.shm_bytes,
-                            link=Link.capped(node.link_mbps) if node is not None else None)
+    return TransportOptions(
+        max_message_bytes=cfg.cluster.max_message_bytes,
+        shm_bytes=cfg.comm.shm_bytes,
+        link=Link.capped(node.link_mbps) if node is not None else None,
+    )
 
 
 def security_or_exit(cfg: RunConfig, role: str, client_key: str | None = None) -> None:
@@ -171,17 +210,21 @@ def dump_stacks_on_usr1() -> None:
 def daemon_setup(args: argparse.Namespace, role: str) -> tuple[RunConfig, str]:
     """Config, logging, CurveZMQ keys and the scheduler address for a daemon."""
     rank = "-auto" if args.rank == AUTO_RANK else args.rank
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s {role}{rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s {role}{rank} %(levelname)s %(name)s: %(message)s",
+    )
     dump_stacks_on_usr1()
     # the roles that build the model and the data import their factories now, not at first use
     cfg = load_or_exit(args.config, args.overrides, import_targets=role in ("worker", "evaluator"))
     security_or_exit(cfg, role, args.client_key)
     scheduler = args.scheduler or cfg.cluster.scheduler
     if scheduler.endswith(":0"):
-        print(f"hetps {role}: no scheduler address: pass --scheduler tcp://HOST:PORT or set "
-              "HETPS_SCHEDULER (cluster.scheduler has port 0, which only `hetps run` can fill in)",
-              file=sys.stderr)
+        print(
+            f"hetps {role}: no scheduler address: pass --scheduler tcp://HOST:PORT or set "
+            "HETPS_SCHEDULER (cluster.scheduler has port 0, which only `hetps run` can fill in)",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     if args.check and role != "ps":  # the shard adds its own addresses
         check_and_exit(role, rank=rank_label(args.rank), scheduler=scheduler, config=args.config)
@@ -191,7 +234,9 @@ def daemon_setup(args: argparse.Namespace, role: str) -> tuple[RunConfig, str]:
 def scheduler_lost_exit(role: str, rank: int, reason: str) -> int:
     """Print why a daemon gives up on its scheduler (naming its address) and
     return the exit status for it: a supervisor must see a failure, not a clean stop."""
-    print(f"hetps {role} {rank}: {reason}; exiting with status {EXIT_SCHEDULER_LOST}", file=sys.stderr)
+    print(
+        f"hetps {role} {rank}: {reason}; exiting with status {EXIT_SCHEDULER_LOST}", file=sys.stderr
+    )
     return EXIT_SCHEDULER_LOST
 
 

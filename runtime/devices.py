@@ -7,6 +7,7 @@ CPU when there are none. A worker started on its own (`hetps worker`, one
 per host or container) resolves `auto` to `cuda` (its first visible GPU)
 when there is one, else the CPU.
 """
+
 from __future__ import annotations
 
 import glob
@@ -44,7 +45,9 @@ def local_gpu_count() -> int:
     torch, which costs `hetps run` seconds before it starts any process."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return 0
-    if not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg")):
+    if not (
+        glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg")
+    ):
         return 0
     import torch
 
@@ -63,9 +66,11 @@ def pick_device(name: str, where: str = "device") -> torch.device:
         name = "cuda" if count and torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= count):
-        raise DeviceUnavailable(f"{where}: {name} asked for, but this host has {count} CUDA device(s) "
-                                f"visible to torch{'' if torch.cuda.is_available() else ' (CUDA not available)'}; "
-                                "use auto or cpu")
+        raise DeviceUnavailable(
+            f"{where}: {name} asked for, but this host has {count} CUDA device(s) "
+            f"visible to torch{'' if torch.cuda.is_available() else ' (CUDA not available)'}; "
+            "use auto or cpu"
+        )
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)  # an index, for torch.cuda.set_device and for the log
     return device

@@ -10,6 +10,7 @@ daemon makes one `proto.link.Link` for its node and passes it, in the
 `TransportOptions` of runtime/daemon.py `transport_options`, to every socket
 it makes.
 """
+
 from __future__ import annotations
 
 import time
@@ -53,7 +54,8 @@ def work_clock(device: str = "cpu") -> float:
     if device.startswith("cuda"):
         import torch
 
-        torch.cuda.synchronize(device)  # this worker's GPU (cuda:1 is not the current device by default)
+        # this worker's GPU (cuda:1 is not the current device by default)
+        torch.cuda.synchronize(device)
         return time.perf_counter()
     return time.thread_time()
 

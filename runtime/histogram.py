@@ -5,6 +5,7 @@ A moving average hides the slow tail an operator looks for (one step in ten
 that waits 2 s for a straggler); bucket counts keep it, and Prometheus can
 compute any quantile or rate from them over any window.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -12,7 +13,23 @@ import math
 import threading
 
 # seconds: a sub-millisecond push on loopback up to a minute-long wait for a dead peer
-DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DURATION_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 class Histogram:
@@ -23,7 +40,7 @@ class Histogram:
         if list(bounds) != sorted(set(bounds)) or not bounds:
             raise ValueError(f"histogram bounds must be increasing and distinct, got {bounds}")
         self.bounds = tuple(float(b) for b in bounds)
-        self._counts = [0] * (len(self.bounds) + 1)   # the last: above every bound (+Inf only)
+        self._counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf only)
         self._sum = 0.0
         self._lock = threading.Lock()
 

@@ -11,6 +11,7 @@ the caller's socket raise `Aborted` instead of waiting out their timeouts,
 and the daemon exits with `EXIT_SCHEDULER_LOST` (runtime/daemon.py) so that a
 supervisor sees a failure.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,12 +25,23 @@ import time
 import traceback
 from typing import Callable, Iterator
 
-from hetps.runconfig.schema import ClusterConfig
 from hetps.proto.errors import HetpsError, UnexpectedReply
-from hetps.proto.messages import Ack, Bye, Failed, GetPlan, Heartbeat, Plan, Register, Report, Status, Welcome
+from hetps.proto.messages import (
+    Ack,
+    Bye,
+    Failed,
+    GetPlan,
+    Heartbeat,
+    Plan,
+    Register,
+    Report,
+    Status,
+    Welcome,
+)
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import RemoteError, RequestTimeout, RpcClient
 from hetps.proto.transport import TransportOptions
+from hetps.runconfig.schema import ClusterConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +64,18 @@ def reachable(address: str, scheduler: str) -> str:
         return address
     family = _WILDCARDS[bound.group(1)]
     try:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:  # connecting a UDP socket sends nothing
+        # connecting a UDP socket sends nothing
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect((toward.group(1).strip("[]"), int(toward.group(2))))
             ip = probe.getsockname()[0]
     except OSError as exc:
-        log.warning("%s is bound on every interface and no route to the scheduler %s was found (%s): "
-                    "peers on other hosts cannot reach it; pass --advertise", address, scheduler, exc)
+        log.warning(
+            "%s is bound on every interface and no route to the scheduler %s was found (%s): "
+            "peers on other hosts cannot reach it; pass --advertise",
+            address,
+            scheduler,
+            exc,
+        )
         return address
     return f"tcp://{f'[{ip}]' if family == socket.AF_INET6 else ip}:{bound.group(2)}"
 
@@ -67,8 +85,14 @@ class SchedulerUnreachable(HetpsError, RuntimeError):
 
 
 class Membership:
-    def __init__(self, scheduler: str, role: str, rank: int, cluster: ClusterConfig,
-                 transport: TransportOptions | None = None):
+    def __init__(
+        self,
+        scheduler: str,
+        role: str,
+        rank: int,
+        cluster: ClusterConfig,
+        transport: TransportOptions | None = None,
+    ):
         """`transport`: the options of this node's sockets (runtime/daemon.py
         `transport_options`), used for both sockets to the scheduler and kept
         as `self.transport` for the node's other clients; None: plain sockets
@@ -79,9 +103,14 @@ class Membership:
         self.cluster = cluster
         self.transport = transport or TransportOptions(max_message_bytes=cluster.max_message_bytes)
         self.node_id = 0
-        self.scheduler_lost = False  # set (with stop_requested) once the scheduler is silent for the grace period
-        self.rpc = RpcClient(scheduler, timeout_s=cluster.request_timeout_s, options=self.transport,
-                             should_abort=lambda: self.scheduler_lost)
+        # set (with stop_requested) once the scheduler is silent for the grace period
+        self.scheduler_lost = False
+        self.rpc = RpcClient(
+            scheduler,
+            timeout_s=cluster.request_timeout_s,
+            options=self.transport,
+            should_abort=lambda: self.scheduler_lost,
+        )
         self.stop_requested = threading.Event()
         self.stop_reason = ""
         self.latest_plan_id = 0
@@ -90,30 +119,48 @@ class Membership:
         self._beat_thread: threading.Thread | None = None
         self._registration: Register | None = None
         self._closing = threading.Event()
-        self._plan_lock = threading.Lock()  # newer_plan is also asked from a worker's waits (failover)
+        # newer_plan is also asked from a worker's waits (failover)
+        self._plan_lock = threading.Lock()
 
-    def join(self, address: str = "", tensor_specs: list | None = None, schema_hash: str = "",
-             speed: float = 0.0, startup: dict | None = None, replica_address: str = "",
-             spare_slots: list[str] | None = None) -> int:
+    def join(
+        self,
+        address: str = "",
+        tensor_specs: list | None = None,
+        schema_hash: str = "",
+        speed: float = 0.0,
+        startup: dict | None = None,
+        replica_address: str = "",
+        spare_slots: list[str] | None = None,
+    ) -> int:
         """Register; returns this node's id. Raises SchedulerUnreachable, naming
         the address and the timeout, if the scheduler does not answer in time.
         `startup`: {phase: seconds} this node took before registering (runtime/startup.py)."""
-        self._registration = Register(role=self.role, rank=self.rank, address=address,
-                                      tensor_specs=tensor_specs or [], schema_hash=schema_hash, speed=speed,
-                                      host=socket.gethostname(), startup=startup or {},
-                                      replica_address=replica_address, spare_slots=spare_slots or [])
+        self._registration = Register(
+            role=self.role,
+            rank=self.rank,
+            address=address,
+            tensor_specs=tensor_specs or [],
+            schema_hash=schema_hash,
+            speed=speed,
+            host=socket.gethostname(),
+            startup=startup or {},
+            replica_address=replica_address,
+            spare_slots=spare_slots or [],
+        )
         try:
             welcome = self.rpc.call(self._registration, timeout_s=self.cluster.startup_timeout_s)
         except RequestTimeout:
             raise SchedulerUnreachable(
                 f"cannot reach the scheduler at {self.scheduler} within {self.cluster.startup_timeout_s}s "
                 "(cluster.startup_timeout_s): is it running, and is that address reachable from this "
-                "host?") from None
+                "host?"
+            ) from None
         if not isinstance(welcome, Welcome):
             raise UnexpectedReply(self.scheduler, "REGISTER", "WELCOME", welcome)
         self.node_id = welcome.node_id
         self.rpc.src = self.node_id
-        if welcome.rank != self.rank:  # `--rank auto`: the scheduler chose it; keep it on re-registering
+        # `--rank auto`: the scheduler chose it; keep it on re-registering
+        if welcome.rank != self.rank:
             log.info("%s: claimed rank %d", self.role, welcome.rank)
             self.rank = welcome.rank
             self._registration = dataclasses.replace(self._registration, rank=welcome.rank)
@@ -124,7 +171,9 @@ class Membership:
         `timeout_s`, default the startup timeout; RequestTimeout after;
         UnexpectedReply if the scheduler answers with anything but a PLAN)."""
         with self._plan_lock:
-            reply = self.rpc.call(GetPlan(after=after), timeout_s=timeout_s or self.cluster.startup_timeout_s)
+            reply = self.rpc.call(
+                GetPlan(after=after), timeout_s=timeout_s or self.cluster.startup_timeout_s
+            )
         if not isinstance(reply, Plan):
             raise UnexpectedReply(self.scheduler, "GET_PLAN", "PLAN", reply)
         self.latest_plan_id = max(self.latest_plan_id, reply.plan_id)
@@ -156,12 +205,18 @@ class Membership:
     def _outgoing(records: list[dict]) -> list[dict]:
         """Records as a heartbeat carries them: `ago` (seconds) instead of `_t`."""
         now = time.monotonic()
-        return [{**{k: v for k, v in r.items() if k != "_t"}, "ago": now - r["_t"]} for r in records]
+        return [
+            {**{k: v for k, v in r.items() if k != "_t"}, "ago": now - r["_t"]} for r in records
+        ]
 
     def start_heartbeats(self, stats: Callable[[], dict]) -> None:
         """Start the heartbeat thread; `stats()` is called from that thread."""
-        self._beat_thread = threading.Thread(target=self._beat_loop, args=(stats,),
-                                             name=f"heartbeat-{self.role}{self.rank}", daemon=True)
+        self._beat_thread = threading.Thread(
+            target=self._beat_loop,
+            args=(stats,),
+            name=f"heartbeat-{self.role}{self.rank}",
+            daemon=True,
+        )
         self._beat_thread.start()
 
     def _beat_loop(self, stats: Callable[[], dict]) -> None:
@@ -170,16 +225,23 @@ class Membership:
         # a long poll (scheduler/held_beats.py): the scheduler holds the ACK up to a period, answering at
         # once with news (stop, a newer plan); the next beat goes when the period since this one is over
         hold_s = period if timeout_s >= 2 * period else 0.0
-        rpc = RpcClient(self.scheduler, src=self.node_id, timeout_s=timeout_s,
-                        options=self.transport)
+        rpc = RpcClient(
+            self.scheduler, src=self.node_id, timeout_s=timeout_s, options=self.transport
+        )
         last_answer = time.monotonic()
         try:
             while not self._closing.is_set():
                 records = self._take_records()
                 sent = time.monotonic()
                 try:
-                    ack = rpc.call(Heartbeat(node_id=self.node_id, stats=stats(), records=self._outgoing(records),
-                                             hold_s=0.0 if self._closing.is_set() else hold_s))
+                    ack = rpc.call(
+                        Heartbeat(
+                            node_id=self.node_id,
+                            stats=stats(),
+                            records=self._outgoing(records),
+                            hold_s=0.0 if self._closing.is_set() else hold_s,
+                        )
+                    )
                     last_answer = time.monotonic()
                     self._on_ack(ack)
                 except RequestTimeout:
@@ -187,7 +249,8 @@ class Membership:
                 except RemoteError as exc:
                     self._requeue(records)
                     last_answer = time.monotonic()  # it answered: alive, if forgetful
-                    if exc.status == Status.BAD_STATE:  # a restarted scheduler that lost us: register again
+                    # a restarted scheduler that lost us: register again
+                    if exc.status == Status.BAD_STATE:
                         self._register_again(rpc)
                 except Exception as exc:  # keep beating; the scheduler may come back
                     log.warning("heartbeat failed: %s", exc)
@@ -201,8 +264,10 @@ class Membership:
     def _lose_scheduler(self, silent_s: float) -> None:
         """Give up on a scheduler that stopped answering: the run cannot end
         cleanly without it, so the daemon stops and exits non-zero."""
-        reason = (f"lost the scheduler at {self.scheduler}: no answer for {silent_s:.1f}s "
-                  f"(cluster.scheduler_grace_s={self.cluster.scheduler_grace_s:g})")
+        reason = (
+            f"lost the scheduler at {self.scheduler}: no answer for {silent_s:.1f}s "
+            f"(cluster.scheduler_grace_s={self.cluster.scheduler_grace_s:g})"
+        )
         log.error("%s", reason)
         self.scheduler_lost = True
         self.stop_reason = reason
@@ -223,8 +288,10 @@ class Membership:
             log.warning("registering again failed: %s", exc)
             return
         if isinstance(welcome, Welcome) and welcome.node_id != self.node_id:
-            self._request_stop(f"the scheduler restarted without this run's state (gave node id "
-                               f"{welcome.node_id}, not {self.node_id})")
+            self._request_stop(
+                f"the scheduler restarted without this run's state (gave node id "
+                f"{welcome.node_id}, not {self.node_id})"
+            )
 
     def _on_ack(self, ack) -> None:
         if isinstance(ack, Ack):
@@ -248,7 +315,11 @@ class Membership:
         except Exception as exc:
             error = describe_failure(exc)
             log.debug("start-up failed", exc_info=True)
-            print(f"hetps {self.role} {self.rank}: failed at start-up: {error}", file=sys.stderr, flush=True)
+            print(
+                f"hetps {self.role} {self.rank}: failed at start-up: {error}",
+                file=sys.stderr,
+                flush=True,
+            )
             self.fail(error)
             codes = exit_codes or {}
             raise SystemExit(next((c for t, c in codes.items() if isinstance(exc, t)), 1)) from None
@@ -256,7 +327,13 @@ class Membership:
     def fail(self, error: str) -> bool:
         """Tell the scheduler this node cannot start (FAILED). Best effort, blocks
         at most FAIL_REPORT_S; returns whether the scheduler took it."""
-        msg = Failed(role=self.role, rank=self.rank, error=error, host=socket.gethostname(), node_id=self.node_id)
+        msg = Failed(
+            role=self.role,
+            rank=self.rank,
+            error=error,
+            host=socket.gethostname(),
+            node_id=self.node_id,
+        )
         try:
             self.rpc.call(msg, timeout_s=min(FAIL_REPORT_S, self.cluster.startup_timeout_s))
             return True
@@ -279,12 +356,15 @@ class Membership:
         try:
             # this last heartbeat also has the scheduler answer the beat it may hold for the thread
             records = self._outgoing(self._take_records())
-            self.rpc.call(Heartbeat(node_id=self.node_id, stats=stats, records=records),
-                          timeout_s=timeout_s)
+            self.rpc.call(
+                Heartbeat(node_id=self.node_id, stats=stats, records=records), timeout_s=timeout_s
+            )
             if self._beat_thread is not None:
                 self._beat_thread.join(timeout=self.cluster.heartbeat_s * 5 + 1)
-            self.rpc.call(Bye(node_id=self.node_id, stats=stats, error=error, refused=int(refused)),
-                          timeout_s=timeout_s)
+            self.rpc.call(
+                Bye(node_id=self.node_id, stats=stats, error=error, refused=int(refused)),
+                timeout_s=timeout_s,
+            )
         except Exception as exc:
             log.warning("goodbye to scheduler failed: %s", exc)
 
@@ -296,5 +376,7 @@ class Membership:
 def describe_failure(exc: BaseException) -> str:
     """One line for a start-up failure: the exception and where it was raised."""
     frames = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    where = (
+        f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    )
     return f"{type(exc).__name__}: {exc}{where}"

@@ -10,6 +10,7 @@ numbers, are skipped: a scrape never fails because of a stat. `stats()` runs on
 the HTTP thread, so it must be safe to call from another thread (the daemons'
 stats already are: the heartbeat thread calls them too).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -19,13 +20,18 @@ import math
 import os
 import socket
 import threading
+from http.server import ThreadingHTTPServer
 from importlib import metadata
 from pathlib import Path
-from http.server import ThreadingHTTPServer
 from typing import Callable, Iterator, NamedTuple
 
 from prometheus_client import CollectorRegistry, MetricsHandler, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
@@ -33,63 +39,108 @@ log = logging.getLogger(__name__)
 
 class Spec(NamedTuple):
     name: str
-    kind: str               # "gauge", "counter", or "member" (the value is a label, the sample is 1)
+    # "gauge", "counter", or "member" (the value is a label, the sample is 1)
+    kind: str
     help: str
-    labels: tuple[str, ...] = ()   # for dict values: one label per nesting level
+    labels: tuple[str, ...] = ()  # for dict values: one label per nesting level
 
 
 # stats key -> metric; one table for every role (a role exports the keys it has)
 METRICS = {
     # worker
-    "steps": Spec("hetps_steps_total", "counter", "Training steps taken by this worker (its clock)."),
+    "steps": Spec(
+        "hetps_steps_total", "counter", "Training steps taken by this worker (its clock)."
+    ),
     # a state, not a rate of this scrape: the speed the scheduler's current grouping is based on
-    "speed": Spec("hetps_speed_samples_per_second", "gauge", "Measured speed the scheduler groups by."),
+    "speed": Spec(
+        "hetps_speed_samples_per_second", "gauge", "Measured speed the scheduler groups by."
+    ),
     "staleness": Spec("hetps_staleness", "gauge", "Staleness of this worker's last push."),
-    "group": Spec("hetps_group", "member", "1 for the group this worker belongs to in the current plan.",
-                  ("group",)),
-    "rounds": Spec("hetps_rounds_total", "counter", "Averaging rounds (worker: joined; shard: closed)."),
-    "evals": Spec("hetps_evals_total", "counter", "Evaluations run (evaluator) or received (scheduler)."),
+    "group": Spec(
+        "hetps_group",
+        "member",
+        "1 for the group this worker belongs to in the current plan.",
+        ("group",),
+    ),
+    "rounds": Spec(
+        "hetps_rounds_total", "counter", "Averaging rounds (worker: joined; shard: closed)."
+    ),
+    "evals": Spec(
+        "hetps_evals_total", "counter", "Evaluations run (evaluator) or received (scheduler)."
+    ),
     "bytes_sent": Spec("hetps_bytes_sent_total", "counter", "Bytes sent to the shards."),
-    "bytes_received": Spec("hetps_bytes_received_total", "counter", "Bytes received from the shards."),
+    "bytes_received": Spec(
+        "hetps_bytes_received_total", "counter", "Bytes received from the shards."
+    ),
     "plan_id": Spec("hetps_plan_id", "gauge", "Id of the cluster plan this node follows."),
     # shard
     "version": Spec("hetps_shard_version", "gauge", "Updates applied to this shard's tensors."),
-    "group_updates": Spec("hetps_group_updates_total", "counter", "Updates applied per group.", ("group",)),
-    "group_staleness": Spec("hetps_group_staleness", "gauge", "Mean staleness of each group's updates.",
-                            ("group",)),
+    "group_updates": Spec(
+        "hetps_group_updates_total", "counter", "Updates applied per group.", ("group",)
+    ),
+    "group_staleness": Spec(
+        "hetps_group_staleness", "gauge", "Mean staleness of each group's updates.", ("group",)
+    ),
     "pushes": Spec("hetps_pushes_total", "counter", "Pushes this shard accepted."),
     "pulls": Spec("hetps_pulls_total", "counter", "Pulls this shard answered."),
     "parked": Spec("hetps_parked_pulls", "gauge", "Pulls waiting for a round or a clock."),
-    "pending": Spec("hetps_pending_contributions", "gauge", "Contributions waiting in open rounds."),
+    "pending": Spec(
+        "hetps_pending_contributions", "gauge", "Contributions waiting in open rounds."
+    ),
     "malformed": Spec("hetps_malformed_total", "counter", "Messages dropped or refused at decode."),
-    "nonfinite": Spec("hetps_nonfinite_total", "counter", "Pushes refused for NaN or infinite values."),
+    "nonfinite": Spec(
+        "hetps_nonfinite_total", "counter", "Pushes refused for NaN or infinite values."
+    ),
     "busy_s": Spec("hetps_busy_seconds_total", "counter", "Seconds spent applying updates."),
     "lr": Spec("hetps_learning_rate", "gauge", "Learning rate of the shard's optimizer."),
     # scheduler (and evaluator)
-    "nodes": Spec("hetps_nodes", "gauge", "Registered nodes by role and state.", ("node_role", "state")),
+    "nodes": Spec(
+        "hetps_nodes", "gauge", "Registered nodes by role and state.", ("node_role", "state")
+    ),
     "global_steps": Spec("hetps_global_steps", "gauge", "Steps summed over every worker."),
     "accuracy": Spec("hetps_accuracy", "gauge", "Latest test accuracy."),
     "best_accuracy": Spec("hetps_best_accuracy", "gauge", "Best test accuracy so far."),
     "loss": Spec("hetps_loss", "gauge", "Latest test loss."),
     "elapsed_s": Spec("hetps_elapsed_seconds", "gauge", "Seconds since training began."),
     "stopping": Spec("hetps_stopping", "gauge", "1 once the scheduler began stopping the cluster."),
-    "samples": Spec("hetps_samples_total", "counter", "Training samples this worker computed gradients on."),
-    "stall_s": Spec("hetps_stall_seconds", "gauge", "Seconds the node has been holding others up, by why "
-                    "(compute, network, unresponsive, dead, shard busy); absent while nobody is.",
-                    ("node", "reason")),
-    "stall_held_s": Spec("hetps_stall_held_seconds_total", "counter",
-                         "Seconds in all the node held others up.", ("node",)),
+    "samples": Spec(
+        "hetps_samples_total", "counter", "Training samples this worker computed gradients on."
+    ),
+    "stall_s": Spec(
+        "hetps_stall_seconds",
+        "gauge",
+        "Seconds the node has been holding others up, by why "
+        "(compute, network, unresponsive, dead, shard busy); absent while nobody is.",
+        ("node", "reason"),
+    ),
+    "stall_held_s": Spec(
+        "hetps_stall_held_seconds_total",
+        "counter",
+        "Seconds in all the node held others up.",
+        ("node",),
+    ),
 }
 # histograms() key -> metric (a worker's StepTimer keeps them, worker/trainer.py)
 HISTOGRAMS = {
-    "step_s": Spec("hetps_step_duration_seconds", "histogram", "Wall time of one training step, seconds."),
-    "compute_s": Spec("hetps_compute_duration_seconds", "histogram",
-                      "Forward+backward time of one step (emulated slowdown included), seconds."),
-    "push_s": Spec("hetps_push_duration_seconds", "histogram",
-                   "Time from sending a step's push until every shard acknowledged it, seconds."),
-    "round_wait_s": Spec("hetps_round_wait_seconds", "histogram",
-                         "Time a step waited after its push was acknowledged until the next values came "
-                         "(other workers, the round, the staleness bound), seconds."),
+    "step_s": Spec(
+        "hetps_step_duration_seconds", "histogram", "Wall time of one training step, seconds."
+    ),
+    "compute_s": Spec(
+        "hetps_compute_duration_seconds",
+        "histogram",
+        "Forward+backward time of one step (emulated slowdown included), seconds.",
+    ),
+    "push_s": Spec(
+        "hetps_push_duration_seconds",
+        "histogram",
+        "Time from sending a step's push until every shard acknowledged it, seconds.",
+    ),
+    "round_wait_s": Spec(
+        "hetps_round_wait_seconds",
+        "histogram",
+        "Time a step waited after its push was acknowledged until the next values came "
+        "(other workers, the round, the staleness bound), seconds.",
+    ),
 }
 BUILD_INFO = "hetps_build_info"
 _SERVERS: dict[str, ThreadingHTTPServer] = {}
@@ -130,7 +181,9 @@ def family(spec: Spec, value, base: dict[str, str]) -> Metric | None:
 def histogram_family(spec: Spec, snapshot, base: dict[str, str]) -> Metric | None:
     """One histogram family from a Histogram.snapshot(), or None when it is not one."""
     try:
-        buckets = [("+Inf" if math.isinf(b) else repr(float(b)), float(n)) for b, n in snapshot["buckets"]]
+        buckets = [
+            ("+Inf" if math.isinf(b) else repr(float(b)), float(n)) for b, n in snapshot["buckets"]
+        ]
         total = float(snapshot["sum"])
     except (KeyError, TypeError, ValueError):
         return None
@@ -143,14 +196,19 @@ def histogram_family(spec: Spec, snapshot, base: dict[str, str]) -> Metric | Non
 
 def build_info(base: dict[str, str], algorithm: str) -> Metric:
     """hetps_build_info{version, torch_version, algorithm} 1: join on it to tell runs apart."""
+
     def version(dist: str) -> str:
         try:
             return metadata.version(dist)
         except metadata.PackageNotFoundError:
             return "unknown"
+
     info = {"version": version("hetps"), "torch_version": version("torch"), "algorithm": algorithm}
-    metric = GaugeMetricFamily(BUILD_INFO, "Which hetps and torch this daemon runs, and the run's algorithm.",
-                               labels=[*base, *info])
+    metric = GaugeMetricFamily(
+        BUILD_INFO,
+        "Which hetps and torch this daemon runs, and the run's algorithm.",
+        labels=[*base, *info],
+    )
     metric.add_metric([*base.values(), *info.values()], 1.0)
     return metric
 
@@ -158,8 +216,14 @@ def build_info(base: dict[str, str], algorithm: str) -> Metric:
 class StatsCollector(Collector):
     """Reads `stats()` (and `histograms()`) at every scrape; a failing call yields nothing of it."""
 
-    def __init__(self, role: str, rank: int, stats: Callable[[], dict],
-                 histograms: Callable[[], dict] | None = None, algorithm: str = ""):
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        stats: Callable[[], dict],
+        histograms: Callable[[], dict] | None = None,
+        algorithm: str = "",
+    ):
         self.base = {"role": role, "rank": str(rank)}
         self.stats = stats
         self.histograms = histograms
@@ -167,7 +231,10 @@ class StatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield self.info
-        for source, table, make in ((self.stats, METRICS, family), (self.histograms, HISTOGRAMS, histogram_family)):
+        for source, table, make in (
+            (self.stats, METRICS, family),
+            (self.histograms, HISTOGRAMS, histogram_family),
+        ):
             try:
                 values = source() if source is not None else {}
             except Exception as exc:  # a racing update in the daemon: the next scrape will do
@@ -181,9 +248,17 @@ class StatsCollector(Collector):
                     yield metric
 
 
-def serve_metrics(port: int, host: str, role: str, rank: int, stats: Callable[[], dict], *,
-                  histograms: Callable[[], dict] | None = None, algorithm: str = "",
-                  targets: str | Path | None = None) -> str | None:
+def serve_metrics(
+    port: int,
+    host: str,
+    role: str,
+    rank: int,
+    stats: Callable[[], dict],
+    *,
+    histograms: Callable[[], dict] | None = None,
+    algorithm: str = "",
+    targets: str | Path | None = None,
+) -> str | None:
     """Serve /metrics on HOST:PORT (port 0: a free one) from a daemon thread;
     returns "http://HOST:PORT/metrics", or None when port < 0 (off) or the
     port cannot be bound (logged; training goes on without metrics).
@@ -202,8 +277,12 @@ def serve_metrics(port: int, host: str, role: str, rank: int, stats: Callable[[]
         return None
     server.daemon_threads = True
     # a short poll interval: `stop_metrics` returns within 50 ms (the default 0.5 s made each stop wait)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name=f"metrics-{role}{rank}",
-                     daemon=True).start()
+    threading.Thread(
+        target=server.serve_forever,
+        kwargs={"poll_interval": 0.05},
+        name=f"metrics-{role}{rank}",
+        daemon=True,
+    ).start()
     address = f"http://{host}:{server.server_address[1]}/metrics"
     _SERVERS[address] = server
     log.info("metrics at %s", address)
@@ -228,7 +307,10 @@ def add_target(path: Path, host: str, port: int, daemon: str) -> None:
     Blocking (briefly); raises OSError."""
     if host in ("0.0.0.0", "::", ""):  # a wildcard bind: scrape it by this machine's name
         host = socket.gethostname()
-    entry = {"targets": [f"{host}:{port}"], "labels": {"daemon": daemon, "hetps_run": path.parent.name}}
+    entry = {
+        "targets": [f"{host}:{port}"],
+        "labels": {"daemon": daemon, "hetps_run": path.parent.name},
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -2,6 +2,7 @@
 and the model-averaging workers (local steps): a torch.optim optimizer and
 the multiplier of its lr under the configured schedule.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,18 +13,35 @@ import torch
 from hetps.runconfig.schema import OptimizerConfig, ScheduleConfig
 
 
-def build_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig,
-                    foreach: bool | None = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: list[torch.Tensor], cfg: OptimizerConfig, foreach: bool | None = None
+) -> torch.optim.Optimizer:
     """`foreach`: torch.optim's multi-tensor implementation (None: torch's default for the device)."""
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                               weight_decay=cfg.weight_decay, foreach=foreach)
+        return torch.optim.SGD(
+            params,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+            weight_decay=cfg.weight_decay,
+            foreach=foreach,
+        )
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                                foreach=foreach)
+        return torch.optim.Adam(
+            params,
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            weight_decay=cfg.weight_decay,
+            foreach=foreach,
+        )
     if cfg.name == "adamw":  # decoupled weight decay (DiLoCo's inner optimizer)
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                                 foreach=foreach)
+        return torch.optim.AdamW(
+            params,
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            weight_decay=cfg.weight_decay,
+            foreach=foreach,
+        )
     raise ValueError(f"optimizer.name: unknown value {cfg.name!r}; allowed: sgd, adam, adamw")
 
 

@@ -3,6 +3,7 @@ every worker takes about the same time. Pure functions, used by the
 scheduler (`balanced`: per-worker batch sizes in the plan) and by workers
 (`diloco`: local steps per round from the plan's speeds).
 """
+
 from __future__ import annotations
 
 import math

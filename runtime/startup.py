@@ -6,6 +6,7 @@ Durations are seconds of wall time (time.monotonic), rounded to the millisecond.
 A REGISTER carries at most MAX_PHASES phases of at most MAX_PHASE_S each
 (proto/records.py, the wire record's limits).
 """
+
 from __future__ import annotations
 
 import os

@@ -12,6 +12,7 @@ evaluator once every worker said BYE; shards once every worker and the
 evaluator did (each, at the latest, after `STOP_GRACE_S`).
 One loop, one thread; `tick()` is called between requests.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,25 +22,25 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hetps.runconfig.algorithms import algorithm
 from hetps.proto.codec import Envelope, ProtocolError
-from hetps.runconfig.schema import RunConfig
 from hetps.proto.messages import Ack, Error, Plan, Status, Welcome
 from hetps.proto.plan import ClusterPlan, TensorSpec
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
+from hetps.runconfig.algorithms import algorithm
+from hetps.runconfig.schema import RunConfig
 
+from . import failover, planning, registration, state, status
 from .formation import FORMATIONS
 from .held_beats import HeldBeat, HeldBeats
-from . import failover, planning, registration, state, status
-from .outcome import DIVERGED, DivergenceGuard, startup_failure
 from .nodes import EvalTrack, Node
+from .outcome import DIVERGED, DivergenceGuard, startup_failure
 from .runlog import RunLog
 from .stalls import StallTracker
 
 log = logging.getLogger(__name__)
-STOP_GRACE_S = 20.0   # longest wait for workers/evaluator to leave before shards are stopped
-EXIT_GRACE_S = 40.0   # longest wait for everyone to leave after a stop began
+STOP_GRACE_S = 20.0  # longest wait for workers/evaluator to leave before shards are stopped
+EXIT_GRACE_S = 40.0  # longest wait for everyone to leave after a stop began
 
 
 class Coordinator(Service):
@@ -50,8 +51,14 @@ class Coordinator(Service):
     planning.py and failover.py, the state file's format is state.py's, the
     summary and metrics are status.py's."""
 
-    def __init__(self, server: ServerTransport, cfg: RunConfig, run_dir: Path | None = None,
-                 run_id: str | None = None, clock: Callable[[], float] | None = None):
+    def __init__(
+        self,
+        server: ServerTransport,
+        cfg: RunConfig,
+        run_dir: Path | None = None,
+        run_id: str | None = None,
+        clock: Callable[[], float] | None = None,
+    ):
         """`clock`: seconds, monotonic; every timer reads it (None: `time.monotonic`, looked up at
         each call; a virtual clock under `hetps simulate`)."""
         super().__init__(server, node_id=0)
@@ -62,7 +69,8 @@ class Coordinator(Service):
         self.formation = FORMATIONS[algorithm(cfg.algorithm.name).groups]
         self.run_id = run_id or secrets.token_hex(6)  # names checkpoints; a resumed run keeps it
         self.state_saved = 0.0
-        self.state_dirty = False  # a registration changed the state: saved at the next tick, not per node
+        # a registration changed the state: saved at the next tick, not per node
+        self.state_dirty = False
         self.resumed_plan: ClusterPlan | None = None  # the stopped run's last plan, when resuming
         self.runlog = RunLog(run_dir)
         self.nodes: dict[int, Node] = {}
@@ -76,14 +84,16 @@ class Coordinator(Service):
         self.barriers: dict[str, list[tuple[bytes, int]]] = {}
         self.held_beats = HeldBeats()  # heartbeats held as long polls (held_beats.py)
         self.created = self.clock()
-        self.started: float | None = None     # when the first plan went out
+        self.started: float | None = None  # when the first plan went out
         self.stop_reason: str | None = None
         self.stop_since = 0.0
         self.evals = EvalTrack(cfg.stop.target_accuracy, cfg.stop.target_patience)
         self.failures: list[dict] = []
         self.timer_errors: dict[str, int] = {}  # timer name -> failures (see `_guarded`)
-        self.failed: dict | None = None   # the node failure that ended the run: node, error, host
-        self.guard = DivergenceGuard(cfg.stop.diverged_after, cfg.stop.diverge_warmup_s, cfg.optimizer.lr)
+        self.failed: dict | None = None  # the node failure that ended the run: node, error, host
+        self.guard = DivergenceGuard(
+            cfg.stop.diverged_after, cfg.stop.diverge_warmup_s, cfg.optimizer.lr
+        )
         self.finished_steps = 0
         # who the cluster waits for
         self.stalls = StallTracker(cfg.cluster.heartbeat_s, cfg.cluster.dead_after_s, self.clock)
@@ -113,7 +123,9 @@ class Coordinator(Service):
             self.stop_reason = reason
             self.stop_since = self.clock()
             log.info("stopping the cluster: %s", reason)
-            self.runlog.record("stop", t=self.elapsed(), reason=reason, global_steps=self.global_steps())
+            self.runlog.record(
+                "stop", t=self.elapsed(), reason=reason, global_steps=self.global_steps()
+            )
 
     # ------------------------------------------------------------ registration
     def on_register(self, peer: bytes, env: Envelope):
@@ -134,12 +146,25 @@ class Coordinator(Service):
         if known is not None:
             return self._readmit(known, msg)
         node_id = len(self.nodes) + 1
-        self.nodes[node_id] = Node(node_id, msg.role, msg.rank, msg.address, self.clock(),
-                                   profiled_speed=msg.speed, host=msg.host,
-                                   replica_address=msg.replica_address, spare_slots=msg.spare_slots)
+        self.nodes[node_id] = Node(
+            node_id,
+            msg.role,
+            msg.rank,
+            msg.address,
+            self.clock(),
+            profiled_speed=msg.speed,
+            host=msg.host,
+            replica_address=msg.replica_address,
+            spare_slots=msg.spare_slots,
+        )
         log.info("registered %s %d as node %d %s", msg.role, msg.rank, node_id, msg.address)
-        self.runlog.record("register", t=round(self.elapsed(), 4), node=f"{msg.role}{msg.rank}",
-                           host=msg.host, **({"startup": msg.startup} if msg.startup else {}))
+        self.runlog.record(
+            "register",
+            t=round(self.elapsed(), 4),
+            node=f"{msg.role}{msg.rank}",
+            host=msg.host,
+            **({"startup": msg.startup} if msg.startup else {}),
+        )
         self._maybe_plan()
         if msg.role == "spare" and self._replicating():  # ranges without a backup get one now
             plan = failover.after_spare_joined(self.plan, self.nodes)
@@ -156,8 +181,14 @@ class Coordinator(Service):
     def _readmit(self, node: Node, msg) -> Welcome:
         registration.check_return(self.plan, node, msg)
         if node.role == "ps":
-            self.failures.append({"kind": "shard_restarted", "node": f"ps{node.rank}",
-                                  "t": round(self.elapsed(), 3), "was_dead": node.dead})
+            self.failures.append(
+                {
+                    "kind": "shard_restarted",
+                    "node": f"ps{node.rank}",
+                    "t": round(self.elapsed(), 3),
+                    "was_dead": node.dead,
+                }
+            )
         node.dead = node.left = False
         node.last_seen = self.clock()
         log.info("%s %d came back as node %d", msg.role, msg.rank, node.node_id)
@@ -170,8 +201,10 @@ class Coordinator(Service):
             self.specs = list(specs)  # checked at decode (records.read_tensor_specs)
             self.schema = schema_hash
         elif schema_hash != self.schema:
-            raise ProtocolError(Status.BAD_STATE, f"model schema {schema_hash} differs "
-                                                  f"from the cluster's {self.schema}")
+            raise ProtocolError(
+                Status.BAD_STATE,
+                f"model schema {schema_hash} differs from the cluster's {self.schema}",
+            )
 
     # ------------------------------------------------------------ handlers
     def on_get_plan(self, peer: bytes, env: Envelope):
@@ -198,13 +231,15 @@ class Coordinator(Service):
         if node.role == "ps":
             self.stalls.on_heartbeat(node)
         now = self.elapsed()
-        for rec in env.msg.records:  # checked at decode: plain values, `ago` a finite number of seconds
+        # checked at decode: plain values, `ago` a finite number of seconds
+        for rec in env.msg.records:
             ago = rec.pop("ago")
             self.runlog.record("step", t=round(now - ago, 4), **rec)
             where = f"worker{node.rank} at step {rec.get('step')}"
             if node.role == "worker" and self.guard.loss(rec.get("loss"), where):
                 self.begin_stop(DIVERGED)
-        if env.msg.hold_s > 0 and not self._tell_stop(node):  # a long poll: answered by `_answer_held_beats`
+        # a long poll: answered by `_answer_held_beats`
+        if env.msg.hold_s > 0 and not self._tell_stop(node):
             until = self.clock() + min(env.msg.hold_s, self.cfg.cluster.heartbeat_s)
             self.held_beats.hold(node.node_id, HeldBeat(peer, env.req_id, until, self._plan_id()))
             return None
@@ -213,20 +248,30 @@ class Coordinator(Service):
     def _beat_ack(self, node: Node) -> Ack:
         """A heartbeat's ACK: the newest plan's id, and whether the node must stop."""
         if node.dead:
-            return Ack(plan_id=self._plan_id(), stop=True,
-                       info={"reason": f"declared dead after {self.cfg.cluster.dead_after_s}s of silence"})
+            return Ack(
+                plan_id=self._plan_id(),
+                stop=True,
+                info={"reason": f"declared dead after {self.cfg.cluster.dead_after_s}s of silence"},
+            )
         stop = node.left or self._tell_stop(node)
-        return Ack(plan_id=self._plan_id(), stop=stop, info={"reason": self.stop_reason or "left"} if stop else {})
+        return Ack(
+            plan_id=self._plan_id(),
+            stop=stop,
+            info={"reason": self.stop_reason or "left"} if stop else {},
+        )
 
     def _answer_held_beats(self) -> None:
         """Answer the held heartbeats that have news (a newer plan, stop) or whose hold ran out."""
+
         def has_news(node_id: int) -> bool:
             node = self.nodes.get(node_id)
             return node is None or node.left or node.dead or self._tell_stop(node)
 
         for node_id, beat in self.held_beats.due(self.clock(), self._plan_id(), has_news):
             node = self.nodes.get(node_id)
-            self.reply(beat.peer, beat.req_id, self._beat_ack(node) if node is not None else Ack(stop=True))
+            self.reply(
+                beat.peer, beat.req_id, self._beat_ack(node) if node is not None else Ack(stop=True)
+            )
 
     def on_report(self, peer: bytes, env: Envelope):
         self.node(env.msg.node_id)
@@ -263,9 +308,14 @@ class Coordinator(Service):
         node.stats = env.msg.stats or node.stats
         node.left = True
         failure = None
-        if error:  # it leaves on an error, before the run stopped: re-planned now, not after dead_after_s
-            log.warning("%s %d (node %d) left on an error: %s", node.role, node.rank, node.node_id, error)
-            failure = node.failure("error", round(self.elapsed(), 3), error=error, refused=env.msg.refused)
+        # it leaves on an error, before the run stopped: re-planned now, not after dead_after_s
+        if error:
+            log.warning(
+                "%s %d (node %d) left on an error: %s", node.role, node.rank, node.node_id, error
+            )
+            failure = node.failure(
+                "error", round(self.elapsed(), 3), error=error, refused=env.msg.refused
+            )
             self.failures.append(failure)
         else:
             log.info("%s %d (node %d) left", node.role, node.rank, node.node_id)
@@ -273,7 +323,8 @@ class Coordinator(Service):
         if node.role == "worker" and self.stop_reason is None and self.plan is not None:
             if failure and not self.live_workers():  # the last worker failed: so did the run
                 if env.msg.refused == Status.NONFINITE:
-                    self.guard.nonfinite_pushes(f"worker{node.rank}")  # diverged: its gradients were NaN/Inf
+                    # diverged: its gradients were NaN/Inf
+                    self.guard.nonfinite_pushes(f"worker{node.rank}")
                     self.begin_stop(DIVERGED)
                     return Ack(stop=True)
                 self.failed = self.failed or failure
@@ -289,8 +340,16 @@ class Coordinator(Service):
         shards, workers = self.members("ps"), self.members("worker")
         if len(shards) < self.expected["ps"] or len(workers) < self.expected["worker"]:
             return
-        plan = planning.first_plan(self.cfg, self.formation, shards, workers, self.specs,
-                                   self.schema, self.run_id, self.resumed_plan)
+        plan = planning.first_plan(
+            self.cfg,
+            self.formation,
+            shards,
+            workers,
+            self.specs,
+            self.schema,
+            self.run_id,
+            self.resumed_plan,
+        )
         self.started = self.clock()  # the run's clock starts when the plan goes out
         # waiting for the plan is not silence: heartbeats start once it arrives
         for n in self.members("ps", "worker", "spare"):
@@ -299,8 +358,9 @@ class Coordinator(Service):
 
     def live_workers(self) -> list[Node]:
         """The workers that neither left nor were declared dead, by rank."""
-        return sorted((n for n in self.members("worker") if not n.gone),
-                      key=lambda n: (n.rank, n.node_id))
+        return sorted(
+            (n for n in self.members("worker") if not n.gone), key=lambda n: (n.rank, n.node_id)
+        )
 
     def _replan(self, reason: str) -> None:
         """A new plan for the live workers (planning.replanned), or the run
@@ -311,8 +371,11 @@ class Coordinator(Service):
             self.begin_stop(f"no live workers left ({reason})")
             return
         log.info("re-planning: %s", reason)
-        self._publish(planning.replanned(self.plan, self.formation, self.cfg.algorithm.params,
-                                         workers, reason))
+        self._publish(
+            planning.replanned(
+                self.plan, self.formation, self.cfg.algorithm.params, workers, reason
+            )
+        )
 
     def _detect_dead(self) -> None:
         """Workers silent for longer than dead_after_s leave the plan. A
@@ -325,10 +388,12 @@ class Coordinator(Service):
             if n.gone or silent <= self.cfg.cluster.dead_after_s:
                 continue
             n.dead = True
-            self.failures.append(n.failure("dead", round(self.elapsed(), 3),
-                                           silent_s=round(silent, 3)))
-            log.warning("%s %d (node %d) silent for %.1fs: declared dead",
-                        n.role, n.rank, n.node_id, silent)
+            self.failures.append(
+                n.failure("dead", round(self.elapsed(), 3), silent_s=round(silent, 3))
+            )
+            log.warning(
+                "%s %d (node %d) silent for %.1fs: declared dead", n.role, n.rank, n.node_id, silent
+            )
             if n.role == "worker" and self.plan is not None and self.stop_reason is None:
                 self._replan(f"worker {n.rank} dead")
             if n.role in ("ps", "spare"):
@@ -336,8 +401,9 @@ class Coordinator(Service):
 
     def _replicating(self) -> bool:
         """Whether backups may change the plan now: replicated shards, training, not stopping."""
-        return (bool(self.cfg.cluster.replicas) and self.plan is not None
-                and self.stop_reason is None)
+        return (
+            bool(self.cfg.cluster.replicas) and self.plan is not None and self.stop_reason is None
+        )
 
     def _fail_over(self, node: Node) -> None:
         """Shard process `node` was declared dead: publish the failover plan
@@ -346,10 +412,17 @@ class Coordinator(Service):
             return
         plan = failover.after_shard_dead(self.plan, node, self.nodes)
         if plan is not None:
-            self.failures.append({"kind": "shard_failover", "node": f"{node.role}{node.rank}",
-                                  "node_id": node.node_id, "t": round(self.elapsed(), 3),
-                                  "plan_id": plan.plan_id, "served_by": dict(plan.served_by),
-                                  "backups": dict(plan.backups)})
+            self.failures.append(
+                {
+                    "kind": "shard_failover",
+                    "node": f"{node.role}{node.rank}",
+                    "node_id": node.node_id,
+                    "t": round(self.elapsed(), 3),
+                    "plan_id": plan.plan_id,
+                    "served_by": dict(plan.served_by),
+                    "backups": dict(plan.backups),
+                }
+            )
             self._publish(plan)
 
     def _publish(self, plan: ClusterPlan) -> None:
@@ -359,11 +432,23 @@ class Coordinator(Service):
         self.plan_checked = self.clock()
         self.runlog.write_plan(plan.to_dict())
         self.save_state()
-        self.runlog.record("plan", t=round(self.elapsed(), 4), plan_id=plan.plan_id,
-                           groups=plan.groups, speeds=plan.speeds,
-                           wall=round(time.time(), 3))  # wall: start-up report
-        log.info("plan %d: %d workers in groups %s, %d shards, %d tensors; speeds %s", plan.plan_id,
-                 len(plan.workers), plan.groups, len(plan.shards), len(plan.tensors), plan.speeds)
+        self.runlog.record(
+            "plan",
+            t=round(self.elapsed(), 4),
+            plan_id=plan.plan_id,
+            groups=plan.groups,
+            speeds=plan.speeds,
+            wall=round(time.time(), 3),
+        )  # wall: start-up report
+        log.info(
+            "plan %d: %d workers in groups %s, %d shards, %d tensors; speeds %s",
+            plan.plan_id,
+            len(plan.workers),
+            plan.groups,
+            len(plan.shards),
+            len(plan.tensors),
+            plan.speeds,
+        )
         for peer, req, after in self.plan_waiters:
             if plan.plan_id > after:
                 self.reply(peer, req, Plan(plan_id=plan.plan_id, plan=plan))
@@ -374,8 +459,11 @@ class Coordinator(Service):
         re-form its groups checks the plan's workers' measured speeds
         (planning.Regrouping) and publishes the plan it decides on."""
         params = self.cfg.algorithm.params
-        if (not self.regrouping.enabled or self.stop_reason
-                or self.clock() - self.plan_checked < params.regroup_every_s):
+        if (
+            not self.regrouping.enabled
+            or self.stop_reason
+            or self.clock() - self.plan_checked < params.regroup_every_s
+        ):
             return
         self.plan_checked = self.clock()
         workers = [n for n in self.members("worker") if n.node_id in self.plan.worker_ids()]
@@ -392,10 +480,18 @@ class Coordinator(Service):
             return
         self.state_saved = self.clock()
         self.state_dirty = False
-        state.write(self.runlog.run_dir, run_id=self.run_id, finished=finished,
-                    elapsed=self.elapsed() if self.started else None, plan=self.plan,
-                    specs=self.specs, schema=self.schema, nodes=self.nodes.values(),
-                    evals=self.evals, failures=self.failures)
+        state.write(
+            self.runlog.run_dir,
+            run_id=self.run_id,
+            finished=finished,
+            elapsed=self.elapsed() if self.started else None,
+            plan=self.plan,
+            specs=self.specs,
+            schema=self.schema,
+            nodes=self.nodes.values(),
+            evals=self.evals,
+            failures=self.failures,
+        )
 
     def restore(self, data: dict) -> None:
         """Carry on the unfinished run saved in `data` (state.read), on a
@@ -424,19 +520,31 @@ class Coordinator(Service):
         ev.final, ev.final_loss = accuracy, loss
         t = self.elapsed()
         samples = sum(status.count(n.stats, "samples") for n in self.members("worker"))
-        self.runlog.record("eval", t=round(t, 4), accuracy=accuracy, loss=loss,
-                           global_steps=self.global_steps(), global_samples=samples,
-                           final=bool(values.get("final", False)),
-                           bytes=sum(status.count(n.stats, k) for n in self.members("worker")  # as last heard
-                                     for k in ("bytes_sent", "bytes_received")))
+        self.runlog.record(
+            "eval",
+            t=round(t, 4),
+            accuracy=accuracy,
+            loss=loss,
+            global_steps=self.global_steps(),
+            global_samples=samples,
+            final=bool(values.get("final", False)),
+            # as last heard
+            bytes=sum(
+                status.count(n.stats, k)
+                for n in self.members("worker")
+                for k in ("bytes_sent", "bytes_received")
+            ),
+        )
         classes = values.get("num_classes")
-        if (self.guard.loss(loss, "the evaluator (test loss)")
-                or self.guard.evaluation(accuracy, classes if isinstance(classes, int) else None, t)):
+        if self.guard.loss(loss, "the evaluator (test loss)") or self.guard.evaluation(
+            accuracy, classes if isinstance(classes, int) else None, t
+        ):
             self.begin_stop(DIVERGED)
         if ev.target is None:
             return
         ev.streak = ev.streak + 1 if accuracy >= ev.target else 0
-        self.state_dirty = True  # a restarted scheduler must not resume a streak this evaluation broke
+        # a restarted scheduler must not resume a streak this evaluation broke
+        self.state_dirty = True
         if ev.streak and ev.time_to_target_s is None:
             ev.time_to_target_s = round(t, 3)
             ev.samples_to_target = samples
@@ -458,9 +566,18 @@ class Coordinator(Service):
         """Run the timers (startup timeout, failure detection, re-grouping,
         state saving, stop limits); call between requests. Never raises: each
         timer runs guarded like a handler (`_guarded`)."""
-        timers = ((self._check_startup, self._save_when_due, self._answer_held_beats) if self.started is None else
-                  (self._detect_dead, self._maybe_regroup, self._save_when_due, self._check_limits,
-                   self._track_stalls, self._answer_held_beats))
+        timers = (
+            (self._check_startup, self._save_when_due, self._answer_held_beats)
+            if self.started is None
+            else (
+                self._detect_dead,
+                self._maybe_regroup,
+                self._save_when_due,
+                self._check_limits,
+                self._track_stalls,
+                self._answer_held_beats,
+            )
+        )
         for timer in timers:
             self._guarded(timer)
 
@@ -476,21 +593,33 @@ class Coordinator(Service):
             if count == 1 or count % 100 == 0:
                 log.exception("timer %s failed (%d times so far)", name, count)
             if count == 1:
-                self.failures.append({"kind": "timer_error", "timer": name, "error": repr(exc)[:200],
-                                      "t": round(self.elapsed(), 3)})
+                self.failures.append(
+                    {
+                        "kind": "timer_error",
+                        "timer": name,
+                        "error": repr(exc)[:200],
+                        "t": round(self.elapsed(), 3),
+                    }
+                )
 
     def _check_startup(self) -> None:
         if self.elapsed() > self.cfg.cluster.startup_timeout_s:
             missing = {r: self.expected[r] - len(self.members(r)) for r in self.expected}
             self.failures.append({"kind": "startup", "missing": missing})
-            self.begin_stop(f"cluster did not form within {self.cfg.cluster.startup_timeout_s}s: "
-                            f"still waiting for {missing}")
+            self.begin_stop(
+                f"cluster did not form within {self.cfg.cluster.startup_timeout_s}s: "
+                f"still waiting for {missing}"
+            )
 
     def _track_stalls(self) -> None:
         """Name who the cluster waits for (stalls.py): `stall` records while
         training, every open stall ended once the run stops."""
-        replaced = frozenset(int(k) for k in self.plan.served_by) if self.plan is not None else frozenset()
-        for rec in self.stalls.update(self.nodes, stopping=self.stop_reason is not None, replaced=replaced):
+        replaced = (
+            frozenset(int(k) for k in self.plan.served_by) if self.plan is not None else frozenset()
+        )
+        for rec in self.stalls.update(
+            self.nodes, stopping=self.stop_reason is not None, replaced=replaced
+        ):
             self.runlog.record("stall", t=round(self.elapsed(), 4), **rec)
 
     def _check_limits(self) -> None:
@@ -517,8 +646,13 @@ class Coordinator(Service):
         return status.operator_metrics(self)
 
     def close(self) -> None:
-        for peer, req, _ in self.plan_waiters if self.plan is None else ():  # a first plan that never comes
-            self.reply(peer, req, Error(status=int(Status.BAD_STATE), message=f"run stopped: {self.stop_reason}"))
+        # a first plan that never comes
+        for peer, req, _ in self.plan_waiters if self.plan is None else ():
+            self.reply(
+                peer,
+                req,
+                Error(status=int(Status.BAD_STATE), message=f"run stopped: {self.stop_reason}"),
+            )
         self.save_state(finished=True)
         self.runlog.write_summary(self.summary())
         self.runlog.close()

@@ -16,6 +16,7 @@ samples an algorithm needs to reach the target, against a sync reference:
 
 Pure functions; `run_efficiency` reads the coordinator for summary.json.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,9 @@ if TYPE_CHECKING:
     from .coordinator import Coordinator
 
 
-def heterogeneity_efficiency(samples: float, train_s: float, standalone: list[float]) -> float | None:
+def heterogeneity_efficiency(
+    samples: float, train_s: float, standalone: list[float]
+) -> float | None:
     """samples / train_s / sum(standalone); None when any input is missing or not positive."""
     total = sum(s for s in standalone if s > 0 and math.isfinite(s))
     if not (samples > 0 and train_s > 0 and total > 0):
@@ -33,10 +36,17 @@ def heterogeneity_efficiency(samples: float, train_s: float, standalone: list[fl
     return samples / train_s / total
 
 
-def useful_efficiency(efficiency: float | None, reference_samples: float | None,
-                      samples: float | None) -> float | None:
+def useful_efficiency(
+    efficiency: float | None, reference_samples: float | None, samples: float | None
+) -> float | None:
     """efficiency x reference samples-to-target / this run's; None unless all are known and positive."""
-    if efficiency is None or not reference_samples or not samples or reference_samples <= 0 or samples <= 0:
+    if (
+        efficiency is None
+        or not reference_samples
+        or not samples
+        or reference_samples <= 0
+        or samples <= 0
+    ):
         return None
     return efficiency * reference_samples / samples
 
@@ -46,11 +56,18 @@ def run_efficiency(coord: Coordinator) -> dict:
     workers = coord.members("worker")
     samples = sum(int(n.stats.get("samples", 0)) for n in workers)
     end = coord.stop_since if coord.stop_reason is not None else None
-    train_s = (end - coord.started) if (end is not None and coord.started is not None) else coord.elapsed()
+    train_s = (
+        (end - coord.started)
+        if (end is not None and coord.started is not None)
+        else coord.elapsed()
+    )
     standalone = [n.profiled_speed for n in workers]
     eff = heterogeneity_efficiency(samples, train_s, standalone)
-    return {"samples": samples, "train_s": round(train_s, 3),
-            "cluster_samples_per_s": round(samples / train_s, 3) if train_s > 0 else None,
-            "standalone_samples_per_s": round(sum(standalone), 3),
-            "heterogeneity_efficiency": None if eff is None else round(eff, 4),
-            "samples_to_target": coord.evals.samples_to_target}
+    return {
+        "samples": samples,
+        "train_s": round(train_s, 3),
+        "cluster_samples_per_s": round(samples / train_s, 3) if train_s > 0 else None,
+        "standalone_samples_per_s": round(sum(standalone), 3),
+        "heterogeneity_efficiency": None if eff is None else round(eff, 4),
+        "samples_to_target": coord.evals.samples_to_target,
+    }

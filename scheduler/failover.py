@@ -10,6 +10,7 @@ knows who is primary from its saved plan.
 Functions of the plan and the node table (node id -> nodes.Node): they
 return plans, the coordinator decides when and publishes them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,10 @@ def with_backups(plan: ClusterPlan, nodes: dict, replicas: int) -> ClusterPlan:
     if not replicas or len(plan.shards) < 2:
         return plan
     ring = plan.shards[1:] + plan.shards[:1]
-    backups = {str(s.node_id): {"node": b.node_id, "address": nodes[b.node_id].replica_address}
-               for s, b in zip(plan.shards, ring)}
+    backups = {
+        str(s.node_id): {"node": b.node_id, "address": nodes[b.node_id].replica_address}
+        for s, b in zip(plan.shards, ring)
+    }
     return dataclasses.replace(plan, backups=backups)
 
 
@@ -41,11 +44,15 @@ def holds_copy(node, shard_id: int) -> bool:
     """Whether backup process `node` can take over shard `shard_id`: a ring
     backup always can (it replayed from the INIT on); a spare only once its last
     heartbeat reported the primary's state copied in (ps/spare.py `ready`)."""
-    return node.role != "spare" or any(isinstance(b, dict) and b.get("of") == shard_id and b.get("ready")
-                                       for b in node.stats.get("backups") or ())
+    return node.role != "spare" or any(
+        isinstance(b, dict) and b.get("of") == shard_id and b.get("ready")
+        for b in node.stats.get("backups") or ()
+    )
 
 
-def failover_plan(plan: ClusterPlan, dead: int, nodes: dict) -> tuple[ClusterPlan | None, list[str]]:
+def failover_plan(
+    plan: ClusterPlan, dead: int, nodes: dict
+) -> tuple[ClusterPlan | None, list[str]]:
     """The plan after shard process `dead` is lost: every range it served is
     served by its backup (when that one is alive), and the backup it held is
     gone. Returns (the new plan or None when nothing changes, the ranges lost
@@ -56,7 +63,11 @@ def failover_plan(plan: ClusterPlan, dead: int, nodes: dict) -> tuple[ClusterPla
         if host_of(plan, s.node_id) != dead:
             continue
         backup = backups.pop(str(s.node_id), None)
-        if backup is None or nodes[backup["node"]].gone or not holds_copy(nodes[backup["node"]], s.node_id):
+        if (
+            backup is None
+            or nodes[backup["node"]].gone
+            or not holds_copy(nodes[backup["node"]], s.node_id)
+        ):
             lost.append(f"shard {s.rank} (node {s.node_id})")
             continue
         shards[i] = dataclasses.replace(s, address=backup["address"])
@@ -66,8 +77,14 @@ def failover_plan(plan: ClusterPlan, dead: int, nodes: dict) -> tuple[ClusterPla
             del backups[key]
     if shards == plan.shards and backups == plan.backups:
         return None, lost
-    return dataclasses.replace(plan, plan_id=plan.plan_id + 1, shards=shards, backups=backups, served_by=served,
-                               info={"reason": f"shard node {dead} dead: failover"}), lost
+    return dataclasses.replace(
+        plan,
+        plan_id=plan.plan_id + 1,
+        shards=shards,
+        backups=backups,
+        served_by=served,
+        info={"reason": f"shard node {dead} dead: failover"},
+    ), lost
 
 
 def after_shard_dead(plan: ClusterPlan, node, nodes: dict) -> ClusterPlan | None:
@@ -83,8 +100,9 @@ def after_shard_dead(plan: ClusterPlan, node, nodes: dict) -> ClusterPlan | None
     if new is None:
         return None
     new = with_spares(new, nodes)
-    log.warning("shard %d (node %d) dead: plan %d promotes its backup",
-                node.rank, node.node_id, new.plan_id)
+    log.warning(
+        "shard %d (node %d) dead: plan %d promotes its backup", node.rank, node.node_id, new.plan_id
+    )
     return new
 
 
@@ -94,15 +112,22 @@ def with_spares(plan: ClusterPlan, nodes: dict) -> ClusterPlan:
     range. The primary copies its state there (ps/state_copy.py)."""
     backups = dict(plan.backups)
     used = {b["address"] for b in backups.values()} | {s.address for s in plan.shards}
-    free = [(n.node_id, a) for n in sorted(nodes.values(), key=lambda n: n.node_id)
-            if n.role == "spare" and not n.gone for a in n.spare_slots if a not in used]
+    free = [
+        (n.node_id, a)
+        for n in sorted(nodes.values(), key=lambda n: n.node_id)
+        if n.role == "spare" and not n.gone
+        for a in n.spare_slots
+        if a not in used
+    ]
     for s in plan.shards:
         slot = next((f for f in free if f[0] != host_of(plan, s.node_id)), None)
         if str(s.node_id) in backups or slot is None:
             continue
         free.remove(slot)
         backups[str(s.node_id)] = {"node": slot[0], "address": slot[1]}
-        log.warning("shard %d (node %d): new backup on spare node %d at %s", s.rank, s.node_id, *slot)
+        log.warning(
+            "shard %d (node %d): new backup on spare node %d at %s", s.rank, s.node_id, *slot
+        )
     return plan if backups == plan.backups else dataclasses.replace(plan, backups=backups)
 
 
@@ -125,6 +150,9 @@ def check_readmit(plan: ClusterPlan | None, node) -> None:
     """A shard whose tensors a backup took over cannot come back as their
     owner (its state is older than the promoted backup's). Raises ProtocolError."""
     if node.role == "ps" and replaced(plan, node.node_id):
-        raise ProtocolError(Status.BAD_STATE, f"shard {node.rank}'s tensors are served by its promoted backup "
-                                              f"(node {host_of(plan, node.node_id)}) since a failover; "
-                                              "it cannot rejoin as their owner")
+        raise ProtocolError(
+            Status.BAD_STATE,
+            f"shard {node.rank}'s tensors are served by its promoted backup "
+            f"(node {host_of(plan, node.node_id)}) since a failover; "
+            "it cannot rejoin as their owner",
+        )

@@ -5,6 +5,7 @@ data shares and re-grouping while training), `balanced` (one group whose
 batch sizes are proportional to speed, re-sized while training). FORMATIONS is the scheduler's
 one registry of algorithm traits; it never branches on an algorithm's name.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,10 +19,14 @@ from .grouping import data_shares, form_groups
 
 @dataclass(frozen=True)
 class Formation:
-    plan_fields: Callable[[dict, object], dict]  # (node id -> speed, algorithm params) -> plan fields
-    regroups: bool = False  # may be re-formed while training when speeds drift (if the params' `regroup`)
+    # (node id -> speed, algorithm params) -> plan fields
+    plan_fields: Callable[[dict, object], dict]
+    # may be re-formed while training when speeds drift (if the params' `regroup`)
+    regroups: bool = False
     # (plan fields, params) -> what re-forming votes on: a new plan when it differs from the current plan's
-    proposal: Callable[[dict, object], object] = lambda fields, params: sorted(map(sorted, fields["groups"]))
+    proposal: Callable[[dict, object], object] = lambda fields, params: sorted(
+        map(sorted, fields["groups"])
+    )
 
     def may_regroup(self, params) -> bool:
         return self.regroups and params.regroup
@@ -45,8 +50,11 @@ def balanced(speeds: dict[int, float], params) -> dict:
     batch (`proportional_sizes`); data shares follow the batches, so every
     worker goes through its share in the same number of rounds."""
     batches = proportional_sizes(speeds, params.global_batch, params.min_batch, params.max_batch)
-    return {"groups": [sorted(speeds)], "shares": {str(w): float(b) for w, b in batches.items()},
-            "batches": {str(w): float(b) for w, b in batches.items()}}
+    return {
+        "groups": [sorted(speeds)],
+        "shares": {str(w): float(b) for w, b in batches.items()},
+        "batches": {str(w): float(b) for w, b in batches.items()},
+    }
 
 
 def batch_buckets(fields: dict, params) -> list:
@@ -57,6 +65,9 @@ def batch_buckets(fields: dict, params) -> list:
 
 
 # the table's `groups` -> how the scheduler forms them
-FORMATIONS: dict[str, Formation] = {"all": Formation(one_group), "each": Formation(each_alone),
-                                    "by_speed": Formation(by_speed, regroups=True),
-                                    "balanced": Formation(balanced, regroups=True, proposal=batch_buckets)}
+FORMATIONS: dict[str, Formation] = {
+    "all": Formation(one_group),
+    "each": Formation(each_alone),
+    "by_speed": Formation(by_speed, regroups=True),
+    "balanced": Formation(balanced, regroups=True, proposal=batch_buckets),
+}

@@ -8,6 +8,7 @@ Calinski-Harabasz score, which over-splits small clusters of 1-D speeds
 (4 workers at [100, 98, 33, 34] get 3 groups). And data shares proportional to the slowest speed in
 each worker's group, so a group's members finish an epoch together.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -94,7 +95,10 @@ def _smallest_homogeneous_k(values: np.ndarray, max_k: int, ratio: float) -> int
     the Calinski-Harabasz choice when no k up to max_k achieves that."""
     for k in range(2, max_k + 1):
         labels = np.array(kmeans_1d(values, k))
-        spans = [np.exp(values[labels == c].max() - values[labels == c].min()) for c in set(labels.tolist())]
+        spans = [
+            np.exp(values[labels == c].max() - values[labels == c].min())
+            for c in set(labels.tolist())
+        ]
         if max(spans) < ratio:
             return k
     return _best_k(values, max_k)

@@ -14,6 +14,7 @@ table lives only in memory: a restarted scheduler holds nothing, and the
 nodes' held requests time out and are sent again, as any request to a
 scheduler that went away.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,10 +23,10 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class HeldBeat:
-    peer: bytes      # the requester's socket identity
+    peer: bytes  # the requester's socket identity
     req_id: int
-    until: float     # answer by then at the latest (scheduler clock)
-    plan_id: int     # the newest plan when the beat came: a newer one is news
+    until: float  # answer by then at the latest (scheduler clock)
+    plan_id: int  # the newest plan when the beat came: a newer one is news
 
 
 class HeldBeats:
@@ -45,12 +46,17 @@ class HeldBeats:
         """The node's held beat, no longer held (None if none)."""
         return self._held.pop(node_id, None)
 
-    def due(self, now: float, plan_id: int, has_news: Callable[[int], bool]) -> list[tuple[int, HeldBeat]]:
+    def due(
+        self, now: float, plan_id: int, has_news: Callable[[int], bool]
+    ) -> list[tuple[int, HeldBeat]]:
         """The beats to answer now, taken out of the table: those whose hold
         ran out, those made under an older plan, and those of nodes
         `has_news(node_id)` names (e.g. nodes to tell to stop)."""
-        out = [(node_id, beat) for node_id, beat in self._held.items()
-               if now >= beat.until or plan_id != beat.plan_id or has_news(node_id)]
+        out = [
+            (node_id, beat)
+            for node_id, beat in self._held.items()
+            if now >= beat.until or plan_id != beat.plan_id or has_news(node_id)
+        ]
         for node_id, _ in out:
             del self._held[node_id]
         return out

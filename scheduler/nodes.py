@@ -1,6 +1,7 @@
 """What the scheduler keeps about each node of the cluster and about the
 evaluations it was sent: plain records, saved with the scheduler's state.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,10 +17,11 @@ class Node:
     address: str
     last_seen: float
     profiled_speed: float = 0.0
-    stats: NodeStats = field(default_factory=NodeStats)  # from its latest heartbeat (checked at decode)
-    left: bool = False    # said BYE
-    dead: bool = False    # silent for longer than cluster.dead_after_s
-    host: str = ""        # as the node reported it when it registered
+    # from its latest heartbeat (checked at decode)
+    stats: NodeStats = field(default_factory=NodeStats)
+    left: bool = False  # said BYE
+    dead: bool = False  # silent for longer than cluster.dead_after_s
+    host: str = ""  # as the node reported it when it registered
     replica_address: str = ""  # a shard with cluster.replicas: where it serves the backup it holds
     spare_slots: list = field(default_factory=list)  # a spare: the addresses of its backup sockets
 
@@ -33,7 +35,13 @@ class Node:
     def failure(self, what: str, t: float, **more) -> dict:
         """A `failures` entry for this node, e.g. kind `worker_dead`, `shard_error`."""
         kind = "shard" if self.role == "ps" else self.role
-        return {"kind": f"{kind}_{what}", "node": f"{self.role}{self.rank}", "node_id": self.node_id, "t": t, **more}
+        return {
+            "kind": f"{kind}_{what}",
+            "node": f"{self.role}{self.rank}",
+            "node_id": self.node_id,
+            "t": t,
+            **more,
+        }
 
     @property
     def speed(self) -> float:
@@ -55,11 +63,14 @@ def free_rank(nodes: list[Node], role: str, configured: int) -> int | None:
 @dataclass
 class EvalTrack:
     target: float | None
-    patience: int = 1                     # evaluations in a row at or above target that stop the run
-    streak: int = 0                       # evaluations in a row at or above target, up to the latest
+    # evaluations in a row at or above target that stop the run
+    patience: int = 1
+    # evaluations in a row at or above target, up to the latest
+    streak: int = 0
     best: float = 0.0
     final: float | None = None
     final_loss: float | None = None
     time_to_target_s: float | None = None
-    samples_to_target: int | None = None  # training examples computed by then (workers' latest heartbeats)
+    # training examples computed by then (workers' latest heartbeats)
+    samples_to_target: int | None = None
     count: int = 0

@@ -10,6 +10,7 @@ Statuses (summary.json `status`) and the exit codes of `hetps run`:
 
 (2, a bad config or command line, happens before any run exists.)
 """
+
 from __future__ import annotations
 
 import math
@@ -38,7 +39,7 @@ class DivergenceGuard:
     warmup_s: float
     lr: float
     at_chance: int = 0
-    verdict: str | None = None   # set once: why the run diverged
+    verdict: str | None = None  # set once: why the run diverged
 
     def loss(self, value, source: str) -> str | None:
         """A training or test loss from `source` (e.g. 'worker2 at step 14');
@@ -54,21 +55,27 @@ class DivergenceGuard:
         chance = 1.0 / num_classes
         self.at_chance = self.at_chance + 1 if accuracy < CHANCE_FACTOR * chance else 0
         if self.at_chance >= self.after:
-            self.verdict = (f"test accuracy at chance level ({accuracy:.4f}, chance {chance:.4f}) for "
-                            f"{self.at_chance} evaluations in a row (stop.diverged_after); {self.hint()}")
+            self.verdict = (
+                f"test accuracy at chance level ({accuracy:.4f}, chance {chance:.4f}) for "
+                f"{self.at_chance} evaluations in a row (stop.diverged_after); {self.hint()}"
+            )
         return self.verdict
 
     def nonfinite_pushes(self, source: str) -> str | None:
         """Every live worker left because the shards refused its NaN/Inf
         pushes (the last was `source`); returns the verdict."""
         if self.verdict is None:
-            self.verdict = (f"NaN/Inf gradients: the shards refused the pushes of every worker (the last to "
-                            f"leave: {source}); {self.hint()}")
+            self.verdict = (
+                f"NaN/Inf gradients: the shards refused the pushes of every worker (the last to "
+                f"leave: {source}); {self.hint()}"
+            )
         return self.verdict
 
     def hint(self) -> str:
-        return (f"the learning rate is likely too large: lower optimizer.lr (now {self.lr:g}), "
-                "e.g. 10x, or the momentum")
+        return (
+            f"the learning rate is likely too large: lower optimizer.lr (now {self.lr:g}), "
+            "e.g. 10x, or the momentum"
+        )
 
 
 def startup_failure(msg, t: float) -> dict:
@@ -82,8 +89,14 @@ def startup_failure(msg, t: float) -> dict:
         raise ProtocolError(Status.MALFORMED, f"role {msg.role!r} not in {ROLES}")
     name = f"{msg.role}{msg.rank}"
     last_line = (msg.error.strip().splitlines() or [""])[-1]
-    return {"kind": "startup_failed", "node": name, "host": msg.host, "error": msg.error, "t": t,
-            "reason": f"{name}{f' on {msg.host}' if msg.host else ''} failed at start-up: {last_line}"}
+    return {
+        "kind": "startup_failed",
+        "node": name,
+        "host": msg.host,
+        "error": msg.error,
+        "t": t,
+        "reason": f"{name}{f' on {msg.host}' if msg.host else ''} failed at start-up: {last_line}",
+    }
 
 
 def run_status(stop_reason: str | None, failed: bool) -> str:
@@ -105,8 +118,9 @@ def package_version(name: str) -> str | None:
 def git_commit(path: Path) -> str | None:
     """The commit checked out where hetps' code lives (an editable install), else None."""
     try:
-        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
@@ -114,6 +128,10 @@ def git_commit(path: Path) -> str | None:
 
 def environment() -> dict:
     """What this run ran on (recorded in summary.json): versions, commit, scheduler host."""
-    return {"hetps": package_version("hetps"), "torch": package_version("torch"),
-            "python": platform.python_version(), "git_commit": git_commit(Path(__file__).resolve().parent),
-            "scheduler_host": platform.node()}
+    return {
+        "hetps": package_version("hetps"),
+        "torch": package_version("torch"),
+        "python": platform.python_version(),
+        "git_commit": git_commit(Path(__file__).resolve().parent),
+        "scheduler_host": platform.node(),
+    }

@@ -3,6 +3,7 @@ ranges, range k to the k-th shard (shards listed fastest first), so that
 bytes_k / speed_k is as even as possible. The bottom layers therefore land on
 the fastest shard.
 """
+
 from __future__ import annotations
 
 from hetps.proto.plan import TensorSpec

@@ -6,6 +6,7 @@ when workers join, leave or die (`replanned`), and re-grouping while
 training when measured speeds drift (`Regrouping`, which keeps the votes of
 consecutive checks). Nothing here publishes a plan or reads a clock: the
 coordinator does both (coordinator.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,9 +23,16 @@ from .nodes import Node
 from .placement import place
 
 
-def first_plan(cfg: RunConfig, formation: Formation, shards: list[Node], workers: list[Node],
-               specs: list[TensorSpec], schema: str, run_id: str,
-               resumed: ClusterPlan | None = None) -> ClusterPlan:
+def first_plan(
+    cfg: RunConfig,
+    formation: Formation,
+    shards: list[Node],
+    workers: list[Node],
+    specs: list[TensorSpec],
+    schema: str,
+    run_id: str,
+    resumed: ClusterPlan | None = None,
+) -> ClusterPlan:
     """Plan 1 for the registered `shards` and `workers` (any order) and the
     model's `specs` (schema hash `schema`), with the ring of backups when
     `cfg.cluster.replicas`. `resumed`: the stopped run's last plan when
@@ -39,25 +47,37 @@ def first_plan(cfg: RunConfig, formation: Formation, shards: list[Node], workers
         shards.sort(key=lambda n: order.get(n.rank, len(order)))
         specs, chunks, placement = resumed.tensors, resumed.chunks, resumed.placement
     plan = ClusterPlan(
-        plan_id=1, algorithm=cfg.algorithm.name, algorithm_params=resolved_params(cfg.algorithm),
+        plan_id=1,
+        algorithm=cfg.algorithm.name,
+        algorithm_params=resolved_params(cfg.algorithm),
         workers=[NodeEntry(n.node_id, n.rank) for n in workers],
         shards=[NodeEntry(n.node_id, n.rank, n.address) for n in shards],
-        tensors=specs, chunks=chunks, placement=placement, schema_hash=schema, run_id=run_id,
+        tensors=specs,
+        chunks=chunks,
+        placement=placement,
+        schema_hash=schema,
+        run_id=run_id,
         speeds={str(n.node_id): round(n.speed, 3) for n in shards + workers},
-        **formation.plan_fields({n.node_id: n.speed for n in workers}, cfg.algorithm.params))
+        **formation.plan_fields({n.node_id: n.speed for n in workers}, cfg.algorithm.params),
+    )
     return failover.with_backups(plan, {n.node_id: n for n in shards}, cfg.cluster.replicas)
 
 
-def replanned(plan: ClusterPlan, formation: Formation, params, workers: list[Node],
-              reason: str) -> ClusterPlan:
+def replanned(
+    plan: ClusterPlan, formation: Formation, params, workers: list[Node], reason: str
+) -> ClusterPlan:
     """The plan after `plan` for the live `workers` (in the order given):
     same shards and placement, groups and data shares recomputed from their
     speeds under the algorithm's `params`; `reason` goes into its info."""
     speeds = {n.node_id: n.speed for n in workers}
     return dataclasses.replace(
-        plan, plan_id=plan.plan_id + 1, workers=[NodeEntry(n.node_id, n.rank) for n in workers],
+        plan,
+        plan_id=plan.plan_id + 1,
+        workers=[NodeEntry(n.node_id, n.rank) for n in workers],
         speeds={**plan.speeds, **{str(w): round(s, 3) for w, s in speeds.items()}},
-        info={"reason": reason}, **formation.plan_fields(speeds, params))
+        info={"reason": reason},
+        **formation.plan_fields(speeds, params),
+    )
 
 
 @dataclass
@@ -67,6 +87,7 @@ class Regrouping:
     every `params.regroup_every_s` by the coordinator, which publishes what
     it returns. Speeds are noisy: a new grouping is acted on only once
     `params.confirm_checks` checks in a row proposed it (`votes`)."""
+
     formation: Formation
     params: object  # the run's algorithm params (RunConfig.algorithm.params)
     votes: list = field(default_factory=list)  # consecutive checks proposing the same new grouping
@@ -101,5 +122,8 @@ class Regrouping:
             return None
         self.votes = []
         return dataclasses.replace(
-            plan, plan_id=plan.plan_id + 1,
-            speeds={**plan.speeds, **{str(w): round(s, 3) for w, s in speeds.items()}}, **fields)
+            plan,
+            plan_id=plan.plan_id + 1,
+            speeds={**plan.speeds, **{str(w): round(s, 3) for w, s in speeds.items()}},
+            **fields,
+        )

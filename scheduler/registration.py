@@ -4,6 +4,7 @@ comes back as (`returning`: a restarted shard, a node registering again after
 a scheduler restart), and whether it may come back (`check_return`). A
 refusal is a ProtocolError; the coordinator applies what they decide
 (Coordinator.on_register)."""
+
 from __future__ import annotations
 
 from hetps.proto.codec import ProtocolError
@@ -20,8 +21,10 @@ def claim_rank(nodes: dict[int, Node], role: str, configured: int) -> int:
     configured rank is held by a live node (shards only)."""
     rank = free_rank(list(nodes.values()), role, configured)
     if rank is None:
-        raise ProtocolError(Status.BAD_STATE, f"--rank auto: every {role} rank 0..{configured - 1} "
-                                              "is held by a live node")
+        raise ProtocolError(
+            Status.BAD_STATE,
+            f"--rank auto: every {role} rank 0..{configured - 1} is held by a live node",
+        )
     return rank
 
 
@@ -45,6 +48,9 @@ def check_return(plan: ClusterPlan | None, node: Node, msg: Register) -> None:
     failover.check_readmit(plan, node)
     planned = {s.node_id: s.address for s in plan.shards} if plan else {}
     if node.node_id in planned and msg.address != planned[node.node_id]:
-        raise ProtocolError(Status.BAD_STATE, f"shard {msg.rank} must come back at "
-                                              f"{planned[node.node_id]} (the plan's address), "
-                                              f"not {msg.address}")
+        raise ProtocolError(
+            Status.BAD_STATE,
+            f"shard {msg.rank} must come back at "
+            f"{planned[node.node_id]} (the plan's address), "
+            f"not {msg.address}",
+        )

@@ -2,6 +2,7 @@
 JSON lines, each plan, and the summary. Files are written whole through a
 temporary file and a rename, so a reader never sees half a JSON document.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ class RunLog:
     def __init__(self, run_dir: Path | None):
         self.run_dir = run_dir
         self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1) if run_dir else None
-        self.sink = None   # also given every record when set: e.g. a TensorBoardSink
+        self.sink = None  # also given every record when set: e.g. a TensorBoardSink
 
     def record(self, kind: str, **values: Any) -> None:
         if self._metrics:
@@ -71,6 +72,13 @@ def read_summary(run_dir: Path) -> dict | None:
 
 def mark_failed(run_dir: Path, summary: dict, node: str, detail: str) -> None:
     """Write summary.json as a failed run's (the scheduler's own summary, if any, kept)."""
-    write_json_atomic(run_dir / "summary.json", {**summary, "status": "failed", "failed_node": node,
-                                                  "detail": detail,
-                                                  "stop_reason": summary.get("stop_reason") or detail})
+    write_json_atomic(
+        run_dir / "summary.json",
+        {
+            **summary,
+            "status": "failed",
+            "failed_node": node,
+            "detail": detail,
+            "stop_reason": summary.get("stop_reason") or detail,
+        },
+    )

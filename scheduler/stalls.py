@@ -26,6 +26,7 @@ Driven from the coordinator's single loop (`on_heartbeat`, `update`);
 `current` and `summary` may be read from the metrics thread (they copy).
 Times come from the injected `clock` (seconds, monotonic).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,10 +35,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 REASONS = ("compute", "network", "unresponsive", "dead", "shard busy")
-HOLD_SHARE = 0.5    # share of an interval a node's releases must cover to be named ...
-KEEP_SHARE = 0.25   # ... and to stay named once it is (hysteresis: a loaded machine's rounds jitter)
-BUSY_SHARE = 0.8    # share of an interval a shard must spend updating to be busy
-ASSESS_PER_HEARTBEAT = 4  # re-assessments per heartbeat interval: a shard's news is acted on within 1/4
+HOLD_SHARE = 0.5  # share of an interval a node's releases must cover to be named ...
+# ... and to stay named once it is (hysteresis: a loaded machine's rounds jitter)
+KEEP_SHARE = 0.25
+BUSY_SHARE = 0.8  # share of an interval a shard must spend updating to be busy
+# re-assessments per heartbeat interval: a shard's news is acted on within 1/4
+ASSESS_PER_HEARTBEAT = 4
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,18 @@ class Stall:
     reason: str
     start: float
     waiters: int
-    seen: float          # last update that named it (clock)
+    seen: float  # last update that named it (clock)
     written: float = -math.inf
 
     def record(self, now: float, ended: bool) -> dict:
         """The `stall` record of metrics.jsonl (the caller adds `t`)."""
-        return {"node": self.node, "reason": self.reason, "for_s": round(now - self.start, 3),
-                "waiting": self.waiters, "ended": ended}
+        return {
+            "node": self.node,
+            "reason": self.reason,
+            "for_s": round(now - self.start, 3),
+            "waiting": self.waiters,
+            "ended": ended,
+        }
 
 
 @dataclass
@@ -72,7 +80,7 @@ class ShardSample:
     """What one shard's latest heartbeats said, for rates between two of them."""
 
     at: float
-    held: dict = field(default_factory=dict)       # node id -> cumulative seconds
+    held: dict = field(default_factory=dict)  # node id -> cumulative seconds
     held_rate: dict = field(default_factory=dict)  # node id -> share of the last interval
     last_waiters: dict = field(default_factory=dict)
     busy_s: float = 0.0
@@ -89,13 +97,16 @@ def name_of(node) -> str:
 
 
 class StallTracker:
-    def __init__(self, heartbeat_s: float, dead_after_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, heartbeat_s: float, dead_after_s: float, clock: Callable[[], float] = time.monotonic
+    ):
         self.heartbeat_s = heartbeat_s
         self.unresponsive_after_s = min(3 * heartbeat_s, dead_after_s / 2)
         self.clock = clock
         self.shards: dict[int, ShardSample] = {}
         self.open: dict[str, Stall] = {}
-        self.held_s: dict[str, dict[str, float]] = {}   # node -> reason -> seconds it held others up
+        # node -> reason -> seconds it held others up
+        self.held_s: dict[str, dict[str, float]] = {}
         self.stall_count: dict[str, int] = {}
         self.last_update = -math.inf
 
@@ -106,7 +117,9 @@ class StallTracker:
         held = {h.node: h.seconds for h in stats.held or ()}
         busy = _number(stats, "busy_s")
         prev = self.shards.get(node.node_id)
-        sample = ShardSample(now, held, last_waiters={h.node: h.waiters for h in stats.held or ()}, busy_s=busy)
+        sample = ShardSample(
+            now, held, last_waiters={h.node: h.waiters for h in stats.held or ()}, busy_s=busy
+        )
         if prev is not None and now - prev.at > 1e-3:
             span = now - prev.at
             sample.held_rate = {n: (s - prev.held.get(n, 0.0)) / span for n, s in held.items()}
@@ -121,14 +134,19 @@ class StallTracker:
         live_workers = sum(1 for n in nodes.values() if n.role == "worker" and not n.gone)
         found: dict[str, Blocker] = {}
         busy = set()
-        for shard in (n for n in nodes.values() if n.role == "ps" and not n.left and n.node_id not in replaced):
+        for shard in (
+            n for n in nodes.values() if n.role == "ps" and not n.left and n.node_id not in replaced
+        ):
             reason = self._silence(shard, now)
             if reason:
-                found[name_of(shard)] = Blocker(name_of(shard), reason, shard.last_seen, live_workers)
+                found[name_of(shard)] = Blocker(
+                    name_of(shard), reason, shard.last_seen, live_workers
+                )
             elif self.shards.get(shard.node_id, ShardSample(0.0)).busy_share >= BUSY_SHARE:
                 busy.add(shard.node_id)
-                found[name_of(shard)] = Blocker(name_of(shard), "shard busy", now - self.heartbeat_s,
-                                                live_workers)
+                found[name_of(shard)] = Blocker(
+                    name_of(shard), "shard busy", now - self.heartbeat_s, live_workers
+                )
         for node_id, (since, waiters) in self._waited_for(nodes, now).items():
             node = nodes.get(node_id)
             if node is None or node.left or name_of(node) in found:
@@ -146,7 +164,11 @@ class StallTracker:
 
     @staticmethod
     def _worker_reason(node) -> str:
-        return "network" if _number(node.stats, "push_s") > _number(node.stats, "compute_s") else "compute"
+        return (
+            "network"
+            if _number(node.stats, "push_s") > _number(node.stats, "compute_s")
+            else "compute"
+        )
 
     def _waited_for(self, nodes: dict, now: float) -> dict[int, tuple[float, int]]:
         """node id -> (since, how many wait) over every live shard's report."""
@@ -156,7 +178,8 @@ class StallTracker:
         for shard in (n for n in nodes.values() if n.role == "ps" and not n.gone):
             sample = self.shards.get(shard.node_id)
             age = now - sample.at if sample else 0.0
-            for w in shard.stats.waiting or ():  # as of that heartbeat: a wait since then is not known
+            # as of that heartbeat: a wait since then is not known
+            for w in shard.stats.waiting or ():
                 if w.for_s >= self.heartbeat_s:
                     since[w.node] = min(since.get(w.node, math.inf), now - age - w.for_s)
                     waiters.setdefault(w.node, set()).update(w.waiters)
@@ -168,7 +191,9 @@ class StallTracker:
         return {n: (s, max(len(waiters.get(n, ())), counts.get(n, 0))) for n, s in since.items()}
 
     # ------------------------------------------------------------ stalls over time
-    def update(self, nodes: dict, stopping: bool = False, replaced: frozenset = frozenset()) -> list[dict]:
+    def update(
+        self, nodes: dict, stopping: bool = False, replaced: frozenset = frozenset()
+    ) -> list[dict]:
         """Re-assess (at most ASSESS_PER_HEARTBEAT times per heartbeat
         interval; `stopping`: end every stall now). Returns the `stall` records to write: one per stall
         that ended, one per stall still open whose last record is at least a
@@ -223,7 +248,12 @@ class StallTracker:
         for node, seconds in shard_held:
             measured[node] = max(measured.get(node, 0.0), seconds)
         names = sorted(set(self.held_s) | set(measured))
-        return {n: {"held_s": round(sum(self.held_s.get(n, {}).values()), 3),
-                    "by_reason": {r: round(s, 3) for r, s in self.held_s.get(n, {}).items()},
-                    "stalls": self.stall_count.get(n, 0), "shard_held_s": round(measured.get(n, 0.0), 3)}
-                for n in names}
+        return {
+            n: {
+                "held_s": round(sum(self.held_s.get(n, {}).values()), 3),
+                "by_reason": {r: round(s, 3) for r, s in self.held_s.get(n, {}).items()},
+                "stalls": self.stall_count.get(n, 0),
+                "shard_held_s": round(measured.get(n, 0.0), 3),
+            }
+            for n in names
+        }

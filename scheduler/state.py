@@ -17,6 +17,7 @@ the `elapsed_s` last saved).
 The file's format lives here (`write`, `read`, `load`); what goes into it and
 when is the coordinator's (Coordinator.save_state, Coordinator.restore).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,43 +44,69 @@ def read(run_dir: Path | None) -> dict | None:
     return json.loads(path.read_text())
 
 
-def write(run_dir: Path, *, run_id: str, finished: bool, elapsed: float | None,
-          plan: ClusterPlan | None, specs: list[TensorSpec] | None, schema: str,
-          nodes: Iterable[Node], evals: EvalTrack, failures: list[dict]) -> None:
+def write(
+    run_dir: Path,
+    *,
+    run_id: str,
+    finished: bool,
+    elapsed: float | None,
+    plan: ClusterPlan | None,
+    specs: list[TensorSpec] | None,
+    schema: str,
+    nodes: Iterable[Node],
+    evals: EvalTrack,
+    failures: list[dict],
+) -> None:
     """Write a scheduler's state into `run_dir` (Coordinator.save_state).
     `finished`: the run ended, a later scheduler must not carry it on;
     `elapsed`: seconds since training began, None before the first plan."""
-    write_json_atomic(run_dir / STATE_FILE, {
-        "run_id": run_id,
-        "finished": finished,
-        "elapsed_s": elapsed,
-        "started_unix": time.time() - elapsed if elapsed is not None else None,
-        "plan": plan.to_dict() if plan else None,
-        "specs": [s.to_wire() for s in specs] if specs else None,
-        "schema": schema,
-        "nodes": [{**{k: v for k, v in dataclasses.asdict(n).items()
-                      if k not in ("stats", "last_seen")},
-                   "stats": numbers(n.stats)} for n in nodes],
-        "evals": dataclasses.asdict(evals),
-        "failures": failures,
-    })
+    write_json_atomic(
+        run_dir / STATE_FILE,
+        {
+            "run_id": run_id,
+            "finished": finished,
+            "elapsed_s": elapsed,
+            "started_unix": time.time() - elapsed if elapsed is not None else None,
+            "plan": plan.to_dict() if plan else None,
+            "specs": [s.to_wire() for s in specs] if specs else None,
+            "schema": schema,
+            "nodes": [
+                {
+                    **{
+                        k: v
+                        for k, v in dataclasses.asdict(n).items()
+                        if k not in ("stats", "last_seen")
+                    },
+                    "stats": numbers(n.stats),
+                }
+                for n in nodes
+            ],
+            "evals": dataclasses.asdict(evals),
+            "failures": failures,
+        },
+    )
 
 
 def numbers(stats) -> dict:
     """The numeric entries of a node's stats (steps, bytes, ...): what the summary counts."""
-    return {k: v for k, v in stats.as_dict().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: v
+        for k, v in stats.as_dict().items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 @dataclass
 class Saved:
     """A saved state as a restarted scheduler takes it over (Coordinator.restore)."""
+
     run_id: str
     specs: list[TensorSpec] | None
     schema: str
     plan: ClusterPlan | None
-    nodes: dict[int, Node]     # alive from now on (`last_seen`)
-    started: float | None      # training began (this process's monotonic clock); None: not yet
-    measured: dict             # the evaluation track's measured fields (not target and patience)
+    nodes: dict[int, Node]  # alive from now on (`last_seen`)
+    started: float | None  # training began (this process's monotonic clock); None: not yet
+    measured: dict  # the evaluation track's measured fields (not target and patience)
     failures: list[dict]
 
 
@@ -91,12 +118,13 @@ def load(data: dict) -> Saved:
         since_start = time.time() - data.get("started_unix", time.time() - data["elapsed_s"])
         started = now - max(data["elapsed_s"], since_start)
     # what was measured comes from the file; the target and patience from this scheduler's config
-    return Saved(run_id=data["run_id"],
-                 specs=[TensorSpec.from_wire(s) for s in data["specs"]] if data["specs"] else None,
-                 schema=data["schema"],
-                 plan=ClusterPlan.from_dict(data["plan"]) if data["plan"] else None,
-                 nodes={n["node_id"]: Node(**n, last_seen=now) for n in data["nodes"]},
-                 started=started,
-                 measured={k: v for k, v in data["evals"].items()
-                           if k not in ("target", "patience")},
-                 failures=list(data["failures"]))
+    return Saved(
+        run_id=data["run_id"],
+        specs=[TensorSpec.from_wire(s) for s in data["specs"]] if data["specs"] else None,
+        schema=data["schema"],
+        plan=ClusterPlan.from_dict(data["plan"]) if data["plan"] else None,
+        nodes={n["node_id"]: Node(**n, last_seen=now) for n in data["nodes"]},
+        started=started,
+        measured={k: v for k, v in data["evals"].items() if k not in ("target", "patience")},
+        failures=list(data["failures"]),
+    )

@@ -11,6 +11,7 @@ TensorBoard is an optional extra (`pip install 'hetps[tensorboard]'`);
 
     tensorboard --logdir runs/      # every run directory under runs/ side by side
 """
+
 from __future__ import annotations
 
 import math
@@ -25,9 +26,11 @@ def missing() -> str | None:
     try:
         from torch.utils.tensorboard import SummaryWriter  # noqa: F401
     except ImportError as exc:
-        return (f"log.tensorboard needs the tensorboard package, which is not installed ({exc}): "
-                "pip install 'hetps[tensorboard]' (or pip install 'tensorboard>=2.14'), or drop "
-                "log.tensorboard / --tensorboard")
+        return (
+            f"log.tensorboard needs the tensorboard package, which is not installed ({exc}): "
+            "pip install 'hetps[tensorboard]' (or pip install 'tensorboard>=2.14'), or drop "
+            "log.tensorboard / --tensorboard"
+        )
     return None
 
 
@@ -39,11 +42,12 @@ class TensorBoardSink:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(log_dir), flush_secs=FLUSH_S)
-        self.wall0: float | None = None   # wall-clock time at the run's t = 0
+        self.wall0: float | None = None  # wall-clock time at the run's t = 0
 
     def record(self, kind: str, values: dict) -> None:
         t = values.get("t")
-        if isinstance(t, (int, float)) and self.wall0 is None and kind != "register":  # timed before t = 0
+        # timed before t = 0
+        if isinstance(t, (int, float)) and self.wall0 is None and kind != "register":
             self.wall0 = time.time() - t
         wall = self.wall0 + t if isinstance(t, (int, float)) and self.wall0 is not None else None
         if kind == "eval":
@@ -60,11 +64,14 @@ class TensorBoardSink:
             self._scalar("plan/workers", sum(len(g) for g in groups), plan_id, wall)
             self.writer.add_text("plan/groups", f"plan {plan_id}: groups {groups}", plan_id, wall)
         elif kind == "stop":
-            self.writer.add_text("run/stop", str(values.get("reason")), values.get("global_steps", 0), wall)
+            self.writer.add_text(
+                "run/stop", str(values.get("reason")), values.get("global_steps", 0), wall
+            )
 
     def _scalar(self, tag: str, value, step, wall) -> None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            finite_step = isinstance(step, (int, float)) and math.isfinite(step)  # records may carry any float
+            # records may carry any float
+            finite_step = isinstance(step, (int, float)) and math.isfinite(step)
             self.writer.add_scalar(tag, value, int(step) if finite_step else 0, wall)
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ From the real run directory's `metrics.jsonl` step records:
   worker's own overhead; the smallest belongs to the worker that waited
   least for others), since a step's push and its reply each pay it once.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,10 @@ def measured_costs(run_dir: Path, n_workers: int | None = None) -> list[dict]:
     has no step records or a worker recorded none."""
     steps = step_records(run_dir)
     if not steps:
-        raise ConfigError(f"--replay {run_dir}: no step records in its metrics.jsonl (is it a run directory "
-                          "of `hetps run` that trained?)")
+        raise ConfigError(
+            f"--replay {run_dir}: no step records in its metrics.jsonl (is it a run directory "
+            "of `hetps run` that trained?)"
+        )
     n = n_workers if n_workers is not None else max(int(s["worker"]) for s in steps) + 1
     compute, outside = [], []
     for rank in range(n):

@@ -10,6 +10,7 @@ cost model (events.py, docs/simulation.md).
 
 Blocking; deterministic for a config and seed on one machine (one torch thread).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from hetps.runconfig.algorithms import algorithm
 from hetps.proto.codec import decode
-from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
-from hetps.runconfig.load import dump_config
 from hetps.proto.messages import Bye, Error, Heartbeat, Init, Pull, Register, Report
 from hetps.proto.plan import schema_hash
 from hetps.ps.shard import Shard
+from hetps.runconfig.algorithms import algorithm
+from hetps.runconfig.load import dump_config
+from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
 from hetps.scheduler.coordinator import Coordinator
 from hetps.worker.data import Datasets, load_datasets
 from hetps.worker.evaluator import evaluate
@@ -33,13 +34,17 @@ from hetps.worker.models import build_model
 from hetps.worker.state import ModelState, model_specs
 
 from .events import EventQueue, Link, ServiceQueue, nbytes_of, speed_factor, transfer
-from .wire import SimServer, call, dispatch, node_of, request, request_ids
 from .local_workers import SimDilocoWorker, SimLocalWorker
+from .wire import SimServer, call, dispatch, node_of, request, request_ids
 from .workers import SimMember, SimWorker, base_step_s
 
 log = logging.getLogger(__name__)
 # the algorithm table's worker loop -> its simulated worker
-SIM_WORKERS = {"gradients": SimWorker, "local_steps": SimLocalWorker, "pseudo_gradients": SimDilocoWorker}
+SIM_WORKERS = {
+    "gradients": SimWorker,
+    "local_steps": SimLocalWorker,
+    "pseudo_gradients": SimDilocoWorker,
+}
 
 
 class SimulationError(ConfigError):
@@ -51,17 +56,25 @@ def check_simulable(cfg: RunConfig) -> None:
     problems = []
     algo = algorithm(cfg.algorithm.name)
     if algo.worker_loop not in SIM_WORKERS:
-        problems.append(f"algorithm.name: {cfg.algorithm.name} (worker loop {algo.worker_loop}) is not simulated; "
-                        f"simulated worker loops: {', '.join(SIM_WORKERS)}")
+        problems.append(
+            f"algorithm.name: {cfg.algorithm.name} (worker loop {algo.worker_loop}) is not simulated; "
+            f"simulated worker loops: {', '.join(SIM_WORKERS)}"
+        )
     if cfg.cluster.chunk_bytes:
         problems.append("cluster.chunk_bytes: must be 0 under simulate (tensors are not cut)")
     if cfg.comm.overlap or cfg.comm.compression != "none" or not cfg.comm.fuse_pull:
-        problems.append("comm: simulate runs comm.overlap=false, comm.compression=none, comm.fuse_pull=true")
+        problems.append(
+            "comm: simulate runs comm.overlap=false, comm.compression=none, comm.fuse_pull=true"
+        )
     if cfg.cluster.faults.drop or cfg.cluster.faults.delay:
-        problems.append("cluster.faults: dropped or delayed messages are not simulated; set drop and delay to 0")
+        problems.append(
+            "cluster.faults: dropped or delayed messages are not simulated; set drop and delay to 0"
+        )
     for i, kill in enumerate(cfg.cluster.kill):
         if not kill.node.startswith("worker") or kill.restart_after_s is not None:
-            problems.append(f"cluster.kill.{i}: simulate kills workers only, without restart; got {kill.node}")
+            problems.append(
+                f"cluster.kill.{i}: simulate kills workers only, without restart; got {kill.node}"
+            )
     if problems:
         raise SimulationError(problems)
 
@@ -78,29 +91,45 @@ class Simulation:
         model = build_model(cfg.model, self.data.in_shape, self.data.num_classes)
         self.state = ModelState(model, torch.device("cpu"))
         self.eval_model = build_model(cfg.model, self.data.in_shape, self.data.num_classes)
-        self.coord = Coordinator(SimServer("sim://scheduler"), cfg, run_dir, run_id=f"sim{cfg.seed}",
-                                 clock=self.q.clock)
-        self.coord.keeps_state = False  # its restart file, written per registration and BYE, costs O(N^2) here
+        self.coord = Coordinator(
+            SimServer("sim://scheduler"), cfg, run_dir, run_id=f"sim{cfg.seed}", clock=self.q.clock
+        )
+        # its restart file, written per registration and BYE, costs O(N^2) here
+        self.coord.keeps_state = False
         self.shard_nodes: list[NodeConfig] = list(cfg.cluster.shards)
-        self.shards: dict[int, Shard] = {}       # node id -> shard (ids from the coordinator)
+        self.shards: dict[int, Shard] = {}  # node id -> shard (ids from the coordinator)
         self.shard_links: dict[int, Link] = {}
         self.queues: dict[int, ServiceQueue] = {}
         self.workers: dict[int, SimWorker] = {}  # node id -> worker
         self.evaluator_id = 0
-        self.kills = [(int(k.node[len("worker"):]), k.at_s) for k in cfg.cluster.kill]  # (rank, virtual s)
+        # (rank, virtual s)
+        self.kills = [(int(k.node[len("worker") :]), k.at_s) for k in cfg.cluster.kill]
         self.stalled = False
 
     # ------------------------------------------------------------ start-up: register, plan, INIT
     def start(self) -> None:
         specs = model_specs(self.state.model)
         wire_specs, schema = [s.to_wire() for s in specs], schema_hash(specs)
-        shard_ids = [self._register("ps", rank, address=f"sim://ps{rank}",
-                                    speed=self.cfg.sim.shard_bytes_per_s / node.slowdown)
-                     for rank, node in enumerate(self.shard_nodes)]
+        shard_ids = [
+            self._register(
+                "ps",
+                rank,
+                address=f"sim://ps{rank}",
+                speed=self.cfg.sim.shard_bytes_per_s / node.slowdown,
+            )
+            for rank, node in enumerate(self.shard_nodes)
+        ]
         # a worker registers with the speed its cost gives (the real one profiles its compute)
-        worker_ids = [self._register("worker", rank, tensor_specs=wire_specs, schema_hash=schema,
-                                     speed=self.cfg.data.batch_size / (base_step_s(self.cfg, node) * node.slowdown))
-                      for rank, node in enumerate(self.cfg.cluster.workers)]
+        worker_ids = [
+            self._register(
+                "worker",
+                rank,
+                tensor_specs=wire_specs,
+                schema_hash=schema,
+                speed=self.cfg.data.batch_size / (base_step_s(self.cfg, node) * node.slowdown),
+            )
+            for rank, node in enumerate(self.cfg.cluster.workers)
+        ]
         if self.cfg.eval.enabled:
             self.evaluator_id = self._register("evaluator", 0)
         plan = self.coord.plan
@@ -120,8 +149,15 @@ class Simulation:
         make = SIM_WORKERS[algorithm(self.cfg.algorithm.name).worker_loop]
         extra = {} if make is SimWorker else {"clock": self.q.clock}
         for rank, node_id in enumerate(worker_ids):
-            self.workers[node_id] = make(self.cfg, self.cfg.cluster.workers[rank], SimMember(node_id, rank),
-                                         plan, self.state, self.data, **extra)
+            self.workers[node_id] = make(
+                self.cfg,
+                self.cfg.cluster.workers[rank],
+                SimMember(node_id, rank),
+                plan,
+                self.state,
+                self.data,
+                **extra,
+            )
         self.plan_sent = plan.plan_id
         for w in self.workers.values():
             for i, pull in w.first_pulls():
@@ -133,7 +169,9 @@ class Simulation:
             self.q.at(at_s, self._kill, rank)
 
     def _register(self, role: str, rank: int, **fields) -> int:
-        return call(self.coord, 0, self.ids, Register(role=role, rank=rank, host="sim", **fields)).node_id
+        return call(
+            self.coord, 0, self.ids, Register(role=role, rank=rank, host="sim", **fields)
+        ).node_id
 
     def _expect_ok(self, replies) -> None:
         for _, frames, _ in replies:
@@ -154,7 +192,9 @@ class Simulation:
 
     def _arrive(self, sid: int, src: int, frames: list, nbytes: int) -> None:
         slowdown = speed_factor(self.shard_nodes[self.shards[sid].node_rank()], self.q.now)
-        self.q.at(self.queues[sid].finish(self.q.now, nbytes, slowdown), self._handle, sid, src, frames)
+        self.q.at(
+            self.queues[sid].finish(self.q.now, nbytes, slowdown), self._handle, sid, src, frames
+        )
 
     def _handle(self, sid: int, src: int, frames: list) -> None:
         self._deliver_all(sid, dispatch(self.shards[sid], src, frames))
@@ -211,7 +251,8 @@ class Simulation:
         for sid, shard in self.shards.items():
             call(self.coord, sid, self.ids, Heartbeat(node_id=sid, stats=self._shard_stats(sid)))
         self.coord.tick()
-        if self.coord.plan.plan_id > self.plan_sent:  # shards learn a new plan from their heartbeat's ACK
+        # shards learn a new plan from their heartbeat's ACK
+        if self.coord.plan.plan_id > self.plan_sent:
             self.plan_sent = self.coord.plan.plan_id
             for sid, shard in self.shards.items():
                 shard.adopt(self.coord.plan)  # closes open rounds: parked pulls may be answered now
@@ -232,13 +273,30 @@ class Simulation:
             return
         values = {}
         for sid, shard in self.shards.items():
-            frames, _ = request(Pull(plan_id=shard.plan.plan_id, clock=-1), self.evaluator_id, self.ids)
+            frames, _ = request(
+                Pull(plan_id=shard.plan.plan_id, clock=-1), self.evaluator_id, self.ids
+            )
             for _, reply, _ in dispatch(shard, self.evaluator_id, frames):
                 values.update(decode(reply).msg.tensors)
         ModelState(self.eval_model, torch.device("cpu")).load(values)
-        accuracy, loss = evaluate(self.eval_model, self.data.test, self.cfg.data.eval_batch_size, torch.device("cpu"))
-        call(self.coord, self.evaluator_id, self.ids, Report(node_id=self.evaluator_id, kind="eval", values={
-            "accuracy": accuracy, "loss": loss, "final": final, "num_classes": self.data.num_classes}))
+        accuracy, loss = evaluate(
+            self.eval_model, self.data.test, self.cfg.data.eval_batch_size, torch.device("cpu")
+        )
+        call(
+            self.coord,
+            self.evaluator_id,
+            self.ids,
+            Report(
+                node_id=self.evaluator_id,
+                kind="eval",
+                values={
+                    "accuracy": accuracy,
+                    "loss": loss,
+                    "final": final,
+                    "num_classes": self.data.num_classes,
+                },
+            ),
+        )
         if not final and self.coord.stop_reason is None:
             self.q.after(self.cfg.eval.every_s + self.cfg.sim.eval_s, self._evaluate)
 
@@ -249,17 +307,19 @@ class Simulation:
         round's mean when every worker got to push (best effort, as in a real run)."""
         sent = False
         for w in self.workers.values():
-            for i, push in (w.final_pushes() if w.alive and isinstance(w, SimLocalWorker) else []):
+            for i, push in w.final_pushes() if w.alive and isinstance(w, SimLocalWorker) else []:
                 self._send(w, i, push)
                 sent = True
         messages = (self._arrive, self._handle, self._reply)
-        while sent and self.q.holds(messages) and self.q.run_next():  # the clock stops at the last message
+        # the clock stops at the last message
+        while sent and self.q.holds(messages) and self.q.run_next():
             pass
 
     def _kill(self, rank: int) -> None:
         for w in self.workers.values():
             if w.member.rank == rank:
-                w.alive = False  # silent from now on: the coordinator declares it dead after dead_after_s
+                # silent from now on: the coordinator declares it dead after dead_after_s
+                w.alive = False
 
     # ------------------------------------------------------------ the loop and the end
     def run(self) -> None:
@@ -274,9 +334,16 @@ class Simulation:
         if self.cfg.eval.enabled:
             self._evaluate(final=True)
         for w in self.workers.values():
-            beat = Heartbeat(node_id=w.member.node_id, stats=w.stats(), records=w.take_records(self.q.now))
+            beat = Heartbeat(
+                node_id=w.member.node_id, stats=w.stats(), records=w.take_records(self.q.now)
+            )
             call(self.coord, w.member.node_id, self.ids, beat)
-            call(self.coord, w.member.node_id, self.ids, Bye(node_id=w.member.node_id, stats=w.stats()))
+            call(
+                self.coord,
+                w.member.node_id,
+                self.ids,
+                Bye(node_id=w.member.node_id, stats=w.stats()),
+            )
         if self.evaluator_id:
             call(self.coord, self.evaluator_id, self.ids, Bye(node_id=self.evaluator_id))
         for sid in self.shards:
@@ -298,7 +365,11 @@ def simulate(cfg: RunConfig, run_dir: Path, data: Datasets | None = None) -> dic
     sim.run()
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["mode"] = "simulated"
-    summary["simulation"] = {"virtual_s": round(sim.q.now, 6), "events": sim.q.processed,
-                             "stalled": sim.stalled, "real_wall_s": round(time.perf_counter() - started, 3)}
+    summary["simulation"] = {
+        "virtual_s": round(sim.q.now, 6),
+        "events": sim.q.processed,
+        "stalled": sim.stalled,
+        "real_wall_s": round(time.perf_counter() - started, 3),
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

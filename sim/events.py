@@ -6,6 +6,7 @@ time run in the order they were scheduled (a sequence number breaks ties),
 so a run is a pure function of its config and seed. Nothing here sleeps or
 reads the wall clock.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -66,7 +67,7 @@ class Link:
     holds it n / rate seconds after the messages before it (store and
     forward), and every message pays both ends' one-way latency once."""
 
-    mbps: float = 0.0           # 0: unlimited
+    mbps: float = 0.0  # 0: unlimited
     latency_s: float = 0.0
     up_free: float = 0.0
     down_free: float = 0.0

@@ -10,6 +10,7 @@ step costs the worker's compute time.
 Unlike a gradient worker, each keeps its own model and local optimizer
 state between steps (memory grows with the number of workers).
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,16 +33,25 @@ class SimLocalWorker(SimWorker):
 
     fused = False
 
-    def __init__(self, cfg: RunConfig, node: NodeConfig, member: SimMember, plan: ClusterPlan,
-                 state: ModelState, data: Datasets, *, clock: Callable[[], float]):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        node: NodeConfig,
+        member: SimMember,
+        plan: ClusterPlan,
+        state: ModelState,
+        data: Datasets,
+        *,
+        clock: Callable[[], float],
+    ):
         """`state`: the engine's model, which this worker copies as its own;
         `clock`: the virtual clock (seconds), for time-based periods."""
         own = ModelState(copy.deepcopy(state.model), state.device)
         super().__init__(cfg, node, member, plan, own, data)
         self.rounds = self.make_rounds(plan, clock)
         self.acks: dict[int, Ack] = {}
-        self.record: dict | None = None   # the step whose round is in flight
-        self.finished = False             # pushed its final model: replies are not awaited
+        self.record: dict | None = None  # the step whose round is in flight
+        self.finished = False  # pushed its final model: replies are not awaited
 
     def make_rounds(self, plan: ClusterPlan, clock: Callable[[], float]) -> LocalRounds:
         """The local optimizer and the rounds' logic (worker/step.py), on the virtual clock."""
@@ -65,25 +75,43 @@ class SimLocalWorker(SimWorker):
     def pushes(self, now: float) -> list[tuple[int, Push | Pull]]:
         """After a local step: nothing (the next step follows) or, when a round
         is due, the round's push (and pull) to every shard."""
-        self.record = {"t": now, "worker": self.member.rank, "step": self.clock,
-                       "loss": round(self.loss, 5), "staleness": self.staleness,
-                       "compute_s": round(self.compute_s, 5), **self.work.norm_record()}
+        self.record = {
+            "t": now,
+            "worker": self.member.rank,
+            "step": self.clock,
+            "loss": round(self.loss, 5),
+            "staleness": self.staleness,
+            "compute_s": round(self.compute_s, 5),
+            **self.work.norm_record(),
+        }
         if not self.rounds.due():
             self._account(now, 0.0)
             return []
         self.pushed_at = now
         return self.round_messages(*self.rounds.request(), final=False)
 
-    def round_messages(self, tensors: dict, clock: int, n_samples: int, info: dict,
-                       final: bool) -> list[tuple[int, Push | Pull]]:
+    def round_messages(
+        self, tensors: dict, clock: int, n_samples: int, info: dict, final: bool
+    ) -> list[tuple[int, Push | Pull]]:
         """A round's request (LocalRounds.request or final_request) as messages
         to every shard: pushes, and pulls of the result unless fused or final."""
         plan = self.client.plan
         out = []
         for i, part in enumerate(self.client.split(tensors)):
-            out.append((i, Push(plan_id=plan.plan_id, clock=clock,
-                                base_version=self.client.versions[i], n_samples=n_samples,
-                                info=info, pull=self.fused and not final, tensors=part)))
+            out.append(
+                (
+                    i,
+                    Push(
+                        plan_id=plan.plan_id,
+                        clock=clock,
+                        base_version=self.client.versions[i],
+                        n_samples=n_samples,
+                        info=info,
+                        pull=self.fused and not final,
+                        tensors=part,
+                    ),
+                )
+            )
             if not self.fused and not final:
                 out.append((i, Pull(plan_id=plan.plan_id, clock=clock + 1)))
         return out
@@ -120,7 +148,7 @@ class SimLocalWorker(SimWorker):
         values = {}
         for reply in replies.values():
             values.update(reply.tensors)
-        if self.record is None:   # the first pull
+        if self.record is None:  # the first pull
             self.state.load(values)
             self.rounds.begin()
             return

@@ -7,6 +7,7 @@ Requests and replies are the real encoded frames, decoded and dispatched by
 the real `Service.serve_once`, so validation, handlers, parking and error
 replies are the daemons' own.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -18,7 +19,6 @@ from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 
 from .events import Inbox, nbytes_of
-
 
 
 class SimServer(ServerTransport):

@@ -12,6 +12,7 @@ shared model at once), and the gradient lives while it is in flight (its
 compute time plus the network), so memory grows with the workers in flight,
 not with the number of workers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,18 +58,29 @@ class SimClient:
     def adopt(self, plan: ClusterPlan) -> None:
         """Use a newer plan; its placement must be the one the worker started with."""
         if plan.placement_id != self.plan.placement_id:
-            raise ValueError(f"plan {plan.plan_id} moves tensors; live re-placement is not supported")
+            raise ValueError(
+                f"plan {plan.plan_id} moves tensors; live re-placement is not supported"
+            )
         self.plan = plan
 
     def split(self, tensors: dict) -> list[dict]:
         """Per shard, the tensors it owns (chunked tensors are refused by the engine)."""
-        return [{t.name: tensors[t.name] for t in self.plan.owned(i) if t.name in tensors}
-                for i in range(len(self.plan.shards))]
+        return [
+            {t.name: tensors[t.name] for t in self.plan.owned(i) if t.name in tensors}
+            for i in range(len(self.plan.shards))
+        ]
 
 
 class SimWorker:
-    def __init__(self, cfg: RunConfig, node: NodeConfig, member: SimMember, plan: ClusterPlan,
-                 state: ModelState, data: Datasets):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        node: NodeConfig,
+        member: SimMember,
+        plan: ClusterPlan,
+        state: ModelState,
+        data: Datasets,
+    ):
         """`state`: the model its gradients are computed on (the engine's, shared)."""
         self.cfg, self.node, self.member, self.state = cfg, node, member, state
         self.client = SimClient(plan)
@@ -82,7 +94,7 @@ class SimWorker:
         self.known_plan_id = plan.plan_id
         self.records: list[dict] = []
         self.replies: dict[int, Params] = {}
-        self.outgoing: dict | None = None   # the gradient in flight
+        self.outgoing: dict | None = None  # the gradient in flight
         self.step_started = self.pushed_at = 0.0
         self.loss = 0.0
         self.compute_s = 0.0
@@ -100,14 +112,21 @@ class SimWorker:
         base = base_step_s(self.cfg, self.node, self.work.batch_size)  # balanced: the plan's batch
         extra = 0.0
         n = len(self.cfg.cluster.workers)
-        if (self.cfg.cluster.straggler > 0 and n > 1
-                and straggler_of(self.cfg.seed, self.clock, n) == self.work.index):
-            extra = self.cfg.cluster.straggler  # the eager-SGD imbalance model (worker/straggler.py)
+        if (
+            self.cfg.cluster.straggler > 0
+            and n > 1
+            and straggler_of(self.cfg.seed, self.clock, n) == self.work.index
+        ):
+            # the eager-SGD imbalance model (worker/straggler.py)
+            extra = self.cfg.cluster.straggler
         return base * speed_factor(self.node, t) * (1.0 + extra)
 
     # ------------------------------------------------------------ one step
     def first_pulls(self) -> list[tuple[int, Pull]]:
-        return [(i, Pull(plan_id=self.client.plan.plan_id, clock=0)) for i in range(len(self.client.plan.shards))]
+        return [
+            (i, Pull(plan_id=self.client.plan.plan_id, clock=0))
+            for i in range(len(self.client.plan.shards))
+        ]
 
     def take_reply(self, i: int, reply: Params, nbytes: int) -> bool:
         """Keep shard `i`'s reply; True once every shard's has come."""
@@ -124,7 +143,7 @@ class SimWorker:
             values.update(reply.tensors)
         self.state.load(values)
         acks = [ack_of(r) for r in replies.values() if r.ack]
-        if self.outgoing is None:   # the first pull: no step to account
+        if self.outgoing is None:  # the first pull: no step to account
             return
         self.outgoing = None
         acked = max((now - held for _, held in acks), default=now)
@@ -133,15 +152,27 @@ class SimWorker:
         self.staleness = max(a.staleness for a, _ in acks)
         self.known_plan_id = max([self.known_plan_id] + [a.plan_id for a, _ in acks])
         self.timer.update(self.compute_s, push_s, step_s)
-        self.records.append({"t": now, "worker": self.member.rank, "step": self.clock, "loss": round(self.loss, 5),
-                             "staleness": self.staleness, "group": self.work.group,
-                             "compute_s": round(self.compute_s, 5), "step_s": round(step_s, 5),
-                             **self.work.norm_record()})
+        self.records.append(
+            {
+                "t": now,
+                "worker": self.member.rank,
+                "step": self.clock,
+                "loss": round(self.loss, 5),
+                "staleness": self.staleness,
+                "group": self.work.group,
+                "compute_s": round(self.compute_s, 5),
+                "step_s": round(step_s, 5),
+                **self.work.norm_record(),
+            }
+        )
 
     def follow_plan(self, newest: ClusterPlan) -> bool:
         """Between steps, switch to `newest` if this worker knows of a newer
         plan; False (and not alive) when it is not a worker of it."""
-        if self.known_plan_id > self.client.plan.plan_id and newest.plan_id > self.client.plan.plan_id:
+        if (
+            self.known_plan_id > self.client.plan.plan_id
+            and newest.plan_id > self.client.plan.plan_id
+        ):
             if self.member.node_id not in newest.worker_ids():
                 self.alive = False
                 return False
@@ -164,21 +195,41 @@ class SimWorker:
         """The step's fused PUSH+PULL to every shard."""
         self.pushed_at = now
         plan = self.client.plan
-        return [(i, Push(plan_id=plan.plan_id, clock=self.clock, base_version=self.client.versions[i],
-                         n_samples=self.work.batch_size, pull=True, tensors=part))
-                for i, part in enumerate(self.client.split(self.outgoing))]
+        return [
+            (
+                i,
+                Push(
+                    plan_id=plan.plan_id,
+                    clock=self.clock,
+                    base_version=self.client.versions[i],
+                    n_samples=self.work.batch_size,
+                    pull=True,
+                    tensors=part,
+                ),
+            )
+            for i, part in enumerate(self.client.split(self.outgoing))
+        ]
 
     # ------------------------------------------------------------ reporting
     def take_records(self, now: float) -> list[dict]:
         out, self.records = self.records, []
-        return [{**{k: v for k, v in r.items() if k != "t"}, "ago": round(now - r["t"], 6)} for r in out]
+        return [
+            {**{k: v for k, v in r.items() if k != "t"}, "ago": round(now - r["t"], 6)} for r in out
+        ]
 
     def stats(self) -> dict:
         bs = self.work.batch_size
-        return {"steps": self.clock, "samples": self.work.samples,
-                "bytes_sent": self.client.bytes_sent,
-                "bytes_received": self.client.bytes_received, "step_time_s": self.timer.step_s,
-                "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id,
-                "group": self.work.group,
-                "staleness": self.staleness, "speed": self.timer.speed(bs), "push_s": self.timer.push_s,
-                "samples_per_s": bs / self.timer.step_s if self.timer.step_s else 0.0}
+        return {
+            "steps": self.clock,
+            "samples": self.work.samples,
+            "bytes_sent": self.client.bytes_sent,
+            "bytes_received": self.client.bytes_received,
+            "step_time_s": self.timer.step_s,
+            "compute_s": self.timer.compute_s,
+            "plan_id": self.client.plan.plan_id,
+            "group": self.work.group,
+            "staleness": self.staleness,
+            "speed": self.timer.speed(bs),
+            "push_s": self.timer.push_s,
+            "samples_per_s": bs / self.timer.step_s if self.timer.step_s else 0.0,
+        }

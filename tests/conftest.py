@@ -7,6 +7,7 @@ loopback). `support/` holds the harnesses the tiers share. `make test` runs unit
 xdist processes, then the cluster tier on 2, then the cluster tests marked `exclusive` (they compare
 timings) alone (docs/testing.md); `make test-unit`, `test-inproc`, `test-cluster` run one.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -17,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))  # cluster_util, shar
 
 import pytest
 import torch
-
 from cluster_util import kill_leftovers, wait_for
 
 # One intra-op thread in the test process: `make test` runs the unit and inproc tiers on two
@@ -34,8 +34,13 @@ def shared_fork_server(tmp_path_factory):
     folder.chmod(0o700)
     sock, log = folder / "sock", folder / "server.log"
     with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "hetps.frontend.shared_fork_server", str(sock)], stdout=out,
-                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "hetps.frontend.shared_fork_server", str(sock)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     try:
         wait_for(lambda: sock.exists() or server.poll() is not None, 120, "the shared fork server")
         assert server.poll() is None, log.read_text()

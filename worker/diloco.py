@@ -15,6 +15,7 @@ simulator runs them too); this loop adds the I/O: PSClient, membership,
 new plans, the wall clock. Blocking; returns when the scheduler asks the
 cluster to stop.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,9 +65,14 @@ class DilocoTrainer(LocalSgdTrainer):
                     self.use_plan(newer)
                 started = time.perf_counter()
                 loss, compute_s = self.local_step()
-                record = {"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5),
-                          "staleness": self.staleness, "compute_s": round(compute_s, 5),
-                          **self.work.norm_record()}
+                record = {
+                    "worker": self.member.rank,
+                    "step": self.clock,
+                    "loss": round(loss, 5),
+                    "staleness": self.staleness,
+                    "compute_s": round(compute_s, 5),
+                    **self.work.norm_record(),
+                }
                 push_s = 0.0
                 if self.rounds.due():
                     record.update(self.sync_round())

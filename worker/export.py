@@ -14,6 +14,7 @@ checkpoint (the newest version all shards have, when there is one), puts the
 model together, evaluates it on the test split and writes FILE and FILE's
 .json. Exit 0, or 2 with one line saying what is missing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hetps.runtime import checkpoint
-from hetps.runconfig.schema import ConfigError, RunConfig
 from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import ConfigError, RunConfig
+from hetps.runtime import checkpoint
 
 from .preflight import PreflightError, build_checked
 from .state import model_tensors
@@ -37,19 +38,34 @@ class ExportError(ValueError):
     """The checkpoints or the config needed for an export are missing or do not fit."""
 
 
-def describe(cfg: RunConfig, in_shape, num_classes: int, accuracy: float | None, loss: float | None,
-             source: str, **more) -> dict:
+def describe(
+    cfg: RunConfig,
+    in_shape,
+    num_classes: int,
+    accuracy: float | None,
+    loss: float | None,
+    source: str,
+    **more,
+) -> dict:
     """model.json's content (`more`: further keys, e.g. which evaluation measured it)."""
     try:
         version = metadata.version("hetps")
     except metadata.PackageNotFoundError:
         version = None
-    return {"model": {"name": cfg.model.name, "kwargs": cfg.model.kwargs},
-            "dataset": {"name": cfg.data.dataset, "kwargs": cfg.data.kwargs},
-            "num_classes": num_classes, "input_shape": list(in_shape),
-            "final_accuracy": accuracy, "final_loss": loss, "source": source,
-            "hetps_version": version, "torch_version": torch.__version__,
-            "algorithm": cfg.algorithm.name, "seed": cfg.seed, **more}
+    return {
+        "model": {"name": cfg.model.name, "kwargs": cfg.model.kwargs},
+        "dataset": {"name": cfg.data.dataset, "kwargs": cfg.data.kwargs},
+        "num_classes": num_classes,
+        "input_shape": list(in_shape),
+        "final_accuracy": accuracy,
+        "final_loss": loss,
+        "source": source,
+        "hetps_version": version,
+        "torch_version": torch.__version__,
+        "algorithm": cfg.algorithm.name,
+        "seed": cfg.seed,
+        **more,
+    }
 
 
 def write_model(model: nn.Module, out: Path, description: dict) -> tuple[Path, Path]:
@@ -82,6 +98,7 @@ def write_state(state: dict[str, torch.Tensor], out: Path, description: dict) ->
 
 # ------------------------------------------------------------ from checkpoints
 
+
 def find_run(path: Path) -> tuple[Path, list[Path]]:
     """(the run's config.yaml, one folder per shard psN) for a run directory
     or any folder inside its checkpoints. Raises ExportError."""
@@ -92,10 +109,19 @@ def find_run(path: Path) -> tuple[Path, list[Path]]:
         raise ExportError(f"{path}: no shard checkpoints (v*.pt) found in or under it")
     runs = {d.parent for d in shard_dirs}
     if len(runs) > 1:  # checkpoints of several runs: the newest one
-        newest = max(runs, key=lambda r: max(p.stat().st_mtime for d in shard_dirs if d.parent == r
-                                             for _, p in checkpoint.checkpoints(d)))
+        newest = max(
+            runs,
+            key=lambda r: max(
+                p.stat().st_mtime
+                for d in shard_dirs
+                if d.parent == r
+                for _, p in checkpoint.checkpoints(d)
+            ),
+        )
         shard_dirs = [d for d in shard_dirs if d.parent == newest]
-    config = next((p / "config.yaml" for p in (path, *path.parents) if (p / "config.yaml").is_file()), None)
+    config = next(
+        (p / "config.yaml" for p in (path, *path.parents) if (p / "config.yaml").is_file()), None
+    )
     return config, shard_dirs
 
 
@@ -114,16 +140,22 @@ def newest_tensors(shard_dirs: list[Path]) -> tuple[dict[str, torch.Tensor], dic
 def assemble(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Load the shards' tensors into `model`, joining `NAME#k` parts. Raises ExportError."""
     for name, (target, _) in model_tensors(model).items():
-        parts = sorted((k for k in tensors if k.startswith(name + "#") and k[len(name) + 1:].isdigit()),
-                       key=lambda k: int(k.rsplit("#", 1)[1]))
+        parts = sorted(
+            (k for k in tensors if k.startswith(name + "#") and k[len(name) + 1 :].isdigit()),
+            key=lambda k: int(k.rsplit("#", 1)[1]),
+        )
         value = tensors.get(name)
         if value is None and parts:
             value = torch.cat([tensors[p].reshape(-1) for p in parts])
         if value is None:
-            raise ExportError(f"the checkpoints lack tensor {name!r}: is a shard's checkpoint folder missing?")
+            raise ExportError(
+                f"the checkpoints lack tensor {name!r}: is a shard's checkpoint folder missing?"
+            )
         if value.numel() != target.numel():
-            raise ExportError(f"tensor {name!r} has {value.numel()} values in the checkpoints, the model "
-                              f"{target.numel()}: not this model's checkpoints (check --config)")
+            raise ExportError(
+                f"tensor {name!r} has {value.numel()} values in the checkpoints, the model "
+                f"{target.numel()}: not this model's checkpoints (check --config)"
+            )
         with torch.no_grad():
             target.copy_(value.reshape(target.shape))
 
@@ -133,12 +165,15 @@ def export(path: Path, out: Path, config: Path | None = None) -> dict:
     run_config, shard_dirs = find_run(path)
     config = config or run_config
     if config is None:
-        raise ExportError(f"{path}: no config.yaml in it or above it; pass --config (the run's config)")
+        raise ExportError(
+            f"{path}: no config.yaml in it or above it; pass --config (the run's config)"
+        )
     cfg = load_config(config, import_targets=True)
     data, model = build_checked(cfg)
     tensors, versions = newest_tensors(shard_dirs)
     assemble(model, tensors)
     from .evaluator import evaluate  # (evaluator.py imports this module)
+
     accuracy, loss = evaluate(model, data.test, cfg.data.eval_batch_size, torch.device("cpu"))
     description = describe(cfg, data.in_shape, data.num_classes, accuracy, loss, "checkpoints")
     description["checkpoint_versions"] = versions
@@ -147,10 +182,16 @@ def export(path: Path, out: Path, config: Path | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hetps export", description="the trained model from shard checkpoints")
+    parser = argparse.ArgumentParser(
+        prog="hetps export", description="the trained model from shard checkpoints"
+    )
     parser.add_argument("path", help="a run directory, or a checkpoint folder inside one")
-    parser.add_argument("--out", required=True, help="the .safetensors file to write (its .json goes beside it)")
-    parser.add_argument("--config", default=None, help="the run's config (default: config.yaml in PATH or above)")
+    parser.add_argument(
+        "--out", required=True, help="the .safetensors file to write (its .json goes beside it)"
+    )
+    parser.add_argument(
+        "--config", default=None, help="the run's config (default: config.yaml in PATH or above)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     try:
@@ -158,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, ConfigError, PreflightError, ValueError, OSError) as exc:
         print(f"hetps export: {exc}", file=sys.stderr)
         return 2
-    print(f"hetps export: wrote {args.out} and {Path(args.out).with_suffix('.json')} (checkpoint versions "
-          f"{d['checkpoint_versions']}, test accuracy {d['final_accuracy']:.4f})")
+    print(
+        f"hetps export: wrote {args.out} and {Path(args.out).with_suffix('.json')} (checkpoint versions "
+        f"{d['checkpoint_versions']}, test accuracy {d['final_accuracy']:.4f})"
+    )
     return 0
 
 

@@ -19,6 +19,7 @@ backward accumulates into the views. A shard's part that does not qualify (buffe
 dtypes, chunked tensors, a parameter shared under two names) keeps the
 per-tensor path.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,12 +45,12 @@ class FlatPart:
         self.values = torch.zeros(end // dtype.itemsize, dtype=dtype)
         self.grads = torch.zeros_like(self.values)
         for p, at in zip(params, offsets):
-            value = self.values[at:at + p.numel()].view(p.shape)
+            value = self.values[at : at + p.numel()].view(p.shape)
             with torch.no_grad():
                 value.copy_(p)
             p.data = value
-            p.grad = self.grads[at:at + p.numel()].view(p.shape)
-        self.span = self.values[:offsets[-1] + params[-1].numel()]
+            p.grad = self.grads[at : at + p.numel()].view(p.shape)
+        self.span = self.values[: offsets[-1] + params[-1].numel()]
 
 
 class FlatParams:
@@ -67,8 +68,12 @@ class FlatParams:
             params = [e[0] for e in entries]
             dtype = params[0].dtype
             if not dtype.is_floating_point or any(
-                    p.dtype != dtype or p.device.type != "cpu" or seen[id(p)] > 1 or not math.prod(p.shape)
-                    for p in params):
+                p.dtype != dtype
+                or p.device.type != "cpu"
+                or seen[id(p)] > 1
+                or not math.prod(p.shape)
+                for p in params
+            ):
                 continue
             self.parts.append(FlatPart(names, params))
         self.by_names = {part.names: part for part in self.parts}
@@ -84,7 +89,11 @@ class FlatParams:
         loaded: set[str] = set()
         for run, names in getattr(values, "runs", None) or ():
             part = self.by_names.get(tuple(names))
-            if part is not None and run.dtype == part.span.dtype and run.numel() == part.span.numel():
+            if (
+                part is not None
+                and run.dtype == part.span.dtype
+                and run.numel() == part.span.numel()
+            ):
                 part.span.copy_(run)
                 loaded.update(names)
         return loaded

@@ -3,6 +3,7 @@ worker`, worker/__main__.py): build and dry-run the model and data, profile,
 register, wait for the plan, train (or evaluate) until the scheduler says
 stop, say goodbye. Kept apart from the flag parsing so that `hetps worker
 --check` and a flag error never import torch."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,19 +15,19 @@ from pathlib import Path
 
 import torch
 
+from hetps.proto.errors import HetpsError
+from hetps.proto.plan import schema_hash
+from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
+from hetps.proto.transport import TransportError
 from hetps.runconfig.algorithms import AlgorithmMismatch, algorithm, check_plan_algorithm
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.runtime.daemon import scheduler_lost_exit, transport_options
 from hetps.runtime.devices import pick_device, use_device
 from hetps.runtime.emulation import Slowdown
-from hetps.proto.errors import HetpsError
 from hetps.runtime.membership import Membership, SchedulerUnreachable, describe_failure
 from hetps.runtime.metrics import serve_metrics
 from hetps.runtime.optim import build_optimizer
-from hetps.proto.plan import schema_hash
-from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.runtime.startup import Phases
-from hetps.proto.transport import TransportError
 
 from .data import DatasetUnavailable
 from .diloco import DilocoTrainer
@@ -39,7 +40,11 @@ from .trainer import Trainer, profile_speed
 
 log = logging.getLogger("hetps.worker")
 # the table's `worker_loop` -> the loop that runs it
-WORKER_LOOPS = {"gradients": Trainer, "local_steps": LocalSgdTrainer, "pseudo_gradients": DilocoTrainer}
+WORKER_LOOPS = {
+    "gradients": Trainer,
+    "local_steps": LocalSgdTrainer,
+    "pseudo_gradients": DilocoTrainer,
+}
 
 
 def trainer_class(cfg) -> type:
@@ -56,24 +61,39 @@ def leave_on_error(member: Membership, runner, exc: Exception) -> None:
     if member.scheduler_lost or isinstance(exc, SchedulerUnreachable):
         return
     error = str(exc) if isinstance(exc, HetpsError) else describe_failure(exc)
-    member.bye(runner.stats(), timeout_s=2.0, error=error,
-               refused=exc.status if isinstance(exc, RemoteError) else 0)
+    member.bye(
+        runner.stats(),
+        timeout_s=2.0,
+        error=error,
+        refused=exc.status if isinstance(exc, RemoteError) else 0,
+    )
 
 
 def warn_emulated_bfloat16(precision: str, device: torch.device) -> None:
     """model.autocast: bfloat16 on a GPU older than compute capability 8.0 (V100,
     T4) runs, emulated, slower than float32: say so in the worker's log."""
-    if precision == "bfloat16" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        log.warning("model.autocast: bfloat16 on %s (compute capability %s) is emulated and slower than float32; "
-                    "set model.autocast: none on such GPUs", torch.cuda.get_device_name(device),
-                    ".".join(map(str, torch.cuda.get_device_capability(device))))
+    if (
+        precision == "bfloat16"
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < (8, 0)
+    ):
+        log.warning(
+            "model.autocast: bfloat16 on %s (compute capability %s) is emulated and slower than float32; "
+            "set model.autocast: none on such GPUs",
+            torch.cuda.get_device_name(device),
+            ".".join(map(str, torch.cuda.get_device_capability(device))),
+        )
 
 
-def run_node(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: Phases, role: str) -> int:
+def run_node(
+    args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: Phases, role: str
+) -> int:
     """Run worker `args.rank` (or the evaluator) until the run stops; the daemon's exit status."""
     workers = cfg.cluster.workers
     # `--rank auto` (rank < 0): the default node settings, the rank comes at registration
-    node = workers[args.rank] if not args.evaluator and 0 <= args.rank < len(workers) else NodeConfig()
+    node = (
+        workers[args.rank] if not args.evaluator and 0 <= args.rank < len(workers) else NodeConfig()
+    )
     torch.set_num_threads(node.threads)
     # every socket of this process (the scheduler's, the shards'; `member.transport`):
     # comm.shm_bytes (co-located worker -> shard frames, docs/big-messages.md) and one
@@ -98,28 +118,62 @@ def run_node(args: argparse.Namespace, cfg: RunConfig, scheduler: str, phases: P
                 build_optimizer(list(model.parameters()), cfg.optimizer)
             state = ModelState(model, device)
             phases.mark("build")
-            speed = 0.0 if args.evaluator else profile_speed(state, data, cfg.data.batch_size,
-                                                             cfg.cluster.profile_steps, Slowdown(node),
-                                                             cfg.model.autocast)
+            speed = (
+                0.0
+                if args.evaluator
+                else profile_speed(
+                    state,
+                    data,
+                    cfg.data.batch_size,
+                    cfg.cluster.profile_steps,
+                    Slowdown(node),
+                    cfg.model.autocast,
+                )
+            )
             phases.mark("profile")
-        member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=speed,
-                    startup=phases.as_dict())
+        member.join(
+            tensor_specs=[s.to_wire() for s in specs],
+            schema_hash=schema_hash(specs),
+            speed=speed,
+            startup=phases.as_dict(),
+        )
         args.rank = member.rank  # `--rank auto`: from here on, the rank the scheduler gave
         plan = member.wait_plan()
-        with member.starting({AlgorithmMismatch: 2}):  # reported: the scheduler ends the run naming this node
-            check_plan_algorithm(cfg.algorithm, plan)  # this node's YAML must run the scheduler's algorithm
+        # reported: the scheduler ends the run naming this node
+        with member.starting({AlgorithmMismatch: 2}):
+            # this node's YAML must run the scheduler's algorithm
+            check_plan_algorithm(cfg.algorithm, plan)
         # heartbeats from the moment the plan arrives: the scheduler counts silence from then on,
         # and building the trainer may take seconds on a loaded machine
         member.start_heartbeats(lambda: runner.stats() if runner is not None else {})
         with member.starting():
             model_out = args.model_out or os.environ.get("HETPS_MODEL_OUT")
-            runner = (Evaluator(cfg, member, plan, state, data.test, Path(model_out) if model_out else None,
-                                (data.in_shape, data.num_classes)) if args.evaluator
-                      else trainer_class(cfg)(cfg, node, member, plan, state, data))
-            serve_metrics(args.metrics_port, args.metrics_host or cfg.cluster.host, role, args.rank,
-                          runner.stats, histograms=getattr(getattr(runner, "timer", None), "histograms", None),
-                          algorithm=cfg.algorithm.name, targets=args.metrics_targets)
-        log.info("%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id)
+            runner = (
+                Evaluator(
+                    cfg,
+                    member,
+                    plan,
+                    state,
+                    data.test,
+                    Path(model_out) if model_out else None,
+                    (data.in_shape, data.num_classes),
+                )
+                if args.evaluator
+                else trainer_class(cfg)(cfg, node, member, plan, state, data)
+            )
+            serve_metrics(
+                args.metrics_port,
+                args.metrics_host or cfg.cluster.host,
+                role,
+                args.rank,
+                runner.stats,
+                histograms=getattr(getattr(runner, "timer", None), "histograms", None),
+                algorithm=cfg.algorithm.name,
+                targets=args.metrics_targets,
+            )
+        log.info(
+            "%s %d (node %d) on %s, plan %d", role, args.rank, member.node_id, device, plan.plan_id
+        )
         try:
             with contextlib.suppress(Aborted):  # the run stopped while a request was waiting
                 runner.run()

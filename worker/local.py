@@ -18,6 +18,7 @@ step.py's `LocalRounds` (the simulator runs them too); this loop adds the
 I/O: PSClient, membership, the wall clock. Blocking; returns when the
 scheduler asks the cluster to stop.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,15 @@ log = logging.getLogger(__name__)
 class LocalSgdTrainer(Trainer):
     FLAT = False  # per-tensor gradients (see Trainer.FLAT)
 
-    def __init__(self, cfg: RunConfig, node: NodeConfig, member: Membership, plan: ClusterPlan,
-                 state: ModelState, data: Datasets):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        node: NodeConfig,
+        member: Membership,
+        plan: ClusterPlan,
+        state: ModelState,
+        data: Datasets,
+    ):
         super().__init__(cfg, node, member, plan, state, data)
         self.rounds = self.make_rounds(plan)
 
@@ -76,8 +84,14 @@ class LocalSgdTrainer(Trainer):
             while not self.member.stop_requested.is_set():
                 started = time.perf_counter()
                 loss, compute_s = self.local_step()
-                record = {"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5),
-                          "staleness": 0, "compute_s": round(compute_s, 5), **self.work.norm_record()}
+                record = {
+                    "worker": self.member.rank,
+                    "step": self.clock,
+                    "loss": round(loss, 5),
+                    "staleness": 0,
+                    "compute_s": round(compute_s, 5),
+                    **self.work.norm_record(),
+                }
                 if self.rounds.due():
                     record.update(self.average())
                 self.timer.update(compute_s, 0.0, time.perf_counter() - started)
@@ -89,8 +103,9 @@ class LocalSgdTrainer(Trainer):
     def push_final(self) -> None:
         """Push the model for the last round without waiting for its mean
         (a client that ignores the stop flag; every wait still has a deadline)."""
-        client = PSClient(self.client.plan, self.member.node_id, self.cfg.cluster,
-                          transport=self.client.transport)
+        client = PSClient(
+            self.client.plan, self.member.node_id, self.cfg.cluster, transport=self.client.transport
+        )
         client.versions = list(self.client.versions)
         try:
             client.push(*self.rounds.final_request())

@@ -18,6 +18,7 @@ shape `(B, num_classes)`. `cfg.name` selects the model:
 take raises `TypeError` naming the model. Unknown names and failed imports
 raise `ModelError`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetps.runconfig.schema import ModelConfig
 from hetps.proto.errors import HetpsError
+from hetps.runconfig.schema import ModelConfig
 
 
 class ModelError(HetpsError, ValueError):
@@ -39,15 +40,18 @@ class ModelError(HetpsError, ValueError):
 
 def _image_shape(model: str, in_shape: Sequence[int]) -> tuple[int, int, int]:
     if len(in_shape) != 3:
-        raise ModelError(f"model {model!r} needs image inputs (C, H, W), got shape {tuple(in_shape)}")
+        raise ModelError(
+            f"model {model!r} needs image inputs (C, H, W), got shape {tuple(in_shape)}"
+        )
     return tuple(in_shape)
 
 
 class MLP(nn.Sequential):
     """Flatten, then fully connected layers of sizes `hidden` with ReLU, then a linear head."""
 
-    def __init__(self, in_shape: Sequence[int], num_classes: int,
-                 hidden: Sequence[int] = (256, 128)) -> None:
+    def __init__(
+        self, in_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (256, 128)
+    ) -> None:
         layers: list[nn.Module] = [nn.Flatten()]
         width = math.prod(in_shape)
         for size in hidden:
@@ -69,15 +73,21 @@ class LeNet5(nn.Module):
         channels, height, width = _image_shape("lenet5", in_shape)
         padding = max(0, (32 - min(height, width)) // 2)
         self.features = nn.Sequential(
-            nn.Conv2d(channels, 6, kernel_size=5, padding=padding), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(6, 16, kernel_size=5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(channels, 6, kernel_size=5, padding=padding),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, kernel_size=5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
             nn.Flatten(),
         )
         with torch.no_grad():
             flat = self.features(torch.zeros(1, *in_shape)).shape[1]
         self.classifier = nn.Sequential(
-            nn.Linear(flat, 120), nn.ReLU(),
-            nn.Linear(120, 84), nn.ReLU(),
+            nn.Linear(flat, 120),
+            nn.ReLU(),
+            nn.Linear(120, 84),
+            nn.ReLU(),
             nn.Linear(84, num_classes),
         )
 
@@ -104,7 +114,7 @@ class BasicBlock(nn.Module):
 
     def shortcut(self, x: torch.Tensor) -> torch.Tensor:
         if self.stride != 1:
-            x = x[:, :, ::self.stride, ::self.stride]
+            x = x[:, :, :: self.stride, :: self.stride]
         if self.extra_channels:
             half = self.extra_channels // 2
             x = F.pad(x, (0, 0, 0, 0, half, self.extra_channels - half))
@@ -123,7 +133,8 @@ class ResNet20(nn.Module):
         super().__init__()
         in_channels = _image_shape("resnet20", in_shape)[0]
         self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+            nn.Conv2d(in_channels, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU()
+        )
         blocks: list[nn.Module] = []
         channels = 16
         for stage, width in enumerate((16, 32, 64)):
@@ -159,16 +170,19 @@ def build_model(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -
     return _build_torchvision(cfg.name, num_classes, cfg.kwargs)
 
 
-def _build_builtin(name: str, in_shape: tuple[int, ...], num_classes: int,
-                   kwargs: dict) -> nn.Module:
+def _build_builtin(
+    name: str, in_shape: tuple[int, ...], num_classes: int, kwargs: dict
+) -> nn.Module:
     builder = BUILTINS[name]
     try:
         inspect.signature(builder).bind(in_shape, num_classes, **kwargs)
     except TypeError as exc:
-        accepted = [p for p in inspect.signature(builder).parameters
-                    if p not in ("in_shape", "num_classes")]
-        raise TypeError(f"model {name!r}: {exc}; accepted kwargs: "
-                        f"{', '.join(accepted) or '(none)'}") from None
+        accepted = [
+            p for p in inspect.signature(builder).parameters if p not in ("in_shape", "num_classes")
+        ]
+        raise TypeError(
+            f"model {name!r}: {exc}; accepted kwargs: {', '.join(accepted) or '(none)'}"
+        ) from None
     return builder(in_shape, num_classes, **kwargs)
 
 
@@ -176,8 +190,10 @@ def _build_torchvision(name: str, num_classes: int, kwargs: dict) -> nn.Module:
     import torchvision  # deferred: slow to import and unused by the builtin models
 
     if name.lower() not in torchvision.models.list_models():
-        raise ModelError(f"unknown model {name!r}; use one of {', '.join(BUILTINS)}, "
-                         "a torchvision.models name, or package.module:factory")
+        raise ModelError(
+            f"unknown model {name!r}; use one of {', '.join(BUILTINS)}, "
+            "a torchvision.models name, or package.module:factory"
+        )
     try:
         return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
     except TypeError as exc:
@@ -195,7 +211,9 @@ def _offered(factory: Callable, offers: dict) -> dict:
     return {k: v for k, v in offers.items() if k in params}
 
 
-def _build_from_factory(spec: str, in_shape: tuple[int, ...], num_classes: int, kwargs: dict) -> nn.Module:
+def _build_from_factory(
+    spec: str, in_shape: tuple[int, ...], num_classes: int, kwargs: dict
+) -> nn.Module:
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -210,6 +228,7 @@ def _build_from_factory(spec: str, in_shape: tuple[int, ...], num_classes: int, 
     except TypeError as exc:
         raise TypeError(f"model {spec!r}: {exc}") from exc
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model factory {spec!r} returned {type(model).__name__}, "
-                        "not a torch.nn.Module")
+        raise TypeError(
+            f"model factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module"
+        )
     return model

@@ -30,6 +30,7 @@ from `Overlap(...)` to `close()`; the training thread (and autograd) hand it
 work through a queue and never touch the sockets. Every wait has a deadline
 and is abandoned (`Aborted`) once `should_abort()` turns true.
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,8 +54,8 @@ from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 
-JOIN_S = 10.0         # longest wait for a link thread to leave on close
-IDLE_CHECK_S = 0.5    # an idle link thread checks this often whether it should leave
+JOIN_S = 10.0  # longest wait for a link thread to leave on close
+IDLE_CHECK_S = 0.5  # an idle link thread checks this often whether it should leave
 
 
 @dataclass
@@ -86,7 +87,9 @@ class ShardLink:
         self.build_lock = build_lock
         self.jobs: queue.Queue[Exchange | None] = queue.Queue()
         self.leaving = threading.Event()
-        self.thread = threading.Thread(target=self._serve, name=f"overlap-shard{index}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._serve, name=f"overlap-shard{index}", daemon=True
+        )
         self.thread.start()
 
     def _serve(self) -> None:
@@ -160,22 +163,30 @@ class Overlap:
         self.client = client
         self.state = state
         self.should_abort = should_abort
-        self.wait_limit_s = 2 * client.shards[0].timeout_s + 10.0  # a push and a pull, each with its timeout
+        # a push and a pull, each with its timeout
+        self.wait_limit_s = 2 * client.shards[0].timeout_s + 10.0
         self.shards_of = tensor_shards(client.plan)
         n = len(client.plan.shards)
-        self.sources = [[name for name in state.tensors if i in self.shards_of[name]] for i in range(n)]
-        self.params = {i: {name for name in self.sources[i] if self._hooked(name)} for i in range(n)}
-        self.pending: list[Exchange | None] = [None] * n   # sent, values not loaded yet
-        self.staged: dict[str, torch.Tensor] = {}        # received parts of tensors not complete yet
-        self.loaded: list[Exchange] = []                 # this step's exchanges whose values are in
+        self.sources = [
+            [name for name in state.tensors if i in self.shards_of[name]] for i in range(n)
+        ]
+        self.params = {
+            i: {name for name in self.sources[i] if self._hooked(name)} for i in range(n)
+        }
+        self.pending: list[Exchange | None] = [None] * n  # sent, values not loaded yet
+        # received parts of tensors not complete yet
+        self.staged: dict[str, torch.Tensor] = {}
+        self.loaded: list[Exchange] = []  # this step's exchanges whose values are in
         self.lock = threading.Lock()
         self.armed = False
         self.clock, self.n_samples = 0, 0
         self.missing: list[set[str]] = []
         self.pushed = [False] * n
-        self.last_acks: list[Ack] = []   # the ACKs of the last step whose replies were all loaded
-        self.last_push_s = 0.0           # of that step: seconds its pushes were acked after finish()
-        self.wait_s = 0.0                # seconds the training thread waited for replies since begin()
+        self.last_acks: list[Ack] = []  # the ACKs of the last step whose replies were all loaded
+        # of that step: seconds its pushes were acked after finish()
+        self.last_push_s = 0.0
+        # seconds the training thread waited for replies since begin()
+        self.wait_s = 0.0
         self.finished_at = 0.0
         build_lock = threading.Lock()
         self.links = [ShardLink(client, i, build_lock) for i in range(n)]
@@ -186,10 +197,14 @@ class Overlap:
         handles = []
         for name, (t, _) in self.state.tensors.items():
             if self._hooked(name):
-                handles.append(t.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name)))
+                handles.append(
+                    t.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
+                )
         for module, names in module_tensors(self.state.model):
             last = max(s for n in names for s in self.shards_of[n])
-            handles.append(module.register_forward_pre_hook(functools.partial(self._before_forward, last)))
+            handles.append(
+                module.register_forward_pre_hook(functools.partial(self._before_forward, last))
+            )
         handles.append(self.state.model.register_forward_hook(self._after_forward))
         return handles
 
@@ -250,7 +265,7 @@ class Overlap:
         """Wait for the replies of shards 0..last_shard still outstanding and
         load every tensor that is complete. Raises Aborted, RequestTimeout,
         or the link's error (RemoteError ...)."""
-        jobs = [j for j in self.pending[:last_shard + 1] if j is not None]
+        jobs = [j for j in self.pending[: last_shard + 1] if j is not None]
         if not jobs:
             return
         started = time.monotonic()
@@ -273,7 +288,9 @@ class Overlap:
             if self.should_abort():
                 raise Aborted(f"overlapped push/pull to shard {job.shard} abandoned")
             if time.monotonic() > deadline:
-                raise RequestTimeout(self.client.shards[job.shard].address, "PUSH+PULL", self.wait_limit_s)
+                raise RequestTimeout(
+                    self.client.shards[job.shard].address, "PUSH+PULL", self.wait_limit_s
+                )
         if job.error is not None:
             raise job.error
 
@@ -281,7 +298,9 @@ class Overlap:
         values = {}
         for name, chunk in self.client.plan.chunks.items():
             if all(p in self.staged for p in chunk["parts"]):
-                values[name] = torch.cat([self.staged.pop(p) for p in chunk["parts"]]).view(chunk["shape"])
+                values[name] = torch.cat([self.staged.pop(p) for p in chunk["parts"]]).view(
+                    chunk["shape"]
+                )
         for name in [n for n in self.staged if n in self.state.tensors]:
             values[name] = self.staged.pop(name)
         self.state.load(values)
@@ -330,7 +349,8 @@ class OverlapTrainer(Trainer):
         self.overlap = Overlap(self.client, self.state, self.should_abort)
 
     def use_plan(self, plan: ClusterPlan) -> None:
-        if self.overlap is not None:  # the previous step's replies first, under the plan they were made for
+        # the previous step's replies first, under the plan they were made for
+        if self.overlap is not None:
             self.overlap.drain()
         super().use_plan(plan)
 

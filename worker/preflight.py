@@ -10,6 +10,7 @@ runs it once while the shards and workers start (a failure stops them all):
 
 exits 0 (printing what it checked) or 2 (printing the one line).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,14 @@ class PreflightError(ValueError):
 
 
 def first_conv(model: nn.Module) -> nn.Module | None:
-    return next((m for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))), None)
+    return next(
+        (m for m in model.modules() if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d))), None
+    )
 
 
-def dry_step(model: nn.Module, data: Datasets, cfg: RunConfig, device: torch.device | str = "cpu") -> None:
+def dry_step(
+    model: nn.Module, data: Datasets, cfg: RunConfig, device: torch.device | str = "cpu"
+) -> None:
     """Forward and backward on the first `data.batch_size` training examples,
     on a copy of `model` (its values and buffers stay as they are).
     Raises PreflightError: the channel count differs, the forward fails, the
@@ -52,7 +57,8 @@ def dry_step(model: nn.Module, data: Datasets, cfg: RunConfig, device: torch.dev
             f"{names}: the model's first convolution takes {conv.in_channels} input channels, the dataset's "
             f"images (shape {data.in_shape}) have {data.in_shape[0]}; fix: build the model for "
             f"input_shape[0] channels (a factory receives input_shape={data.in_shape}) or convert the "
-            f"images to {conv.in_channels} channels in the dataset")
+            f"images to {conv.in_channels} channels in the dataset"
+        )
     probe = copy.deepcopy(model).to(device).train()
     precision = cfg.model.autocast
     try:
@@ -61,20 +67,25 @@ def dry_step(model: nn.Module, data: Datasets, cfg: RunConfig, device: torch.dev
     except Exception as exc:  # the user's forward may raise anything
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         under = f" under model.autocast: {precision}" if precision != "none" else ""
-        raise PreflightError(f"{names}: the forward pass fails on a batch of shape {shape}{under} ({first}); fix: "
-                             f"build the model for inputs of shape {data.in_shape} (a factory receives input_shape)"
-                             + (" or set model.autocast: none" if under else "")) from None
+        raise PreflightError(
+            f"{names}: the forward pass fails on a batch of shape {shape}{under} ({first}); fix: "
+            f"build the model for inputs of shape {data.in_shape} (a factory receives input_shape)"
+            + (" or set model.autocast: none" if under else "")
+        ) from None
     want = (batch, data.num_classes)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise PreflightError(
             f"{names}: the model gives outputs of shape {got} for inputs of shape {shape}, but the dataset has "
             f"{data.num_classes} classes, so it must give {want}; fix: make its last layer output num_classes "
-            f"logits (a factory receives num_classes={data.num_classes}) or check the dataset's num_classes")
+            f"logits (a factory receives num_classes={data.num_classes}) or check the dataset's num_classes"
+        )
     F.cross_entropy(out.float(), y.to(device)).backward()
     if not any(p.grad is not None for p in probe.parameters()):
-        raise PreflightError(f"{names}: no parameter of the model gets a gradient; fix: the model must have "
-                             "trainable parameters that the output depends on")
+        raise PreflightError(
+            f"{names}: no parameter of the model gets a gradient; fix: the model must have "
+            "trainable parameters that the output depends on"
+        )
 
 
 def build_checked(cfg: RunConfig, device: torch.device | str = "cpu") -> tuple[Datasets, nn.Module]:
@@ -92,8 +103,10 @@ def build_checked(cfg: RunConfig, device: torch.device | str = "cpu") -> tuple[D
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetps.worker.preflight",
-                                     description="check that the model fits the dataset (one dry step)")
+    parser = argparse.ArgumentParser(
+        prog="python -m hetps.worker.preflight",
+        description="check that the model fits the dataset (one dry step)",
+    )
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
@@ -104,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     except PreflightError as exc:
         print(f"hetps: check failed: {exc}", file=sys.stderr)
         return 2
-    print(f"hetps: check ok: model {cfg.model.name!r} on dataset {cfg.data.dataset!r}, input shape "
-          f"{data.in_shape}, {data.num_classes} classes")
+    print(
+        f"hetps: check ok: model {cfg.model.name!r} on dataset {cfg.data.dataset!r}, input shape "
+        f"{data.in_shape}, {data.num_classes} classes"
+    )
     return 0
 
 

@@ -5,6 +5,7 @@ Buffer policy (all algorithms): floating-point buffers (BatchNorm running
 mean/var) travel with every push as current values and come back averaged by
 the shard; integer buffers (num_batches_tracked) take the max.
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -33,8 +34,10 @@ def model_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
 
 
 def model_specs(model: nn.Module) -> list[TensorSpec]:
-    return [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape), kind)
-            for n, (t, kind) in model_tensors(model).items()]
+    return [
+        TensorSpec(n, dtype_name(t.dtype), tuple(t.shape), kind)
+        for n, (t, kind) in model_tensors(model).items()
+    ]
 
 
 class ModelState:
@@ -52,7 +55,9 @@ class ModelState:
         self._loose = self._params_not_in(())  # parameters whose gradients are set to None per step
 
     def _params_not_in(self, names) -> list[torch.Tensor]:
-        return [t for name, (t, kind) in self.tensors.items() if kind == "param" and name not in names]
+        return [
+            t for name, (t, kind) in self.tensors.items() if kind == "param" and name not in names
+        ]
 
     def lay_out_flat(self, groups: list[list[str]]) -> None:
         """Keep each group's parameters (a shard's part, in push order) and

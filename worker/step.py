@@ -20,6 +20,7 @@ their clocks and handle the ACKs' staleness and plan ids.
 Each gets what it reads in its constructor: the config, the worker's
 `ModelState` and data, its node id, the plan, and (rounds) a clock.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -93,8 +94,9 @@ class GradientStep:
     parameters `state` holds when this is built (build it before the loop
     lays them out flat)."""
 
-    def __init__(self, cfg: RunConfig, state: ModelState, data: Datasets, node_id: int,
-                 plan: ClusterPlan):
+    def __init__(
+        self, cfg: RunConfig, state: ModelState, data: Datasets, node_id: int, plan: ClusterPlan
+    ):
         """Takes `plan`'s share at once (`use_plan`)."""
         self.cfg = cfg
         self.state = state
@@ -113,13 +115,18 @@ class GradientStep:
         loop rescales its step timer by it (StepTimer.rescale)."""
         self.index = plan.worker_ids().index(self.node_id)
         self.group = plan.group_of(self.node_id)
-        share = partition(len(self.data.train), self.index, len(plan.workers), self.cfg.seed,
-                          plan.share_weights())
+        share = partition(
+            len(self.data.train), self.index, len(plan.workers), self.cfg.seed, plan.share_weights()
+        )
         old_batch = self.batch_size
         # balanced: per worker
         self.batch_size = plan.batch_of(self.node_id, self.cfg.data.batch_size)
-        self.stream = BatchStream(self.data.train, share, self.batch_size,
-                                  self.cfg.seed + 1000 * self.index + plan.plan_id)
+        self.stream = BatchStream(
+            self.data.train,
+            share,
+            self.batch_size,
+            self.cfg.seed + 1000 * self.index + plan.plan_id,
+        )
         if old_batch and old_batch != self.batch_size:
             return self.batch_size / old_batch
         return 1.0
@@ -147,8 +154,9 @@ class GradientStep:
         over every parameter); keep the norm it had for the step record. Each
         worker clips its own gradient, before a round averages it (DDP clips
         the average)."""
-        self.grad_norm = clip_to_norm([p.grad for p in self.clipped if p.grad is not None],
-                                      self.cfg.optimizer.clip_grad_norm)
+        self.grad_norm = clip_to_norm(
+            [p.grad for p in self.clipped if p.grad is not None], self.cfg.optimizer.clip_grad_norm
+        )
 
     def norm_record(self) -> dict:
         """`grad_norm` (before clipping) for a step record, when clipping is on;
@@ -197,13 +205,13 @@ class LocalRounds:
         self.optimizer = build_optimizer(list(self.state.model.parameters()), cfg.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer.schedule)
         period = PERIODS[algorithm(cfg.algorithm.name).period](cfg.algorithm.params)
-        self.period_s = period.seconds   # time-based periods
-        self.period = period.steps       # step-based periods
+        self.period_s = period.seconds  # time-based periods
+        self.period = period.steps  # step-based periods
         self.final_average = period.final_average
-        self.round = 0            # rounds this worker took part in (= its push clock)
+        self.round = 0  # rounds this worker took part in (= its push clock)
         self.steps_in_round = 0
         self.round_started = now()
-        self.in_flight = False    # a round was pushed whose result has not been taken
+        self.in_flight = False  # a round was pushed whose result has not been taken
 
     def begin(self) -> None:
         """The shards' initial values are loaded: the first round starts now."""
@@ -227,9 +235,12 @@ class LocalRounds:
 
     def info(self) -> dict:
         """A push's `info`: steps (local steps in the round), period, lr, weight_decay."""
-        return {"steps": self.steps_in_round, "period": self.steps_in_round,
-                "lr": self.optimizer.param_groups[0]["lr"],
-                "weight_decay": self.cfg.optimizer.weight_decay}
+        return {
+            "steps": self.steps_in_round,
+            "period": self.steps_in_round,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "weight_decay": self.cfg.optimizer.weight_decay,
+        }
 
     def model_values(self) -> dict[str, torch.Tensor]:
         """Copies (CPU) of every parameter and buffer: what an average needs."""
@@ -282,8 +293,9 @@ class DilocoRounds(LocalRounds):
     `steps_by_speed`, period x speed_i / fastest for the others (at least
     `min_period`), from the speeds `plan` carries; `use_plan` follows new plans."""
 
-    def __init__(self, cfg: RunConfig, work: GradientStep, now: Callable[[], float],
-                 plan: ClusterPlan):
+    def __init__(
+        self, cfg: RunConfig, work: GradientStep, now: Callable[[], float], plan: ClusterPlan
+    ):
         super().__init__(cfg, work, now)
         self.period = self.period_for(plan)
         self.start_values: dict[str, torch.Tensor] = {}
@@ -294,8 +306,12 @@ class DilocoRounds(LocalRounds):
         if not p.steps_by_speed:
             return p.period
         speeds = [plan.speeds.get(str(w), 0.0) for w in plan.worker_ids()]
-        return local_steps(plan.speeds.get(str(self.work.node_id), 0.0), max(speeds, default=0.0),
-                           p.period, p.min_period)
+        return local_steps(
+            plan.speeds.get(str(self.work.node_id), 0.0),
+            max(speeds, default=0.0),
+            p.period,
+            p.min_period,
+        )
 
     def use_plan(self, plan: ClusterPlan) -> None:
         """The worker switched to `plan` (GradientStep.use_plan): its H_i."""
@@ -308,8 +324,11 @@ class DilocoRounds(LocalRounds):
 
     def params(self) -> dict[str, torch.Tensor]:
         """Copies (CPU) of every parameter."""
-        return {n: t.detach().to("cpu", copy=True) for n, (t, kind) in self.state.tensors.items()
-                if kind == "param"}
+        return {
+            n: t.detach().to("cpu", copy=True)
+            for n, (t, kind) in self.state.tensors.items()
+            if kind == "param"
+        }
 
     def pseudo_gradient(self) -> dict[str, torch.Tensor]:
         """start - end for every parameter, current values for every buffer (CPU)."""

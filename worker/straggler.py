@@ -5,6 +5,7 @@ The draw for step s is a pure function of (seed, s), so every worker makes
 the same draw without talking to the others: in lockstep algorithms exactly
 one worker per step is slow. Off (0.0) by default.
 """
+
 from __future__ import annotations
 
 import random

@@ -6,6 +6,7 @@ I/O: PSClient, membership, the wall clock.
 
 Blocking; returns when the scheduler asks the cluster to stop.
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,15 +45,21 @@ class StepTimer:
         self.compute_s = 0.0
         self.push_s = 0.0
         self.step_s = 0.0
-        self.durations = {key: Histogram() for key in ("step_s", "compute_s", "push_s", "round_wait_s")}
+        self.durations = {
+            key: Histogram() for key in ("step_s", "compute_s", "push_s", "round_wait_s")
+        }
 
     def update(self, compute_s: float, push_s: float, step_s: float) -> None:
         a = self.alpha if self.step_s else 1.0
         self.compute_s += a * (compute_s - self.compute_s)
         self.push_s += a * (push_s - self.push_s)
         self.step_s += a * (step_s - self.step_s)
-        observed = {"step_s": step_s, "compute_s": compute_s, "push_s": push_s,
-                    "round_wait_s": max(0.0, step_s - compute_s - push_s)}
+        observed = {
+            "step_s": step_s,
+            "compute_s": compute_s,
+            "push_s": push_s,
+            "round_wait_s": max(0.0, step_s - compute_s - push_s),
+        }
         for key, seconds in observed.items():
             self.durations[key].observe(seconds)
 
@@ -73,8 +80,14 @@ class StepTimer:
         return batch_size / busy if busy else 0.0
 
 
-def profile_speed(state: ModelState, data: Datasets, batch_size: int, steps: int,
-                  slowdown: Slowdown, precision: str = "none") -> float:
+def profile_speed(
+    state: ModelState,
+    data: Datasets,
+    batch_size: int,
+    steps: int,
+    slowdown: Slowdown,
+    precision: str = "none",
+) -> float:
     """Samples per second of forward+backward on the real model and data,
     stretched by the emulated slowdown (on a copy: the model is untouched)."""
     model = copy.deepcopy(state.model).train()
@@ -98,8 +111,15 @@ class Trainer:
     # loops that hand gradients out tensor by tensor (comm.overlap) or step a local optimizer do not
     FLAT = True
 
-    def __init__(self, cfg: RunConfig, node: NodeConfig, member: Membership, plan: ClusterPlan,
-                 state: ModelState, data: Datasets):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        node: NodeConfig,
+        member: Membership,
+        plan: ClusterPlan,
+        state: ModelState,
+        data: Datasets,
+    ):
         self.cfg = cfg
         self.member = member
         self.state = state
@@ -108,18 +128,29 @@ class Trainer:
         self.device = str(state.device)
         algo = algorithm(cfg.algorithm.name)
         # `comm.compression` applies to gradients; models travel exact
-        compressor = make_compressor(cfg.comm.compression, cfg.comm.topk_ratio) if algo.pushes == "gradients" else None
-        self.client = PSClient(plan, member.node_id, cfg.cluster, self.should_abort, compressor,
-                               fuse_pull=cfg.comm.fuse_pull and algo.fuses_pull,
-                               plans=member.newer_plan if cfg.cluster.replicas else None,
-                               transport=member.transport)
+        compressor = (
+            make_compressor(cfg.comm.compression, cfg.comm.topk_ratio)
+            if algo.pushes == "gradients"
+            else None
+        )
+        self.client = PSClient(
+            plan,
+            member.node_id,
+            cfg.cluster,
+            self.should_abort,
+            compressor,
+            fuse_pull=cfg.comm.fuse_pull and algo.fuses_pull,
+            plans=member.newer_plan if cfg.cluster.replicas else None,
+            transport=member.transport,
+        )
         self.timer = StepTimer()
         self.clock = 0
-        self.staleness = 0   # the shards' staleness for our last push
+        self.staleness = 0  # the shards' staleness for our last push
         self.client.adopt(plan)
         # place, group, data share and batch under the plan; forward/backward (step.py)
         self.work = GradientStep(cfg, state, data, member.node_id, plan)
-        if self.FLAT and compressor is None:  # the placement never changes for a client (PSClient.adopt)
+        # the placement never changes for a client (PSClient.adopt)
+        if self.FLAT and compressor is None:
             state.lay_out_flat(self.client.names)
 
     def use_plan(self, plan: ClusterPlan) -> None:
@@ -132,15 +163,22 @@ class Trainer:
 
     def stats(self) -> dict:
         work = self.work
-        return {"steps": self.clock, "bytes_sent": self.client.bytes_sent,
-                "bytes_received": self.client.bytes_received, "step_time_s": self.timer.step_s,
-                "compute_s": self.timer.compute_s, "plan_id": self.client.plan.plan_id,
-                "group": work.group,
-                "staleness": self.staleness,
-                "speed": self.timer.speed(work.batch_size), "push_s": self.timer.push_s,
-                "samples": work.samples,
-                **self.client.fault_stats(), **self.client.compression_stats(),
-                "samples_per_s": work.batch_size / self.timer.step_s if self.timer.step_s else 0.0}
+        return {
+            "steps": self.clock,
+            "bytes_sent": self.client.bytes_sent,
+            "bytes_received": self.client.bytes_received,
+            "step_time_s": self.timer.step_s,
+            "compute_s": self.timer.compute_s,
+            "plan_id": self.client.plan.plan_id,
+            "group": work.group,
+            "staleness": self.staleness,
+            "speed": self.timer.speed(work.batch_size),
+            "push_s": self.timer.push_s,
+            "samples": work.samples,
+            **self.client.fault_stats(),
+            **self.client.compression_stats(),
+            "samples_per_s": work.batch_size / self.timer.step_s if self.timer.step_s else 0.0,
+        }
 
     def compute(self) -> float:
         """Forward and backward on the next batch (GradientStep.compute); returns the loss."""
@@ -159,17 +197,24 @@ class Trainer:
     def exchange(self) -> tuple[list[Ack], float]:
         """Push this step's gradients and buffers, then load the values for the
         next step (blocking). Returns the push ACKs and the seconds until they came."""
-        acks, values = self.client.push_pull(self.state.outgoing(), self.clock,
-                                             self.work.batch_size)
+        acks, values = self.client.push_pull(
+            self.state.outgoing(), self.clock, self.work.batch_size
+        )
         self.state.load(values)
         return acks, self.client.last_push_s
 
     def record(self, loss: float, compute_s: float, started: float) -> dict:
         """The step record sent to the scheduler."""
-        return {"worker": self.member.rank, "step": self.clock, "loss": round(loss, 5),
-                "staleness": self.staleness, "group": self.work.group,
-                "compute_s": round(compute_s, 5),
-                "step_s": round(time.perf_counter() - started, 5), **self.work.norm_record()}
+        return {
+            "worker": self.member.rank,
+            "step": self.clock,
+            "loss": round(loss, 5),
+            "staleness": self.staleness,
+            "group": self.work.group,
+            "compute_s": round(compute_s, 5),
+            "step_s": round(time.perf_counter() - started, 5),
+            **self.work.norm_record(),
+        }
 
     def run(self) -> None:
         self.start()

@@ -15,6 +15,7 @@ The contract (docs/own-model.md says the same to users):
   fixed split) and should be cheap: read examples in `__getitem__`, not
   in the factory. A worker only ever asks for the indices of its own share.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -45,18 +46,24 @@ class MapDataset:
         """Example `index` as (float tensor, int label). Raises DatasetContractError."""
         item = self.dataset[index]
         if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise DatasetContractError(f"dataset {self.spec!r}: {self.split}[{index}] must be (x, y), "
-                                       f"got {type(item).__name__}")
+            raise DatasetContractError(
+                f"dataset {self.spec!r}: {self.split}[{index}] must be (x, y), "
+                f"got {type(item).__name__}"
+            )
         x, y = item
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             kind = f"{x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise DatasetContractError(f"dataset {self.spec!r}: {self.split}[{index}] x must be a float "
-                                       f"tensor, got {kind} (convert and normalise in __getitem__)")
+            raise DatasetContractError(
+                f"dataset {self.spec!r}: {self.split}[{index}] x must be a float "
+                f"tensor, got {kind} (convert and normalise in __getitem__)"
+            )
         if isinstance(y, torch.Tensor) and y.numel() == 1 and not y.is_floating_point():
             y = int(y)
         if isinstance(y, bool) or not isinstance(y, int):
-            raise DatasetContractError(f"dataset {self.spec!r}: {self.split}[{index}] y must be an int "
-                                       f"class index, got {type(y).__name__} {y!r}")
+            raise DatasetContractError(
+                f"dataset {self.spec!r}: {self.split}[{index}] y must be an int "
+                f"class index, got {type(y).__name__} {y!r}"
+            )
         return x, y
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,8 +72,9 @@ class MapDataset:
         try:
             x = torch.stack([e[0] for e in examples]).float()
         except RuntimeError as exc:
-            raise DatasetContractError(f"dataset {self.spec!r}: examples of different shapes in one "
-                                       f"batch ({exc})") from None
+            raise DatasetContractError(
+                f"dataset {self.spec!r}: examples of different shapes in one batch ({exc})"
+            ) from None
         return x, torch.tensor([e[1] for e in examples], dtype=torch.long)
 
 
@@ -75,8 +83,10 @@ def num_classes_of(train: Dataset, spec: str) -> int:
     if count is None and getattr(train, "classes", None) is not None:
         count = len(train.classes)
     if isinstance(count, bool) or not isinstance(count, int) or count < 2:
-        raise DatasetContractError(f"dataset {spec!r}: the train dataset needs an int attribute num_classes "
-                                   f">= 2 (or a list attribute classes), got {count!r}")
+        raise DatasetContractError(
+            f"dataset {spec!r}: the train dataset needs an int attribute num_classes "
+            f">= 2 (or a list attribute classes), got {count!r}"
+        )
     return count
 
 
@@ -100,11 +110,15 @@ def _load(spec: str, kwargs: dict):
     factory = getattr(importlib.import_module(module_name), attr)
     made = factory(**kwargs)
     if not isinstance(made, (tuple, list)) or len(made) != 2:
-        raise DatasetContractError(f"dataset factory {spec!r} must return (train, test) datasets, "
-                                   f"got {type(made).__name__}")
+        raise DatasetContractError(
+            f"dataset factory {spec!r} must return (train, test) datasets, "
+            f"got {type(made).__name__}"
+        )
     train, test = (MapDataset(d, spec, split) for d, split in zip(made, ("train", "test")))
     for part in (train, test):
         if len(part) == 0:
             raise DatasetContractError(f"dataset {spec!r}: the {part.split} split is empty")
     x, _ = train.example(0)
-    return Datasets(train=train, test=test, in_shape=tuple(x.shape), num_classes=num_classes_of(made[0], spec))
+    return Datasets(
+        train=train, test=test, in_shape=tuple(x.shape), num_classes=num_classes_of(made[0], spec)
+    )

@@ -9,6 +9,7 @@ name the algorithm table (hetps.runconfig.algorithms) gives.
 - averaging.py: model averaging (cpsgd, adpsgd, wpsgd and simuparallel);
 - diloco.py: pseudo-gradients applied at once by an outer Nesterov optimizer (diloco).
 """
+
 from __future__ import annotations
 
 from . import averaging, diloco, eager
@@ -20,7 +21,20 @@ from .sync import BalancedPolicy, GroupingPolicy, SyncPolicy
 # policy name -> class (the table's `policy` field)
 POLICIES: dict[str, type[ConsistencyPolicy]] = {
     **{p.name: p for p in (SyncPolicy, AsyncPolicy, SspPolicy, GroupingPolicy, BalancedPolicy)},
-    **eager.POLICIES, **averaging.POLICIES, **diloco.POLICIES}
+    **eager.POLICIES,
+    **averaging.POLICIES,
+    **diloco.POLICIES,
+}
 
-__all__ = ["POLICIES", "Accepted", "AsyncPolicy", "ConsistencyPolicy", "EagerPolicy", "GroupingPolicy", "Round",
-           "SspPolicy", "SyncPolicy", "Waiting"]
+__all__ = [
+    "POLICIES",
+    "Accepted",
+    "AsyncPolicy",
+    "ConsistencyPolicy",
+    "EagerPolicy",
+    "GroupingPolicy",
+    "Round",
+    "SspPolicy",
+    "SyncPolicy",
+    "Waiting",
+]

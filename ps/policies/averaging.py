@@ -20,6 +20,7 @@ worker takes the smallest proposed period, so budgets still hold (every
 shard's period is at least the same budget floor, computed from the steps
 the workers report).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,11 +30,11 @@ import torch
 from hetps.proto.codec import ProtocolError
 from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
-
 from hetps.ps.averaging_rules import PERIOD_RULES, WEIGHT_RULES, ConstantPeriod
-from hetps.ps.store import TensorStore
 from hetps.ps.policy_state import storable
+from hetps.ps.store import TensorStore
 from hetps.ps.updater import Updater
+
 from .base import ConsistencyPolicy
 
 
@@ -55,7 +56,8 @@ class ModelAveragingPolicy(ConsistencyPolicy):
 
     def __init__(self, store: TensorStore, updater: Updater, plan: ClusterPlan, params):
         super().__init__(store, updater, plan, params)
-        self.rounds: dict[int, ModelRound] = {}   # round index -> its models (pushed: round indexes)
+        # round index -> its models (pushed: round indexes)
+        self.rounds: dict[int, ModelRound] = {}
         self.closed = 0
         self.last_weights: list[float] = []
         self.last_variance = 0.0
@@ -83,7 +85,9 @@ class ModelAveragingPolicy(ConsistencyPolicy):
         rnd.params[worker] = {n: t.clone() for n, t in got.tensors.items()}
         rnd.buffers[worker] = {n: t.clone() for n, t in got.buffers.items()}
         rnd.info[worker] = info
-        while self.closed in self.rounds and set(self.rounds[self.closed].params) >= set(self.workers):
+        while self.closed in self.rounds and set(self.rounds[self.closed].params) >= set(
+            self.workers
+        ):
             self.close(self.closed)
         return got.staleness
 
@@ -94,7 +98,9 @@ class ModelAveragingPolicy(ConsistencyPolicy):
             self.rounds = {k: r for k, r in self.rounds.items() if k >= push.clock}
             self.closed = push.clock
         if push.clock > self.closed:  # a worker pushes round r only after it pulled the mean of r-1
-            raise ProtocolError(Status.BAD_STATE, f"round {push.clock} is not open (open: {self.closed})")
+            raise ProtocolError(
+                Status.BAD_STATE, f"round {push.clock} is not open (open: {self.closed})"
+            )
 
     def close(self, index: int) -> None:
         rnd = self.rounds.pop(index)
@@ -115,7 +121,11 @@ class ModelAveragingPolicy(ConsistencyPolicy):
 
     def _average_buffers(self, rnd: ModelRound, order: list[int], weights: list[float]) -> None:
         for name in self.store.buffer_names():
-            sent = [(wt, rnd.buffers[w][name]) for w, wt in zip(order, weights) if name in rnd.buffers[w]]
+            sent = [
+                (wt, rnd.buffers[w][name])
+                for w, wt in zip(order, weights)
+                if name in rnd.buffers[w]
+            ]
             if not sent:
                 continue
             current = self.store.tensors[name]
@@ -145,11 +155,19 @@ class ModelAveragingPolicy(ConsistencyPolicy):
     def reply_info(self, worker: int) -> dict:
         if not self.closed:
             return {}
-        return {"round": self.closed - 1, "weights": self.last_weights, "variance": self.last_variance}
+        return {
+            "round": self.closed - 1,
+            "weights": self.last_weights,
+            "variance": self.last_variance,
+        }
 
     def stats(self) -> dict:
-        return {**super().stats(), "rounds": self.closed, "variance": self.last_variance,
-                "weights": self.last_weights}
+        return {
+            **super().stats(),
+            "rounds": self.closed,
+            "variance": self.last_variance,
+            "weights": self.last_weights,
+        }
 
 
 class CpsgdPolicy(ModelAveragingPolicy):
@@ -171,14 +189,21 @@ class CpsgdPolicy(ModelAveragingPolicy):
         used = info.get("period", self.periods.get(index, 1))
         self.steps_after[index] = self.steps_after.get(index - 1, 0) + used
         nxt = index + 1
-        self.periods[nxt] = (1 if nxt < self.rule.warmup_rounds
-                             else self.rule.next_period(self.steps_after[index], nxt))
+        self.periods[nxt] = (
+            1
+            if nxt < self.rule.warmup_rounds
+            else self.rule.next_period(self.steps_after[index], nxt)
+        )
 
     def on_close(self, index: int, rnd: ModelRound, variance: float) -> None:
         info = next(iter(rnd.info.values()), {})
-        self.rule.observe(variance, info.get("period", self.periods.get(index, 1)),
-                          info.get("lr", self.updater.lr))
-        for table in (self.periods, self.steps_after):  # only rounds from `index` on are asked for again
+        self.rule.observe(
+            variance,
+            info.get("period", self.periods.get(index, 1)),
+            info.get("lr", self.updater.lr),
+        )
+        # only rounds from `index` on are asked for again
+        for table in (self.periods, self.steps_after):
             for old in [k for k in table if k < index]:
                 del table[old]
 

@@ -15,6 +15,7 @@ worker's current buffers and the shard keeps a running mean of them
 (`TensorStore.mix_buffers`): a round moves the buffers toward the round's mean
 with weight (members in the round) / P; async and ssp with weight 1/P.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -27,7 +28,6 @@ import torch
 from hetps.proto.codec import ProtocolError
 from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
-
 from hetps.ps.policy_state import from_plain, storable, to_plain
 from hetps.ps.round_sums import add_to_sum, copy_sum, divide_sum
 from hetps.ps.store import TensorStore
@@ -38,9 +38,9 @@ from hetps.ps.updater import Updater
 class Accepted:
     """A push that passed the shared checks: its tensors split in two."""
 
-    tensors: dict        # gradients (or a model's parameters), every parameter present
-    buffers: dict        # the buffers it carried (optional ones may be missing)
-    staleness: int       # shard version minus the version the push was computed on
+    tensors: dict  # gradients (or a model's parameters), every parameter present
+    buffers: dict  # the buffers it carried (optional ones may be missing)
+    staleness: int  # shard version minus the version the push was computed on
     duplicate: bool = False  # a re-sent or replayed push: it was taken once already
 
 
@@ -63,7 +63,7 @@ class ConsistencyPolicy(ABC):
         self.params = params
         self.workers: list[int] = plan.worker_ids()
         self.plan_id = plan.plan_id
-        self.pushed: dict[int, int] = {}   # worker -> clock of its next new push
+        self.pushed: dict[int, int] = {}  # worker -> clock of its next new push
         self.counts = {"accepted": 0, "duplicates": 0}
 
     # ------------------------------------------------------------ the shared acceptance path
@@ -90,8 +90,10 @@ class ConsistencyPolicy(ABC):
 
     def split(self, push: Push) -> tuple[dict, dict]:
         """The push's gradients (all parameters required) and buffers (optional)."""
-        if list(push.tensors) == self.store.param_names():  # just the parameters, in order: the push's
-            return push.tensors, {}                          # own dict, with any runs its decoder found
+        # just the parameters, in order: the push's
+        if list(push.tensors) == self.store.param_names():
+            # own dict, with any runs its decoder found
+            return push.tensors, {}
         grads = {n: push.tensors[n] for n in self.store.param_names() if n in push.tensors}
         if len(grads) != len(self.store.param_names()):
             missing = sorted(set(self.store.param_names()) - set(grads))
@@ -104,7 +106,9 @@ class ConsistencyPolicy(ABC):
             raise ProtocolError(Status.BAD_STATE, f"node {worker} is not a worker of this plan")
 
     # ------------------------------------------------------------ the one update path for gradients
-    def apply_update(self, grads: dict, buffers: dict, buffer_weight: float, lr_scale: float = 1.0) -> None:
+    def apply_update(
+        self, grads: dict, buffers: dict, buffer_weight: float, lr_scale: float = 1.0
+    ) -> None:
         """One optimizer step on `grads` (lr times `lr_scale`), buffers moved
         toward `buffers` with `buffer_weight`, the shard's version bumped."""
         self.updater.apply(grads, lr_scale=lr_scale)
@@ -170,11 +174,14 @@ class Round:
     buffers: dict = field(default_factory=dict)
     members: set = field(default_factory=set)
     buffer_counts: dict = field(default_factory=dict)  # buffers are optional: count who sent each
-    clock: int = -1   # clock of the push that opened it (used while a restored shard realigns)
+    clock: int = -1  # clock of the push that opened it (used while a restored shard realigns)
     weight: float = 0.0  # sum of the members' weights (balanced: samples)
-    borrowed: ClassVar[bool] = False  # set per round by `add(borrow=True)`: `grads` is a peer's memory
+    # set per round by `add(borrow=True)`: `grads` is a peer's memory
+    borrowed: ClassVar[bool] = False
 
-    def add(self, worker: int, grads: dict, buffers: dict, weight: float = 1.0, borrow: bool = False) -> None:
+    def add(
+        self, worker: int, grads: dict, buffers: dict, weight: float = 1.0, borrow: bool = False
+    ) -> None:
         """Add a member's push; its gradients count `weight` times (1: plain sum).
         `borrow`: the caller closes the round before the push's memory may
         change (in the same call), so a first push is kept as it is, not
@@ -208,6 +215,10 @@ class Round:
         k = over or len(self.members)
         if self.borrowed and k != 1:
             self.grads, self.borrowed = copy_sum(self.grads), False
-        return (divide_sum(self.grads, k),
-                {n: s.div_(self.buffer_counts[n]) if s.is_floating_point() else s
-                 for n, s in self.buffers.items()})
+        return (
+            divide_sum(self.grads, k),
+            {
+                n: s.div_(self.buffer_counts[n]) if s.is_floating_point() else s
+                for n, s in self.buffers.items()
+            },
+        )

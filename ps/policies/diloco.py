@@ -26,23 +26,28 @@ DiLoCo's lr 0.7 and momentum 0.9 and four asynchronous LeNet-5 workers it
 diverges; N = P reaches 95% on mnist-5k).
 Buffers are moved toward each push's buffers with weight 1/P (as async).
 """
+
 from __future__ import annotations
 
 import torch
 
-from hetps.runconfig.schema import OptimizerConfig
 from hetps.proto.messages import Push
 from hetps.proto.plan import ClusterPlan
-
 from hetps.ps.store import TensorStore
 from hetps.ps.updater import Updater
+from hetps.runconfig.schema import OptimizerConfig
+
 from .ssp import AsyncPolicy
 
 
 def outer_optimizer(params) -> OptimizerConfig:
     """The outer optimizer's config: SGD, Nesterov when there is momentum."""
-    return OptimizerConfig(name="sgd", lr=params.outer_lr, momentum=params.outer_momentum,
-                           nesterov=params.outer_momentum > 0)
+    return OptimizerConfig(
+        name="sgd",
+        lr=params.outer_lr,
+        momentum=params.outer_momentum,
+        nesterov=params.outer_momentum > 0,
+    )
 
 
 class DilocoPolicy(AsyncPolicy):
@@ -51,8 +56,14 @@ class DilocoPolicy(AsyncPolicy):
     def __init__(self, store: TensorStore, updater: Updater, plan: ClusterPlan, params):
         # the shard built `updater` from the inner optimizer's config: the outer one replaces it (and is
         # what the shard checkpoints and reports as `lr`)
-        super().__init__(store, Updater(store.tensors, store.param_names(), outer_optimizer(params)), plan, params)
-        self.delayed: dict = {}   # delayed Nesterov: sum of the pseudo-gradients since the last momentum update
+        super().__init__(
+            store,
+            Updater(store.tensors, store.param_names(), outer_optimizer(params)),
+            plan,
+            params,
+        )
+        # delayed Nesterov: sum of the pseudo-gradients since the last momentum update
+        self.delayed: dict = {}
         self.delayed_count = 0
 
     def on_push(self, worker: int, push: Push) -> int:
@@ -99,7 +110,11 @@ class DilocoPolicy(AsyncPolicy):
         self.delayed, self.delayed_count = {}, 0
 
     def stats(self) -> dict:
-        return {**super().stats(), "outer_lr": self.updater.lr, "delayed_pending": self.delayed_count}
+        return {
+            **super().stats(),
+            "outer_lr": self.updater.lr,
+            "delayed_pending": self.delayed_count,
+        }
 
 
 POLICIES = {DilocoPolicy.name: DilocoPolicy}

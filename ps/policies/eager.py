@@ -26,6 +26,7 @@ is applied as shard version k+1.
 Buffers: a round moves the float buffers toward the mean of its pushes with
 weight (workers in the round) / P; integer buffers take the max.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,9 +34,9 @@ import random
 
 from hetps.proto.messages import Push
 from hetps.proto.plan import ClusterPlan
-
 from hetps.ps.store import TensorStore
 from hetps.ps.updater import Updater
+
 from .base import ConsistencyPolicy, Round
 
 
@@ -45,11 +46,13 @@ class EagerPolicy(ConsistencyPolicy):
     def __init__(self, store: TensorStore, updater: Updater, plan: ClusterPlan, params):
         super().__init__(store, updater, plan, params)
         self.round = Round()
-        self.fresh: set[int] = set()          # workers with a fresh push in the open round
-        self.waits_for: dict[int, int] = {}   # worker -> version its next pull waits for
+        self.fresh: set[int] = set()  # workers with a fresh push in the open round
+        self.waits_for: dict[int, int] = {}  # worker -> version its next pull waits for
         self.rng = random.Random(params.seed)
         self.initiator = self._draw()
-        self.counts.update(rounds=0, fresh=0, late=0, folded=0, dropped=0, barriers=0, contributions=0)
+        self.counts.update(
+            rounds=0, fresh=0, late=0, folded=0, dropped=0, barriers=0, contributions=0
+        )
 
     def _draw(self) -> int:
         return self.rng.choice(self.workers)
@@ -128,7 +131,12 @@ class EagerPolicy(ConsistencyPolicy):
 
     def stats(self) -> dict:
         c = self.counts
-        return {**c, "mean_contributions": round(c["contributions"] / c["rounds"], 3) if c["rounds"] else 0.0}
+        return {
+            **c,
+            "mean_contributions": round(c["contributions"] / c["rounds"], 3)
+            if c["rounds"]
+            else 0.0,
+        }
 
 
 POLICIES = {EagerPolicy.name: EagerPolicy}

@@ -1,5 +1,6 @@
 """Pushes applied one by one, as they come: Async-SGD (ASP) and stale
 synchronous parallel (SSP), which bounds how far ahead a reader may be."""
+
 from __future__ import annotations
 
 from hetps.proto.messages import Push
@@ -20,12 +21,19 @@ class AsyncPolicy(ConsistencyPolicy):
     def adopt(self, plan: ClusterPlan) -> None:
         super().adopt(plan)
         # a joining worker starts at the slowest clock, so it does not hold ssp readers back
-        self.pushed = {w: self.pushed.get(w, min(self.pushed.values(), default=0)) for w in self.workers}
+        self.pushed = {
+            w: self.pushed.get(w, min(self.pushed.values(), default=0)) for w in self.workers
+        }
 
     def on_push(self, worker: int, push: Push) -> int:
         got = self.accept(worker, push)
         if not got.duplicate:
-            self.apply_update(got.tensors, got.buffers, 1.0 / len(self.workers), self.staleness_scale(got.staleness))
+            self.apply_update(
+                got.tensors,
+                got.buffers,
+                1.0 / len(self.workers),
+                self.staleness_scale(got.staleness),
+            )
         return got.staleness
 
     def staleness_scale(self, staleness: int) -> float:

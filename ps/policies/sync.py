@@ -3,13 +3,14 @@ Sync-SGD (BSP), and balanced (BSP with speed-proportional batches, whose
 round mean is weighted by samples). A group's round closes when every member
 pushed once; the mean gradient is applied with the shared update path (base.py).
 """
+
 from __future__ import annotations
 
 from hetps.proto.messages import Push
 from hetps.proto.plan import ClusterPlan
-
 from hetps.ps.store import TensorStore
 from hetps.ps.updater import Updater
+
 from .base import ConsistencyPolicy, Round
 
 
@@ -26,11 +27,13 @@ class GroupingPolicy(ConsistencyPolicy):
     def __init__(self, store: TensorStore, updater: Updater, plan: ClusterPlan, params):
         super().__init__(store, updater, plan, params)
         self.rounds: dict[int, Round] = {}
-        self.applied: dict[int, int] = {}   # worker -> pushes applied in closed rounds
+        self.applied: dict[int, int] = {}  # worker -> pushes applied in closed rounds
         self.group_updates: dict[int, int] = {}
         # group -> shard version right after its update (a resumed shard starts at its version)
-        self.last_update_at: dict[int, int] = {g: store.version for g in range(len(self.groups_of(plan)))}
-        self.staleness_sum: dict[int, int] = {}   # group -> sum of its updates' staleness
+        self.last_update_at: dict[int, int] = {
+            g: store.version for g in range(len(self.groups_of(plan)))
+        }
+        self.staleness_sum: dict[int, int] = {}  # group -> sum of its updates' staleness
         self.counts["contributions"] = 0  # pushes applied (accepted: pushes in)
         self._set_groups(plan)
 
@@ -58,8 +61,12 @@ class GroupingPolicy(ConsistencyPolicy):
             return got.staleness
         g = self.group_of[worker]
         open_round = self.rounds.get(g)
-        realigning = (self.restored and open_round is not None and open_round.clock >= 0
-                      and worker not in open_round.members)
+        realigning = (
+            self.restored
+            and open_round is not None
+            and open_round.clock >= 0
+            and worker not in open_round.members
+        )
         if push.plan_id < self.plan_id or (realigning and push.clock < open_round.clock):
             # made under a plan whose rounds this shard already closed (or, restored, for a
             # round the others' pushes already left): applied alone, as the flush would have;
@@ -84,7 +91,9 @@ class GroupingPolicy(ConsistencyPolicy):
     def _apply(self, g: int, rnd: Round) -> None:
         grads, buffers = rnd.means(self.divisor(rnd))
         staleness = 1 + self.store.version - self.last_update_at.get(g, 0)
-        self.apply_update(grads, buffers, len(rnd.members) / max(1, len(self.workers)), self.lr_scale(staleness))
+        self.apply_update(
+            grads, buffers, len(rnd.members) / max(1, len(self.workers)), self.lr_scale(staleness)
+        )
         self.last_update_at[g] = self.store.version
         self.group_updates[g] = self.group_updates.get(g, 0) + 1
         self.staleness_sum[g] = self.staleness_sum.get(g, 0) + staleness
@@ -111,13 +120,21 @@ class GroupingPolicy(ConsistencyPolicy):
         """The members of the worker's group missing from its open round."""
         g = self.group_of.get(worker)
         rnd = self.rounds.get(g)
-        return set() if rnd is None or self.pull_ready(worker, clock) else set(self.groups[g]) - rnd.members
+        return (
+            set()
+            if rnd is None or self.pull_ready(worker, clock)
+            else set(self.groups[g]) - rnd.members
+        )
 
     def stats(self) -> dict:
-        return {"group_updates": {str(g): n for g, n in self.group_updates.items()},
-                "group_staleness": {str(g): round(s / self.group_updates[g], 3)
-                                    for g, s in self.staleness_sum.items()},  # mean per group
-                "pending": sum(len(r.members) for r in self.rounds.values()), **self.counts}
+        return {
+            "group_updates": {str(g): n for g, n in self.group_updates.items()},
+            "group_staleness": {
+                str(g): round(s / self.group_updates[g], 3) for g, s in self.staleness_sum.items()
+            },  # mean per group
+            "pending": sum(len(r.members) for r in self.rounds.values()),
+            **self.counts,
+        }
 
 
 class SyncPolicy(GroupingPolicy):

@@ -1,4 +1,5 @@
 """The `cluster` tier: real processes on loopback, random ports, a timeout on every wait. Every test collected under this folder is marked `cluster`."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,6 +1,7 @@
 """Real clusters: scheduler, shards, workers and evaluator as separate
 processes over ZeroMQ on loopback (random ports), training LeNet-5 on the
 real mnist-5k digits."""
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,19 @@ import subprocess
 import sys
 
 import pytest
-
-from cluster_util import (HELD, HETPS, REPO, Daemons, assert_reached_target, background_run, log_tails,
-                          processes_mentioning, run_hetps, summary, wait_for)
+from cluster_util import (
+    HELD,
+    HETPS,
+    REPO,
+    Daemons,
+    assert_reached_target,
+    background_run,
+    log_tails,
+    processes_mentioning,
+    run_hetps,
+    summary,
+    wait_for,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -27,9 +38,22 @@ ALGORITHMS = {
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_cluster_trains_to_93_percent(algorithm, run_dir):
     config, *extra = ALGORITHMS[algorithm]
-    result = run_hetps(["run", config, *extra, "stop.target_accuracy=0.94", HELD, "stop.max_steps=6000",
-                        "stop.max_seconds=150", "eval.every_s=1.0", "--out", str(run_dir), "--quiet"],
-                       timeout_s=240)
+    result = run_hetps(
+        [
+            "run",
+            config,
+            *extra,
+            "stop.target_accuracy=0.94",
+            HELD,
+            "stop.max_steps=6000",
+            "stop.max_seconds=150",
+            "eval.every_s=1.0",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=240,
+    )
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)
     assert s["algorithm"] == algorithm
@@ -53,7 +77,13 @@ def test_cluster_trains_to_93_percent(algorithm, run_dir):
     assert len(versions) == 2 and min(versions) > 0
     if algorithm == "sync":
         assert s["global_steps"] >= 4 * min(versions) - 4  # one update per round of 4 pushes
-    for name in ("config.yaml", "plan.json", "metrics.jsonl", "summary.json", "accuracy_vs_time.png"):
+    for name in (
+        "config.yaml",
+        "plan.json",
+        "metrics.jsonl",
+        "summary.json",
+        "accuracy_vs_time.png",
+    ):
         assert (run_dir / name).exists(), name
     plan = json.loads((run_dir / "plan.json").read_text())
     assert len(plan["workers"]) == 4 and len(plan["shards"]) == 2
@@ -66,9 +96,15 @@ def test_cluster_trains_to_93_percent(algorithm, run_dir):
 
 
 def test_bad_config_exits_2_with_one_line(tmp_path):
-    for args, key in ((["stop.bogus=1"], "stop.bogus"), (["algorithm.name=nope"], "algorithm.name"),
-                      (["data.batch_size=abc"], "data.batch_size"), (["data.dataset=imagenet"], "data.dataset")):
-        result = run_hetps(["run", "configs/sync.yaml", *args, "--out", str(tmp_path / "x")], timeout_s=60)
+    for args, key in (
+        (["stop.bogus=1"], "stop.bogus"),
+        (["algorithm.name=nope"], "algorithm.name"),
+        (["data.batch_size=abc"], "data.batch_size"),
+        (["data.dataset=imagenet"], "data.dataset"),
+    ):
+        result = run_hetps(
+            ["run", "configs/sync.yaml", *args, "--out", str(tmp_path / "x")], timeout_s=60
+        )
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and key in lines[0], result.stderr
@@ -77,22 +113,46 @@ def test_bad_config_exits_2_with_one_line(tmp_path):
 
 def test_failed_process_is_named_and_nothing_left(run_dir):
     # mnist (not bundled) without download: the check before the cluster starts fails, in one line
-    result = run_hetps(["run", "configs/sync.yaml", "data.dataset=mnist",
-                        f"data.root={run_dir}-nodata", "cluster.startup_timeout_s=30",
-                        "--out", str(run_dir), "--quiet"], timeout_s=120)
+    result = run_hetps(
+        [
+            "run",
+            "configs/sync.yaml",
+            "data.dataset=mnist",
+            f"data.root={run_dir}-nodata",
+            "cluster.startup_timeout_s=30",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=120,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "check failed" in lines[0] and "data.download" in lines[0], result.stderr
+    assert len(lines) == 1 and "check failed" in lines[0] and "data.download" in lines[0], (
+        result.stderr
+    )
     # the daemons start while the model is checked (their imports overlap it); the failed check
     # stopped them before any plan: nothing trained
     assert not (run_dir / "plan.json").exists()
 
 
 def test_sigint_stops_cleanly(run_dir):
-    with background_run(["configs/sync.yaml", "stop.target_accuracy=null", "stop.max_seconds=120",
-                         "cluster.workers=2", "cluster.shards=1", "--out", str(run_dir), "--quiet"]) as proc:
+    with background_run(
+        [
+            "configs/sync.yaml",
+            "stop.target_accuracy=null",
+            "stop.max_seconds=120",
+            "cluster.workers=2",
+            "cluster.shards=1",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ]
+    ) as proc:
         metrics = run_dir / "metrics.jsonl"
-        wait_for(lambda: metrics.exists() and '"eval"' in metrics.read_text(), 90, "a first evaluation")
+        wait_for(
+            lambda: metrics.exists() and '"eval"' in metrics.read_text(), 90, "a first evaluation"
+        )
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err + log_tails(run_dir)
@@ -105,15 +165,24 @@ def test_daemons_by_hand_across_hosts_style(tmp_path):
     """The multi-host path: each daemon started on its own, the scheduler
     address passed by flag or HETPS_SCHEDULER."""
     run_dir = tmp_path / "byhand"
-    overrides = ["cluster.workers=2", "cluster.shards=1", "stop.target_accuracy=0.9", HELD,
-                 "stop.max_seconds=120", "eval.every_s=1.0"]
+    overrides = [
+        "cluster.workers=2",
+        "cluster.shards=1",
+        "stop.target_accuracy=0.9",
+        HELD,
+        "stop.max_seconds=120",
+        "eval.every_s=1.0",
+    ]
     config = str(REPO / "configs" / "sync.yaml")
     daemons = Daemons(tmp_path, overrides)
     try:
         addr = daemons.scheduler(config, run_dir)
         daemons.start(["ps", "--config", config, "--rank", "0", "--scheduler", addr])
         for rank in range(2):
-            daemons.start(["worker", "--config", config], env={"HETPS_SCHEDULER": addr, "HETPS_RANK": str(rank)})
+            daemons.start(
+                ["worker", "--config", config],
+                env={"HETPS_SCHEDULER": addr, "HETPS_RANK": str(rank)},
+            )
         daemons.start(["worker", "--config", config, "--evaluator"], env={"HETPS_SCHEDULER": addr})
         codes = daemons.wait(180)
     finally:
@@ -121,7 +190,9 @@ def test_daemons_by_hand_across_hosts_style(tmp_path):
     assert codes == [0] * len(codes), daemons.tails()
     s = summary(run_dir)
     assert_reached_target(s, 0.9)
-    assert s["stop_reason"].endswith("held for 2 evaluations)") and s["target_patience"] == 2, s["stop_reason"]
+    assert s["stop_reason"].endswith("held for 2 evaluations)") and s["target_patience"] == 2, s[
+        "stop_reason"
+    ]
     assert not processes_mentioning(str(tmp_path))
 
 
@@ -129,14 +200,29 @@ def test_daemons_by_hand_across_hosts_style(tmp_path):
 def test_usr1_prints_every_threads_stack_and_the_daemon_goes_on(role, tmp_path):
     """`kill -USR1` on a daemon (here waiting for its cluster to form) dumps its
     threads' stacks to its log; the daemon keeps running."""
-    daemons = Daemons(tmp_path, ["cluster.workers=1", "cluster.shards=1", "cluster.startup_timeout_s=120"])
+    daemons = Daemons(
+        tmp_path, ["cluster.workers=1", "cluster.shards=1", "cluster.startup_timeout_s=120"]
+    )
     try:
         addr = daemons.scheduler(str(REPO / "configs" / "sync.yaml"), tmp_path / "run")
         if role == "ps":
-            daemons.start(["ps", "--config", str(REPO / "configs" / "sync.yaml"), "--rank", "0",
-                           "--scheduler", addr])
+            daemons.start(
+                [
+                    "ps",
+                    "--config",
+                    str(REPO / "configs" / "sync.yaml"),
+                    "--rank",
+                    "0",
+                    "--scheduler",
+                    addr,
+                ]
+            )
             state = tmp_path / "run" / "scheduler-state.json"
-            wait_for(lambda: state.exists() and '"role": "ps"' in state.read_text(), 60, "the shard to register")
+            wait_for(
+                lambda: state.exists() and '"role": "ps"' in state.read_text(),
+                60,
+                "the shard to register",
+            )
         proc = daemons.procs[-1]
         log = tmp_path / f"{len(daemons.procs) - 1}.log"
         proc.send_signal(signal.SIGUSR1)
@@ -148,22 +234,45 @@ def test_usr1_prints_every_threads_stack_and_the_daemon_goes_on(role, tmp_path):
 
 
 def test_daemon_without_scheduler_address_exits_2(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "hetps.ps", "--config", str(REPO / "configs/sync.yaml")],
-                            capture_output=True, text=True, timeout=60, env={**os.environ, "HETPS_SCHEDULER": ""})
+    result = subprocess.run(
+        [sys.executable, "-m", "hetps.ps", "--config", str(REPO / "configs/sync.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HETPS_SCHEDULER": ""},
+    )
     assert result.returncode == 2 and "HETPS_SCHEDULER" in result.stderr
 
 
 def test_chunked_tensors_train_across_shards(run_dir):
     # 4 KiB parts: a tensor is cut across the shards at almost any ratio of their measured speeds
     # (tests/cluster/test_cluster_overlap.py::test_cluster_with_overlap_and_chunks_trains)
-    result = run_hetps(["run", "configs/sync.yaml", "cluster.chunk_bytes=4096", "cluster.workers=2",
-                        "stop.target_accuracy=0.94", HELD, "stop.max_seconds=120", "eval.every_s=1.0",
-                        "--out", str(run_dir), "--quiet"], timeout_s=200)
+    result = run_hetps(
+        [
+            "run",
+            "configs/sync.yaml",
+            "cluster.chunk_bytes=4096",
+            "cluster.workers=2",
+            "stop.target_accuracy=0.94",
+            HELD,
+            "stop.max_seconds=120",
+            "eval.every_s=1.0",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=200,
+    )
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
-    spread = [name for name, c in plan["chunks"].items() if len({plan["placement"][p] for p in c["parts"]}) == 2]
+    spread = [
+        name
+        for name, c in plan["chunks"].items()
+        if len({plan["placement"][p] for p in c["parts"]}) == 2
+    ]
     assert len(spread) == 1, (spread, plan["shards"])  # one tensor spread over both shards
-    assert_reached_target(summary(run_dir), 0.94, slack=0.06)  # 2 workers: the curve swings by points after it
+    # 2 workers: the curve swings by points after it
+    assert_reached_target(summary(run_dir), 0.94, slack=0.06)
 
 
 @pytest.mark.exclusive  # compares the two workers' step counts
@@ -172,10 +281,23 @@ def test_capped_link_paces_only_its_worker_with_shm_frames_on(run_dir):
     `transport_options`): worker 0's link_mbps caps what it sends at 2 Mbit/s
     (250 kB/s) and leaves worker 1 at full speed, while comm.shm_bytes passes
     every process's large frames through shared memory."""
-    result = run_hetps(["run", "configs/async.yaml", "cluster.workers=2", "cluster.shards=1",
-                        "cluster.workers.0.link_mbps=2", "comm.shm_bytes=65536",
-                        "stop.target_accuracy=null", "stop.max_seconds=12", "eval.every_s=2.0",
-                        "--out", str(run_dir), "--quiet"], timeout_s=180)
+    result = run_hetps(
+        [
+            "run",
+            "configs/async.yaml",
+            "cluster.workers=2",
+            "cluster.shards=1",
+            "cluster.workers.0.link_mbps=2",
+            "comm.shm_bytes=65536",
+            "stop.target_accuracy=null",
+            "stop.max_seconds=12",
+            "eval.every_s=2.0",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=180,
+    )
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)
     capped, free = s["per_node"]["worker0"], s["per_node"]["worker1"]
@@ -194,21 +316,51 @@ def test_daemon_with_unreachable_scheduler_fails_fast_naming_it(role, tmp_path):
         probe.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
     started = time.monotonic()
-    result = subprocess.run([*HETPS, role, "--config", str(REPO / "configs/sync.yaml"), "--scheduler", address,
-                             "cluster.startup_timeout_s=1", "cluster.profile_steps=1"],
-                            capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    result = subprocess.run(
+        [
+            *HETPS,
+            role,
+            "--config",
+            str(REPO / "configs/sync.yaml"),
+            "--scheduler",
+            address,
+            "cluster.startup_timeout_s=1",
+            "cluster.profile_steps=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=tmp_path,
+    )
     assert result.returncode == 1
     assert address in result.stderr and "1.0s" in result.stderr, result.stderr[-2000:]
     assert time.monotonic() - started < 1 + 30  # the timeout plus interpreter and torch start-up
 
 
-@pytest.mark.parametrize("args", [["scheduler", "--bind", "tcp://0.0.0.0:7000"],
-                                  ["ps", "--rank", "1", "--bind", "tcp://0.0.0.0:7100", "--advertise", "tcp://ps1:7100"],
-                                  ["worker", "--evaluator"], ["worker"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["scheduler", "--bind", "tcp://0.0.0.0:7000"],
+        ["ps", "--rank", "1", "--bind", "tcp://0.0.0.0:7100", "--advertise", "tcp://ps1:7100"],
+        ["worker", "--evaluator"],
+        ["worker"],
+    ],
+)
 def test_check_flag_validates_without_connecting(args):
-    env = {**os.environ, "HETPS_SCHEDULER": "tcp://scheduler:7000", "HETPS_CONFIG": str(REPO / "configs/default.yaml")}
-    result = subprocess.run([*HETPS, *args, "--check"], capture_output=True, text=True, timeout=60, env=env)
+    env = {
+        **os.environ,
+        "HETPS_SCHEDULER": "tcp://scheduler:7000",
+        "HETPS_CONFIG": str(REPO / "configs/default.yaml"),
+    }
+    result = subprocess.run(
+        [*HETPS, *args, "--check"], capture_output=True, text=True, timeout=60, env=env
+    )
     assert result.returncode == 0 and ": ok" in result.stdout, result.stderr
-    bad = subprocess.run([*HETPS, *args, "--check", "stop.nope=1"], capture_output=True, text=True, timeout=60,
-                         env=env)
+    bad = subprocess.run(
+        [*HETPS, *args, "--check", "stop.nope=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert bad.returncode == 2 and "stop.nope" in bad.stderr

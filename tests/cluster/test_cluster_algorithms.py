@@ -4,11 +4,19 @@ summary shows the algorithm's own bookkeeping. adpsgd (cpsgd's worker loop
 with a growing period) and simuparallel (wpsgd's with equal weights) run
 the same code paths; their own rules are checked on the virtual clock
 (test_simulate_local.py), where they also train to the target."""
+
 from __future__ import annotations
 
 import pytest
-
-from cluster_util import FINAL_SLACK, HELD, assert_reached_target, log_tails, records, run_hetps, summary
+from cluster_util import (
+    FINAL_SLACK,
+    HELD,
+    assert_reached_target,
+    log_tails,
+    records,
+    run_hetps,
+    summary,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -31,7 +39,8 @@ def check_weights(s: dict, steps: list[dict]) -> None:
     assert weighted
     for w in weighted:
         assert sum(w) == pytest.approx(1.0, abs=1e-4)
-        assert w[3] < min(w[0], w[1]), w  # slowdowns [1, 1, 2, 4]: the slowest worker did the fewest steps
+        # slowdowns [1, 1, 2, 4]: the slowest worker did the fewest steps
+        assert w[3] < min(w[0], w[1]), w
 
 
 ALGORITHMS = {
@@ -44,9 +53,21 @@ ALGORITHMS = {
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_algorithm_trains_to_93_percent(algorithm, run_dir):
     config, check = ALGORITHMS[algorithm]
-    result = run_hetps(["run", config, "stop.target_accuracy=0.94", HELD, "stop.max_seconds=60",
-                        "stop.max_steps=20000", "eval.every_s=1.0", "--out", str(run_dir), "--quiet"],
-                       timeout_s=180)
+    result = run_hetps(
+        [
+            "run",
+            config,
+            "stop.target_accuracy=0.94",
+            HELD,
+            "stop.max_seconds=60",
+            "stop.max_steps=20000",
+            "eval.every_s=1.0",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=180,
+    )
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)
     assert s["algorithm"] == algorithm

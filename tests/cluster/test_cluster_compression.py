@@ -1,15 +1,29 @@
 """Gradient compression (`comm.compression`) in a real cluster: trained with topk,
 the bytes saved reported (the compressors and the codec:
 tests/inproc/test_compression.py)."""
+
 from __future__ import annotations
 
 from cluster_util import log_tails, run_hetps, summary
 
 
 def test_cluster_trains_with_topk_and_reports_the_bytes_saved(run_dir):
-    result = run_hetps(["run", "configs/sync.yaml", "comm.compression=topk", "comm.topk_ratio=0.05",
-                        "stop.target_accuracy=0.9", "stop.max_steps=6000", "stop.max_seconds=150",
-                        "eval.every_s=1.0", "--out", str(run_dir), "--quiet"], timeout_s=240)
+    result = run_hetps(
+        [
+            "run",
+            "configs/sync.yaml",
+            "comm.compression=topk",
+            "comm.topk_ratio=0.05",
+            "stop.target_accuracy=0.9",
+            "stop.max_steps=6000",
+            "stop.max_seconds=150",
+            "eval.every_s=1.0",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=240,
+    )
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)
     assert s["time_to_target_s"] is not None and s["best_accuracy"] >= 0.9, s

@@ -1,22 +1,34 @@
 """Grouping-SGD on real processes: groups of similar speed that update
 independently. (Live re-grouping when a worker's speed changes:
 test_simulate_grouping.py, on the virtual clock.)"""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from cluster_util import HELD, assert_reached_target, log_tails, run_hetps, summary
 
 pytestmark = pytest.mark.cluster
 
 
 def test_groups_update_independently(run_dir):
-    result = run_hetps(["run", "configs/default.yaml", "algorithm.groups=2", "algorithm.regroup=false",
-                        "cluster.workers=[{slowdown: 1}, {slowdown: 1}, {slowdown: 10}, {slowdown: 10}]",
-                        "stop.target_accuracy=0.94", HELD, "stop.max_seconds=120", "--out", str(run_dir), "--quiet"],
-                       timeout_s=200)
+    result = run_hetps(
+        [
+            "run",
+            "configs/default.yaml",
+            "algorithm.groups=2",
+            "algorithm.regroup=false",
+            "cluster.workers=[{slowdown: 1}, {slowdown: 1}, {slowdown: 10}, {slowdown: 10}]",
+            "stop.target_accuracy=0.94",
+            HELD,
+            "stop.max_seconds=120",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=200,
+    )
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
@@ -36,4 +48,3 @@ def test_groups_update_independently(run_dir):
         assert shard["duplicates"] == 0
         assert shard["accepted"] == shard["contributions"] + shard["pending"]
     assert_reached_target(s, 0.94)
-

@@ -2,6 +2,7 @@
 the plan and the others go on; a worker started late joins a group. (The
 `cluster.kill` setting killing a named node: test_cluster_recovery.py and
 test_cluster_shard_kill.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,18 @@ import os
 import signal
 
 import pytest
-
-from cluster_util import (REPO, Daemons, background_run, log_tails, processes_mentioning, records,
-                          summary, trained_to_after_replan, wait_for, worker_pid)
+from cluster_util import (
+    REPO,
+    Daemons,
+    background_run,
+    log_tails,
+    processes_mentioning,
+    records,
+    summary,
+    trained_to_after_replan,
+    wait_for,
+    worker_pid,
+)
 
 pytestmark = pytest.mark.cluster
 DEAD_AFTER_S = 2.0
@@ -24,12 +34,32 @@ def test_killed_worker_leaves_the_plan_and_the_run_reaches_target(config, run_di
     # no target stop: the default config can reach 0.96 within a second of the kill, before the
     # worker is declared dead, and the run would end without a re-plan; the test stops it (Ctrl-C)
     # once the re-plan happened and the others trained on to the target after it
-    with background_run([config, f"cluster.dead_after_s={DEAD_AFTER_S}", "stop.target_accuracy=null",
-                         "stop.max_seconds=120", "eval.every_s=0.5", "--out", str(run_dir), "--quiet"]) as proc:
-        wait_for(lambda: (run_dir / "metrics.jsonl").exists()
-                 and any(r["global_steps"] >= 40 for r in records(run_dir, "eval")), 90, "training under way")
+    with background_run(
+        [
+            config,
+            f"cluster.dead_after_s={DEAD_AFTER_S}",
+            "stop.target_accuracy=null",
+            "stop.max_seconds=120",
+            "eval.every_s=0.5",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ]
+    ) as proc:
+        wait_for(
+            lambda: (
+                (run_dir / "metrics.jsonl").exists()
+                and any(r["global_steps"] >= 40 for r in records(run_dir, "eval"))
+            ),
+            90,
+            "training under way",
+        )
         os.kill(worker_pid(run_dir, 1), signal.SIGKILL)
-        wait_for(lambda: trained_to_after_replan(run_dir, 0.96, held=2), 90, "a re-plan, then 96% twice after it")
+        wait_for(
+            lambda: trained_to_after_replan(run_dir, 0.96, held=2),
+            90,
+            "a re-plan, then 96% twice after it",
+        )
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err + log_tails(run_dir)
@@ -51,8 +81,13 @@ def test_killed_worker_leaves_the_plan_and_the_run_reaches_target(config, run_di
 
 def test_late_worker_joins_a_group_and_its_pushes_are_applied(tmp_path):
     run_dir = tmp_path / "join"
-    overrides = ["cluster.workers=2", "cluster.shards=1", "stop.target_accuracy=null", "stop.max_seconds=120",
-                 "eval.every_s=1.0"]
+    overrides = [
+        "cluster.workers=2",
+        "cluster.shards=1",
+        "stop.target_accuracy=null",
+        "stop.max_seconds=120",
+        "eval.every_s=1.0",
+    ]
     config = str(REPO / "configs" / "default.yaml")
     daemons = Daemons(tmp_path, overrides)
     try:
@@ -61,12 +96,21 @@ def test_late_worker_joins_a_group_and_its_pushes_are_applied(tmp_path):
         for rank in range(2):
             daemons.start(["worker", "--config", config, "--rank", str(rank), "--scheduler", addr])
         daemons.start(["worker", "--config", config, "--evaluator", "--scheduler", addr])
-        wait_for(lambda: (run_dir / "metrics.jsonl").exists()
-                 and any(r["global_steps"] >= 40 for r in records(run_dir, "eval")), 90, "training under way")
+        wait_for(
+            lambda: (
+                (run_dir / "metrics.jsonl").exists()
+                and any(r["global_steps"] >= 40 for r in records(run_dir, "eval"))
+            ),
+            90,
+            "training under way",
+        )
         daemons.start(["worker", "--config", config, "--rank", "2", "--scheduler", addr])
-        wait_for(lambda: sum(r["worker"] == 2 for r in records(run_dir, "step")) > 20, 90,
-                 "20 steps of the late worker")
-        daemons.procs[0].send_signal(signal.SIGTERM)   # the scheduler stops the run cleanly
+        wait_for(
+            lambda: sum(r["worker"] == 2 for r in records(run_dir, "step")) > 20,
+            90,
+            "20 steps of the late worker",
+        )
+        daemons.procs[0].send_signal(signal.SIGTERM)  # the scheduler stops the run cleanly
         codes = daemons.wait(120)
     finally:
         daemons.close()
@@ -80,5 +124,6 @@ def test_late_worker_joins_a_group_and_its_pushes_are_applied(tmp_path):
     assert s["per_node"]["worker2"]["steps"] > 10, s["per_node"]
     shard = s["shard_stats"]["ps0"]
     assert shard["accepted"] == shard["contributions"] + shard["pending"]
-    assert shard["accepted"] >= s["global_steps"]  # the late worker's pushes are among those applied
+    # the late worker's pushes are among those applied
+    assert shard["accepted"] >= s["global_steps"]
     assert not processes_mentioning(str(tmp_path))

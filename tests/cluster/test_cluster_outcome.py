@@ -2,6 +2,7 @@
 run at once, named, with a failed summary; a diverging run stops with exit
 3 and a hint; TensorBoard event files (or a clear message without the
 package). Real processes on loopback, the real mnist-5k digits."""
+
 from __future__ import annotations
 
 import signal
@@ -10,14 +11,21 @@ import sys
 import textwrap
 
 import pytest
-
-from cluster_util import (REPO, Daemons, background_run, log_tails, records, run_hetps, summary,
-                          wait_for)
+from cluster_util import (
+    REPO,
+    Daemons,
+    background_run,
+    log_tails,
+    records,
+    run_hetps,
+    summary,
+    wait_for,
+)
 
 pytestmark = pytest.mark.cluster
 
 SMALL = ["cluster.workers=2", "cluster.shards=1", "cluster.profile_steps=2"]
-FAILURE_WAIT_S = 10.0   # from a node's failure report to the end of the run, at most
+FAILURE_WAIT_S = 10.0  # from a node's failure report to the end of the run, at most
 
 
 def assert_failed_fast(s: dict, node: str, quoted: str) -> None:
@@ -33,8 +41,18 @@ def assert_failed_fast(s: dict, node: str, quoted: str) -> None:
 
 def test_a_worker_without_its_device_ends_the_run_naming_it(run_dir):
     # cuda:99 exists on no machine: worker1 fails before it registers, the others wait for the plan
-    result = run_hetps(["run", "configs/sync.yaml", *SMALL, "cluster.workers.1.device=cuda:99",
-                        "--out", str(run_dir), "--quiet"], timeout_s=180)
+    result = run_hetps(
+        [
+            "run",
+            "configs/sync.yaml",
+            *SMALL,
+            "cluster.workers.1.device=cuda:99",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=180,
+    )
     assert result.returncode == 1, result.stderr + log_tails(run_dir)
     assert "worker1 failed" in result.stderr and "cuda:99" in result.stderr, result.stderr
     assert_failed_fast(summary(run_dir), "worker1", "cluster.workers.1.device: cuda:99")
@@ -47,20 +65,49 @@ def test_across_hosts_the_scheduler_itself_names_the_failed_worker(tmp_path):
     common = [*SMALL, "cluster.startup_timeout_s=20"]
     daemons = Daemons(tmp_path, [])
     try:
-        daemons.start(["scheduler", "--config", config, "--bind", "tcp://127.0.0.1:0", "--run-dir", str(run_dir),
-                       *common])
+        daemons.start(
+            [
+                "scheduler",
+                "--config",
+                config,
+                "--bind",
+                "tcp://127.0.0.1:0",
+                "--run-dir",
+                str(run_dir),
+                *common,
+            ]
+        )
         addr_file = run_dir / "scheduler.addr"
-        addr = wait_for(lambda: addr_file.exists() and addr_file.read_text(), 60, "the scheduler address")
+        addr = wait_for(
+            lambda: addr_file.exists() and addr_file.read_text(), 60, "the scheduler address"
+        )
         daemons.start(["ps", "--config", config, "--rank", "0", "--scheduler", addr, *common])
         daemons.start(["worker", "--config", config, "--rank", "0", "--scheduler", addr, *common])
+
         # the failing worker starts once the others registered: they are told at once, not left to
         # find the scheduler gone and wait out startup_timeout_s
         def registered() -> bool:
             return {r["node"] for r in records(run_dir, "register")} >= {"ps0", "worker0"}
 
-        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and registered(), 60, "ps0 and worker0 registered")
-        daemons.start(["worker", "--config", config, "--rank", "1", "--scheduler", addr, *common,
-                       "cluster.workers.1.device=cuda:99"])  # this host's own setting: a GPU it lacks
+        wait_for(
+            lambda: (run_dir / "metrics.jsonl").exists() and registered(),
+            60,
+            "ps0 and worker0 registered",
+        )
+        daemons.start(
+            [
+                "worker",
+                "--config",
+                config,
+                "--rank",
+                "1",
+                "--scheduler",
+                addr,
+                *common,
+                # this host's own setting: a GPU it lacks
+                "cluster.workers.1.device=cuda:99",
+            ]
+        )
         codes = daemons.wait(120)
     finally:
         daemons.close()
@@ -73,7 +120,8 @@ def test_a_model_factory_that_raises_ends_the_run_quoting_it(run_dir, tmp_path):
     package.mkdir()
     # the factory fails on worker1's host only (the weights file is missing there), so the check
     # `hetps run` makes before starting the cluster passes and the failure comes at worker1's start-up
-    (package / "brokenmodel.py").write_text(textwrap.dedent('''
+    (package / "brokenmodel.py").write_text(
+        textwrap.dedent("""
         import sys
         from hetps.worker.models import build_model
         from hetps.runconfig.schema import ModelConfig
@@ -83,9 +131,21 @@ def test_a_model_factory_that_raises_ends_the_run_quoting_it(run_dir, tmp_path):
             if "--rank" in argv and argv[argv.index("--rank") + 1] == "1" and "--evaluator" not in argv:
                 raise RuntimeError("cannot read weights from /nonexistent/lenet.pt")
             return build_model(ModelConfig(name="lenet5"), kwargs["input_shape"], kwargs["num_classes"])
-    '''))
-    result = run_hetps(["run", "configs/sync.yaml", *SMALL, "model.name=brokenmodel:make",
-                        "--out", str(run_dir), "--quiet"], timeout_s=180, env={"PYTHONPATH": str(package)})
+    """)
+    )
+    result = run_hetps(
+        [
+            "run",
+            "configs/sync.yaml",
+            *SMALL,
+            "model.name=brokenmodel:make",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=180,
+        env={"PYTHONPATH": str(package)},
+    )
     assert result.returncode == 1, result.stderr + log_tails(run_dir)
     s = summary(run_dir)
     assert_failed_fast(s, "worker1", "RuntimeError: cannot read weights from /nonexistent/lenet.pt")
@@ -95,12 +155,25 @@ def test_a_model_factory_that_raises_ends_the_run_quoting_it(run_dir, tmp_path):
 
 def test_a_diverging_run_stops_with_exit_3_and_names_the_learning_rate(run_dir):
     every_s, after, warmup_s = 0.5, 3, 3.0
-    stop_by_s = warmup_s + 3 * after * every_s + 5   # the latest stop allowed below
+    stop_by_s = warmup_s + 3 * after * every_s + 5  # the latest stop allowed below
     # workers whose NaN pushes the shards refuse leave at once, saying why (BYE with the error): the
     # run stops as diverged whichever comes first, the evaluator's NaN loss or the last worker leaving
-    result = run_hetps(["run", "configs/async.yaml", *SMALL, "optimizer.lr=10000", "stop.max_seconds=120",
-                        f"eval.every_s={every_s}", f"stop.diverged_after={after}",
-                        f"stop.diverge_warmup_s={warmup_s}", "--out", str(run_dir), "--quiet"], timeout_s=240)
+    result = run_hetps(
+        [
+            "run",
+            "configs/async.yaml",
+            *SMALL,
+            "optimizer.lr=10000",
+            "stop.max_seconds=120",
+            f"eval.every_s={every_s}",
+            f"stop.diverged_after={after}",
+            f"stop.diverge_warmup_s={warmup_s}",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=240,
+    )
     assert result.returncode == 3, result.stderr + log_tails(run_dir)
     s = summary(run_dir)
     assert s["status"] == "diverged" and s["stop_reason"] == "diverged", s
@@ -125,29 +198,65 @@ def tensorboard_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_event_files_hold_the_run(run_dir):
-    pytest.importorskip("tensorboard", reason="tensorboard not installed (pip install 'hetps[tensorboard]'): "
-                                              "the event files cannot be written or read")
-    result = run_hetps(["run", "configs/sync.yaml", *SMALL, "stop.target_accuracy=0.9", "stop.max_seconds=120",
-                        "eval.every_s=1.0", "--tensorboard", "--out", str(run_dir), "--quiet"], timeout_s=240)
+    pytest.importorskip(
+        "tensorboard",
+        reason="tensorboard not installed (pip install 'hetps[tensorboard]'): "
+        "the event files cannot be written or read",
+    )
+    result = run_hetps(
+        [
+            "run",
+            "configs/sync.yaml",
+            *SMALL,
+            "stop.target_accuracy=0.9",
+            "stop.max_seconds=120",
+            "eval.every_s=1.0",
+            "--tensorboard",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=240,
+    )
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     scalars = tensorboard_scalars(run_dir / "tensorboard")
     evals = records(run_dir, "eval")
     # TensorBoard keeps float32: equal to metrics.jsonl's values to that precision
-    assert [v for _, v in scalars["eval/accuracy"]] == pytest.approx([e["accuracy"] for e in evals], abs=1e-6)
+    assert [v for _, v in scalars["eval/accuracy"]] == pytest.approx(
+        [e["accuracy"] for e in evals], abs=1e-6
+    )
     assert [s for s, _ in scalars["eval/accuracy"]] == [e["global_steps"] for e in evals]
     steps = [r for r in records(run_dir, "step") if r["worker"] == 1]
-    assert [v for _, v in scalars["worker1/loss"]] == pytest.approx([r["loss"] for r in steps], abs=1e-5)
+    assert [v for _, v in scalars["worker1/loss"]] == pytest.approx(
+        [r["loss"] for r in steps], abs=1e-5
+    )
     assert [s for s, _ in scalars["worker1/loss"]] == [r["step"] for r in steps]
     assert {"worker0/step_s", "worker0/staleness", "eval/loss", "plan/groups"} <= set(scalars)
 
 
 def test_tensorboard_without_the_package_is_one_clear_line(tmp_path):
     # the tensorboard package made unimportable in this process only: as on a machine without it
-    code = ("import sys; sys.modules['tensorboard'] = None; from hetps.frontend.cli import main; "
-            "sys.exit(main(sys.argv[1:]))")
+    code = (
+        "import sys; sys.modules['tensorboard'] = None; from hetps.frontend.cli import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-c", code, "run", "configs/sync.yaml", "--tensorboard",
-                             "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "run",
+            "configs/sync.yaml",
+            "--tensorboard",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'hetps[tensorboard]'" in lines[0], result.stderr
@@ -157,11 +266,19 @@ def test_tensorboard_without_the_package_is_one_clear_line(tmp_path):
 def test_ctrl_c_while_the_cluster_forms_exits_130_with_an_interrupted_summary(run_dir):
     with background_run(["configs/sync.yaml", *SMALL, "--out", str(run_dir), "--quiet"]) as proc:
         metrics = run_dir / "metrics.jsonl"
-        wait_for(lambda: metrics.exists() and '"register"' in metrics.read_text(), 120, "a first registration")
+        wait_for(
+            lambda: metrics.exists() and '"register"' in metrics.read_text(),
+            120,
+            "a first registration",
+        )
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err + log_tails(run_dir)
     s = summary(run_dir)
     # nodes told that the run stopped exit with an error: that is not a failure of the run
-    assert s["status"] == "interrupted" and s["stop_reason"] == "interrupted" and s["failed_node"] is None, s
+    assert (
+        s["status"] == "interrupted"
+        and s["stop_reason"] == "interrupted"
+        and s["failed_node"] is None
+    ), s
     assert s["global_steps"] == 0

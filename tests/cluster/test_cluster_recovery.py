@@ -2,6 +2,7 @@
 resumes from its checkpoint; a stopped run continues with `hetps run
 --resume`; the scheduler restarts under a training cluster; dropped and
 delayed messages are recovered by retries."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,18 @@ import os
 import signal
 
 import pytest
-
-from cluster_util import (HELD, REPO, Daemons, assert_reached_target, log_tails, processes_mentioning, records,
-                          run_hetps, summary, wait_for)
+from cluster_util import (
+    HELD,
+    REPO,
+    Daemons,
+    assert_reached_target,
+    log_tails,
+    processes_mentioning,
+    records,
+    run_hetps,
+    summary,
+    wait_for,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -21,10 +31,22 @@ def faults(run_dir) -> list[dict]:
 
 
 def test_killed_shard_restarts_from_its_checkpoint_and_the_run_reaches_target(run_dir):
-    result = run_hetps(["run", "configs/sync.yaml", "--out", str(run_dir), "--quiet",
-                        "checkpoint.every_updates=25", "cluster.retry_s=0.5", "stop.target_accuracy=0.93", HELD,
-                        "stop.max_seconds=150", "cluster.kill=[{node: ps1, at_s: 1.5, restart_after_s: 1}]"],
-                       timeout_s=240)
+    result = run_hetps(
+        [
+            "run",
+            "configs/sync.yaml",
+            "--out",
+            str(run_dir),
+            "--quiet",
+            "checkpoint.every_updates=25",
+            "cluster.retry_s=0.5",
+            "stop.target_accuracy=0.93",
+            HELD,
+            "stop.max_seconds=150",
+            "cluster.kill=[{node: ps1, at_s: 1.5, restart_after_s: 1}]",
+        ],
+        timeout_s=240,
+    )
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     assert "fault injection: killing ps1" in result.stderr
     kill, restart = faults(run_dir)
@@ -32,35 +54,52 @@ def test_killed_shard_restarts_from_its_checkpoint_and_the_run_reaches_target(ru
     assert kill["checkpoint_version"] is not None and kill["checkpoint_version"] >= 25
     s = summary(run_dir)
     ps1 = s["shard_stats"]["ps1"]
-    assert ps1["restored_version"] == kill["checkpoint_version"]   # resumed at the version on disk
-    assert ps1["version"] > ps1["restored_version"]                # and trained on from there
+    assert ps1["restored_version"] == kill["checkpoint_version"]  # resumed at the version on disk
+    assert ps1["version"] > ps1["restored_version"]  # and trained on from there
     assert [f["node"] for f in s["failures"] if f["kind"] == "shard_restarted"] == ["ps1"]
     assert_reached_target(s, 0.93)
     assert "restored version" in (run_dir / "logs" / "ps1.log").read_text()
 
 
 def test_resume_continues_a_stopped_run_from_consistent_checkpoints(run_dir):
-    first = run_hetps(["run", "configs/sync.yaml", "--out", str(run_dir), "--quiet", "stop.target_accuracy=null",
-                       "stop.max_steps=200", "stop.max_seconds=120"], timeout_s=200)
+    first = run_hetps(
+        [
+            "run",
+            "configs/sync.yaml",
+            "--out",
+            str(run_dir),
+            "--quiet",
+            "stop.target_accuracy=null",
+            "stop.max_steps=200",
+            "stop.max_seconds=120",
+        ],
+        timeout_s=200,
+    )
     assert first.returncode == 0, first.stderr + log_tails(run_dir)
     stopped = summary(run_dir)
     versions = stopped["shard_versions"]
     assert len(set(versions.values())) == 1 and min(versions.values()) > 0, versions
     accuracy_before = stopped["final_accuracy"]
 
-    resumed = run_hetps(["run", "--resume", str(run_dir), "stop.max_steps=100", "stop.target_accuracy=null"],
-                        timeout_s=200)
+    resumed = run_hetps(
+        ["run", "--resume", str(run_dir), "stop.max_steps=100", "stop.target_accuracy=null"],
+        timeout_s=200,
+    )
     assert resumed.returncode == 0, resumed.stderr + log_tails(run_dir)
     assert "resuming run" in resumed.stderr
     s = summary(run_dir)
     for name, v in versions.items():
-        assert s["shard_stats"][name]["restored_version"] == v      # resumed at the checkpointed versions
-        assert s["shard_versions"][name] > v                          # and went on from them
+        # resumed at the checkpointed versions
+        assert s["shard_stats"][name]["restored_version"] == v
+        assert s["shard_versions"][name] > v  # and went on from them
     # a continuation, not a restart from scratch: the first evaluation is already trained
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     resumed_at = [i for i, r in enumerate(lines) if r["kind"] == "plan" and r["plan_id"] == 1][1]
     first_after_resume = next(r for r in lines[resumed_at:] if r["kind"] == "eval")
-    assert first_after_resume["accuracy"] >= accuracy_before - 0.05, (first_after_resume, accuracy_before)
+    assert first_after_resume["accuracy"] >= accuracy_before - 0.05, (
+        first_after_resume,
+        accuracy_before,
+    )
     assert s["final_accuracy"] >= 0.9
 
 
@@ -84,8 +123,14 @@ def free_port() -> int:
 def test_training_goes_on_through_a_scheduler_restart(tmp_path):
     run_dir = tmp_path / "run"
     config = str(REPO / "configs" / "sync.yaml")
-    overrides = ["cluster.workers=2", "cluster.shards=1", "stop.target_accuracy=null", "stop.max_seconds=120",
-                 "eval.every_s=1.0", "cluster.heartbeat_s=0.25"]
+    overrides = [
+        "cluster.workers=2",
+        "cluster.shards=1",
+        "stop.target_accuracy=null",
+        "stop.max_seconds=120",
+        "eval.every_s=1.0",
+        "cluster.heartbeat_s=0.25",
+    ]
     daemons = Daemons(tmp_path, overrides)
     address = f"tcp://127.0.0.1:{free_port()}"
     scheduler_args = ["scheduler", "--config", config, "--bind", address, "--run-dir", str(run_dir)]
@@ -93,16 +138,28 @@ def test_training_goes_on_through_a_scheduler_restart(tmp_path):
         daemons.start(scheduler_args)
         daemons.start(["ps", "--config", config, "--rank", "0", "--scheduler", address])
         for rank in range(2):
-            daemons.start(["worker", "--config", config, "--rank", str(rank), "--scheduler", address])
+            daemons.start(
+                ["worker", "--config", config, "--rank", str(rank), "--scheduler", address]
+            )
         daemons.start(["worker", "--config", config, "--evaluator", "--scheduler", address])
-        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and records(run_dir, "eval"), 90, "training")
+        wait_for(
+            lambda: (run_dir / "metrics.jsonl").exists() and records(run_dir, "eval"),
+            90,
+            "training",
+        )
         os.killpg(daemons.procs[0].pid, signal.SIGKILL)
         daemons.procs[0].wait(timeout=10)
         steps_at_kill = max(r["global_steps"] for r in records(run_dir, "eval"))
-        daemons.start(scheduler_args)   # same address, same run directory: it carries the run on
-        wait_for(lambda: any(r["global_steps"] > steps_at_kill + 50 and r["accuracy"] >= 0.9
-                             for r in records(run_dir, "eval")), 90, "50 more steps and 90% after the restart")
-        daemons.procs[-1].send_signal(signal.SIGTERM)   # the new scheduler stops the run cleanly
+        daemons.start(scheduler_args)  # same address, same run directory: it carries the run on
+        wait_for(
+            lambda: any(
+                r["global_steps"] > steps_at_kill + 50 and r["accuracy"] >= 0.9
+                for r in records(run_dir, "eval")
+            ),
+            90,
+            "50 more steps and 90% after the restart",
+        )
+        daemons.procs[-1].send_signal(signal.SIGTERM)  # the new scheduler stops the run cleanly
         codes = daemons.wait(120)
     finally:
         daemons.close()
@@ -119,9 +176,22 @@ def test_training_goes_on_through_a_scheduler_restart(tmp_path):
 
 
 def test_dropped_and_delayed_messages_are_retried_and_the_run_reaches_target(run_dir):
-    result = run_hetps(["run", "configs/sync.yaml", "--out", str(run_dir), "--quiet", "cluster.faults.drop=0.02",
-                        "cluster.faults.delay=0.05", "cluster.faults.delay_s=0.02", "cluster.retry_s=0.2",
-                        "stop.target_accuracy=0.92", "stop.max_seconds=150"], timeout_s=240)
+    result = run_hetps(
+        [
+            "run",
+            "configs/sync.yaml",
+            "--out",
+            str(run_dir),
+            "--quiet",
+            "cluster.faults.drop=0.02",
+            "cluster.faults.delay=0.05",
+            "cluster.faults.delay_s=0.02",
+            "cluster.retry_s=0.2",
+            "stop.target_accuracy=0.92",
+            "stop.max_seconds=150",
+        ],
+        timeout_s=240,
+    )
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)
     assert s["time_to_target_s"] is not None, s

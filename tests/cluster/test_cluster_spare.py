@@ -5,6 +5,7 @@ ps1 now serves (a copy of their state); once the spare holds both copies, ps1
 is killed too, and the spare serves both ranges to the time limit. Each kill
 is triggered by an event (a step recorded, the failover plan, the spare's
 copies), never by a sleep."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import signal
 import traceback
 
 import pytest
-
 from cluster_util import background_run, log_tails, records, shard_pid, summary, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -33,13 +33,27 @@ def copies(run_dir) -> int:
 
 
 def test_a_spare_becomes_the_new_backup_and_survives_a_second_kill(run_dir):
-    args = ["configs/sync.yaml", "--out", str(run_dir), "--quiet", "cluster.replicas=1", "cluster.spare_shards=1",
-            "cluster.workers=2", f"cluster.dead_after_s={DEAD_AFTER_S}", "cluster.retry_s=0.5",
-            "stop.target_accuracy=null", "eval.every_s=1.0", f"stop.max_seconds={MAX_S}"]
+    args = [
+        "configs/sync.yaml",
+        "--out",
+        str(run_dir),
+        "--quiet",
+        "cluster.replicas=1",
+        "cluster.spare_shards=1",
+        "cluster.workers=2",
+        f"cluster.dead_after_s={DEAD_AFTER_S}",
+        "cluster.retry_s=0.5",
+        "stop.target_accuracy=null",
+        "eval.every_s=1.0",
+        f"stop.max_seconds={MAX_S}",
+    ]
     with background_run(args) as proc:
         try:
-            wait_for(lambda: (run_dir / "metrics.jsonl").exists() and records(run_dir, "step"), 90,
-                     "the first training step")
+            wait_for(
+                lambda: (run_dir / "metrics.jsonl").exists() and records(run_dir, "step"),
+                90,
+                "the first training step",
+            )
             os.kill(shard_pid(run_dir, 0), signal.SIGKILL)
             first = wait_for(lambda: plan(run_dir, 2), 30, "the first failover plan")
             wait_for(lambda: copies(run_dir) >= 2, 30, "the spare's copies of both ranges")
@@ -58,7 +72,9 @@ def test_a_spare_becomes_the_new_backup_and_survives_a_second_kill(run_dir):
     # training went on after the second failover, on the spare
     assert any(r["t"] > failovers[1]["t"] for r in records(run_dir, "step")), failovers
     backups = s["spare_stats"]["spare0"]["backups"]
-    assert sorted(b["of"] for b in backups) == sorted([ps0, ps1]) and all(b["role"] == "primary" for b in backups)
+    assert sorted(b["of"] for b in backups) == sorted([ps0, ps1]) and all(
+        b["role"] == "primary" for b in backups
+    )
     # every acknowledged push was applied once on each range: both took the same pushes
     steps, workers = s["global_steps"], 2
     for b in backups:

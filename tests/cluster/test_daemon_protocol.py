@@ -6,6 +6,7 @@ the test itself is the (only) worker: it joins through Membership, then sends
 hand-made frames with raw DEALER sockets and valid requests with RpcClient.
 Finally it stops the run and checks that both daemons exit 0.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,25 +23,37 @@ import zmq
 from torch import nn
 
 from hetps.proto.codec import decode, encode
-from hetps.runconfig.load import load_config
-from hetps.runtime.membership import Membership
-from hetps.proto.messages import (PROTOCOL_VERSION, Ack, Error, Heartbeat, Init, Op, Params, Pull,
-                                  Push, Status, Stop)
+from hetps.proto.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Error,
+    Heartbeat,
+    Init,
+    Op,
+    Params,
+    Pull,
+    Push,
+    Status,
+    Stop,
+)
 from hetps.proto.plan import schema_hash
 from hetps.proto.rpc import RemoteError, RpcClient
+from hetps.runconfig.load import load_config
+from hetps.runtime.membership import Membership
 from hetps.worker.state import model_specs, model_tensors
 
 pytestmark = pytest.mark.cluster
 
-START_S = 30.0    # daemon start-up (imports torch) and cluster formation
-REPLY_S = 5.0     # any single reply
-EXIT_S = 30.0     # both daemons gone after the stop
+START_S = 30.0  # daemon start-up (imports torch) and cluster formation
+REPLY_S = 5.0  # any single reply
+EXIT_S = 30.0  # both daemons gone after the stop
 # the test is the worker and sends no heartbeats between its requests: it must not be declared dead
 # while a loaded machine runs the shard cases
 CLUSTER = ["cluster.workers=1", "cluster.shards=1", "cluster.dead_after_s=120"]
 
 
 # ---------------------------------------------------------------- processes
+
 
 class Daemons:
     """Child processes with logs in the run dir; every one is reaped in `close`."""
@@ -56,8 +69,14 @@ class Daemons:
         out = open(self.run_dir / f"{name}.out", "wb")
         err = open(self.run_dir / f"{name}.err", "wb")
         self.files += [out, err]
-        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                env=self.env, cwd=self.run_dir)
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            cwd=self.run_dir,
+        )
         self.procs[name] = proc
         return proc
 
@@ -73,7 +92,9 @@ class Daemons:
                 path = self.run_dir / f"{name}.{ext}"
                 if path.exists():
                     lines = path.read_text(errors="replace").splitlines()[-n:]
-                    parts.append(f"----- {name}.{ext} (last {len(lines)} lines)\n" + "\n".join(lines))
+                    parts.append(
+                        f"----- {name}.{ext} (last {len(lines)} lines)\n" + "\n".join(lines)
+                    )
         return "\n".join(parts)
 
     def close(self) -> None:
@@ -114,6 +135,7 @@ def wait_for_file(path: Path, daemons: Daemons, timeout_s: float) -> str:
 
 # ---------------------------------------------------------------- raw frames
 
+
 class Raw:
     """A raw DEALER socket: send any frames, read back one decoded reply."""
 
@@ -149,8 +171,13 @@ def tiny_model() -> nn.Module:
 
 def shard_cases(plan_id: int, node_id: int, grads: dict) -> list[tuple[str, list, Status, int]]:
     """(name, frames, expected status, expected echoed req id) for each malformed class."""
-    push = encode(Push(plan_id=plan_id, clock=0, base_version=0, tensors=grads), req_id=1000, src=node_id,
-                  pack_below=0)  # one frame per tensor, so that each case can break one tensor's frame
+    push = encode(
+        Push(plan_id=plan_id, clock=0, base_version=0, tensors=grads),
+        req_id=1000,
+        src=node_id,
+        # one frame per tensor, so that each case can break one tensor's frame
+        pack_below=0,
+    )
     h, data = header(push), [bytes(memoryview(f)) for f in push[1:]]
     specs = h["tensors"]
     cases = []
@@ -161,51 +188,123 @@ def shard_cases(plan_id: int, node_id: int, grads: dict) -> list[tuple[str, list
     def variant(req_id, **changes):
         return {**h, "id": req_id, **changes}
 
-    case("bad version", with_header(variant(1001, v=PROTOCOL_VERSION + 1), data), Status.BAD_VERSION, 1001)
-    case("version missing", with_header({k: v for k, v in variant(1002).items() if k != "v"}, data),
-         Status.BAD_VERSION, 1002)
-    case("truncated frames", with_header(variant(1003, tensors=specs[:2]), data[:1]), Status.MALFORMED, 1003)
+    case(
+        "bad version",
+        with_header(variant(1001, v=PROTOCOL_VERSION + 1), data),
+        Status.BAD_VERSION,
+        1001,
+    )
+    case(
+        "version missing",
+        with_header({k: v for k, v in variant(1002).items() if k != "v"}, data),
+        Status.BAD_VERSION,
+        1002,
+    )
+    case(
+        "truncated frames",
+        with_header(variant(1003, tensors=specs[:2]), data[:1]),
+        Status.MALFORMED,
+        1003,
+    )
     case("extra frames", with_header(variant(1004), [*data, data[0]]), Status.MALFORMED, 1004)
     case("no tensor frames", with_header(variant(1005), []), Status.MALFORMED, 1005)
     short = [data[0][:-4], *data[1:]]
     case("wrong byte length", with_header(variant(1006), short), Status.MALFORMED, 1006)
-    case("unknown tensor", with_header(variant(1007, tensors=[["ghost", *specs[0][1:]], *specs[1:]]), data),
-         Status.UNKNOWN_TENSOR, 1007)
+    case(
+        "unknown tensor",
+        with_header(variant(1007, tensors=[["ghost", *specs[0][1:]], *specs[1:]]), data),
+        Status.UNKNOWN_TENSOR,
+        1007,
+    )
     n = 1
     for d in specs[0][2]:
         n *= d
     reshaped = [specs[0][0], specs[0][1], [n]]  # same bytes, other shape
-    case("wrong shape", with_header(variant(1008, tensors=[reshaped, *specs[1:]]), data),
-         Status.SHAPE_MISMATCH, 1008)
-    case("dtype outside the allow-list", with_header(
-        variant(1009, tensors=[[specs[0][0], "complex64", specs[0][2]], *specs[1:]]), data),
-        Status.DTYPE_NOT_ALLOWED, 1009)
+    case(
+        "wrong shape",
+        with_header(variant(1008, tensors=[reshaped, *specs[1:]]), data),
+        Status.SHAPE_MISMATCH,
+        1008,
+    )
+    case(
+        "dtype outside the allow-list",
+        with_header(
+            variant(1009, tensors=[[specs[0][0], "complex64", specs[0][2]], *specs[1:]]), data
+        ),
+        Status.DTYPE_NOT_ALLOWED,
+        1009,
+    )
     as_double = [*data]
-    as_double[0] = bytes(memoryview(torch.zeros(specs[0][2], dtype=torch.float64).numpy()).cast("B"))
-    case("dtype not the registered one", with_header(
-        variant(1010, tensors=[[specs[0][0], "float64", specs[0][2]], *specs[1:]]), as_double),
-        Status.DTYPE_NOT_ALLOWED, 1010)
-    case("declared size too large", with_header(
-        variant(1011, tensors=[[specs[0][0], "float32", [1 << 20, 1 << 20]], *specs[1:]]), data),
-        Status.TOO_LARGE, 1011)
+    as_double[0] = bytes(
+        memoryview(torch.zeros(specs[0][2], dtype=torch.float64).numpy()).cast("B")
+    )
+    case(
+        "dtype not the registered one",
+        with_header(
+            variant(1010, tensors=[[specs[0][0], "float64", specs[0][2]], *specs[1:]]), as_double
+        ),
+        Status.DTYPE_NOT_ALLOWED,
+        1010,
+    )
+    case(
+        "declared size too large",
+        with_header(
+            variant(1011, tensors=[[specs[0][0], "float32", [1 << 20, 1 << 20]], *specs[1:]]), data
+        ),
+        Status.TOO_LARGE,
+        1011,
+    )
     case("garbage bytes", [b"\xc1garbage\x00\xff", *data], Status.MALFORMED, 0)
     case("header not a map", [msgpack.packb([1, 2, 3])], Status.MALFORMED, 0)
     case("unknown op number", with_header(variant(1012, op=99), data), Status.UNKNOWN_OP, 1012)
-    case("op the shard does not serve", with_header(
-        {"v": PROTOCOL_VERSION, "op": int(Op.REGISTER), "id": 1013, "src": node_id, "role": "worker",
-         "rank": 0}, []), Status.UNKNOWN_OP, 1013)
-    case("missing field", with_header({k: v for k, v in variant(1014).items() if k != "clock"}, data),
-         Status.MALFORMED, 1014)
-    case("missing routing field", with_header({k: v for k, v in variant(1015).items() if k != "src"}, data),
-         Status.MALFORMED, 1015)
+    case(
+        "op the shard does not serve",
+        with_header(
+            {
+                "v": PROTOCOL_VERSION,
+                "op": int(Op.REGISTER),
+                "id": 1013,
+                "src": node_id,
+                "role": "worker",
+                "rank": 0,
+            },
+            [],
+        ),
+        Status.UNKNOWN_OP,
+        1013,
+    )
+    case(
+        "missing field",
+        with_header({k: v for k, v in variant(1014).items() if k != "clock"}, data),
+        Status.MALFORMED,
+        1014,
+    )
+    case(
+        "missing routing field",
+        with_header({k: v for k, v in variant(1015).items() if k != "src"}, data),
+        Status.MALFORMED,
+        1015,
+    )
     case("ill-typed field", with_header(variant(1016, clock="zero"), data), Status.MALFORMED, 1016)
-    case("bad tensor spec", with_header(variant(1017, tensors=[["x"], *specs[1:]]), data), Status.MALFORMED, 1017)
+    case(
+        "bad tensor spec",
+        with_header(variant(1017, tensors=[["x"], *specs[1:]]), data),
+        Status.MALFORMED,
+        1017,
+    )
     return cases
 
 
 def beat_header(node_id: int, req_id: int) -> dict:
-    return {"v": PROTOCOL_VERSION, "op": int(Op.HEARTBEAT), "id": req_id, "src": node_id,
-            "node_id": node_id, "stats": {}, "records": []}
+    return {
+        "v": PROTOCOL_VERSION,
+        "op": int(Op.HEARTBEAT),
+        "id": req_id,
+        "src": node_id,
+        "node_id": node_id,
+        "stats": {},
+        "records": [],
+    }
 
 
 def scheduler_cases(node_id: int) -> list[tuple[str, list, Status, int]]:
@@ -214,36 +313,94 @@ def scheduler_cases(node_id: int) -> list[tuple[str, list, Status, int]]:
         ("garbage bytes", [b"\xc1garbage\x00\xff"], Status.MALFORMED, 0),
         ("empty header", [b""], Status.MALFORMED, 0),
         ("bad version", with_header({**beat, "id": 2001, "v": 0}, []), Status.BAD_VERSION, 2001),
-        ("unknown op number", with_header({**beat, "id": 2002, "op": 77}, []), Status.UNKNOWN_OP, 2002),
-        ("op the scheduler does not serve", with_header(
-            {"v": PROTOCOL_VERSION, "op": int(Op.PULL), "id": 2003, "src": node_id, "plan_id": 1}, []),
-            Status.UNKNOWN_OP, 2003),
-        ("missing field", with_header({k: v for k, v in {**beat, "id": 2004}.items() if k != "node_id"}, []),
-         Status.MALFORMED, 2004),
-        ("missing op", with_header({k: v for k, v in {**beat, "id": 2005}.items() if k != "op"}, []),
-         Status.MALFORMED, 2005),
-        ("ill-typed field", with_header({**beat, "id": 2006, "stats": [1]}, []), Status.MALFORMED, 2006),
-        ("unexpected tensor frames", with_header({**beat, "id": 2007}, [b"\x00" * 4]), Status.MALFORMED, 2007),
-        ("unknown node id", with_header({**beat, "id": 2008, "node_id": 4242}, []), Status.BAD_STATE, 2008),
+        (
+            "unknown op number",
+            with_header({**beat, "id": 2002, "op": 77}, []),
+            Status.UNKNOWN_OP,
+            2002,
+        ),
+        (
+            "op the scheduler does not serve",
+            with_header(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "op": int(Op.PULL),
+                    "id": 2003,
+                    "src": node_id,
+                    "plan_id": 1,
+                },
+                [],
+            ),
+            Status.UNKNOWN_OP,
+            2003,
+        ),
+        (
+            "missing field",
+            with_header({k: v for k, v in {**beat, "id": 2004}.items() if k != "node_id"}, []),
+            Status.MALFORMED,
+            2004,
+        ),
+        (
+            "missing op",
+            with_header({k: v for k, v in {**beat, "id": 2005}.items() if k != "op"}, []),
+            Status.MALFORMED,
+            2005,
+        ),
+        (
+            "ill-typed field",
+            with_header({**beat, "id": 2006, "stats": [1]}, []),
+            Status.MALFORMED,
+            2006,
+        ),
+        (
+            "unexpected tensor frames",
+            with_header({**beat, "id": 2007}, [b"\x00" * 4]),
+            Status.MALFORMED,
+            2007,
+        ),
+        (
+            "unknown node id",
+            with_header({**beat, "id": 2008, "node_id": 4242}, []),
+            Status.BAD_STATE,
+            2008,
+        ),
     ]
 
 
 # ---------------------------------------------------------------- the test
 
+
 def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
-    daemons.start("scheduler", ["-m", "hetps.scheduler", "--run-dir", str(tmp_path), "--bind", "tcp://127.0.0.1:0",
-                                *CLUSTER, "eval.enabled=false", "stop.max_seconds=60"])
+    daemons.start(
+        "scheduler",
+        [
+            "-m",
+            "hetps.scheduler",
+            "--run-dir",
+            str(tmp_path),
+            "--bind",
+            "tcp://127.0.0.1:0",
+            *CLUSTER,
+            "eval.enabled=false",
+            "stop.max_seconds=60",
+        ],
+    )
     sched_addr = wait_for_file(tmp_path / "scheduler.addr", daemons, START_S)
     assert sched_addr.startswith("tcp://127.0.0.1:")
     daemons.start("shard", ["-m", "hetps.ps", "--rank", "0", "--scheduler", sched_addr, *CLUSTER])
 
-    cfg = load_config(None, [*CLUSTER, f"cluster.startup_timeout_s={START_S}", f"cluster.request_timeout_s={REPLY_S}"])
+    cfg = load_config(
+        None,
+        [*CLUSTER, f"cluster.startup_timeout_s={START_S}", f"cluster.request_timeout_s={REPLY_S}"],
+    )
     model = tiny_model()
     specs = model_specs(model)
     member = Membership(sched_addr, "worker", 0, cfg.cluster)
     closers = [member.close]
     try:
-        node_id = member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs))
+        node_id = member.join(
+            tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs)
+        )
         plan = member.wait_plan()
         assert plan.worker_ids() == [node_id] and len(plan.shards) == 1
         daemons.alive_or_fail()
@@ -268,7 +425,9 @@ def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
         closers.append(raw.close)
         for name, frames, status, req_id in shard_cases(plan.plan_id, node_id, grads):
             err, got_id = raw.ask(frames)
-            assert Status(err.status) == status, f"shard, {name}: {Status(err.status).name}: {err.message}"
+            assert Status(err.status) == status, (
+                f"shard, {name}: {Status(err.status).name}: {err.message}"
+            )
             assert got_id == req_id, f"shard, {name}: reply id {got_id}"
             reply = valid_pull()
             assert reply.version == 0, f"shard, {name}: version moved"
@@ -276,11 +435,21 @@ def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
                 assert torch.equal(reply.tensors[n], t), f"shard, {name}: {n} changed"
         # handler-level refusals over the wire, too
         for name, msg, status in [
-            ("stale plan", Push(plan_id=plan.plan_id - 1, clock=0, base_version=0, tensors=grads),
-             Status.STALE_PLAN),
-            ("non-finite", Push(plan_id=plan.plan_id, clock=0, base_version=0,
-                                tensors={**grads, specs[0].name: torch.full(specs[0].shape, float("nan"))}),
-             Status.NONFINITE),
+            (
+                "stale plan",
+                Push(plan_id=plan.plan_id - 1, clock=0, base_version=0, tensors=grads),
+                Status.STALE_PLAN,
+            ),
+            (
+                "non-finite",
+                Push(
+                    plan_id=plan.plan_id,
+                    clock=0,
+                    base_version=0,
+                    tensors={**grads, specs[0].name: torch.full(specs[0].shape, float("nan"))},
+                ),
+                Status.NONFINITE,
+            ),
         ]:
             with pytest.raises(RemoteError) as info:
                 shard.call(msg)
@@ -298,7 +467,9 @@ def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
         closers.append(raw_sched.close)
         for name, frames, status, req_id in scheduler_cases(node_id):
             err, got_id = raw_sched.ask(frames)
-            assert Status(err.status) == status, f"scheduler, {name}: {Status(err.status).name}: {err.message}"
+            assert Status(err.status) == status, (
+                f"scheduler, {name}: {Status(err.status).name}: {err.message}"
+            )
             assert got_id == req_id, f"scheduler, {name}: reply id {got_id}"
             ack = member.rpc.call(Heartbeat(node_id=node_id, stats={"steps": 1}), timeout_s=REPLY_S)
             assert isinstance(ack, Ack) and ack.stop is False and ack.plan_id == plan.plan_id, name
@@ -306,11 +477,18 @@ def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
         evaluator = Membership(sched_addr, "evaluator", 0, cfg.cluster)
         closers.append(evaluator.close)
         eval_id = evaluator.join()
-        for key, odd in (("steps", "many"), ("bytes_sent", float("inf")), ("bytes_received", b"\x00"),
-                         ("version", None)):
-            err, got_id = raw_sched.ask(with_header({**beat_header(eval_id, 2100), "stats": {key: odd}},
-                                                    []))
-            assert Status(err.status) == Status.MALFORMED and f"stats.{key}" in err.message, err.message
+        for key, odd in (
+            ("steps", "many"),
+            ("bytes_sent", float("inf")),
+            ("bytes_received", b"\x00"),
+            ("version", None),
+        ):
+            err, got_id = raw_sched.ask(
+                with_header({**beat_header(eval_id, 2100), "stats": {key: odd}}, [])
+            )
+            assert Status(err.status) == Status.MALFORMED and f"stats.{key}" in err.message, (
+                err.message
+            )
         ack = evaluator.rpc.call(Heartbeat(node_id=eval_id, stats={"evals": 1}), timeout_s=REPLY_S)
         assert isinstance(ack, Ack)
         daemons.alive_or_fail()
@@ -342,4 +520,7 @@ def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
     assert data["shard_versions"] == {"ps0": 1}
     assert data["global_steps"] == 1
     assert {k: data["per_node"]["evaluator0"][k] for k in ("sent", "received", "steps")} == {
-        "sent": 0, "received": 0, "steps": 0}
+        "sent": 0,
+        "received": 0,
+        "steps": 0,
+    }

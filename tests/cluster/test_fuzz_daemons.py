@@ -10,6 +10,7 @@ still served, and both exit 0 after a clean stop.
 
 Every run is deterministic (derandomize=True, no example database).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,18 +23,38 @@ import torch
 import zmq
 from hypothesis import given
 from hypothesis import strategies as st
+from test_daemon_protocol import (
+    CLUSTER,
+    EXIT_S,
+    REPLY_S,
+    START_S,
+    Daemons,
+    tiny_model,
+    wait_for_file,
+)
+from wire_fuzz import (
+    INTS,
+    TEXT,
+    VALUES,
+    M,
+    Template,
+    add_noise,
+    compressed_case,
+    compressed_template,
+    echo_id,
+    fuzz_settings,
+    one_error,
+    pack,
+    random_frames,
+    templates,
+)
 
 from hetps.proto import messages as m
 from hetps.proto.codec import decode
 from hetps.proto.messages import PROTOCOL_VERSION, Op, Status
-from test_daemon_protocol import (CLUSTER, EXIT_S, REPLY_S, START_S, Daemons, tiny_model,
-                                  wait_for_file)
-from wire_fuzz import (INTS, M, TEXT, VALUES, Template, add_noise, compressed_case,
-                       compressed_template, echo_id, fuzz_settings, one_error, pack, random_frames,
-                       templates)
 
 # Messages sent to the live daemons.
-N_SHARD = 700   # the decoder's fuzz tests send many more of each kind
+N_SHARD = 700  # the decoder's fuzz tests send many more of each kind
 N_SCHEDULER = 400
 
 
@@ -45,7 +66,8 @@ class RawSocket:
         self._connect()
         self.sent = 0
         self.answered = 0
-        self.dropped = 0         # garbage not answered within its wait (a loaded machine may answer later)
+        # garbage not answered within its wait (a loaded machine may answer later)
+        self.dropped = 0
         self.statuses: dict[str, int] = {}
 
     def _connect(self) -> None:
@@ -59,7 +81,9 @@ class RawSocket:
             return decode(self.sock.recv_multipart())
         return None
 
-    def ask(self, frames: list, expected: set[Status] | None, req_id: int, must_answer: bool = True) -> None:
+    def ask(
+        self, frames: list, expected: set[Status] | None, req_id: int, must_answer: bool = True
+    ) -> None:
         """Send; the reply must be an ERROR with a status in `expected` (any, if
         None) echoing `req_id`. Garbage (`must_answer` False) may go unanswered."""
         self.sock.send_multipart(frames)
@@ -79,8 +103,11 @@ class RawSocket:
         self.statuses[status.name] = self.statuses.get(status.name, 0) + 1
         assert env.req_id == req_id, f"reply id {env.req_id}, expected {req_id}: {env.msg.message}"
         if expected is not None and Status.MALFORMED in expected:
-            expected = expected | {Status.TOO_LARGE}  # a mutated shape may also declare too many bytes
-        assert expected is None or status in expected, f"{status.name} not in {expected}: {env.msg.message}"
+            # a mutated shape may also declare too many bytes
+            expected = expected | {Status.TOO_LARGE}
+        assert expected is None or status in expected, (
+            f"{status.name} not in {expected}: {env.msg.message}"
+        )
         assert status is not Status.INTERNAL, env.msg.message
 
     def assert_quiet(self) -> None:
@@ -105,16 +132,20 @@ def shard_handler_case(draw, temps: dict[Op, Template], plan_id: int):
     add_noise(draw, t, h)
     for key in ("clock", "base_version", "n_samples"):
         h[key] = draw(INTS)
-    h["info"] = draw(st.dictionaries(st.sampled_from(["steps", "period"]), st.integers(0, 2**40), max_size=2)
-                     | st.dictionaries(st.sampled_from(["lr", "weight_decay"]), st.floats(0, 10), max_size=2))
+    h["info"] = draw(
+        st.dictionaries(st.sampled_from(["steps", "period"]), st.integers(0, 2**40), max_size=2)
+        | st.dictionaries(st.sampled_from(["lr", "weight_decay"]), st.floats(0, 10), max_size=2)
+    )
     if draw(st.booleans()):
-        h["plan_id"] = draw(st.integers(-2**63, 0) | st.sampled_from([-2**63, -1, 0]))
+        h["plan_id"] = draw(st.integers(-(2**63), 0) | st.sampled_from([-(2**63), -1, 0]))
         expected = {Status.STALE_PLAN}
     else:
         h["plan_id"] = plan_id
         i = draw(st.integers(0, len(data) - 1))
         values = torch.frombuffer(bytearray(data[i]), dtype=torch.float32).clone()
-        values[draw(st.integers(0, values.numel() - 1))] = draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+        values[draw(st.integers(0, values.numel() - 1))] = draw(
+            st.sampled_from([math.nan, math.inf, -math.inf])
+        )
         data[i] = values.numpy().tobytes()
         expected = {Status.NONFINITE}
     frames = [pack(h), *data]
@@ -129,26 +160,49 @@ def scheduler_handler_case(draw, known_ids: set[int], schema: str):
     and tensor specs may already fail their typed reading at decode
     (MALFORMED, before the handler's BAD_STATE)."""
     rid = draw(st.integers(1, 2**63 - 1))
-    node = draw(INTS.filter(lambda x: x not in known_ids and -2**63 <= x < 2**63))
+    node = draw(INTS.filter(lambda x: x not in known_ids and -(2**63) <= x < 2**63))
     free_dict = st.dictionaries(st.text(max_size=8), VALUES, max_size=4)
     kind = draw(st.sampled_from(["heartbeat", "report", "bye", "role", "schema"]))
     if kind == "heartbeat":
-        op, fields = Op.HEARTBEAT, dict(node_id=node, stats=draw(free_dict),
-                                        records=draw(st.lists(free_dict | VALUES, max_size=3)))
+        op, fields = (
+            Op.HEARTBEAT,
+            dict(
+                node_id=node,
+                stats=draw(free_dict),
+                records=draw(st.lists(free_dict | VALUES, max_size=3)),
+            ),
+        )
         expected = {Status.BAD_STATE, M}
     elif kind == "report":
-        op, fields = Op.REPORT, dict(node_id=node, kind=draw(st.just("eval") | TEXT), values=draw(free_dict))
+        op, fields = (
+            Op.REPORT,
+            dict(node_id=node, kind=draw(st.just("eval") | TEXT), values=draw(free_dict)),
+        )
         expected = {Status.BAD_STATE}
     elif kind == "bye":
         op, fields = Op.BYE, dict(node_id=node, stats=draw(free_dict))
         expected = {Status.BAD_STATE, M}
     elif kind == "role":
-        op, fields = Op.REGISTER, dict(role=draw(TEXT.filter(lambda r: r not in ("ps", "worker", "evaluator"))),
-                                       rank=draw(INTS), tensor_specs=draw(st.lists(VALUES, max_size=3)))
+        op, fields = (
+            Op.REGISTER,
+            dict(
+                role=draw(TEXT.filter(lambda r: r not in ("ps", "worker", "evaluator"))),
+                rank=draw(INTS),
+                tensor_specs=draw(st.lists(VALUES, max_size=3)),
+            ),
+        )
         expected = {M}
     else:
-        op, fields = Op.REGISTER, dict(role="worker", rank=draw(INTS), tensor_specs=draw(st.lists(VALUES, max_size=3)),
-                                       schema_hash=draw(TEXT.filter(lambda s: s != schema)), speed=draw(st.floats()))
+        op, fields = (
+            Op.REGISTER,
+            dict(
+                role="worker",
+                rank=draw(INTS),
+                tensor_specs=draw(st.lists(VALUES, max_size=3)),
+                schema_hash=draw(TEXT.filter(lambda s: s != schema)),
+                speed=draw(st.floats()),
+            ),
+        )
         expected = {Status.BAD_STATE, M}
     frames = [pack({"v": PROTOCOL_VERSION, "op": int(op), "id": rid, "src": node, **fields})]
     return frames, expected, rid
@@ -165,23 +219,43 @@ def fuzz_daemon(raw: RawSocket, cases, n: int) -> None:
 
 
 def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
-    from hetps.runconfig.load import load_config
-    from hetps.runtime.membership import Membership
     from hetps.proto.plan import schema_hash
     from hetps.proto.rpc import RpcClient
+    from hetps.runconfig.load import load_config
+    from hetps.runtime.membership import Membership
     from hetps.worker.state import model_specs, model_tensors
 
     started = time.monotonic()
     daemons = Daemons(tmp_path)
     closers = []
     try:
-        daemons.start("scheduler", ["-m", "hetps.scheduler", "--run-dir", str(tmp_path), "--bind",
-                                    "tcp://127.0.0.1:0", *CLUSTER, "eval.enabled=false", "stop.max_seconds=600",
-                                    "cluster.dead_after_s=600"])
+        daemons.start(
+            "scheduler",
+            [
+                "-m",
+                "hetps.scheduler",
+                "--run-dir",
+                str(tmp_path),
+                "--bind",
+                "tcp://127.0.0.1:0",
+                *CLUSTER,
+                "eval.enabled=false",
+                "stop.max_seconds=600",
+                "cluster.dead_after_s=600",
+            ],
+        )
         sched_addr = wait_for_file(tmp_path / "scheduler.addr", daemons, START_S)
-        daemons.start("shard", ["-m", "hetps.ps", "--rank", "0", "--scheduler", sched_addr, *CLUSTER])
-        cfg = load_config(None, [*CLUSTER, f"cluster.startup_timeout_s={START_S}",
-                                 f"cluster.request_timeout_s={REPLY_S}"])
+        daemons.start(
+            "shard", ["-m", "hetps.ps", "--rank", "0", "--scheduler", sched_addr, *CLUSTER]
+        )
+        cfg = load_config(
+            None,
+            [
+                *CLUSTER,
+                f"cluster.startup_timeout_s={START_S}",
+                f"cluster.request_timeout_s={REPLY_S}",
+            ],
+        )
         model = tiny_model()
         specs = model_specs(model)
         schema = schema_hash(specs)
@@ -203,7 +277,8 @@ def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
         before = shard.call(m.Pull(plan_id=plan.plan_id, clock=-1))
         assert isinstance(before, m.Params) and before.version == 1
         before_tensors = {n: t.clone() for n, t in before.tensors.items()}
-        assert not torch.equal(before_tensors[specs[0].name], values[specs[0].name])  # the push applied
+        # the push applied
+        assert not torch.equal(before_tensors[specs[0].name], values[specs[0].name])
         setup_s = time.monotonic() - started
 
         # --- the shard: every op, broken header fields and lying tensors (incl.
@@ -212,12 +287,17 @@ def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
         raw_shard = RawSocket(plan.shards[0].address)
         closers.append(raw_shard.close)
         t0 = time.monotonic()
-        fuzz_daemon(raw_shard, st.one_of(
-            one_error(shard_temps, catalog=True),
-            one_error(shard_temps, [Op.PUSH, Op.INIT, Op.PULL], catalog=True),
-            garbage_case(),
-            compressed_case(compressed_template(values, plan.plan_id, node_id, req_id=4244)),
-            shard_handler_case(shard_temps, plan.plan_id)), N_SHARD)
+        fuzz_daemon(
+            raw_shard,
+            st.one_of(
+                one_error(shard_temps, catalog=True),
+                one_error(shard_temps, [Op.PUSH, Op.INIT, Op.PULL], catalog=True),
+                garbage_case(),
+                compressed_case(compressed_template(values, plan.plan_id, node_id, req_id=4244)),
+                shard_handler_case(shard_temps, plan.plan_id),
+            ),
+            N_SHARD,
+        )
         shard_s = time.monotonic() - t0
         daemons.alive_or_fail()
 
@@ -226,19 +306,38 @@ def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
         raw_sched = RawSocket(sched_addr)
         closers.append(raw_sched.close)
         t0 = time.monotonic()
-        fuzz_daemon(raw_sched, st.one_of(
-            one_error(sched_temps),
-            one_error(sched_temps, [Op.REGISTER, Op.HEARTBEAT, Op.STOP, Op.BYE, Op.GET_PLAN, Op.BARRIER,
-                                    Op.REPORT]),
-            garbage_case(),
-            scheduler_handler_case({node_id, shard_node}, schema)), N_SCHEDULER)
+        fuzz_daemon(
+            raw_sched,
+            st.one_of(
+                one_error(sched_temps),
+                one_error(
+                    sched_temps,
+                    [
+                        Op.REGISTER,
+                        Op.HEARTBEAT,
+                        Op.STOP,
+                        Op.BYE,
+                        Op.GET_PLAN,
+                        Op.BARRIER,
+                        Op.REPORT,
+                    ],
+                ),
+                garbage_case(),
+                scheduler_handler_case({node_id, shard_node}, schema),
+            ),
+            N_SCHEDULER,
+        )
         sched_s = time.monotonic() - t0
         raw_shard.assert_quiet()
         raw_sched.assert_quiet()
         daemons.alive_or_fail()
-        print(f"shard: {raw_shard.sent} sent in {shard_s:.1f}s, {raw_shard.dropped} dropped, {raw_shard.statuses}")
-        print(f"scheduler: {raw_sched.sent} sent in {sched_s:.1f}s, {raw_sched.dropped} dropped, "
-              f"{raw_sched.statuses}")
+        print(
+            f"shard: {raw_shard.sent} sent in {shard_s:.1f}s, {raw_shard.dropped} dropped, {raw_shard.statuses}"
+        )
+        print(
+            f"scheduler: {raw_sched.sent} sent in {sched_s:.1f}s, {raw_sched.dropped} dropped, "
+            f"{raw_sched.statuses}"
+        )
         assert raw_shard.sent >= N_SHARD * 0.9 and raw_sched.sent >= N_SCHEDULER * 0.9
 
         # --- afterwards: bit-identical tensors, same version, valid requests served
@@ -246,7 +345,9 @@ def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
         assert isinstance(after, m.Params) and after.version == 1
         assert list(after.tensors) == list(before_tensors)
         for n, t in before_tensors.items():
-            assert after.tensors[n].dtype == t.dtype and torch.equal(after.tensors[n], t), f"{n} changed"
+            assert after.tensors[n].dtype == t.dtype and torch.equal(after.tensors[n], t), (
+                f"{n} changed"
+            )
         ack = member.rpc.call(m.Heartbeat(node_id=node_id, stats={"steps": 1}), timeout_s=REPLY_S)
         assert isinstance(ack, m.Ack) and ack.stop is False and ack.plan_id == plan.plan_id
         plan_now = member.wait_plan()
@@ -273,7 +374,9 @@ def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
         refused_in_handler = sum(raw_shard.statuses.get(s, 0) for s in ("STALE_PLAN", "NONFINITE"))
         # garbage dropped by the wait may still have been refused (and counted) after it
         malformed = summary["shard_stats"]["ps0"]["malformed"] + refused_in_handler
-        assert raw_shard.answered <= malformed <= raw_shard.answered + raw_shard.dropped, summary["shard_stats"]
+        assert raw_shard.answered <= malformed <= raw_shard.answered + raw_shard.dropped, summary[
+            "shard_stats"
+        ]
         assert summary["shard_stats"]["ps0"]["nonfinite"] == raw_shard.statuses.get("NONFINITE", 0)
         print(f"setup {setup_s:.1f}s, total {time.monotonic() - started:.1f}s")
     finally:

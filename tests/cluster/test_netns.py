@@ -6,6 +6,7 @@ root and runs them. One cluster: one worker's link is capped with a token
 bucket, and the scheduler must measure it, and group it, as the slow one,
 while the run trains to the target across the namespaces.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -13,7 +14,6 @@ import json
 import time
 
 import pytest
-
 from cluster_util import HETPS, REPO, processes_mentioning, records, summary
 from netns_util import NetDaemons, skip_reason, virtual_network
 
@@ -33,16 +33,34 @@ def _start_cluster(net, daemons: NetDaemons, config: str, run_dir, workers: list
     shard 1 on every interface (0.0.0.0, no --advertise: it registers its
     address on the route to the scheduler), then the workers and the
     evaluator; returns the scheduler's address."""
-    daemons.start("scheduler", "scheduler", ["scheduler", "--config", config, "--run-dir", str(run_dir),
-                                             "--bind", f"tcp://{net.ip('scheduler')}:0"])
+    daemons.start(
+        "scheduler",
+        "scheduler",
+        [
+            "scheduler",
+            "--config",
+            config,
+            "--run-dir",
+            str(run_dir),
+            "--bind",
+            f"tcp://{net.ip('scheduler')}:0",
+        ],
+    )
     addr = daemons.wait_file(run_dir / "scheduler.addr", 60, "the scheduler address")
     assert addr.startswith(f"tcp://{net.ip('scheduler')}:"), addr
     for rank, bind in ((0, f"tcp://{net.ip('ps0')}:0"), (1, "tcp://0.0.0.0:0")):
-        daemons.start(f"ps{rank}", f"ps{rank}", ["ps", "--config", config, "--rank", str(rank),
-                                                 "--scheduler", addr, "--bind", bind])
+        daemons.start(
+            f"ps{rank}",
+            f"ps{rank}",
+            ["ps", "--config", config, "--rank", str(rank), "--scheduler", addr, "--bind", bind],
+        )
     for rank, node in enumerate(workers):
-        daemons.start(node, node, ["worker", "--config", config, "--rank", str(rank), "--scheduler", addr])
-    daemons.start("evaluator", "evaluator", ["worker", "--config", config, "--evaluator", "--scheduler", addr])
+        daemons.start(
+            node, node, ["worker", "--config", config, "--rank", str(rank), "--scheduler", addr]
+        )
+    daemons.start(
+        "evaluator", "evaluator", ["worker", "--config", config, "--evaluator", "--scheduler", addr]
+    )
     return addr
 
 
@@ -60,13 +78,20 @@ def test_cluster_across_namespaces_trains_and_groups_its_tc_limited_worker_slow(
     limited = 1
     nodes = ["scheduler", "ps0", "ps1", *workers, "evaluator"]
     config = str(REPO / "configs" / "default.yaml")
-    overrides = ["cluster.workers=[{}, {}, {}, {}]", "algorithm.regroup_every_s=1",
-                 "stop.target_accuracy=null", "stop.max_seconds=12", "cluster.profile_steps=10",
-                 "eval.every_s=2.0"]
+    overrides = [
+        "cluster.workers=[{}, {}, {}, {}]",
+        "algorithm.regroup_every_s=1",
+        "stop.target_accuracy=null",
+        "stop.max_seconds=12",
+        "cluster.profile_steps=10",
+        "eval.every_s=2.0",
+    ]
     started = time.monotonic()
     with virtual_network(nodes) as net:
         net.limit_link(workers[limited], rate="4mbit", burst="32kbit", latency="400ms")
-        qdisc = net.run(workers[limited], ["tc", "qdisc", "show", "dev", net.veth(workers[limited])]).stdout
+        qdisc = net.run(
+            workers[limited], ["tc", "qdisc", "show", "dev", net.veth(workers[limited])]
+        ).stdout
         assert "tbf" in qdisc, qdisc
         daemons = NetDaemons(net, tmp_path / "logs", HETPS, overrides)
         _start_cluster(net, daemons, config, run_dir, workers)
@@ -80,16 +105,24 @@ def test_cluster_across_namespaces_trains_and_groups_its_tc_limited_worker_slow(
     slow = node_of[limited]
     speeds = {node_of[r]: plan["speeds"][str(node_of[r])] for r in node_of}
     history = [(p["plan_id"], p["groups"], p["speeds"]) for p in records(run_dir, "plan")]
-    context = f"limited worker node {slow}; last plan {plan['plan_id']} groups {plan['groups']} " \
-              f"speeds {speeds}\nplans {history}\n{tails}"
+    context = (
+        f"limited worker node {slow}; last plan {plan['plan_id']} groups {plan['groups']} "
+        f"speeds {speeds}\nplans {history}\n{tails}"
+    )
     assert plan["plan_id"] > 1, "never re-grouped on measured speeds: " + context
     assert min(speeds, key=speeds.get) == slow, context
-    assert slow in plan["groups"][-1] and len(plan["groups"]) > 1, context  # groups are listed fastest first
+    # groups are listed fastest first
+    assert slow in plan["groups"][-1] and len(plan["groups"]) > 1, context
     # how much slower the plan's speeds show it depends on the load: measured while all four were one
     # synchronous group, the others' speeds include waiting for its rounds (1.8x and 2.4x seen on a slow
     # machine, 5x on an idle one). Once in a group of its own it falls clearly behind in steps:
-    steps = {r: s_["steps"] for r, s_ in ((r, summary(run_dir)["per_node"][f"worker{r}"]) for r in node_of)}
-    assert steps[limited] * 5 < min(v for r, v in steps.items() if r != limited), f"steps {steps}\n{context}"
+    steps = {
+        r: s_["steps"]
+        for r, s_ in ((r, summary(run_dir)["per_node"][f"worker{r}"]) for r in node_of)
+    }
+    assert steps[limited] * 5 < min(v for r, v in steps.items() if r != limited), (
+        f"steps {steps}\n{context}"
+    )
     # across the namespaces: each shard registered its own namespace's address (shard 1 the one on its
     # route to the scheduler, bound on 0.0.0.0), and it trained
     hosts = [s_["address"].removeprefix("tcp://").rsplit(":", 1)[0] for s_ in plan["shards"]]

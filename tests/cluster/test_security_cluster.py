@@ -8,6 +8,7 @@ process is reaped. Raw DEALER sockets (outside hetps's transport) play the
 intruders, and the same raw socket with an allowed key is the control that
 shows the intruders were refused for their key, not for a wrong address.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,10 +18,11 @@ import pytest
 import torch
 import zmq
 import zmq.auth
+from cluster_util import Daemons, log_tails, run_hetps, summary
+from security_util import CONFIG, HANDSHAKE_S, REPLY_S, SILENCE_S, curve_keys, curve_overrides
 from torch import nn
 from zmq.utils.monitor import recv_monitor_message
 
-from cluster_util import Daemons, log_tails, run_hetps, summary
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import Ack, Heartbeat, Init, Params, Pull, Push, Stop
 from hetps.proto.plan import schema_hash
@@ -29,7 +31,6 @@ from hetps.runconfig.load import load_config
 from hetps.runtime import curve_setup
 from hetps.runtime.membership import Membership
 from hetps.worker.state import model_specs, model_tensors
-from security_util import CONFIG, HANDSHAKE_S, REPLY_S, SILENCE_S, curve_keys, curve_overrides
 
 EXIT_S = 30.0
 
@@ -100,21 +101,32 @@ def tiny_model() -> nn.Module:
 
 @pytest.mark.cluster
 def test_unknown_and_plaintext_clients_get_nothing_and_change_nothing(keys_dir, run_dir, tmp_path):
-    overrides = ["cluster.workers=1", "cluster.shards=1", "eval.enabled=false", "stop.target_accuracy=null",
-                 "stop.max_seconds=120", "cluster.dead_after_s=120", f"cluster.request_timeout_s={REPLY_S}",
-                 *curve_overrides(keys_dir)]
+    overrides = [
+        "cluster.workers=1",
+        "cluster.shards=1",
+        "eval.enabled=false",
+        "stop.target_accuracy=null",
+        "stop.max_seconds=120",
+        "cluster.dead_after_s=120",
+        f"cluster.request_timeout_s={REPLY_S}",
+        *curve_overrides(keys_dir),
+    ]
     daemons = Daemons(tmp_path, overrides)
     closers = []
     try:
         sched = daemons.scheduler(CONFIG, run_dir)
-        daemons.start(["ps", "--config", CONFIG, "--rank", "0", "--scheduler", sched, "--client-key", "ps0"])
+        daemons.start(
+            ["ps", "--config", CONFIG, "--rank", "0", "--scheduler", sched, "--client-key", "ps0"]
+        )
         cfg = load_config(CONFIG, overrides)
         curve_setup.configure(cfg, "worker", "client-0")  # this test is the one allowed worker
         model = tiny_model()
         specs = model_specs(model)
         member = Membership(sched, "worker", 0, cfg.cluster)
         closers.append(member.close)
-        node = member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs))
+        node = member.join(
+            tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs)
+        )
         plan = member.wait_plan()
         shard_addr = plan.shards[0].address
         shard = RpcClient(shard_addr, src=node, timeout_s=REPLY_S)
@@ -125,15 +137,22 @@ def test_unknown_and_plaintext_clients_get_nothing_and_change_nothing(keys_dir, 
         push = Push(plan_id=plan.plan_id, clock=0, base_version=0, tensors=grads)
         allowed = zmq.auth.load_certificate(keys_dir / "clients" / "client-0.key_secret")
 
-        outcome, reply = probe(shard_addr, keys_dir, allowed, Pull(plan_id=plan.plan_id, clock=0), node)
-        assert outcome == "HANDSHAKE_SUCCEEDED" and isinstance(reply, Params), (outcome, reply)  # control
+        outcome, reply = probe(
+            shard_addr, keys_dir, allowed, Pull(plan_id=plan.plan_id, clock=0), node
+        )
+        # control
+        assert outcome == "HANDSHAKE_SUCCEEDED" and isinstance(reply, Params), (outcome, reply)
         # an unknown key is refused by the allow-list; no curve at all fails the handshake (mechanism
         # mismatch, or the server hanging up on it)
-        for who, pair, refused in (("unknown key", zmq.curve_keypair(), "HANDSHAKE_FAILED_AUTH"),
-                                   ("no curve", None, "HANDSHAKE_FAILED_")):
+        for who, pair, refused in (
+            ("unknown key", zmq.curve_keypair(), "HANDSHAKE_FAILED_AUTH"),
+            ("no curve", None, "HANDSHAKE_FAILED_"),
+        ):
             for msg in (push, Pull(plan_id=plan.plan_id, clock=0)):
                 outcome, reply = probe(shard_addr, keys_dir, pair, msg, node)
-                assert outcome.startswith(refused) and reply is None, f"shard, {who}, {msg.OP.name}: {outcome}"
+                assert outcome.startswith(refused) and reply is None, (
+                    f"shard, {who}, {msg.OP.name}: {outcome}"
+                )
             outcome, reply = probe(sched, keys_dir, pair, Stop(reason="intruder"), node)
             assert outcome.startswith(refused) and reply is None, f"scheduler, {who}: {outcome}"
             current = shard.call(Pull(plan_id=plan.plan_id, clock=0))
@@ -146,7 +165,9 @@ def test_unknown_and_plaintext_clients_get_nothing_and_change_nothing(keys_dir, 
         ack = shard.call(push)  # an allowed push is still served and applied
         assert isinstance(ack, Ack) and ack.version == 1
         after = shard.call(Pull(plan_id=plan.plan_id, clock=1))
-        torch.testing.assert_close(after.tensors[specs[0].name], values[specs[0].name] - cfg.optimizer.lr * 0.5)
+        torch.testing.assert_close(
+            after.tensors[specs[0].name], values[specs[0].name] - cfg.optimizer.lr * 0.5
+        )
         ctl = RpcClient(sched, timeout_s=REPLY_S)
         closers.append(ctl.close)
         assert ctl.call(Stop(reason="test done")).stop is True
@@ -168,9 +189,20 @@ def test_unknown_and_plaintext_clients_get_nothing_and_change_nothing(keys_dir, 
 @pytest.mark.cluster
 def test_hetps_run_with_curve_trains_to_target(run_dir, monkeypatch):
     monkeypatch.delenv("HETPS_KEYS_DIR", raising=False)
-    result = run_hetps(["run", "configs/sync.yaml", "security.curve=true", "stop.target_accuracy=0.9",
-                        "stop.max_seconds=60", "eval.every_s=1.0", "--out", str(run_dir), "--quiet"],
-                       timeout_s=180)
+    result = run_hetps(
+        [
+            "run",
+            "configs/sync.yaml",
+            "security.curve=true",
+            "stop.target_accuracy=0.9",
+            "stop.max_seconds=60",
+            "eval.every_s=1.0",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=180,
+    )
     assert result.returncode == 0, result.stderr + log_tails(run_dir)
     s = summary(run_dir)
     assert s["time_to_target_s"] is not None and s["best_accuracy"] >= 0.9, s

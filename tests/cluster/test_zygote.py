@@ -2,6 +2,7 @@
 the one shared by many runs (frontend/shared_forks.py), behave like
 `python -m MODULE ARGS` started by exec: exit status, signals, own session,
 output in the log, environment, and the command line `ps` shows."""
+
 import json
 import os
 import signal
@@ -11,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cluster_util import wait_for
+
 from hetps.frontend.shared_forks import PreferShared, RemoteDaemon, SharedForkServer, fork_server
 from hetps.frontend.zygote import ForkServer, forking_enabled
 
@@ -34,12 +35,17 @@ def test_a_forked_daemon_runs_the_module_with_its_arguments_and_exit_status(fork
 
 @pytest.mark.parametrize("server", ["per-run", "shared"])
 def test_a_forked_daemon_shows_its_command_line_and_dies_by_signal(server, request, tmp_path: Path):
-    forks = (request.getfixturevalue("forks") if server == "per-run"
-             else SharedForkServer(request.getfixturevalue("shared_fork_server")))
+    forks = (
+        request.getfixturevalue("forks")
+        if server == "per-run"
+        else SharedForkServer(request.getfixturevalue("shared_fork_server"))
+    )
     log = tmp_path / "d.log"
     daemon = forks.start("zygote_target", ["wait", str(tmp_path)], log, {})
     try:
-        wait_for(lambda: log.exists() and "ready" in log.read_text(), 120, "the forked daemon to start")
+        wait_for(
+            lambda: log.exists() and "ready" in log.read_text(), 120, "the forked daemon to start"
+        )
         cmdline = Path(f"/proc/{daemon.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         assert f"-m zygote_target wait {tmp_path}" in cmdline
         with pytest.raises(subprocess.TimeoutExpired):
@@ -61,23 +67,37 @@ def test_hetps_spawn_exec_turns_forking_off(monkeypatch):
 
 # ------------------------------------------------------------ the shared server (frontend/shared_forks.py)
 
-def test_the_shared_server_forks_with_the_launchers_environment_path_and_directory(shared_fork_server, tmp_path,
-                                                                                   monkeypatch):
+
+def test_the_shared_server_forks_with_the_launchers_environment_path_and_directory(
+    shared_fork_server, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)  # the daemon starts where the launcher is, as an exec'd one would
-    monkeypatch.setenv("ZYGOTE_MARKER", "from-the-launcher")  # the launcher's whole environment travels
+    # the launcher's whole environment travels
+    monkeypatch.setenv("ZYGOTE_MARKER", "from-the-launcher")
     log = tmp_path / "d.log"
     # zygote_target is importable only through this process's sys.path (tests/), which travels too
-    daemon = SharedForkServer(shared_fork_server).start("zygote_target", ["5", "--rank", "1"], log, {})
+    daemon = SharedForkServer(shared_fork_server).start(
+        "zygote_target", ["5", "--rank", "1"], log, {}
+    )
     assert daemon.wait(timeout=120) == 5 and daemon.poll() == 5
     assert "argv 5 --rank 1 marker from-the-launcher sid True" in log.read_text()
     assert Path(f"/proc/{daemon.pid}").exists() is False  # reaped by the server
 
 
-def test_the_shared_server_refuses_another_interpreter_and_the_launcher_forks_its_own(shared_fork_server,
-                                                                                       tmp_path):
-    request = {"module": "zygote_target", "argv": ["3"], "log_path": str(tmp_path / "x.log"), "title": "x",
-               "env": {}, "cwd": str(tmp_path), "sys_path": [], "executable": "/elsewhere/python3",
-               "pid": os.getpid()}
+def test_the_shared_server_refuses_another_interpreter_and_the_launcher_forks_its_own(
+    shared_fork_server, tmp_path
+):
+    request = {
+        "module": "zygote_target",
+        "argv": ["3"],
+        "log_path": str(tmp_path / "x.log"),
+        "title": "x",
+        "env": {},
+        "cwd": str(tmp_path),
+        "sys_path": [],
+        "executable": "/elsewhere/python3",
+        "pid": os.getpid(),
+    }
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(30)
         conn.connect(shared_fork_server)
@@ -88,7 +108,9 @@ def test_the_shared_server_refuses_another_interpreter_and_the_launcher_forks_it
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(30)
         conn.connect(shared_fork_server)
-        conn.sendall(json.dumps({**request, "executable": sys.executable, "pid": 1}).encode() + b"\n")
+        conn.sendall(
+            json.dumps({**request, "executable": sys.executable, "pid": 1}).encode() + b"\n"
+        )
         answer = json.loads(conn.makefile().readline())
     assert answer == {"error": "the peer is in another pid namespace"}, answer
     assert not (tmp_path / "x.log").exists()

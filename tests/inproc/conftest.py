@@ -1,4 +1,5 @@
 """The `inproc` tier: roles over the in-process transport, or real sockets inside the test process. Every test collected under this folder is marked `inproc`."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -3,6 +3,7 @@ role's registry and runs a round on a real shard; the plan carries the
 resolved parameters; shards and workers refuse a plan whose algorithm
 differs from their own config, naming both values (a worker daemon's refusal:
 tests/cluster/test_cluster_algorithm_mismatch.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,27 +13,32 @@ import sys
 
 import pytest
 import torch
-
 from cluster_util import REPO
 from shard_harness import ShardHarness, grads, make_plan, tiny_model, values_of
-from hetps.runconfig.algorithms import (ALGORITHMS, AlgorithmMismatch, algorithm, check_plan_algorithm,
-                                    resolved_params)
+
 from hetps.proto.codec import Envelope
-from hetps.runconfig.schema import ConfigError
-from hetps.runconfig.load import load_config
 from hetps.proto.messages import Params, Pull, Register
 from hetps.proto.plan import TensorSpec
 from hetps.proto.transport import MemServer, make_server
 from hetps.ps.policies import POLICIES, ConsistencyPolicy
 from hetps.ps.policies.averaging import ModelAveragingPolicy
 from hetps.ps.shard import NEUTRAL_PUSH, Shard
+from hetps.runconfig.algorithms import (
+    ALGORITHMS,
+    AlgorithmMismatch,
+    algorithm,
+    check_plan_algorithm,
+    resolved_params,
+)
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import ConfigError
 from hetps.scheduler.coordinator import Coordinator
 from hetps.scheduler.formation import FORMATIONS
 from hetps.worker.lifecycle import WORKER_LOOPS, trainer_class
 from hetps.worker.local import LocalSgdTrainer
-from hetps.worker.step import PERIODS, Period
 from hetps.worker.overlap import OverlapTrainer
 from hetps.worker.state import model_specs
+from hetps.worker.step import PERIODS, Period
 
 A, B = 11, 12  # worker node ids
 
@@ -57,9 +63,11 @@ def test_every_table_line_resolves_in_every_role(name):
     overlapped = trainer_class(load_config(None, [f"algorithm.name={name}", "comm.overlap=true"]))
     assert overlapped is (OverlapTrainer if algo.worker_loop == "gradients" else loop)
     if algo.worker_loop == "local_steps":
-        assert not algo.fuses_pull and algo.pushes == "model"  # models wait whole rounds: acked at once
+        # models wait whole rounds: acked at once
+        assert not algo.fuses_pull and algo.pushes == "model"
         assert isinstance(PERIODS[algo.period](cfg.algorithm.params), Period)
-    elif algo.worker_loop == "pseudo_gradients":  # local steps, then start - end: compressed like gradients
+    # local steps, then start - end: compressed like gradients
+    elif algo.worker_loop == "pseudo_gradients":
         assert issubclass(loop, LocalSgdTrainer) and algo.pushes == "gradients"
         assert isinstance(PERIODS[algo.period](cfg.algorithm.params), Period)
     else:
@@ -87,25 +95,37 @@ def test_every_table_line_closes_a_round_on_a_shard(name):
 
 
 def test_unknown_name_is_a_config_error_naming_the_allowed_ones():
-    with pytest.raises(ConfigError, match="algorithm.name: unknown value 'nope'; allowed: sync, async"):
+    with pytest.raises(
+        ConfigError, match="algorithm.name: unknown value 'nope'; allowed: sync, async"
+    ):
         algorithm("nope")
 
 
 def test_the_plan_carries_the_resolved_parameters(tmp_path):
-    cfg = load_config(None, ["algorithm.name=ssp", "algorithm.staleness=5", "cluster.workers=1",
-                             "cluster.shards=1"])
+    cfg = load_config(
+        None,
+        ["algorithm.name=ssp", "algorithm.staleness=5", "cluster.workers=1", "cluster.shards=1"],
+    )
     server = MemServer("mem://table-coordinator")
     try:
         coord = Coordinator(server, cfg, run_dir=tmp_path)
         for role in ("ps", "worker"):
-            msg = Register(role=role, rank=0, address="mem://ps0" if role == "ps" else "", speed=1.0,
-                           tensor_specs=[TensorSpec("w", "float32", (2,)).to_wire()] if role == "worker" else [])
+            msg = Register(
+                role=role,
+                rank=0,
+                address="mem://ps0" if role == "ps" else "",
+                speed=1.0,
+                tensor_specs=[TensorSpec("w", "float32", (2,)).to_wire()]
+                if role == "worker"
+                else [],
+            )
             coord.on_register(b"peer", Envelope(msg, req_id=1, src=0))
         plan = coord.plan
     finally:
         server.close()
     assert (plan.algorithm, plan.algorithm_params) == ("ssp", {"staleness": 5, "scale_lr": False})
-    assert plan.to_dict()["algorithm_params"] == {"staleness": 5, "scale_lr": False}  # it travels in PLAN messages
+    # it travels in PLAN messages
+    assert plan.to_dict()["algorithm_params"] == {"staleness": 5, "scale_lr": False}
 
 
 def plan_for(overrides: list[str]):
@@ -122,24 +142,35 @@ def test_the_plans_parameters_survive_the_wire():
 
     plan = plan_for(["algorithm.name=ssp", "algorithm.staleness=2"])
     received = decode(encode(Plan(plan_id=plan.plan_id, plan=plan.to_dict()))).msg.plan
-    assert received.algorithm_params == plan.algorithm_params and received.algorithm_params["staleness"] == 2
+    assert (
+        received.algorithm_params == plan.algorithm_params
+        and received.algorithm_params["staleness"] == 2
+    )
     with pytest.raises(AlgorithmMismatch, match="staleness"):
-        check_plan_algorithm(load_config(None, ["algorithm.name=ssp", "algorithm.staleness=3"]).algorithm,
-                             received)
+        check_plan_algorithm(
+            load_config(None, ["algorithm.name=ssp", "algorithm.staleness=3"]).algorithm, received
+        )
 
 
 def test_check_refuses_another_parameter_naming_both_values():
     plan = plan_for(["algorithm.name=ssp", "algorithm.staleness=2"])
     mine = load_config(None, ["algorithm.name=ssp", "algorithm.staleness=3"]).algorithm
-    with pytest.raises(AlgorithmMismatch, match=r"in staleness: this node's config says \{staleness: 3\}, "
-                                                r"the plan \(the scheduler's config\) says \{staleness: 2\}"):
+    with pytest.raises(
+        AlgorithmMismatch,
+        match=r"in staleness: this node's config says \{staleness: 3\}, "
+        r"the plan \(the scheduler's config\) says \{staleness: 2\}",
+    ):
         check_plan_algorithm(mine, plan)
-    check_plan_algorithm(load_config(None, ["algorithm.name=ssp"]).algorithm, plan)  # equal: accepted
+    # equal: accepted
+    check_plan_algorithm(load_config(None, ["algorithm.name=ssp"]).algorithm, plan)
 
 
 def test_check_refuses_another_algorithm_even_without_parameters_in_the_plan():
-    plan = dataclasses.replace(plan_for(["algorithm.name=sync"]), algorithm_params={})  # a hand-built plan
-    with pytest.raises(AlgorithmMismatch, match=r"name: this node's config says \{[^}]*name: 'async'"):
+    # a hand-built plan
+    plan = dataclasses.replace(plan_for(["algorithm.name=sync"]), algorithm_params={})
+    with pytest.raises(
+        AlgorithmMismatch, match=r"name: this node's config says \{[^}]*name: 'async'"
+    ):
         check_plan_algorithm(load_config(None, ["algorithm.name=async"]).algorithm, plan)
     check_plan_algorithm(load_config(None, ["algorithm.name=sync"]).algorithm, plan)
 
@@ -149,7 +180,9 @@ def test_a_shard_refuses_a_plan_with_other_parameters():
     cfg = load_config(None, ["algorithm.name=grouping", "algorithm.scale_lr=false"])
     server = make_server("mem://table-shard-refuses")
     try:
-        with pytest.raises(AlgorithmMismatch, match="scale_lr: this node's config says {scale_lr: False}"):
+        with pytest.raises(
+            AlgorithmMismatch, match="scale_lr: this node's config says {scale_lr: False}"
+        ):
             Shard(server, plan.shards[0].node_id, plan, cfg)
     finally:
         server.close()
@@ -157,9 +190,13 @@ def test_a_shard_refuses_a_plan_with_other_parameters():
 
 def test_the_table_imports_no_role():
     """proto is the contract: the table names policies, loops and formations by string only."""
-    probe = ("import sys, hetps.runconfig.algorithms; "
-             "print(sorted(m for m in sys.modules if m.startswith(('hetps.ps', 'hetps.worker', 'hetps.scheduler'))))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    probe = (
+        "import sys, hetps.runconfig.algorithms; "
+        "print(sorted(m for m in sys.modules if m.startswith(('hetps.ps', 'hetps.worker', 'hetps.scheduler'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -169,7 +206,11 @@ def test_no_role_compares_an_algorithm_name():
     table should carry instead."""
     names = "|".join(ALGORITHMS)
     branch = re.compile(rf"""(?:[=!]=|\bin)\s*[(\[{{]?\s*["']({names})["']""")
-    found = [f"{path.relative_to(REPO)}:{i}: {line.strip()}"
-             for folder in ("proto", "ps", "worker", "scheduler") for path in sorted((REPO / folder).rglob("*.py"))
-             for i, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
+    found = [
+        f"{path.relative_to(REPO)}:{i}: {line.strip()}"
+        for folder in ("proto", "ps", "worker", "scheduler")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if branch.search(line)
+    ]
     assert found == []

@@ -3,6 +3,7 @@ hand computations, driven through ps.shard.Shard over the in-process
 `mem://` transport (the ShardHarness of shard_harness.py, as in test_shard.py:
 send, let the shard serve its inbox, then wait; a reply that must not have
 come is a short wait that times out)."""
+
 from __future__ import annotations
 
 import math
@@ -10,6 +11,7 @@ import random
 
 import pytest
 import torch
+from shard_harness import ShardHarness, closing_factory
 from torch import nn
 
 from hetps.proto.errors import ProtocolError
@@ -18,12 +20,16 @@ from hetps.proto.rpc import RemoteError, RequestTimeout, RpcClient
 from hetps.ps.averaging_rules import VariancePeriod, equal_weights, wpsgd_weights
 from hetps.worker.state import model_specs, model_tensors
 from hetps.worker.straggler import straggler_of
-from shard_harness import ShardHarness, closing_factory
 
 PLAN_ID = 1
-W = [11, 12, 13, 14, 15]       # worker node ids
+W = [11, 12, 13, 14, 15]  # worker node ids
 TIGHT = dict(rtol=1e-6, atol=1e-6)
-PLAIN_SGD = ["optimizer.name=sgd", "optimizer.lr=0.1", "optimizer.momentum=0", "optimizer.weight_decay=0"]
+PLAIN_SGD = [
+    "optimizer.name=sgd",
+    "optimizer.lr=0.1",
+    "optimizer.momentum=0",
+    "optimizer.weight_decay=0",
+]
 
 
 def tiny_model() -> nn.Module:
@@ -42,7 +48,9 @@ class Cluster(ShardHarness):
     def __init__(self, algorithm: str, overrides: list[str], n_workers: int = 4, n_shards: int = 1):
         self.model = tiny_model()
         self.workers = W[:n_workers]
-        super().__init__(model_specs(self.model), overrides, self.workers, n_shards, algorithm, plan_id=PLAN_ID)
+        super().__init__(
+            model_specs(self.model), overrides, self.workers, n_shards, algorithm, plan_id=PLAN_ID
+        )
         self.initial = self.tensors(seed=None)
         self.init(self.initial, self.workers[0])
 
@@ -53,8 +61,11 @@ class Cluster(ShardHarness):
         g = torch.Generator().manual_seed(seed)
         out = {}
         for n, (t, kind) in model_tensors(self.model).items():
-            out[n] = (torch.randn(t.shape, generator=g) * scale if t.is_floating_point()
-                      else torch.tensor(seed % 50, dtype=t.dtype))
+            out[n] = (
+                torch.randn(t.shape, generator=g) * scale
+                if t.is_floating_point()
+                else torch.tensor(seed % 50, dtype=t.dtype)
+            )
         return out
 
     def pull(self, node: int, clock: int) -> list[tuple[RpcClient, int]]:
@@ -86,6 +97,7 @@ def sgd_step(values: dict, grads: list[dict], names, lr: float, p: int) -> dict:
 
 # ---------------------------------------------------------------- eager
 
+
 def test_solo_closes_on_the_first_fresh_push(clusters):
     c = clusters("eager", PLAIN_SGD + ["algorithm.quorum=solo", "algorithm.limiter=0"])
     names = c.params()
@@ -109,8 +121,15 @@ def test_solo_closes_on_the_first_fresh_push(clusters):
 
 @pytest.mark.parametrize("p,quorum", [(3, 2), (4, 2), (5, 3)])
 def test_majority_closes_on_ceil_half_and_applies_sum_over_p(clusters, p, quorum):
-    opt = ["optimizer.name=sgd", "optimizer.lr=0.1", "optimizer.momentum=0.9", "optimizer.weight_decay=1e-3"]
-    c = clusters("eager", opt + ["algorithm.quorum=majority", "algorithm.limiter=0"], n_workers=p, n_shards=2)
+    opt = [
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        "optimizer.momentum=0.9",
+        "optimizer.weight_decay=1e-3",
+    ]
+    c = clusters(
+        "eager", opt + ["algorithm.quorum=majority", "algorithm.limiter=0"], n_workers=p, n_shards=2
+    )
     names = c.params()
     ref = tiny_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
@@ -176,7 +195,9 @@ def test_every_limiter_round_is_a_full_barrier(clusters):
 
 
 def test_random_initiator_closes_the_round(clusters):
-    c = clusters("eager", PLAIN_SGD + ["algorithm.quorum=random", "algorithm.limiter=0", "algorithm.seed=7"])
+    c = clusters(
+        "eager", PLAIN_SGD + ["algorithm.quorum=random", "algorithm.limiter=0", "algorithm.seed=7"]
+    )
     draw = random.Random(7)
     for rnd in range(3):
         initiator = draw.choice(W[:4])
@@ -191,8 +212,16 @@ def test_random_initiator_closes_the_round(clusters):
 
 @pytest.mark.parametrize("mode", ["fold", "drop"])
 def test_a_push_staler_than_the_bound_is_folded_or_dropped(clusters, mode):
-    c = clusters("eager", PLAIN_SGD + ["algorithm.quorum=solo", "algorithm.limiter=0",
-                                       "algorithm.max_staleness=1", f"algorithm.too_stale={mode}"])
+    c = clusters(
+        "eager",
+        PLAIN_SGD
+        + [
+            "algorithm.quorum=solo",
+            "algorithm.limiter=0",
+            "algorithm.max_staleness=1",
+            f"algorithm.too_stale={mode}",
+        ],
+    )
     names = c.params()
     for k in range(2):
         c.push(W[0], k, c.tensors(seed=k), base_version=k)
@@ -209,6 +238,7 @@ def test_a_push_staler_than_the_bound_is_folded_or_dropped(clusters, mode):
 
 
 # ---------------------------------------------------------------- model averaging
+
 
 def info(steps: int, lr: float = 0.1, wd: float = 0.0) -> dict:
     return {"steps": steps, "period": steps, "lr": lr, "weight_decay": wd}
@@ -234,7 +264,8 @@ def test_cpsgd_round_holds_the_mean_model(clusters):
         if got[name].is_floating_point():
             torch.testing.assert_close(got[name], sum(m[name] for m in models) / 3, **TIGHT)
         else:
-            assert torch.equal(got[name], max([c.initial[name]] + [m[name] for m in models]))  # a counter: max
+            # a counter: max
+            assert torch.equal(got[name], max([c.initial[name]] + [m[name] for m in models]))
     assert_close(pulled, got, got)
     params = c.params()
     variance = sum(float((m[n] - got[n]).pow(2).sum()) for m in models for n in params) / 3
@@ -248,8 +279,9 @@ def test_cpsgd_round_holds_the_mean_model(clusters):
 @pytest.mark.parametrize("budget", [0, 40, 28])
 def test_adpsgd_rule_grows_the_period_as_the_spread_shrinks_within_budget(budget):
     horizon = 400 if budget else 0
-    rule = VariancePeriod(warmup_rounds=3, base_period=1.0, max_period=16, budget_rounds=budget,
-                          horizon_steps=horizon)
+    rule = VariancePeriod(
+        warmup_rounds=3, base_period=1.0, max_period=16, budget_rounds=budget, horizon_steps=horizon
+    )
     periods, steps = [1, 1, 1], 0
     for r in range(60):  # the policy's order: observe round r-1, then plan round r+1 at round r
         if r >= 1:
@@ -262,7 +294,7 @@ def test_adpsgd_rule_grows_the_period_as_the_spread_shrinks_within_budget(budget
     assert periods[-1] > periods[3] >= 1
     assert periods[3] == (2 if budget != 28 else 13)  # short early unless the budget is tight
     if budget:
-        ends = [sum(periods[:k + 1]) for k in range(len(periods))]
+        ends = [sum(periods[: k + 1]) for k in range(len(periods))]
         assert sum(1 for e in ends if e <= horizon) <= budget
 
 
@@ -278,15 +310,17 @@ def test_adpsgd_rule_stays_at_period_1_while_the_spread_rises():
 
 def test_adpsgd_rule_hand_computed_and_rescaled_on_lr_change():
     rule = VariancePeriod(warmup_rounds=2, base_period=2.0, max_period=8)  # no smoothing
-    rule.observe(4.0, 1, 0.1)                       # peak 4
-    assert rule.next_period(2, 2) == 2              # ceil(2 * 4 / 4)
-    rule.observe(3.0, 2, 0.1)                       # v = 1.5 -> ceil(2 * 4 / 1.5) = 6
+    rule.observe(4.0, 1, 0.1)  # peak 4
+    assert rule.next_period(2, 2) == 2  # ceil(2 * 4 / 4)
+    rule.observe(3.0, 2, 0.1)  # v = 1.5 -> ceil(2 * 4 / 1.5) = 6
     assert rule.next_period(4, 3) == 6
-    rule.observe(6 * 1.5 / 4, 6, 0.05)              # lr halved, v quartered: the same spread in lr units
+    # lr halved, v quartered: the same spread in lr units
+    rule.observe(6 * 1.5 / 4, 6, 0.05)
     assert rule.next_period(10, 4) == 6
-    rule.observe(8.0, 2, 0.05)                      # spread up to a new peak: the period never decreases
+    # spread up to a new peak: the period never decreases
+    rule.observe(8.0, 2, 0.05)
     assert rule.next_period(16, 5) == 6
-    rule.observe(0.01, 6, 0.05)                     # tiny spread: capped at max_period
+    rule.observe(0.01, 6, 0.05)  # tiny spread: capped at max_period
     assert rule.next_period(22, 6) == 8
 
 
@@ -294,8 +328,12 @@ def test_adpsgd_shard_returns_the_rule_periods(clusters):
     """Two workers whose models sit at mean +- d: V = d^2 |u|^2. Per-step
     spread v_0 = 1, then v_r = 1 / (r + 0.5): round r+2 (planned at round
     r+1's first push, from the latest closed round r) gets ceil(v_0 / v_r)."""
-    c = clusters("adpsgd", ["algorithm.warmup_rounds=2", "algorithm.max_period=32", "algorithm.smoothing=1"],
-                 n_workers=2, n_shards=2)
+    c = clusters(
+        "adpsgd",
+        ["algorithm.warmup_rounds=2", "algorithm.max_period=32", "algorithm.smoothing=1"],
+        n_workers=2,
+        n_shards=2,
+    )
     center, u = c.tensors(seed=1), c.tensors(seed=2)
     norm2 = sum(float(u[n].pow(2).sum()) for n in c.params())
     periods = [1]
@@ -303,7 +341,9 @@ def test_adpsgd_shard_returns_the_rule_periods(clusters):
         v = 1.0 if r == 0 else 1.0 / (r + 0.5)
         d = math.sqrt(v * periods[r] / norm2)
         for i, sign in enumerate((1, -1)):
-            model = {n: center[n] + sign * d * u[n] if n in c.params() else center[n] for n in center}
+            model = {
+                n: center[n] + sign * d * u[n] if n in c.params() else center[n] for n in center
+            }
             acks = c.push(W[i], r, model, info=info(periods[r]))
             proposals = {a.info["period"] for a in acks}
             assert len(proposals) == 1  # both shards see the same relative spread
@@ -314,10 +354,11 @@ def test_adpsgd_shard_returns_the_rule_periods(clusters):
 
 def test_wpsgd_weights_by_hand():
     steps, lr, wd = [10, 20, 40], 0.1, 0.01
-    raw = [1 - 0.999 ** 10, 1 - 0.999 ** 20, 1 - 0.999 ** 40]
+    raw = [1 - 0.999**10, 1 - 0.999**20, 1 - 0.999**40]
     assert wpsgd_weights(steps, lr, wd) == pytest.approx([r / sum(raw) for r in raw], rel=1e-12)
     assert wpsgd_weights([7, 7, 7], lr, wd) == pytest.approx([1 / 3] * 3, rel=1e-12)
-    assert wpsgd_weights(steps, lr, 0.0) == pytest.approx([1 / 7, 2 / 7, 4 / 7], rel=1e-12)  # wd 0: T_i
+    # wd 0: T_i
+    assert wpsgd_weights(steps, lr, 0.0) == pytest.approx([1 / 7, 2 / 7, 4 / 7], rel=1e-12)
     assert equal_weights(steps, lr, wd) == pytest.approx([1 / 3] * 3)
 
 
@@ -326,9 +367,12 @@ def test_weighted_round_mean_and_reported_weights(clusters, algorithm):
     c = clusters(algorithm, [], n_workers=3)
     steps = [10, 20, 40]
     models = [c.tensors(seed=s) for s in range(3)]
-    acks = [c.push(W[i], 0, m, info=info(steps[i], lr=0.1, wd=0.01))[0] for i, m in enumerate(models)]
-    expected = (wpsgd_weights(steps, 0.1, 0.01) if algorithm == "wpsgd" else [1 / 3] * 3)
-    assert acks[-1].info["weights"] == pytest.approx(expected, rel=1e-5)  # the closing push sees them
+    acks = [
+        c.push(W[i], 0, m, info=info(steps[i], lr=0.1, wd=0.01))[0] for i, m in enumerate(models)
+    ]
+    expected = wpsgd_weights(steps, 0.1, 0.01) if algorithm == "wpsgd" else [1 / 3] * 3
+    # the closing push sees them
+    assert acks[-1].info["weights"] == pytest.approx(expected, rel=1e-5)
     assert c.shards[0].stats()["weights"] == pytest.approx(expected, rel=1e-5)
     got = c.values()
     for n in c.params():
@@ -339,11 +383,16 @@ def test_weighted_round_mean_and_reported_weights(clusters, algorithm):
     assert reply.version == 1
 
 
-@pytest.mark.parametrize("bad_info,clock,status", [
-    ({"steps": "many"}, 0, Status.MALFORMED), ({"lr": float("nan")}, 0, Status.MALFORMED),
-    ({"steps": -3}, 0, Status.MALFORMED), ({"bogus": 1}, 0, Status.MALFORMED),
-    ({"steps": 4}, 1, Status.BAD_STATE),  # round 1 is not open before round 0 closed
-])
+@pytest.mark.parametrize(
+    "bad_info,clock,status",
+    [
+        ({"steps": "many"}, 0, Status.MALFORMED),
+        ({"lr": float("nan")}, 0, Status.MALFORMED),
+        ({"steps": -3}, 0, Status.MALFORMED),
+        ({"bogus": 1}, 0, Status.MALFORMED),
+        ({"steps": 4}, 1, Status.BAD_STATE),  # round 1 is not open before round 0 closed
+    ],
+)
 def test_a_bad_model_push_is_refused_and_leaves_no_trace(clusters, bad_info, clock, status):
     c = clusters("cpsgd", ["algorithm.period=4"], n_workers=2)
     models = [c.tensors(seed=s) for s in range(2)]
@@ -360,6 +409,7 @@ def test_a_bad_model_push_is_refused_and_leaves_no_trace(clusters, bad_info, clo
 
 
 # ---------------------------------------------------------------- worker-side helpers
+
 
 def test_straggler_draw_is_shared_and_spread():
     draws = [straggler_of(0, s, 4) for s in range(800)]

@@ -2,17 +2,18 @@
 torch.autocast; parameters, gradients, what is pushed and the shards stay
 float32. Real models, real forward/backward (CPU autocast here; the same
 context on CUDA)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_overlap import harnesses, make_trainers, one_thread, setup  # noqa: F401  (fixtures: one_thread autouse)
 
-from hetps.runconfig.schema import ConfigError
 from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import ConfigError
 from hetps.scheduler.runlog import read_metrics
 from hetps.sim.engine import simulate
 from hetps.worker.data import load_datasets
-from test_overlap import harnesses, make_trainers, one_thread, setup  # noqa: F401  (fixtures: one_thread autouse)
 
 
 def first_step(harnesses, *overrides) -> tuple[float, dict[str, torch.Tensor]]:
@@ -29,9 +30,11 @@ def first_step(harnesses, *overrides) -> tuple[float, dict[str, torch.Tensor]]:
 def test_a_bfloat16_forward_pushes_float32_gradients_close_to_float32s(harnesses):
     loss32, push32 = first_step(harnesses)
     loss16, push16 = first_step(harnesses, "model.autocast=bfloat16")
-    assert loss16 == pytest.approx(loss32, rel=0.05) and loss16 != loss32  # it did run in lower precision
+    # it did run in lower precision
+    assert loss16 == pytest.approx(loss32, rel=0.05) and loss16 != loss32
     assert push16.keys() == push32.keys()
-    assert all(t.dtype == push32[n].dtype for n, t in push16.items())   # float32 (and BN's int64 counter)
+    # float32 (and BN's int64 counter)
+    assert all(t.dtype == push32[n].dtype for n, t in push16.items())
     grads = [n for n, t in push32.items() if t.dtype == torch.float32 and float(t.norm()) > 0]
     g16 = torch.cat([push16[n].flatten() for n in grads])
     g32 = torch.cat([push32[n].flatten() for n in grads])
@@ -45,9 +48,19 @@ def test_an_unknown_autocast_names_the_key_and_the_choices():
 
 
 def test_a_simulated_run_under_bfloat16_autocast_trains(tmp_path):
-    cfg = load_config(None, ["algorithm.name=sync", "model.autocast=bfloat16", "data.batch_size=16",
-                             "eval.every_s=0.25", "stop.target_accuracy=null", "stop.max_seconds=1.5",
-                             "cluster.workers=[{slowdown: 1}, {slowdown: 2}]", "sim.sample_s=0.0005"])
+    cfg = load_config(
+        None,
+        [
+            "algorithm.name=sync",
+            "model.autocast=bfloat16",
+            "data.batch_size=16",
+            "eval.every_s=0.25",
+            "stop.target_accuracy=null",
+            "stop.max_seconds=1.5",
+            "cluster.workers=[{slowdown: 1}, {slowdown: 2}]",
+            "sim.sample_s=0.0005",
+        ],
+    )
     summary = simulate(cfg, tmp_path / "run", data=load_datasets(cfg.data, cfg.seed))
     assert any(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl"))
     assert summary["final_accuracy"] > 0.5, summary["final_accuracy"]  # it trained (chance: 0.1)

@@ -2,20 +2,21 @@
 (batch sizes follow speeds, fixed global batch, bounds), the scheduler's
 re-sizing when speeds drift, and the shard's sample-weighted round mean,
 checked against torch.optim on the sample-weighted mean gradient."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from shard_harness import ShardHarness, grads, tiny_model, values_of
+
 from hetps.proto.codec import Envelope
-from hetps.runconfig.schema import ConfigError
-from hetps.runconfig.load import load_config
 from hetps.proto.messages import Params, Pull, Push, Register
 from hetps.proto.plan import TensorSpec
 from hetps.proto.records import NodeStats
-from hetps.runtime.speed_shares import local_steps, proportional_sizes
 from hetps.proto.transport import MemServer
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import ConfigError
+from hetps.runtime.speed_shares import local_steps, proportional_sizes
 from hetps.scheduler.coordinator import Coordinator
 from hetps.scheduler.formation import FORMATIONS
 from hetps.worker.state import model_specs
@@ -25,7 +26,12 @@ A, B, C = 11, 12, 13
 
 # ------------------------------------------------------------ planning
 def test_batches_are_proportional_to_speed_and_sum_to_the_global_batch():
-    assert proportional_sizes({1: 1.0, 2: 1.0, 3: 3.0, 4: 3.0}, 128, 8, 0) == {1: 16, 2: 16, 3: 48, 4: 48}
+    assert proportional_sizes({1: 1.0, 2: 1.0, 3: 3.0, 4: 3.0}, 128, 8, 0) == {
+        1: 16,
+        2: 16,
+        3: 48,
+        4: 48,
+    }
     assert proportional_sizes({1: 10.0, 2: 20.0, 3: 30.0}, 100, 8, 0) == {1: 17, 2: 33, 3: 50}
 
 
@@ -37,7 +43,12 @@ def test_bounds_pin_a_batch_and_the_rest_is_shared_by_speed():
     # 1:100 would give the slow worker ~1 sample; it is held at min_batch and the fast one takes the rest
     assert proportional_sizes({1: 1.0, 2: 100.0}, 128, 8, 0) == {1: 8, 2: 120}
     # the fastest would get 51.2 > max_batch 48: pinned, the other three share 80 by speed
-    assert proportional_sizes({1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}, 128, 8, 48) == {1: 13, 2: 27, 3: 40, 4: 48}
+    assert proportional_sizes({1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}, 128, 8, 48) == {
+        1: 13,
+        2: 27,
+        3: 40,
+        4: 48,
+    }
 
 
 def test_an_unmeasured_speed_counts_as_the_slowest():
@@ -45,7 +56,9 @@ def test_an_unmeasured_speed_counts_as_the_slowest():
 
 
 def test_the_formation_puts_batches_and_matching_shares_in_the_plan():
-    params = load_config(None, ["algorithm.name=balanced", "cluster.workers=4", "data.batch_size=32"]).algorithm.params
+    params = load_config(
+        None, ["algorithm.name=balanced", "cluster.workers=4", "data.batch_size=32"]
+    ).algorithm.params
     assert params.global_batch == 128  # 0 resolves to data.batch_size x cluster.workers
     fields = FORMATIONS["balanced"].plan_fields({1: 10.0, 2: 10.0, 3: 30.0, 4: 30.0}, params)
     assert fields["groups"] == [[1, 2, 3, 4]]
@@ -58,11 +71,24 @@ def test_the_formation_puts_batches_and_matching_shares_in_the_plan():
 
 def test_bounds_that_cannot_hold_the_global_batch_are_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match="algorithm.min_batch: 4 workers x min_batch 40 exceed"):
-        load_config(None, ["algorithm.name=balanced", "cluster.workers=4", "algorithm.min_batch=40"])
-    with pytest.raises(ConfigError, match="algorithm.max_batch: 4 workers x max_batch 16 fall short"):
-        load_config(None, ["algorithm.name=balanced", "cluster.workers=4", "algorithm.min_batch=8",
-                           "algorithm.max_batch=16"])
-    with pytest.raises(ConfigError, match="algorithm.max_batch: must be 0 or >= algorithm.min_batch"):
+        load_config(
+            None, ["algorithm.name=balanced", "cluster.workers=4", "algorithm.min_batch=40"]
+        )
+    with pytest.raises(
+        ConfigError, match="algorithm.max_batch: 4 workers x max_batch 16 fall short"
+    ):
+        load_config(
+            None,
+            [
+                "algorithm.name=balanced",
+                "cluster.workers=4",
+                "algorithm.min_batch=8",
+                "algorithm.max_batch=16",
+            ],
+        )
+    with pytest.raises(
+        ConfigError, match="algorithm.max_batch: must be 0 or >= algorithm.min_batch"
+    ):
         load_config(None, ["algorithm.name=balanced", "algorithm.max_batch=4"])
 
 
@@ -73,13 +99,29 @@ def test_local_steps_follow_speed_within_bounds():
 
 
 def coordinator(tmp_path, speeds: dict[int, float], overrides=()):
-    cfg = load_config(None, ["algorithm.name=balanced", f"cluster.workers={len(speeds)}", "cluster.shards=1",
-                             "data.batch_size=32", "algorithm.regroup_every_s=0", *overrides])
+    cfg = load_config(
+        None,
+        [
+            "algorithm.name=balanced",
+            f"cluster.workers={len(speeds)}",
+            "cluster.shards=1",
+            "data.batch_size=32",
+            "algorithm.regroup_every_s=0",
+            *overrides,
+        ],
+    )
     server = MemServer(f"mem://balanced-coordinator-{tmp_path.name}")
     coord = Coordinator(server, cfg, run_dir=tmp_path)
-    coord.on_register(b"p", Envelope(Register(role="ps", rank=0, address="mem://ps0", speed=1.0), 1, 0))
+    coord.on_register(
+        b"p", Envelope(Register(role="ps", rank=0, address="mem://ps0", speed=1.0), 1, 0)
+    )
     for rank, speed in speeds.items():
-        msg = Register(role="worker", rank=rank, speed=speed, tensor_specs=[TensorSpec("w", "float32", (2,)).to_wire()])
+        msg = Register(
+            role="worker",
+            rank=rank,
+            speed=speed,
+            tensor_specs=[TensorSpec("w", "float32", (2,)).to_wire()],
+        )
         coord.on_register(b"p", Envelope(msg, req_id=1, src=0))
     return coord, server
 
@@ -105,7 +147,11 @@ def test_a_speed_change_re_sizes_the_batches(tmp_path):
         new = coord.plan
         assert new.plan_id == plan.plan_id + 1
         batches = [new.batch_of(w, 0) for w in ids]
-        assert sum(batches) == 128 and batches[0] > 2 * batches[1] and abs(batches[0] - batches[2]) <= 4, batches
+        assert (
+            sum(batches) == 128
+            and batches[0] > 2 * batches[1]
+            and abs(batches[0] - batches[2]) <= 4
+        ), batches
         assert new.shares == new.batches
     finally:
         server.close()
@@ -114,7 +160,16 @@ def test_a_speed_change_re_sizes_the_batches(tmp_path):
 # ------------------------------------------------------------ the shard
 def push(h: ShardHarness, node: int, tensors: dict, n_samples: int):
     c = h.client(node)
-    req = c.send(Push(plan_id=h.plan_id, clock=0, base_version=0, n_samples=n_samples, info={}, tensors=tensors))
+    req = c.send(
+        Push(
+            plan_id=h.plan_id,
+            clock=0,
+            base_version=0,
+            n_samples=n_samples,
+            info={},
+            tensors=tensors,
+        )
+    )
     h.serve()
     return c.wait(req, timeout_s=2.0)
 
@@ -157,8 +212,12 @@ def test_equal_batches_update_exactly_as_sync():
     model = tiny_model()
     results = {}
     for name in ("sync", "balanced"):
-        h = ShardHarness(model_specs(model), ["algorithm.global_batch=64"] if name == "balanced" else [],
-                         [A, B], algorithm=name)
+        h = ShardHarness(
+            model_specs(model),
+            ["algorithm.global_batch=64"] if name == "balanced" else [],
+            [A, B],
+            algorithm=name,
+        )
         try:
             h.init(values_of(model))
             for node in (A, B):

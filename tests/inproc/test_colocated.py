@@ -3,6 +3,7 @@ and the local run's socket addresses (comm.local_transport). In one process:
 the real coordinator and the real shard daemon's main() on the in-memory
 transport, a worker played with the real Membership and PSClient (a real
 `hetps run`: tests/cluster/test_cluster_colocated.py)."""
+
 from __future__ import annotations
 
 import faulthandler
@@ -13,24 +14,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from cluster_util import REPO
 from torch import nn
 
-from hetps.runtime import checkpoint
+from hetps.frontend.local_sockets import (
+    UNIX_PATH_MAX,
+    LocalSockets,
+    process_name,
+    shard_groups,
+    shard_process,
+)
 from hetps.proto import security
-from hetps.runtime import curve_setup
-from hetps.runconfig.schema import ConfigError
-from hetps.runconfig.load import load_config
-from hetps.runtime.membership import Membership
 from hetps.proto.plan import schema_hash
 from hetps.proto.transport import MemServer, make_client, make_server
 from hetps.ps.__main__ import main as ps_main
 from hetps.ps.colocated import rank_binds
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import ConfigError
+from hetps.runtime import checkpoint, curve_setup
+from hetps.runtime.membership import Membership
 from hetps.scheduler.coordinator import Coordinator
-from hetps.frontend.local_sockets import UNIX_PATH_MAX, LocalSockets, process_name, shard_groups, shard_process
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs, model_tensors
-
-from cluster_util import REPO
 
 JOIN_S = 30.0  # upper bound on any thread's end
 LR = 0.1
@@ -45,24 +50,40 @@ def no_stack_dump_handler_left():
 
 # ---------------------------------------------------------------- pure pieces
 
-@pytest.mark.parametrize("shards,processes,groups", [
-    (2, 0, [[0], [1]]), (2, 1, [[0, 1]]), (5, 2, [[0, 1, 2], [3, 4]]), (3, 3, [[0], [1], [2]]),
-])
+
+@pytest.mark.parametrize(
+    "shards,processes,groups",
+    [
+        (2, 0, [[0], [1]]),
+        (2, 1, [[0, 1]]),
+        (5, 2, [[0, 1, 2], [3, 4]]),
+        (3, 3, [[0], [1], [2]]),
+    ],
+)
 def test_shard_groups_pack_contiguous_ranks(shards, processes, groups):
     cfg = load_config(None, [f"cluster.shards={shards}", f"cluster.shard_processes={processes}"])
     assert shard_groups(cfg) == groups
-    assert [process_name(g) for g in groups][-1] == (f"ps{groups[-1][0]}" if len(groups[-1]) == 1
-                                                     else f"ps{groups[-1][0]}-{groups[-1][-1]}")
+    assert [process_name(g) for g in groups][-1] == (
+        f"ps{groups[-1][0]}" if len(groups[-1]) == 1 else f"ps{groups[-1][0]}-{groups[-1][-1]}"
+    )
 
 
-@pytest.mark.parametrize("overrides,named", [
-    (["cluster.shard_processes=3"],
-     r"cluster.shard_processes: must be 0 \(one process per shard\) up to the number of shards \(2\), got 3"),
-    (["cluster.shard_processes=-1"], "got -1"),
-    (["cluster.shard_processes=1", "cluster.replicas=1"], "cannot hold backups"),
-    (["cluster.shard_processes=1", "cluster.kill=[{node: ps1, at_s: 1}]"], "cluster.kill.0.node: ps1 shares"),
-    (["comm.local_transport=udp"], "comm.local_transport: unknown value 'udp'"),
-])
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (
+            ["cluster.shard_processes=3"],
+            r"cluster.shard_processes: must be 0 \(one process per shard\) up to the number of shards \(2\), got 3",
+        ),
+        (["cluster.shard_processes=-1"], "got -1"),
+        (["cluster.shard_processes=1", "cluster.replicas=1"], "cannot hold backups"),
+        (
+            ["cluster.shard_processes=1", "cluster.kill=[{node: ps1, at_s: 1}]"],
+            "cluster.kill.0.node: ps1 shares",
+        ),
+        (["comm.local_transport=udp"], "comm.local_transport: unknown value 'udp'"),
+    ],
+)
 def test_bad_colocation_settings_name_the_key(overrides, named):
     with pytest.raises(ConfigError, match=named):
         load_config(None, ["cluster.shards=2", *overrides])
@@ -74,7 +95,15 @@ def test_shard_process_arguments_name_the_ranks_their_sockets_and_versions(tmp_p
     assert shard_process([2], sockets) == ("ps2", ("--rank", "2", "--bind", f"ipc://{folder}/ps2"))
     name, args = shard_process([0, 1], sockets, versions={0: 7, 1: 9})
     assert name == "ps0-1"
-    assert args == ("--ranks", "0,1", "--bind", f"ipc://{folder}/ps{{rank}}", "--resume", "--restore-version", "7,9")
+    assert args == (
+        "--ranks",
+        "0,1",
+        "--bind",
+        f"ipc://{folder}/ps{{rank}}",
+        "--resume",
+        "--restore-version",
+        "7,9",
+    )
 
 
 def test_rank_binds_fill_in_the_rank_or_refuse_one_address_for_several():
@@ -86,7 +115,10 @@ def test_rank_binds_fill_in_the_rank_or_refuse_one_address_for_several():
 
 
 def test_local_sockets_go_to_the_run_dir_or_a_short_tmp_dir(tmp_path):
-    ipc, tcp = load_config(None, ["comm.local_transport=ipc"]), load_config(None, ["comm.local_transport=tcp"])
+    ipc, tcp = (
+        load_config(None, ["comm.local_transport=ipc"]),
+        load_config(None, ["comm.local_transport=tcp"]),
+    )
     assert LocalSockets(tcp, tmp_path).bind_args("ps0") == ()
     short = LocalSockets(ipc, tmp_path)
     assert short.bind_args("ps0") == ("--bind", f"ipc://{tmp_path.resolve()}/sockets/ps0")
@@ -101,7 +133,12 @@ def test_local_sockets_go_to_the_run_dir_or_a_short_tmp_dir(tmp_path):
 
 
 def test_a_colocated_process_refuses_backups_and_a_shared_fixed_address(capfd):
-    cfg_args = ["--config", str(REPO / "configs" / "sync.yaml"), "--scheduler", "tcp://scheduler:7000"]
+    cfg_args = [
+        "--config",
+        str(REPO / "configs" / "sync.yaml"),
+        "--scheduler",
+        "tcp://scheduler:7000",
+    ]
     assert ps_main([*cfg_args, "--ranks", "0,1", "--bind", "tcp://127.0.0.1:7000"]) == 2
     assert "put {rank} in it" in capfd.readouterr().err
     assert ps_main([*cfg_args, "--ranks", "0,1", "cluster.replicas=1"]) == 2
@@ -138,6 +175,7 @@ def test_curve_and_its_allow_list_hold_over_ipc(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- two ranks, one process
 
+
 def tiny_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -159,9 +197,17 @@ class Thread(threading.Thread):
 
 def test_two_ranks_in_one_process_register_apart_and_both_apply_pushes(tmp_path: Path):
     tag = uuid.uuid4().hex[:8]
-    overrides = ["cluster.shards=2", "cluster.workers=1", "cluster.shard_processes=1", "eval.enabled=false",
-                 f"optimizer.lr={LR}", "optimizer.momentum=0", "cluster.profile_steps=1",
-                 "stop.target_accuracy=null", "cluster.heartbeat_s=0.2"]
+    overrides = [
+        "cluster.shards=2",
+        "cluster.workers=1",
+        "cluster.shard_processes=1",
+        "eval.enabled=false",
+        f"optimizer.lr={LR}",
+        "optimizer.momentum=0",
+        "cluster.profile_steps=1",
+        "stop.target_accuracy=null",
+        "cluster.heartbeat_s=0.2",
+    ]
     cfg = load_config(None, overrides)
     server = MemServer(f"mem://colo-sched-{tag}")
     coord = Coordinator(server, cfg, run_dir=tmp_path)
@@ -174,9 +220,22 @@ def test_two_ranks_in_one_process_register_apart_and_both_apply_pushes(tmp_path:
             coord.tick()
 
     scheduler = Thread(schedule, "scheduler")
-    shards = Thread(lambda: ps_main(["--scheduler", server.address, "--ranks", "0,1",
-                                     "--bind", f"mem://colo-{tag}-ps{{rank}}", "--checkpoint-dir",
-                                     str(tmp_path / "ckpt"), *overrides]), "ps0-1")
+    shards = Thread(
+        lambda: ps_main(
+            [
+                "--scheduler",
+                server.address,
+                "--ranks",
+                "0,1",
+                "--bind",
+                f"mem://colo-{tag}-ps{{rank}}",
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+                *overrides,
+            ]
+        ),
+        "ps0-1",
+    )
     member = Membership(server.address, "worker", 0, cfg.cluster)
     client = None
     scheduler.start()
@@ -184,11 +243,16 @@ def test_two_ranks_in_one_process_register_apart_and_both_apply_pushes(tmp_path:
     try:
         model = tiny_model()
         specs = model_specs(model)
-        member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=1.0)
+        member.join(
+            tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=1.0
+        )
         member.start_heartbeats(dict)  # a silent worker would be declared dead on a slow machine
         plan = member.wait_plan()
         assert sorted(s.rank for s in plan.shards) == [0, 1]
-        assert {s.address for s in plan.shards} == {f"mem://colo-{tag}-ps0", f"mem://colo-{tag}-ps1"}
+        assert {s.address for s in plan.shards} == {
+            f"mem://colo-{tag}-ps0",
+            f"mem://colo-{tag}-ps1",
+        }
         assert set(plan.placement.values()) == {0, 1}, "the tiny model must span both shards"
         values = {n: t.detach().clone() for n, (t, _) in model_tensors(model).items()}
         client = PSClient(plan, member.node_id, cfg.cluster)
@@ -205,10 +269,15 @@ def test_two_ranks_in_one_process_register_apart_and_both_apply_pushes(tmp_path:
         scheduler.join(JOIN_S)
         assert not scheduler.is_alive() and scheduler.error is None
         ps_nodes = [n for n in coord.nodes.values() if n.role == "ps"]
-        assert sorted(n.rank for n in ps_nodes) == [0, 1] and len({n.node_id for n in ps_nodes}) == 2
+        assert (
+            sorted(n.rank for n in ps_nodes) == [0, 1] and len({n.node_id for n in ps_nodes}) == 2
+        )
         assert all(n.left for n in ps_nodes), "each rank says goodbye"
         for rank in (0, 1):  # each rank's own last checkpoint
-            assert checkpoint.latest(checkpoint.shard_dir(tmp_path / "ckpt", plan.run_id, rank)) is not None
+            assert (
+                checkpoint.latest(checkpoint.shard_dir(tmp_path / "ckpt", plan.run_id, rank))
+                is not None
+            )
     finally:
         serving.clear()
         coord.begin_stop("test cleanup")

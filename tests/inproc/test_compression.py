@@ -2,6 +2,7 @@
 the codec decodes at a shard, error feedback over steps, refusals of lying
 payloads at a live in-process shard (a real cluster trained with topk:
 tests/cluster/test_cluster_compression.py)."""
+
 from __future__ import annotations
 
 import math
@@ -9,22 +10,28 @@ import math
 import msgpack
 import pytest
 import torch
+from shard_harness import ShardHarness, make_plan
 
 from hetps.proto import messages as m
-from hetps.runconfig.algorithms import ALGORITHMS
 from hetps.proto.codec import ProtocolError, decode, encode
-from hetps.proto.compression import (Compressed, Fp16Compressor, TopKCompressor, index_dtype, make_compressor,
-                                     payload_nbytes)
-from hetps.runconfig.schema import ClusterConfig
+from hetps.proto.compression import (
+    Compressed,
+    Fp16Compressor,
+    TopKCompressor,
+    index_dtype,
+    make_compressor,
+    payload_nbytes,
+)
 from hetps.proto.layout import PACK_ALL_BELOW
 from hetps.proto.messages import Status
 from hetps.proto.plan import TensorSpec
 from hetps.proto.rpc import RemoteError
+from hetps.runconfig.algorithms import ALGORITHMS
+from hetps.runconfig.schema import ClusterConfig
 from hetps.worker.client import PSClient
-from shard_harness import ShardHarness, make_plan
 
-FP16_REL = 2.0 ** -11   # round to nearest, 11-bit significand
-FP16_ABS = 2.0 ** -25   # half the smallest float16 subnormal step, below the normal range
+FP16_REL = 2.0**-11  # round to nearest, 11-bit significand
+FP16_ABS = 2.0**-25  # half the smallest float16 subnormal step, below the normal range
 
 
 def through_wire(tensors: dict, catalog=None) -> dict:
@@ -41,13 +48,15 @@ def grads(seed: int, *shape: int) -> torch.Tensor:
 
 
 def test_fp16_decodes_within_the_stated_error():
-    g = torch.cat([grads(0, 5000) * 10.0 ** e for e in range(-9, 5)]).reshape(70, 1000)
+    g = torch.cat([grads(0, 5000) * 10.0**e for e in range(-9, 5)]).reshape(70, 1000)
     sent = Fp16Compressor(0.0).compress({"w": g}, {"w"})["w"]
     assert isinstance(sent, Compressed) and sent.nbytes == g.numel() * 2
     got = through_wire({"w": sent})["w"]
     assert got.dtype == torch.float32 and got.shape == g.shape
     err = (got - g).abs()
-    assert bool((err <= FP16_REL * g.abs() + FP16_ABS).all()), float((err - FP16_REL * g.abs()).max())
+    assert bool((err <= FP16_REL * g.abs() + FP16_ABS).all()), float(
+        (err - FP16_REL * g.abs()).max()
+    )
     assert float(err.max()) > 0  # it really went through float16
 
 
@@ -56,7 +65,8 @@ def test_fp16_of_float64_comes_back_float64_and_overflow_is_inf():
     got = through_wire({"w": Fp16Compressor(0.0).compress({"w": g}, {"w"})["w"]})["w"]
     assert got.dtype == torch.float64
     assert got[:2].tolist() == [1.0, -3.5]
-    assert got[2] == math.inf and got[3] == -math.inf  # beyond 65504: the shard's nonfinite policy decides
+    # beyond 65504: the shard's nonfinite policy decides
+    assert got[2] == math.inf and got[3] == -math.inf
 
 
 # ---------------------------------------------------------------- topk
@@ -113,35 +123,59 @@ def test_topk_sends_dense_when_pairs_would_not_be_smaller():
 
 def test_only_named_float_tensors_are_compressed():
     comp = make_compressor("topk", 0.01)
-    tensors = {"w": grads(2, 50, 50), "bn.mean": grads(3, 500), "steps": torch.tensor(7),
-               "h": torch.ones(400, dtype=torch.bfloat16), "e": torch.empty(0)}
+    tensors = {
+        "w": grads(2, 50, 50),
+        "bn.mean": grads(3, 500),
+        "steps": torch.tensor(7),
+        "h": torch.ones(400, dtype=torch.bfloat16),
+        "e": torch.empty(0),
+    }
     out = comp.compress(tensors, {"w", "steps", "h", "e"})
     assert isinstance(out["w"], Compressed)
     for name in ("bn.mean", "steps", "h", "e"):
         assert out[name] is tensors[name]
-    assert comp.stats() == {"compression": "topk", "grad_dense_bytes": 10000, "grad_sent_bytes": 104 + 100}
+    assert comp.stats() == {
+        "compression": "topk",
+        "grad_dense_bytes": 10000,
+        "grad_sent_bytes": 104 + 100,
+    }
     assert make_compressor("none", 0.5) is None
     with pytest.raises(ValueError):
         make_compressor("zip", 0.5)
 
 
 def test_ps_client_compresses_float_parameter_gradients_only():
-    specs = [TensorSpec("w", "float32", (64, 64)), TensorSpec("bn.mean", "float32", (64,), "buffer"),
-             TensorSpec("bn.n", "int64", (), "buffer")]
+    specs = [
+        TensorSpec("w", "float32", (64, 64)),
+        TensorSpec("bn.mean", "float32", (64,), "buffer"),
+        TensorSpec("bn.n", "int64", (), "buffer"),
+    ]
     plan = make_plan(specs, workers=[7])
     client = PSClient(plan, 7, ClusterConfig(), compressor=make_compressor("fp16", 0.0))
     try:
-        push = client._push(0, {"w": torch.ones(64, 64), "bn.mean": torch.ones(64), "bn.n": torch.tensor(3)},
-                            clock=0, n_samples=8, info=None)
+        push = client._push(
+            0,
+            {"w": torch.ones(64, 64), "bn.mean": torch.ones(64), "bn.n": torch.tensor(3)},
+            clock=0,
+            n_samples=8,
+            info=None,
+        )
     finally:
         client.close()
     assert isinstance(push.tensors["w"], Compressed) and push.tensors["w"].kind == "fp16"
-    assert not isinstance(push.tensors["bn.mean"], Compressed) and not isinstance(push.tensors["bn.n"], Compressed)
-    assert client.compression_stats() == {"grad_dense_bytes": 64 * 64 * 4, "grad_sent_bytes": 64 * 64 * 2}
+    assert not isinstance(push.tensors["bn.mean"], Compressed) and not isinstance(
+        push.tensors["bn.n"], Compressed
+    )
+    assert client.compression_stats() == {
+        "grad_dense_bytes": 64 * 64 * 4,
+        "grad_sent_bytes": 64 * 64 * 2,
+    }
     # compression applies to gradient pushes only (diloco's pseudo-gradients too): models travel exact
-    assert {a.worker_loop: a.pushes for a in ALGORITHMS.values()} == {"gradients": "gradients",
-                                                                      "local_steps": "model",
-                                                                      "pseudo_gradients": "gradients"}
+    assert {a.worker_loop: a.pushes for a in ALGORITHMS.values()} == {
+        "gradients": "gradients",
+        "local_steps": "model",
+        "pseudo_gradients": "gradients",
+    }
 
 
 def test_large_topk_payload_has_its_own_frame_and_decodes():
@@ -149,7 +183,9 @@ def test_large_topk_payload_has_its_own_frame_and_decodes():
     sent = TopKCompressor(0.05).compress({"w": g}, {"w"})["w"]
     # large enough that it is not packed with the rest (layout.choose_packed)
     assert index_dtype(g.numel()) == torch.int32 and sent.nbytes > PACK_ALL_BELOW
-    frames = encode(m.Push(plan_id=1, clock=0, base_version=0, tensors={"w": sent, "b": torch.ones(3)}))
+    frames = encode(
+        m.Push(plan_id=1, clock=0, base_version=0, tensors={"w": sent, "b": torch.ones(3)})
+    )
     assert len(frames) == 3  # header, the topk payload, a frame for the small dense one
     got = decode(frames).msg.tensors["w"]
     assert int((got != 0).sum()) == sent.count
@@ -158,8 +194,11 @@ def test_large_topk_payload_has_its_own_frame_and_decodes():
 # ---------------------------------------------------------------- at a shard (in-process transport)
 
 
-SPECS = [TensorSpec("w", "float32", (30, 20)), TensorSpec("b", "float32", (20,)),
-         TensorSpec("bn.mean", "float32", (20,), "buffer")]
+SPECS = [
+    TensorSpec("w", "float32", (30, 20)),
+    TensorSpec("b", "float32", (20,)),
+    TensorSpec("bn.mean", "float32", (20,), "buffer"),
+]
 
 
 def init_values() -> dict:
@@ -177,14 +216,19 @@ def test_shard_applies_the_decoded_dense_gradient(kind):
     assert ack.version == 1
     values = h.call(7, m.Pull(plan_id=h.plan_id, clock=1)).tensors
     for name in ("w", "b"):
-        assert torch.allclose(values[name], init_values()[name] - 0.5 * dense[name], atol=1e-6), name
+        assert torch.allclose(values[name], init_values()[name] - 0.5 * dense[name], atol=1e-6), (
+            name
+        )
     assert not torch.equal(dense["w"], g["w"])  # it really was lossy
 
 
 def lying_topk_push(plan_id: int) -> list:
     """A valid topk PUSH whose second index was made equal to the first."""
     sent = TopKCompressor(0.1).compress({"w": grads(9, 30, 20), "b": grads(10, 20)}, {"w", "b"})
-    frames = [bytearray(f) for f in encode(m.Push(plan_id=plan_id, clock=0, base_version=0, tensors=sent), 99, 7)]
+    frames = [
+        bytearray(f)
+        for f in encode(m.Push(plan_id=plan_id, clock=0, base_version=0, tensors=sent), 99, 7)
+    ]
     pack = frames[-1]  # both payloads are small: packed, `w` first
     index = torch.frombuffer(pack, dtype=torch.int32, count=2)
     index[1] = index[0]
@@ -194,7 +238,9 @@ def lying_topk_push(plan_id: int) -> list:
 def test_shard_refuses_lying_compressed_push_and_keeps_serving():
     h = ShardHarness(SPECS, [], workers=[7])
     h.call(7, m.Init(plan_id=h.plan_id, tensors=init_values()))
-    before = {n: t.clone() for n, t in h.call(7, m.Pull(plan_id=h.plan_id, clock=-1)).tensors.items()}
+    before = {
+        n: t.clone() for n, t in h.call(7, m.Pull(plan_id=h.plan_id, clock=-1)).tensors.items()
+    }
     client = h.client(7)
     client._ops[99] = "PUSH"
     client.transport.send(lying_topk_push(h.plan_id))
@@ -217,9 +263,11 @@ def test_decoder_refuses_compression_of_integer_tensor():
 
 
 def test_config_refuses_topk_without_a_ratio():
-    from hetps.runconfig.schema import ConfigError
     from hetps.runconfig.load import load_config
+    from hetps.runconfig.schema import ConfigError
 
     with pytest.raises(ConfigError, match="comm.topk_ratio"):
         load_config(None, ["comm.compression=topk", "comm.topk_ratio=0"])
-    assert load_config(None, ["comm.compression=fp16", "comm.topk_ratio=0"]).comm.compression == "fp16"
+    assert (
+        load_config(None, ["comm.compression=fp16", "comm.topk_ratio=0"]).comm.compression == "fp16"
+    )

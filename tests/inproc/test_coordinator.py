@@ -1,15 +1,16 @@
 """The scheduler's coordinator in one process (an in-memory transport, no
 daemons): liveness is judged from the first plan on, not from registration."""
+
 from __future__ import annotations
 
 import contextlib
 import time
 
 from hetps.proto.codec import Envelope
-from hetps.runconfig.load import load_config
 from hetps.proto.messages import Register, Report
 from hetps.proto.plan import TensorSpec
 from hetps.proto.transport import MemServer
+from hetps.runconfig.load import load_config
 from hetps.scheduler.coordinator import Coordinator
 
 SPECS = [TensorSpec("w", "float32", (2, 3)).to_wire()]
@@ -17,20 +18,34 @@ DEAD_AFTER_S = 0.2
 
 
 def register(coord: Coordinator, role: str, rank: int) -> int:
-    msg = Register(role=role, rank=rank, address=f"mem://{role}{rank}" if role == "ps" else "",
-                   tensor_specs=SPECS if role == "worker" else [], speed=1.0)
+    msg = Register(
+        role=role,
+        rank=rank,
+        address=f"mem://{role}{rank}" if role == "ps" else "",
+        tensor_specs=SPECS if role == "worker" else [],
+        speed=1.0,
+    )
     return coord.on_register(b"peer", Envelope(msg, req_id=1, src=0)).node_id
 
 
 def test_nodes_that_registered_long_before_the_plan_are_not_declared_dead(tmp_path):
-    cfg = load_config(None, ["cluster.workers=2", "cluster.shards=1", f"cluster.dead_after_s={DEAD_AFTER_S}",
-                             "cluster.heartbeat_s=0.05"])  # heartbeats must be more frequent than dead_after_s
+    cfg = load_config(
+        None,
+        [
+            "cluster.workers=2",
+            "cluster.shards=1",
+            f"cluster.dead_after_s={DEAD_AFTER_S}",
+            # heartbeats must be more frequent than dead_after_s
+            "cluster.heartbeat_s=0.05",
+        ],
+    )
     server = MemServer("mem://coordinator-liveness")
     try:
         coord = Coordinator(server, cfg, run_dir=tmp_path)
         register(coord, "ps", 0)
         register(coord, "worker", 0)
-        time.sleep(3 * DEAD_AFTER_S)  # the last worker is slow to start: the others only wait for the plan
+        # the last worker is slow to start: the others only wait for the plan
+        time.sleep(3 * DEAD_AFTER_S)
         register(coord, "worker", 1)
         assert coord.plan is not None and coord.plan.plan_id == 1
         coord.tick()
@@ -67,7 +82,8 @@ def test_a_restarted_scheduler_keeps_the_runs_clock(tmp_path, monkeypatch):
     and wall time count from the run's start, through the restart."""
     import json
 
-    from hetps.scheduler import coordinator as coordinator_module, state
+    from hetps.scheduler import coordinator as coordinator_module
+    from hetps.scheduler import state
 
     clock = SchedulerClock()
     monkeypatch.setattr(coordinator_module, "time", clock)
@@ -75,8 +91,14 @@ def test_a_restarted_scheduler_keeps_the_runs_clock(tmp_path, monkeypatch):
     cfg = load_config(None, ["cluster.workers=1", "cluster.shards=1", "stop.target_accuracy=0.9"])
 
     def evaluation(coord: Coordinator, evaluator: int, accuracy: float) -> None:
-        coord.on_report(b"peer", Envelope(Report(node_id=evaluator, kind="eval", values={"accuracy": accuracy}),
-                                          req_id=2, src=evaluator))
+        coord.on_report(
+            b"peer",
+            Envelope(
+                Report(node_id=evaluator, kind="eval", values={"accuracy": accuracy}),
+                req_id=2,
+                src=evaluator,
+            ),
+        )
 
     first = MemServer("mem://coordinator-clock-1")
     try:
@@ -87,10 +109,10 @@ def test_a_restarted_scheduler_keeps_the_runs_clock(tmp_path, monkeypatch):
         assert coord.plan is not None
         clock.advance(1.15)
         evaluation(coord, evaluator, 0.5)
-        clock.advance(0.3)   # killed here: nothing saved since the plan
+        clock.advance(0.3)  # killed here: nothing saved since the plan
     finally:
         first.close()
-    clock.advance(1.0)       # down for a second
+    clock.advance(1.0)  # down for a second
     second = MemServer("mem://coordinator-clock-2")
     try:
         again = Coordinator(second, cfg, run_dir=tmp_path)
@@ -101,8 +123,11 @@ def test_a_restarted_scheduler_keeps_the_runs_clock(tmp_path, monkeypatch):
         again.runlog.close()
     finally:
         second.close()
-    times = [r["t"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
-             if r["kind"] == "eval"]
+    times = [
+        r["t"]
+        for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == "eval"
+    ]
     assert times == [1.15, 2.65]
     assert summary["time_to_target_s"] == 2.65 and summary["wall_s"] >= 2.65
 
@@ -148,7 +173,10 @@ def test_a_node_parks_one_plan_request_at_most(tmp_path):
         register(coord, "worker", 0)
         assert coord.plan is not None
         for req_id, after in enumerate((1_000, 2_000, 3_000), start=10):
-            assert coord.on_get_plan(b"shard", Envelope(GetPlan(after=after), req_id=req_id, src=1)) is None
+            assert (
+                coord.on_get_plan(b"shard", Envelope(GetPlan(after=after), req_id=req_id, src=1))
+                is None
+            )
         coord.on_get_plan(b"worker", Envelope(GetPlan(after=5), req_id=7, src=2))
         assert coord.plan_waiters == [(b"shard", 12, 3_000), (b"worker", 7, 5)]
     finally:
@@ -167,14 +195,20 @@ def test_held_heartbeats_are_answered_with_news_or_when_their_hold_runs_out(tmp_
     server = MemServer("mem://coordinator-held-beats")
     try:
         coord = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
-        shard, worker0, worker1 = register(coord, "ps", 0), register(coord, "worker", 0), register(coord, "worker", 1)
+        shard, worker0, worker1 = (
+            register(coord, "ps", 0),
+            register(coord, "worker", 0),
+            register(coord, "worker", 1),
+        )
         assert coord.plan is not None and coord.plan.plan_id == 1
         sent: list[tuple[bytes, int, Ack]] = []
         coord.reply = lambda peer, req_id, msg: sent.append((peer, req_id, msg))
 
         def beat(node: int, req_id: int, hold_s: float = 5.0):
-            return coord.on_heartbeat(b"n%d" % node, Envelope(Heartbeat(node_id=node, hold_s=hold_s),
-                                                               req_id=req_id, src=node))
+            return coord.on_heartbeat(
+                b"n%d" % node,
+                Envelope(Heartbeat(node_id=node, hold_s=hold_s), req_id=req_id, src=node),
+            )
 
         now_ack = beat(worker0, 1, hold_s=0.0)  # no hold asked: answered now
         assert isinstance(now_ack, Ack) and not now_ack.stop and now_ack.plan_id == 1
@@ -184,8 +218,11 @@ def test_held_heartbeats_are_answered_with_news_or_when_their_hold_runs_out(tmp_
         assert sent == []  # nothing new, and the hold (capped at heartbeat_s = 0.5) has not run out
         now[0] += 0.11
         coord.tick()
-        assert sorted((p, r) for p, r, _ in sent) == [(b"n%d" % shard, 3), (b"n%d" % worker0, 2),
-                                                      (b"n%d" % worker1, 4)]
+        assert sorted((p, r) for p, r, _ in sent) == [
+            (b"n%d" % shard, 3),
+            (b"n%d" % worker0, 2),
+            (b"n%d" % worker1, 4),
+        ]
         assert all(a.plan_id == 1 and not a.stop for _, _, a in sent)
 
         sent.clear()  # a newer beat of the same node answers its held one
@@ -220,8 +257,16 @@ def test_groups_re_form_only_once_every_worker_measured_its_speed(tmp_path):
     from hetps.proto.messages import Heartbeat
 
     now = [100.0]
-    cfg = load_config(None, ["algorithm.name=grouping", "cluster.workers=3", "cluster.shards=1",
-                             "algorithm.regroup_every_s=1", "algorithm.confirm_checks=1"])
+    cfg = load_config(
+        None,
+        [
+            "algorithm.name=grouping",
+            "cluster.workers=3",
+            "cluster.shards=1",
+            "algorithm.regroup_every_s=1",
+            "algorithm.confirm_checks=1",
+        ],
+    )
     server = MemServer("mem://coordinator-measured-speeds")
     try:
         coord = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
@@ -230,7 +275,9 @@ def test_groups_re_form_only_once_every_worker_measured_its_speed(tmp_path):
         assert coord.plan.plan_id == 1 and coord.plan.groups == [sorted(workers)]
 
         def beat(node: int, stats: dict) -> None:
-            coord.on_heartbeat(b"n%d" % node, Envelope(Heartbeat(node_id=node, stats=stats), req_id=3, src=node))
+            coord.on_heartbeat(
+                b"n%d" % node, Envelope(Heartbeat(node_id=node, stats=stats), req_id=3, src=node)
+            )
 
         def beats(third: dict) -> None:
             beat(workers[0], {"speed": 100.0})
@@ -249,7 +296,9 @@ def test_groups_re_form_only_once_every_worker_measured_its_speed(tmp_path):
         server.close()
 
 
-def test_a_worker_leaving_on_an_error_is_re_planned_at_once_and_nonfinite_everywhere_is_divergence(tmp_path):
+def test_a_worker_leaving_on_an_error_is_re_planned_at_once_and_nonfinite_everywhere_is_divergence(
+    tmp_path,
+):
     """BYE with `error`: recorded in failures and the worker leaves the plan at
     once (no dead_after_s of silence); when the last live worker leaves on
     NONFINITE (its pushes refused for NaN/Inf), the run stops as diverged,
@@ -257,8 +306,10 @@ def test_a_worker_leaving_on_an_error_is_re_planned_at_once_and_nonfinite_everyw
     from hetps.proto.messages import Bye, Status
 
     now = [100.0]
-    cfg = load_config(None, ["cluster.workers=3", "cluster.shards=1", "cluster.dead_after_s=1000",
-                             "optimizer.lr=7"])
+    cfg = load_config(
+        None,
+        ["cluster.workers=3", "cluster.shards=1", "cluster.dead_after_s=1000", "optimizer.lr=7"],
+    )
     server = MemServer("mem://coordinator-error-bye")
     try:
         coord = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: now[0])
@@ -267,9 +318,15 @@ def test_a_worker_leaving_on_an_error_is_re_planned_at_once_and_nonfinite_everyw
         assert coord.plan.plan_id == 1
 
         def leave(node: int, error: str, refused: int = 0):
-            coord.on_bye(b"n%d" % node, Envelope(Bye(node_id=node, error=error, refused=refused), req_id=5, src=node))
+            coord.on_bye(
+                b"n%d" % node,
+                Envelope(Bye(node_id=node, error=error, refused=refused), req_id=5, src=node),
+            )
 
-        leave(workers[0], "RuntimeError: CUDA error: an illegal memory access (at model.py:9 in forward)")
+        leave(
+            workers[0],
+            "RuntimeError: CUDA error: an illegal memory access (at model.py:9 in forward)",
+        )
         assert coord.plan.plan_id == 2 and [w.node_id for w in coord.plan.workers] == workers[1:]
         assert coord.stop_reason is None
         (failure,) = coord.failures
@@ -282,19 +339,26 @@ def test_a_worker_leaving_on_an_error_is_re_planned_at_once_and_nonfinite_everyw
         assert coord.stop_reason == "diverged" and coord.plan.plan_id == 3
         assert "worker2" in coord.guard.verdict and "optimizer.lr (now 7)" in coord.guard.verdict
         assert [f["refused"] for f in coord.failures] == [0, Status.NONFINITE, Status.NONFINITE]
-        assert coord.summary()["status"] == "diverged" and coord.summary()["detail"] == coord.guard.verdict
+        assert (
+            coord.summary()["status"] == "diverged"
+            and coord.summary()["detail"] == coord.guard.verdict
+        )
     finally:
         server.close()
     # the last worker leaving on any other error: the run failed, naming it and its error
     server = MemServer("mem://coordinator-error-bye-2")
     try:
-        coord = Coordinator(server, load_config(None, ["cluster.workers=1", "cluster.shards=1"]), run_dir=tmp_path)
+        coord = Coordinator(
+            server, load_config(None, ["cluster.workers=1", "cluster.shards=1"]), run_dir=tmp_path
+        )
         register(coord, "ps", 0)
         worker = register(coord, "worker", 0)
         timeout = "no reply from ipc://ps0 to PUSH within 30.0s"
         coord.on_bye(b"w", Envelope(Bye(node_id=worker, error=timeout), req_id=5, src=worker))
         s = coord.summary()
-        assert s["status"] == "failed" and s["failed_node"] == "worker0" and s["detail"] == timeout, s
+        assert (
+            s["status"] == "failed" and s["failed_node"] == "worker0" and s["detail"] == timeout
+        ), s
         assert coord.stop_reason.startswith("no live workers left"), coord.stop_reason
     finally:
         server.close()
@@ -318,8 +382,14 @@ def one_worker_and_an_evaluator(tmp_path, overrides: list[str], now: list[float]
 def evaluation(coord: Coordinator, evaluator: int, accuracy: float, now: list[float]) -> None:
     """The evaluator reports `accuracy` one second after the last report."""
     now[0] += 1.0
-    coord.on_report(b"e", Envelope(Report(node_id=evaluator, kind="eval", values={"accuracy": accuracy}),
-                                   req_id=2, src=evaluator))
+    coord.on_report(
+        b"e",
+        Envelope(
+            Report(node_id=evaluator, kind="eval", values={"accuracy": accuracy}),
+            req_id=2,
+            src=evaluator,
+        ),
+    )
 
 
 def test_target_patience_stops_on_the_nth_evaluation_in_a_row_at_the_target(tmp_path):
@@ -330,11 +400,13 @@ def test_target_patience_stops_on_the_nth_evaluation_in_a_row_at_the_target(tmp_
     from hetps.scheduler import state
 
     now = [0.0]
-    with one_worker_and_an_evaluator(tmp_path, ["stop.target_accuracy=0.9", "stop.target_patience=2"],
-                                     now) as (coord, evaluator):
+    with one_worker_and_an_evaluator(
+        tmp_path, ["stop.target_accuracy=0.9", "stop.target_patience=2"], now
+    ) as (coord, evaluator):
         for accuracy in (0.91, 0.88):
             evaluation(coord, evaluator, accuracy, now)
-        assert coord.evals.streak == 0 and coord.state_dirty  # saved at the next tick: a restart keeps the break
+        # saved at the next tick: a restart keeps the break
+        assert coord.evals.streak == 0 and coord.state_dirty
         evaluation(coord, evaluator, 0.92, now)
         assert coord.stop_reason is None and coord.evals.streak == 1
         coord.save_state()
@@ -349,7 +421,10 @@ def test_target_patience_stops_on_the_nth_evaluation_in_a_row_at_the_target(tmp_
 
 def test_target_patience_one_stops_at_the_first_evaluation_that_reaches_it(tmp_path):
     now = [0.0]
-    with one_worker_and_an_evaluator(tmp_path, ["stop.target_accuracy=0.9"], now) as (coord, evaluator):
+    with one_worker_and_an_evaluator(tmp_path, ["stop.target_accuracy=0.9"], now) as (
+        coord,
+        evaluator,
+    ):
         evaluation(coord, evaluator, 0.5, now)
         assert coord.stop_reason is None
         evaluation(coord, evaluator, 0.9, now)

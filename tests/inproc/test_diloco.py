@@ -2,11 +2,12 @@
 once by the outer optimizer; the result equals an independently computed
 Nesterov step (plain and delayed), staleness is the shard updates since the
 worker's start version, and the worker's local steps follow speed."""
+
 from __future__ import annotations
 
 import torch
-
 from shard_harness import ShardHarness, grads, tiny_model, values_of
+
 from hetps.proto.messages import Params, Pull, Push
 from hetps.worker.state import model_specs
 
@@ -15,8 +16,16 @@ A, B = 11, 12
 
 def push(h: ShardHarness, node: int, clock: int, tensors: dict, base_version: int):
     c = h.client(node)
-    req = c.send(Push(plan_id=h.plan_id, clock=clock, base_version=base_version, n_samples=32, info={},
-                      tensors=tensors))
+    req = c.send(
+        Push(
+            plan_id=h.plan_id,
+            clock=clock,
+            base_version=base_version,
+            n_samples=32,
+            info={},
+            tensors=tensors,
+        )
+    )
     h.serve()
     return c.wait(req, timeout_s=2.0)
 
@@ -51,8 +60,14 @@ def run_pushes(overrides: list[str], n_pushes: int):
 def test_each_push_is_one_outer_nesterov_step():
     lr, beta = 0.7, 0.9
     start, pushed, final, acks, params = run_pushes(
-        [f"algorithm.outer_lr={lr}", f"algorithm.outer_momentum={beta}", "algorithm.delay=1",
-         "algorithm.per_worker_lr=false"], 3)
+        [
+            f"algorithm.outer_lr={lr}",
+            f"algorithm.outer_momentum={beta}",
+            "algorithm.delay=1",
+            "algorithm.per_worker_lr=false",
+        ],
+        3,
+    )
     for name in params:  # Nesterov, written out: v <- beta v + g; x <- x - lr (g + beta v)
         x, v = start[name].clone(), torch.zeros_like(start[name])
         for g in pushed:
@@ -65,7 +80,8 @@ def test_each_push_is_one_outer_nesterov_step():
 def test_per_worker_lr_divides_the_outer_lr_by_the_workers():
     lr, beta = 0.7, 0.9
     start, pushed, final, _, params = run_pushes(
-        [f"algorithm.outer_lr={lr}", f"algorithm.outer_momentum={beta}", "algorithm.delay=1"], 2)
+        [f"algorithm.outer_lr={lr}", f"algorithm.outer_momentum={beta}", "algorithm.delay=1"], 2
+    )
     for name in params:
         x, v = start[name].clone(), torch.zeros_like(start[name])
         for g in pushed:
@@ -77,10 +93,20 @@ def test_per_worker_lr_divides_the_outer_lr_by_the_workers():
 def test_delayed_nesterov_moves_momentum_every_nth_push():
     lr, beta, delay = 0.5, 0.8, 2
     start, pushed, final, _, params = run_pushes(
-        [f"algorithm.outer_lr={lr}", f"algorithm.outer_momentum={beta}", f"algorithm.delay={delay}",
-         "algorithm.per_worker_lr=false"], 5)
+        [
+            f"algorithm.outer_lr={lr}",
+            f"algorithm.outer_momentum={beta}",
+            f"algorithm.delay={delay}",
+            "algorithm.per_worker_lr=false",
+        ],
+        5,
+    )
     for name in params:  # arXiv 2401.09135, delayed Nesterov, written out
-        x, m, acc = start[name].clone(), torch.zeros_like(start[name]), torch.zeros_like(start[name])
+        x, m, acc = (
+            start[name].clone(),
+            torch.zeros_like(start[name]),
+            torch.zeros_like(start[name]),
+        )
         for t, g in enumerate(pushed, 1):
             acc = acc + g[name]
             if t % delay == 0:
@@ -102,7 +128,17 @@ def test_the_outer_optimizer_is_not_the_workers_inner_one():
     """`optimizer:` configures the workers; the shard steps with outer_lr, whatever optimizer.lr says."""
     lr = 0.3
     start, pushed, final, _, params = run_pushes(
-        ["optimizer.name=adamw", "optimizer.lr=0.001", f"algorithm.outer_lr={lr}", "algorithm.outer_momentum=0",
-         "algorithm.delay=1", "algorithm.per_worker_lr=false"], 1)
+        [
+            "optimizer.name=adamw",
+            "optimizer.lr=0.001",
+            f"algorithm.outer_lr={lr}",
+            "algorithm.outer_momentum=0",
+            "algorithm.delay=1",
+            "algorithm.per_worker_lr=false",
+        ],
+        1,
+    )
     for name in params:
-        torch.testing.assert_close(final[name], start[name] - lr * pushed[0][name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            final[name], start[name] - lr * pushed[0][name], rtol=0, atol=1e-6
+        )

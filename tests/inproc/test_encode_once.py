@@ -1,24 +1,29 @@
 """Encode once: the tensors of a pull reply are encoded once per version and
 every reply of that version sends the same frames, with its own header
 (request id, ACK). In-process shards (shard_harness.py) on mem:// transports."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from shard_harness import PLAN_ID, ShardHarness, closing_factory, grads, tiny_model, values_of
 from torch import nn
 
 import hetps.ps.store as store_module
 from hetps.proto.codec import decode, encode, encode_tensors
-from hetps.proto.messages import Params
+from hetps.proto.messages import Params, Push
 from hetps.worker.state import model_specs
-from shard_harness import PLAN_ID, ShardHarness, closing_factory, grads, tiny_model, values_of
-from hetps.proto.messages import Push
 
 A, B = 11, 12
 
 
 def test_a_pre_encoded_message_is_the_same_bytes():
-    tensors = {"w": torch.randn(300, 300), "b": torch.randn(5), "c": torch.arange(7), "m": torch.ones(2, 2)}
+    tensors = {
+        "w": torch.randn(300, 300),
+        "b": torch.randn(5),
+        "c": torch.arange(7),
+        "m": torch.ones(2, 2),
+    }
     msg = Params(version=4, ack={}, tensors=tensors)
     direct = encode(msg, req_id=9, src=2)
     shared = encode(msg, req_id=9, src=2, encoded=encode_tensors(tensors))
@@ -29,7 +34,9 @@ def test_a_pre_encoded_message_is_the_same_bytes():
 
 
 class Harness(ShardHarness):
-    def __init__(self, model: nn.Module, overrides: list[str], algorithm: str = "sync", workers=(A, B)):
+    def __init__(
+        self, model: nn.Module, overrides: list[str], algorithm: str = "sync", workers=(A, B)
+    ):
         super().__init__(model_specs(model), overrides, workers, 1, algorithm)
 
 
@@ -79,5 +86,7 @@ def test_the_replies_of_a_sync_round_share_one_encoding(harnesses, encodings):
     reply_a = a.wait(req, timeout_s=2.0)
     assert len(encodings) == 2 and reply_a.version == reply_b.version == 2
     for name, value in h.values().items():
-        assert torch.equal(reply_a.tensors[name], value) and torch.equal(reply_b.tensors[name], value), name
+        assert torch.equal(reply_a.tensors[name], value) and torch.equal(
+            reply_b.tensors[name], value
+        ), name
     assert not torch.equal(encodings[0]["0.weight"], encodings[1]["0.weight"])

@@ -5,62 +5,94 @@ an lr schedule (and a damped step, as grouping makes) every tensor and every
 piece of optimizer state equals that of an optimizer over the separate
 tensors. A checkpoint's optimizer state keeps the per-tensor form and
 restores into either layout. Pure, in one process."""
+
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
-
-from hetps.proto.codec import decode, encode
-from hetps.runconfig.load import load_config
-from hetps.proto.messages import Push
-from hetps.runtime.optim import build_lr_scheduler, build_optimizer
-from hetps.proto.plan import TensorSpec
-from hetps.ps.store import TensorStore
-from hetps.ps.updater import Updater
-from hetps.proto.runs import RunTensors
-from hetps.worker.state import model_specs
 from shard_harness import ShardHarness, closing_factory, values_of
 
+from hetps.proto.codec import decode, encode
+from hetps.proto.messages import Push
+from hetps.proto.plan import TensorSpec
+from hetps.proto.runs import RunTensors
+from hetps.ps.store import TensorStore
+from hetps.ps.updater import Updater
+from hetps.runconfig.load import load_config
+from hetps.runtime.optim import build_lr_scheduler, build_optimizer
+from hetps.worker.state import model_specs
+
 # odd sizes (padding inside the float32 run), two parameter dtypes, buffers in between
-SPECS = [TensorSpec("conv.weight", "float32", (3, 1, 3, 3), "param"),
-         TensorSpec("conv.bias", "float32", (3,), "param"),
-         TensorSpec("bn.running_mean", "float32", (3,), "buffer"),
-         TensorSpec("bn.num_batches_tracked", "int64", (), "buffer"),
-         TensorSpec("fc.weight", "float64", (5, 7), "param"),
-         TensorSpec("fc.bias", "float32", (5,), "param"),
-         TensorSpec("scale", "float32", (), "param")]
+SPECS = [
+    TensorSpec("conv.weight", "float32", (3, 1, 3, 3), "param"),
+    TensorSpec("conv.bias", "float32", (3,), "param"),
+    TensorSpec("bn.running_mean", "float32", (3,), "buffer"),
+    TensorSpec("bn.num_batches_tracked", "int64", (), "buffer"),
+    TensorSpec("fc.weight", "float64", (5, 7), "param"),
+    TensorSpec("fc.bias", "float32", (5,), "param"),
+    TensorSpec("scale", "float32", (), "param"),
+]
 PARAMS = [s.name for s in SPECS if s.kind == "param"]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 STEPS = 8
-SCALES = [1.0, 1.0, 0.5, 1.0, 1.0, 0.25, 1.0, 1.0]  # lr_scale per step (grouping damps stale updates)
+# lr_scale per step (grouping damps stale updates)
+SCALES = [1.0, 1.0, 0.5, 1.0, 1.0, 0.25, 1.0, 1.0]
 
 CASES = {
     "sgd": ["optimizer.momentum=0"],
-    "sgd-momentum-nesterov": ["optimizer.momentum=0.9", "optimizer.nesterov=true",
-                              "optimizer.schedule.name=step", "optimizer.schedule.step_size=3",
-                              "optimizer.schedule.gamma=0.5"],
-    "sgd-weight-decay": ["optimizer.momentum=0.9", "optimizer.weight_decay=0.01",
-                         "optimizer.schedule.name=cosine", "optimizer.schedule.total_steps=10"],
-    "adam": ["optimizer.name=adam", "optimizer.lr=0.01", "optimizer.weight_decay=0.001",
-             "optimizer.schedule.warmup_steps=3", "optimizer.schedule.name=cosine",
-             "optimizer.schedule.total_steps=12"],
-    "adamw": ["optimizer.name=adamw", "optimizer.lr=0.01", "optimizer.weight_decay=0.1",
-              "optimizer.schedule.name=step", "optimizer.schedule.step_size=2"],
+    "sgd-momentum-nesterov": [
+        "optimizer.momentum=0.9",
+        "optimizer.nesterov=true",
+        "optimizer.schedule.name=step",
+        "optimizer.schedule.step_size=3",
+        "optimizer.schedule.gamma=0.5",
+    ],
+    "sgd-weight-decay": [
+        "optimizer.momentum=0.9",
+        "optimizer.weight_decay=0.01",
+        "optimizer.schedule.name=cosine",
+        "optimizer.schedule.total_steps=10",
+    ],
+    "adam": [
+        "optimizer.name=adam",
+        "optimizer.lr=0.01",
+        "optimizer.weight_decay=0.001",
+        "optimizer.schedule.warmup_steps=3",
+        "optimizer.schedule.name=cosine",
+        "optimizer.schedule.total_steps=12",
+    ],
+    "adamw": [
+        "optimizer.name=adamw",
+        "optimizer.lr=0.01",
+        "optimizer.weight_decay=0.1",
+        "optimizer.schedule.name=step",
+        "optimizer.schedule.step_size=2",
+    ],
 }
 TIGHT = {"rtol": 1e-6, "atol": 1e-7}
 
 
 def initial_values(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {s.name: (torch.randn(s.shape, generator=g, dtype=DTYPES[s.dtype]) if s.dtype != "int64"
-                     else torch.tensor(4)) for s in SPECS}
+    return {
+        s.name: (
+            torch.randn(s.shape, generator=g, dtype=DTYPES[s.dtype])
+            if s.dtype != "int64"
+            else torch.tensor(4)
+        )
+        for s in SPECS
+    }
 
 
 def gradients(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return {s.name: torch.randn(s.shape, generator=g, dtype=DTYPES[s.dtype]) for s in SPECS if s.kind == "param"}
+    return {
+        s.name: torch.randn(s.shape, generator=g, dtype=DTYPES[s.dtype])
+        for s in SPECS
+        if s.kind == "param"
+    }
 
 
 def flat_shard(cfg) -> tuple[TensorStore, Updater]:
@@ -94,6 +126,7 @@ def assert_same_state(flat_state: dict, reference_state: dict) -> None:
         assert flat_state["state"][i].keys() == entry.keys()
         for key, value in entry.items():
             torch.testing.assert_close(flat_state["state"][i][key], value, **TIGHT)
+
     def options(groups):  # `foreach` says how a step runs, not what it computes
         return [{k: v for k, v in g.items() if k != "foreach"} for g in groups]
 
@@ -105,7 +138,8 @@ def test_flat_updates_equal_per_tensor_torch_optim(case):
     cfg = load_config(None, CASES[case])
     store, updater = flat_shard(cfg)
     reference = Reference(cfg)
-    assert len(updater.optimizer.param_groups[0]["params"]) == 2  # one flat run per dtype, not 5 tensors
+    # one flat run per dtype, not 5 tensors
+    assert len(updater.optimizer.param_groups[0]["params"]) == 2
     assert updater.optimizer.param_groups[0]["foreach"] is False  # it reads the gradients only
     for step in range(STEPS):
         grads = gradients(step)
@@ -117,7 +151,9 @@ def test_flat_updates_equal_per_tensor_torch_optim(case):
         assert not torch.equal(store.tensors[n], initial_values()[n]), n  # it did train
     assert_same_state(updater.state_dict()["optimizer"], reference.optimizer.state_dict())
     for run in store.arena.flat.values():  # padding never becomes anything but zero
-        covered = sum(store.tensors[n].numel() for n in PARAMS if store.tensors[n].dtype == run.dtype)
+        covered = sum(
+            store.tensors[n].numel() for n in PARAMS if store.tensors[n].dtype == run.dtype
+        )
         assert run.numel() >= covered
 
 
@@ -131,7 +167,9 @@ def test_a_checkpoint_restores_and_training_continues_identically(case):
 
     restored_store = TensorStore(SPECS)
     restored_store.load_state_dict(copy.deepcopy(saved["store"]))
-    restored = Updater(restored_store.tensors, restored_store.param_names(), cfg.optimizer, restored_store.arena)
+    restored = Updater(
+        restored_store.tensors, restored_store.param_names(), cfg.optimizer, restored_store.arena
+    )
     restored.load_state_dict(copy.deepcopy(saved["updater"]))
     assert_same_state(restored.state_dict()["optimizer"], saved["updater"]["optimizer"])
     assert restored.optimizer.param_groups[0]["foreach"] is False
@@ -153,8 +191,13 @@ def test_per_tensor_optimizer_state_restores_into_the_flat_layout():
     store = TensorStore(SPECS)
     store.initialize({**initial_values(), **reference.params})
     updater = Updater(store.tensors, store.param_names(), cfg.optimizer, store.arena)
-    updater.load_state_dict({"updates": 3, "optimizer": copy.deepcopy(reference.optimizer.state_dict()),
-                             "scheduler": reference.scheduler.state_dict()})
+    updater.load_state_dict(
+        {
+            "updates": 3,
+            "optimizer": copy.deepcopy(reference.optimizer.state_dict()),
+            "scheduler": reference.scheduler.state_dict(),
+        }
+    )
     for step in range(3, STEPS):
         reference.step(gradients(step), 1.0)
         updater.apply(gradients(step))
@@ -200,20 +243,25 @@ def test_a_settle_moves_the_arena_and_keeps_the_optimizer_on_it():
     assert store.snapshots.moves == 1
     updater.apply(gradients(0))
     for n in PARAMS:
-        assert torch.equal(lent[n], kept[n]), n             # the reply's memory is untouched
+        assert torch.equal(lent[n], kept[n]), n  # the reply's memory is untouched
         assert not torch.equal(store.tensors[n], kept[n]), n  # the live tensors took the update
     flat = store.arena.flat[torch.float32]
-    assert store.tensors["conv.bias"].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert (
+        store.tensors["conv.bias"].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    )
     assert updater.optimizer.param_groups[0]["params"][0] is flat
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("sgd")] + ["sgd-dampened-maximized"])
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.startswith("sgd")] + ["sgd-dampened-maximized"]
+)
 def test_direct_sgd_steps_are_bit_equal_to_torch_optim(case):
     """Plain SGD over the flat runs steps through updater.sgd_step after its
     first step: values, momentum buffers and lr equal torch.optim's bit for bit,
     under an lr schedule and damped steps, from packed pushes and gathered ones."""
-    overrides = CASES.get(case, ["optimizer.momentum=0.5", "optimizer.nesterov=false",
-                                 "optimizer.weight_decay=0.02"])
+    overrides = CASES.get(
+        case, ["optimizer.momentum=0.5", "optimizer.nesterov=false", "optimizer.weight_decay=0.02"]
+    )
     cfg = load_config(None, overrides)
     (store, direct), (ref_store, reference) = flat_shard(cfg), flat_shard(cfg)
     assert direct._direct
@@ -224,7 +272,9 @@ def test_direct_sgd_steps_are_bit_equal_to_torch_optim(case):
     for step in range(STEPS):
         grads = gradients(step)
         if step % 2:  # a one-frame push: the flat gradient is the frame itself
-            grads = decode(encode(Push(plan_id=1, clock=step, base_version=0, tensors=grads))).msg.tensors
+            grads = decode(
+                encode(Push(plan_id=1, clock=step, base_version=0, tensors=grads))
+            ).msg.tensors
         direct.apply(grads, lr_scale=SCALES[step])
         reference.apply(grads, lr_scale=SCALES[step])
         assert direct.lr == reference.lr
@@ -244,8 +294,12 @@ def harnesses():
     yield from closing_factory(ShardHarness)
 
 
-@pytest.mark.parametrize("algorithm, workers", [("async", [11]), ("sync", [11]), ("sync", [11, 12, 13])])
-def test_a_shard_hands_the_decoded_push_and_its_runs_to_the_optimizer(monkeypatch, harnesses, algorithm, workers):
+@pytest.mark.parametrize(
+    "algorithm, workers", [("async", [11]), ("sync", [11]), ("sync", [11, 12, 13])]
+)
+def test_a_shard_hands_the_decoded_push_and_its_runs_to_the_optimizer(
+    monkeypatch, harnesses, algorithm, workers
+):
     """Through a real shard (mem:// transport): a push of exactly the
     parameters reaches the updater as a dict whose flat runs are known (the
     decoded push itself under async and in a one-member sync round; a sync
@@ -253,7 +307,8 @@ def test_a_shard_hands_the_decoded_push_and_its_runs_to_the_optimizer(monkeypatc
     runs (no gather copy, no search for runs); the values are torch.optim's
     over the separate tensors, stepping on each round's mean."""
     torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 3))  # odd last bias: padding
+    # odd last bias: padding
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 3))
     seen = []
     real_apply = Updater.apply
 
@@ -262,8 +317,13 @@ def test_a_shard_hands_the_decoded_push_and_its_runs_to_the_optimizer(monkeypatc
         return real_apply(self, grads, lr_scale)
 
     monkeypatch.setattr(Updater, "apply", recording)
-    harness = harnesses(model_specs(model), ["optimizer.momentum=0.9", "optimizer.nesterov=true"], workers, 1,
-                        algorithm)
+    harness = harnesses(
+        model_specs(model),
+        ["optimizer.momentum=0.9", "optimizer.nesterov=true"],
+        workers,
+        1,
+        algorithm,
+    )
     harness.init(values_of(model))
     reference = {n: t.clone() for n, t in values_of(model).items()}
     ref_opt = build_optimizer(list(reference.values()), harness.cfg.optimizer)

@@ -2,6 +2,7 @@
 its PARAMS reply is what a PULL with clock + 1 right behind the push would get,
 parked alike, and carries the push's ACK. In-process shards (shard_harness.py)
 and, for the worker's client, shards served on a thread over inproc://."""
+
 from __future__ import annotations
 
 import threading
@@ -9,24 +10,34 @@ import time
 
 import pytest
 import torch
+from shard_harness import (
+    PLAN_ID,
+    ShardHarness,
+    closing_factory,
+    grads,
+    not_answered,
+    tiny_model,
+    values_of,
+)
 from torch import nn
 
 from hetps.proto.codec import decode, encode
-from hetps.runconfig.schema import ClusterConfig
-from hetps.runconfig.load import load_config
 from hetps.proto.messages import Ack, Params, Pull, Push
 from hetps.proto.plan import ClusterPlan, NodeEntry
 from hetps.proto.transport import make_server
 from hetps.ps.shard import Shard
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import ClusterConfig
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs
-from shard_harness import PLAN_ID, ShardHarness, closing_factory, grads, not_answered, tiny_model, values_of
 
 A, B = 11, 12
 
 
 class Harness(ShardHarness):
-    def __init__(self, model: nn.Module, overrides: list[str], algorithm: str = "sync", workers=(A, B)):
+    def __init__(
+        self, model: nn.Module, overrides: list[str], algorithm: str = "sync", workers=(A, B)
+    ):
         super().__init__(model_specs(model), overrides, workers, 1, algorithm)
 
 
@@ -46,13 +57,15 @@ def test_sync_fused_push_waits_for_the_round_and_carries_its_ack(harnesses):
     a = h.client(A)
     req = a.send(fused(0, grads(model, 1)))
     h.serve()
-    assert not_answered(a, req)                      # parked: the round is open
+    assert not_answered(a, req)  # parked: the round is open
     assert h.stats()[0]["parked"] == 1 and h.versions() == [0]
     reply_b = h.call(B, fused(0, grads(model, 2)))  # closes the round: both are answered
     reply_a = a.wait(req, timeout_s=2.0)
     for reply in (reply_a, reply_b):
         assert isinstance(reply, Params) and reply.version == 1
-        torch.testing.assert_close(reply.tensors["0.weight"], h.values()["0.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(
+            reply.tensors["0.weight"], h.values()["0.weight"], rtol=0, atol=0
+        )
     assert reply_a.ack.version == 0 and reply_b.ack.version == 1  # each push's own ACK
     assert reply_a.ack.plan_id == PLAN_ID and reply_a.ack.staleness == 0
     assert reply_a.ack.held_s >= 0.04 and reply_b.ack.held_s < reply_a.ack.held_s
@@ -71,8 +84,13 @@ def test_fused_and_separate_push_pull_give_the_same_values(harnesses, algorithm)
             reqs = []
             for node in (A, B):
                 c = h.client(node)
-                push = Push(plan_id=PLAN_ID, clock=clock, base_version=clock, pull=fuse,
-                            tensors=grads(model, 10 * clock + node))
+                push = Push(
+                    plan_id=PLAN_ID,
+                    clock=clock,
+                    base_version=clock,
+                    pull=fuse,
+                    tensors=grads(model, 10 * clock + node),
+                )
                 reqs.append((c, c.send(push)))
                 if not fuse:
                     reqs.append((c, c.send(Pull(plan_id=PLAN_ID, clock=clock + 1))))
@@ -140,6 +158,7 @@ def test_a_refused_fused_push_gets_an_error_and_no_values(harnesses):
 
 # ---------------------------------------------------------------- the worker's client
 
+
 def serve_forever(shard: Shard, stop: threading.Event) -> None:
     while not stop.is_set():
         shard.serve_once(0.01)
@@ -152,9 +171,14 @@ def test_client_fused_and_separate_push_pull_agree(algorithm):
     results = []
     for fuse in (True, False):
         server = make_server("inproc://fused-" + ("on" if fuse else "off") + algorithm)
-        plan = ClusterPlan(plan_id=1, algorithm=algorithm, workers=[NodeEntry(A, 0)],
-                           shards=[NodeEntry(21, 0, server.address)], tensors=specs,
-                           placement={s.name: 0 for s in specs})
+        plan = ClusterPlan(
+            plan_id=1,
+            algorithm=algorithm,
+            workers=[NodeEntry(A, 0)],
+            shards=[NodeEntry(21, 0, server.address)],
+            tensors=specs,
+            placement={s.name: 0 for s in specs},
+        )
         shard = Shard(server, 21, plan, load_config(None, [f"algorithm.name={algorithm}"]))
         stop = threading.Event()
         thread = threading.Thread(target=serve_forever, args=(shard, stop), daemon=True)

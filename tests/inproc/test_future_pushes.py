@@ -3,17 +3,26 @@ plan without blocking the shard's loop (ps/future_pushes.py): the handler
 returns at once, the push is answered when the plan is adopted, and it joins
 the new plan's round. A push whose plan never comes is taken under the plan
 the shard has. Shards over the in-process transport."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
+from shard_harness import (
+    PLAN_ID,
+    ShardHarness,
+    closing_factory,
+    grads,
+    not_answered,
+    tiny_model,
+    values_of,
+)
 
 from hetps.proto.codec import encode
 from hetps.proto.messages import Ack, Push
 from hetps.worker.state import model_specs
-from shard_harness import PLAN_ID, ShardHarness, closing_factory, grads, not_answered, tiny_model, values_of
 
 A, B = 11, 12
 
@@ -38,8 +47,9 @@ def test_a_push_of_a_newer_plan_waits_for_it_and_joins_its_round(harness):
     client = h.client(A)
     push = Push(plan_id=PLAN_ID + 1, clock=0, base_version=0, tensors=g)
     req = client.send(push)
-    assert h.serve() == 1                                  # handled at once: parked, not fetched inline
-    client.transport.send(encode(push, req, A))            # a re-send of the same request
+    # handled at once: parked, not fetched inline
+    assert h.serve() == 1
+    client.transport.send(encode(push, req, A))  # a re-send of the same request
     assert h.serve() == 1
     assert not_answered(client, req) and shard.store.version == 0
     assert shard.future_pushes.wanted() == PLAN_ID + 1 and len(shard.future_pushes.parked) == 1
@@ -63,5 +73,7 @@ def test_a_push_whose_plan_never_comes_is_taken_under_the_plan_the_shard_has(har
     assert not_answered(client, req)
     shard.take_future_pushes()  # what the daemon does once the scheduler does not know that plan
     ack = client.wait(req, timeout_s=2.0)
-    assert isinstance(ack, Ack) and ack.plan_id == PLAN_ID and ack.version == 0  # the round waits for B
-    assert h.push(B, 0, grads(tiny_model(), seed=2))[0].version == 1            # and closes with B's push
+    # the round waits for B
+    assert isinstance(ack, Ack) and ack.plan_id == PLAN_ID and ack.version == 0
+    # and closes with B's push
+    assert h.push(B, 0, grads(tiny_model(), seed=2))[0].version == 1

@@ -8,6 +8,7 @@ one RpcClient per worker node id: a request is `send`, the shard runs
 must NOT have come yet (a parked pull) is checked with a short `wait` that
 times out.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,17 +16,17 @@ import random
 
 import pytest
 import torch
+from shard_harness import PLAN_ID, ShardHarness, closing_factory, not_answered
 
-from hetps.runconfig.algorithm_params import GroupingParams
 from hetps.proto.messages import Ack, Params
 from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec
+from hetps.runconfig.algorithm_params import GroupingParams
 from hetps.scheduler.grouping import calinski_harabasz, data_shares, drifted, form_groups, kmeans_1d
 from hetps.scheduler.placement import place
 from hetps.worker.data import partition
-from shard_harness import PLAN_ID, ShardHarness, closing_factory, not_answered
-
 
 # ================================================================ form_groups
+
 
 def check_partition(groups: list[list[int]], speeds: dict[int, float]) -> None:
     """Every worker exactly once, no empty group, members sorted by id, fastest
@@ -75,16 +76,31 @@ def test_explicit_k():
     assert form_groups(close, GroupingParams(groups=2)) == [[1, 2], [3, 4]]
 
 
-@pytest.mark.parametrize("params", [GroupingParams(), GroupingParams(groups=3), GroupingParams(choose_k="ch"),
-                                    GroupingParams(equal_ratio=1.0), GroupingParams(max_groups=1)],
-                         ids=["ratio", "k=3", "ch", "equal_ratio=1", "max_groups=1"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        GroupingParams(),
+        GroupingParams(groups=3),
+        GroupingParams(choose_k="ch"),
+        GroupingParams(equal_ratio=1.0),
+        GroupingParams(max_groups=1),
+    ],
+    ids=["ratio", "k=3", "ch", "equal_ratio=1", "max_groups=1"],
+)
 def test_one_worker_is_one_group(params):
     assert form_groups({7: 3.5}, params) == [[7]]
 
 
-@pytest.mark.parametrize("params", [GroupingParams(), GroupingParams(groups=3), GroupingParams(choose_k="ch"),
-                                    GroupingParams(equal_ratio=1.0)],
-                         ids=["ratio", "k=3", "ch", "equal_ratio=1"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        GroupingParams(),
+        GroupingParams(groups=3),
+        GroupingParams(choose_k="ch"),
+        GroupingParams(equal_ratio=1.0),
+    ],
+    ids=["ratio", "k=3", "ch", "equal_ratio=1"],
+)
 def test_equal_speeds_are_one_group(params):
     speeds = {w: 42.0 for w in (3, 1, 2, 5, 4)}
     assert form_groups(speeds, params) == [[1, 2, 3, 4, 5]]
@@ -104,7 +120,9 @@ def test_k_capped_by_distinct_speeds():
 def test_max_groups_bounds_the_automatic_k():
     speeds = dict(zip(range(6), [100.0, 90.0, 50.0, 48.0, 10.0, 11.0]))
     for choose_k in ("ratio", "ch"):
-        assert form_groups(speeds, GroupingParams(max_groups=1, choose_k=choose_k)) == [list(range(6))]
+        assert form_groups(speeds, GroupingParams(max_groups=1, choose_k=choose_k)) == [
+            list(range(6))
+        ]
         groups = form_groups(speeds, GroupingParams(max_groups=2, choose_k=choose_k))
         assert len(groups) == 2
         check_partition(groups, speeds)
@@ -147,14 +165,21 @@ def test_kmeans_1d_finds_the_optimal_clusters():
     rng = random.Random(7)
     for case in range(150):
         n = rng.randint(1, 9)
-        values = ([rng.uniform(-3, 5) for _ in range(n)] if case % 3 else
-                  [rng.choice([0.5, 1.0, 2.5]) for _ in range(n)])
+        values = (
+            [rng.uniform(-3, 5) for _ in range(n)]
+            if case % 3
+            else [rng.choice([0.5, 1.0, 2.5]) for _ in range(n)]
+        )
         k = rng.randint(1, n)
         labels = kmeans_1d(values, k)
         assert len(labels) == n and set(labels) <= set(range(k))
         clusters = [[v for v, c in zip(values, labels) if c == j] for j in set(labels)]
         cost = sum(sum((v - sum(c) / len(c)) ** 2 for v in c) for c in clusters)
-        assert cost == pytest.approx(brute_force_kmeans_cost(values, k), abs=1e-9), (values, k, labels)
+        assert cost == pytest.approx(brute_force_kmeans_cost(values, k), abs=1e-9), (
+            values,
+            k,
+            labels,
+        )
     assert kmeans_1d([5.0, 1.0, 5.1, 1.1], 2) in ([1, 0, 1, 0], [0, 1, 0, 1])
 
 
@@ -162,7 +187,8 @@ def test_calinski_harabasz_by_hand():
     # clusters {0, 2} and {10}: means 1 and 10, overall 4; between = 2 * 9 + 1 * 36 = 54,
     # within = 2; score = (54 / (2 - 1)) / (2 / (3 - 2)) = 27
     assert calinski_harabasz([0.0, 2.0, 10.0], [0, 0, 1]) == pytest.approx(27.0)
-    assert calinski_harabasz([1.0, 1.0, 4.0], [0, 0, 1]) == 1.0  # every cluster a point: defined as 1
+    # every cluster a point: defined as 1
+    assert calinski_harabasz([1.0, 1.0, 4.0], [0, 0, 1]) == 1.0
 
 
 def random_speeds(rng: random.Random) -> dict[int, float]:
@@ -181,8 +207,14 @@ def random_speeds(rng: random.Random) -> dict[int, float]:
 
 def test_random_speeds_always_give_a_partition():
     rng = random.Random(1234)
-    modes = [GroupingParams(), GroupingParams(choose_k="ch"), GroupingParams(groups=2), GroupingParams(groups=3),
-             GroupingParams(max_groups=2), GroupingParams(equal_ratio=1.0)]
+    modes = [
+        GroupingParams(),
+        GroupingParams(choose_k="ch"),
+        GroupingParams(groups=2),
+        GroupingParams(groups=3),
+        GroupingParams(max_groups=2),
+        GroupingParams(equal_ratio=1.0),
+    ]
     for case in range(200):
         speeds = random_speeds(rng)
         params = modes[case % len(modes)]
@@ -210,13 +242,14 @@ def test_random_well_separated_tiers_are_recovered():
         for t in range(n_tiers):
             for _ in range(rng.randint(1, 3)):
                 w = next(ids)
-                speeds[w] = base * 3 ** t * rng.uniform(0.98, 1.02)
+                speeds[w] = base * 3**t * rng.uniform(0.98, 1.02)
                 tier[w] = t
         expected = [sorted(w for w in speeds if tier[w] == t) for t in reversed(range(n_tiers))]
         assert form_groups(speeds, GroupingParams()) == expected, speeds
 
 
 # ================================================================ data shares
+
 
 def test_share_is_the_slowest_speed_in_the_group():
     speeds = {1: 100.0, 2: 98.0, 3: 33.0, 4: 34.0}
@@ -249,9 +282,16 @@ def test_shares_partition_the_data_in_proportion():
     assert sizes[0] > 2.5 * sizes[2]
 
     # the same through the plan, the way workers read it
-    plan = ClusterPlan(plan_id=1, algorithm="grouping", workers=[NodeEntry(w, r) for r, w in enumerate(workers)],
-                       shards=[], tensors=[], placement={}, groups=groups,
-                       shares={str(w): s for w, s in shares.items()})
+    plan = ClusterPlan(
+        plan_id=1,
+        algorithm="grouping",
+        workers=[NodeEntry(w, r) for r, w in enumerate(workers)],
+        shards=[],
+        tensors=[],
+        placement={},
+        groups=groups,
+        shares={str(w): s for w, s in shares.items()},
+    )
     assert plan.share_weights() == weights
 
 
@@ -259,11 +299,14 @@ def test_random_weighted_partitions():
     rng = random.Random(5)
     for _ in range(100):
         world = rng.randint(1, 7)
-        weights = [rng.choice([rng.uniform(0.1, 100), float(rng.randint(1, 5))]) for _ in range(world)]
+        weights = [
+            rng.choice([rng.uniform(0.1, 100), float(rng.randint(1, 5))]) for _ in range(world)
+        ]
         check_partition_by_weights(rng.randint(0, 3000), weights, seed=rng.randint(0, 10**6))
 
 
 # ================================================================ drift
+
 
 def test_drift_hysteresis_both_ways():
     old = {1: 100.0, 2: 50.0}
@@ -295,6 +338,7 @@ def test_drift_from_zero_speed():
 
 # ================================================================ placement
 
+
 def specs(sizes: list[int], dtype: str = "float32") -> list[TensorSpec]:
     return [TensorSpec(f"layer{i}.weight", dtype, (n,)) for i, n in enumerate(sizes)]
 
@@ -312,7 +356,8 @@ def check_placement(tensors: list[TensorSpec], placement: dict[str, int], n_shar
     if order:
         assert order[0] == 0  # the bottom layer on the fastest shard
     assert all(0 <= k < n_shards for k in order)
-    assert all(b - a in (0, 1) for a, b in zip(order, order[1:])), order  # contiguous, no shard skipped
+    # contiguous, no shard skipped
+    assert all(b - a in (0, 1) for a, b in zip(order, order[1:])), order
     if len(tensors) >= n_shards:
         assert set(order) == set(range(n_shards)), order
 
@@ -327,7 +372,10 @@ def test_two_to_one_speeds_give_two_thirds_of_the_bytes():
 def test_bytes_per_speed_balanced_within_the_largest_tensor():
     rng = random.Random(11)
     for _ in range(200):
-        sizes = [rng.choice([1, rng.randint(1, 500), rng.randint(1, 50000)]) for _ in range(rng.randint(2, 25))]
+        sizes = [
+            rng.choice([1, rng.randint(1, 500), rng.randint(1, 50000)])
+            for _ in range(rng.randint(2, 25))
+        ]
         tensors = specs(sizes)
         speeds = [2.0, 1.0]
         placement = place(tensors, speeds)
@@ -348,8 +396,12 @@ def test_random_placements_are_contiguous_and_cover_every_shard():
     rng = random.Random(21)
     for _ in range(300):
         n_shards = rng.randint(1, 5)
-        tensors = specs([rng.choice([0, 1, rng.randint(1, 1000), rng.randint(1, 100000)])
-                         for _ in range(rng.randint(0, 20))])
+        tensors = specs(
+            [
+                rng.choice([0, 1, rng.randint(1, 1000), rng.randint(1, 100000)])
+                for _ in range(rng.randint(0, 20))
+            ]
+        )
         speeds = [rng.uniform(0.05, 10) for _ in range(n_shards)]
         placement = place(tensors, speeds)
         check_placement(tensors, placement, n_shards)
@@ -369,8 +421,11 @@ def test_a_huge_first_tensor_still_stays_on_shard_zero():
     assert [placement[t.name] for t in tensors] == [0, 1, 1, 1]
 
 
-@pytest.mark.parametrize("speeds", [[], [0.0, 1.0], [1.0, -2.0], [float("nan"), 1.0], [1.0, float("inf")]],
-                         ids=["none", "zero", "negative", "nan", "inf"])
+@pytest.mark.parametrize(
+    "speeds",
+    [[], [0.0, 1.0], [1.0, -2.0], [float("nan"), 1.0], [1.0, float("inf")]],
+    ids=["none", "zero", "negative", "nan", "inf"],
+)
 def test_invalid_speeds(speeds):
     with pytest.raises(ValueError):
         place(specs([10, 10]), speeds)
@@ -384,7 +439,12 @@ LR = 0.5
 
 
 def plain_sgd(lr: float = LR) -> list[str]:
-    return ["optimizer.name=sgd", f"optimizer.lr={lr}", "optimizer.momentum=0", "optimizer.weight_decay=0"]
+    return [
+        "optimizer.name=sgd",
+        f"optimizer.lr={lr}",
+        "optimizer.momentum=0",
+        "optimizer.weight_decay=0",
+    ]
 
 
 def grad(seed: int) -> dict[str, torch.Tensor]:
@@ -409,8 +469,14 @@ def sgd_step(params: dict, g: dict, lr: float) -> dict:
 class GroupHarness(ShardHarness):
     """The shards of a plan over TENSORS with `groups`; every push must be acknowledged."""
 
-    def __init__(self, overrides: list[str], groups: list[list[int]], algorithm: str = "grouping",
-                 workers=(A, B, C, D), n_shards: int = 1):
+    def __init__(
+        self,
+        overrides: list[str],
+        groups: list[list[int]],
+        algorithm: str = "grouping",
+        workers=(A, B, C, D),
+        n_shards: int = 1,
+    ):
         super().__init__(TENSORS, overrides, workers, n_shards, algorithm, groups=groups)
 
     def push(self, node: int, clock: int, tensors: dict, base_version: int = 0) -> list[Ack]:
@@ -440,8 +506,13 @@ def harness():
 def assert_values(actual: dict, expected: dict) -> None:
     assert set(actual) == set(expected)
     for n in expected:
-        torch.testing.assert_close(actual[n], expected[n].to(actual[n].dtype), rtol=1e-6, atol=1e-6,
-                                   msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(
+            actual[n],
+            expected[n].to(actual[n].dtype),
+            rtol=1e-6,
+            atol=1e-6,
+            msg=lambda m, n=n: f"{n}: {m}",
+        )
 
 
 def assert_group_stats(h: GroupHarness, updates: dict, staleness: dict) -> None:
@@ -490,7 +561,8 @@ def test_groups_update_independently_with_lr_over_staleness(harness, n_shards):
     # D completes group 1's round: 2 updates by group 0 since group 1's last (none) -> staleness 3
     acks = h.push(D, 0, gd)
     assert [a.version for a in acks] == [3] * n_shards
-    assert [a.staleness for a in acks] == [2] * n_shards  # per push: version at arrival - base_version
+    # per push: version at arrival - base_version
+    assert [a.staleness for a in acks] == [2] * n_shards
     expected = sgd_step(expected, mean(gc, gd), LR / 3)
     assert_values(h.values(), expected)
     versions, pulled = h.answered(C, c_pull)
@@ -506,7 +578,8 @@ def test_groups_update_independently_with_lr_over_staleness(harness, n_shards):
     expected = sgd_step(expected, mean(ga3, gb3), LR / 2)
     assert_values(h.values(), expected)
     assert h.versions() == [4] * n_shards
-    assert_group_stats(h, {"0": 3, "1": 1}, {"0": round((1 + 1 + 2) / 3, 3), "1": 3})  # mean per group
+    # mean per group
+    assert_group_stats(h, {"0": 3, "1": 1}, {"0": round((1 + 1 + 2) / 3, 3), "1": 3})
     # the lr the shard reports is the base lr again after each scaled update
     assert all(s["lr"] == pytest.approx(LR) for s in h.stats())
 
@@ -585,15 +658,20 @@ def test_regroup_closes_the_open_round_and_ignores_replays(harness):
     assert h.versions() == [3]
     h.push(B, 1, gb2, base_version=3)
     accepted += 3
-    expected = sgd_step(expected, mean(ga2, gb2, gc2), LR / 2)  # one update by D's group since the switch
+    # one update by D's group since the switch
+    expected = sgd_step(expected, mean(ga2, gb2, gc2), LR / 2)
     assert_values(h.values(), expected)
     assert h.versions() == [4]
 
     policy = shard.policy
     stats = shard.stats()
     assert stats["pushes"] == accepted + 1  # the one duplicate
-    assert (stats["accepted"], stats["duplicates"], stats["contributions"], stats["pending"]) == (accepted, 1,
-                                                                                                 accepted, 0)
+    assert (stats["accepted"], stats["duplicates"], stats["contributions"], stats["pending"]) == (
+        accepted,
+        1,
+        accepted,
+        0,
+    )
     assert stats["group_updates"] == {"0": 2, "1": 2}
     assert policy.pushed == policy.applied == {A: 2, B: 2, C: 2, D: 1}
     assert sum(policy.applied.values()) == accepted
@@ -651,8 +729,12 @@ def test_push_made_under_a_plan_the_shard_left_is_applied_alone(harness):
 
 @pytest.mark.parametrize("algorithm", ["async", "ssp"])
 def test_async_scale_lr_divides_the_lr_by_each_pushs_staleness(harness, algorithm):
-    h = harness(plain_sgd() + [f"algorithm.name={algorithm}", "algorithm.scale_lr=true"], groups=[[A], [B]],
-                algorithm=algorithm, workers=(A, B))
+    h = harness(
+        plain_sgd() + [f"algorithm.name={algorithm}", "algorithm.scale_lr=true"],
+        groups=[[A], [B]],
+        algorithm=algorithm,
+        workers=(A, B),
+    )
     h.init(initial())
     expected = initial()
     ga, gb, ga2 = grad(1), grad(2), grad(3)
@@ -661,13 +743,17 @@ def test_async_scale_lr_divides_the_lr_by_each_pushs_staleness(harness, algorith
     expected = sgd_step(expected, ga, LR)
     acks = h.push(B, 0, gb)
     assert [a.staleness for a in acks] == [1]
-    expected = sgd_step(expected, gb, LR)            # staleness 1: lr / 1
-    h.push(A, 1, ga2)                                 # base version 0, two updates since: lr / 2
+    expected = sgd_step(expected, gb, LR)  # staleness 1: lr / 1
+    h.push(A, 1, ga2)  # base version 0, two updates since: lr / 2
     expected = sgd_step(expected, ga2, LR / 2)
     assert_values(h.values(), expected)
-    assert h.stats()[0]["lr"] == pytest.approx(LR)   # the base lr again after a scaled update
-    plain = harness(plain_sgd() + [f"algorithm.name={algorithm}"], groups=[[A], [B]], algorithm=algorithm,
-                    workers=(A, B))
+    assert h.stats()[0]["lr"] == pytest.approx(LR)  # the base lr again after a scaled update
+    plain = harness(
+        plain_sgd() + [f"algorithm.name={algorithm}"],
+        groups=[[A], [B]],
+        algorithm=algorithm,
+        workers=(A, B),
+    )
     plain.init(initial())
     for node, g in ((A, ga), (B, gb), (A, ga2)):
         plain.push(node, 0 if g is not ga2 else 1, g)

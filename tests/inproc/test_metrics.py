@@ -1,6 +1,7 @@
 """The operator's Prometheus endpoint: the collector on a fake stats dict, served
 over HTTP in this process (a real `hetps run --metrics` cluster scraped while it
 trains: tests/cluster/test_cluster_metrics.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,12 +12,12 @@ import socket
 import urllib.request
 
 import pytest
+from metrics_scrape import scrape, value
 from prometheus_client.parser import text_string_to_metric_families
 
 from hetps.runtime.daemon import common_args
 from hetps.runtime.histogram import Histogram
 from hetps.runtime.metrics import METRICS, add_target, read_targets, serve_metrics, stop_metrics
-from metrics_scrape import scrape, value
 
 
 @pytest.fixture
@@ -34,9 +35,20 @@ def served():
 
 
 def test_worker_and_shard_stats_become_labelled_metrics(served):
-    stats = {"steps": 7, "samples": 224, "bytes_sent": 1000,
-             "bytes_received": 2000, "plan_id": 2, "group": 1, "staleness": 3, "version": 40, "parked": 2,
-             "malformed": 1, "group_staleness": {"0": 1.0, "1": 2.5}, "group_updates": {"0": 30, "1": 10}}
+    stats = {
+        "steps": 7,
+        "samples": 224,
+        "bytes_sent": 1000,
+        "bytes_received": 2000,
+        "plan_id": 2,
+        "group": 1,
+        "staleness": 3,
+        "version": 40,
+        "parked": 2,
+        "malformed": 1,
+        "group_staleness": {"0": 1.0, "1": 2.5},
+        "group_updates": {"0": 30, "1": 10},
+    }
     url = served(lambda: stats)
     assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url)
     samples = scrape(url)
@@ -59,21 +71,46 @@ def test_worker_and_shard_stats_become_labelled_metrics(served):
 
 
 def test_scheduler_nodes_by_role_and_state(served):
-    url = served(lambda: {"nodes": {"worker": {"alive": 3, "dead": 1}, "ps": {"alive": 2}},
-                          "global_steps": 500, "accuracy": 0.91, "plan_id": 3}, role="scheduler", rank=0)
+    url = served(
+        lambda: {
+            "nodes": {"worker": {"alive": 3, "dead": 1}, "ps": {"alive": 2}},
+            "global_steps": 500,
+            "accuracy": 0.91,
+            "plan_id": 3,
+        },
+        role="scheduler",
+        rank=0,
+    )
     samples = scrape(url)
-    assert value(samples, "hetps_nodes", node_role="worker", state="dead", role="scheduler", rank="0") == 1
+    assert (
+        value(samples, "hetps_nodes", node_role="worker", state="dead", role="scheduler", rank="0")
+        == 1
+    )
     assert value(samples, "hetps_nodes", node_role="ps", state="alive") == 2
     assert value(samples, "hetps_global_steps") == 500
     assert value(samples, "hetps_accuracy") == 0.91
 
 
 def test_unknown_and_non_numeric_stats_are_skipped(served):
-    url = served(lambda: {"steps": "many", "plan_id": None, "staleness": float("nan"), "version": True,
-                          "group": "fast", "group_staleness": {"0": "x", "1": 2}, "nodes": [1, 2],
-                          "bytes_sent": float("inf"), "mystery": 5, "lr": {"nested": 1}, "loss": 0.5})
+    url = served(
+        lambda: {
+            "steps": "many",
+            "plan_id": None,
+            "staleness": float("nan"),
+            "version": True,
+            "group": "fast",
+            "group_staleness": {"0": "x", "1": 2},
+            "nodes": [1, 2],
+            "bytes_sent": float("inf"),
+            "mystery": 5,
+            "lr": {"nested": 1},
+            "loss": 0.5,
+        }
+    )
     samples = scrape(url)
-    names = {s.name for s in samples if s.name.startswith("hetps_") and s.name != "hetps_build_info"}
+    names = {
+        s.name for s in samples if s.name.startswith("hetps_") and s.name != "hetps_build_info"
+    }
     assert names == {"hetps_group_staleness", "hetps_loss"}
     assert value(samples, "hetps_group_staleness", group="1") == 2
 
@@ -89,10 +126,12 @@ def test_a_failing_stats_call_still_answers(served):
 
 def test_histogram_counts_cumulative_buckets():
     h = Histogram((0.1, 1.0))
-    for seconds in (0.05, 0.1, 0.5, 3.0, -1.0, float("nan")):  # negative and NaN: a clock step, ignored
+    # negative and NaN: a clock step, ignored
+    for seconds in (0.05, 0.1, 0.5, 3.0, -1.0, float("nan")):
         h.observe(seconds)
     snap = h.snapshot()
-    assert snap["buckets"] == [[0.1, 2], [1.0, 3], [math.inf, 4]]  # le: 0.1 itself falls in the 0.1 bucket
+    # le: 0.1 itself falls in the 0.1 bucket
+    assert snap["buckets"] == [[0.1, 2], [1.0, 3], [math.inf, 4]]
     assert snap["count"] == 4 and snap["sum"] == pytest.approx(3.65)
     with pytest.raises(ValueError, match="increasing"):
         Histogram((1.0, 0.5))
@@ -102,8 +141,11 @@ def test_durations_are_histograms_and_build_info_names_the_run(served):
     step = Histogram()
     for seconds in (0.02, 0.03, 0.4):
         step.observe(seconds)
-    url = served(lambda: {"steps": 3}, histograms=lambda: {"step_s": step.snapshot(), "push_s": "junk"},
-                 algorithm="grouping")
+    url = served(
+        lambda: {"steps": 3},
+        histograms=lambda: {"step_s": step.snapshot(), "push_s": "junk"},
+        algorithm="grouping",
+    )
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     hist = families["hetps_step_duration_seconds"]
@@ -114,9 +156,14 @@ def test_durations_are_histograms_and_build_info_names_the_run(served):
     assert value(samples, "hetps_step_duration_seconds_bucket", le="0.025") == 1
     assert value(samples, "hetps_step_duration_seconds_bucket", le="0.5") == 3
     assert value(samples, "hetps_step_duration_seconds_bucket", le="+Inf") == 3
-    assert "hetps_push_duration_seconds" not in families  # a malformed snapshot is skipped, not fatal
+    # a malformed snapshot is skipped, not fatal
+    assert "hetps_push_duration_seconds" not in families
     (info,) = families["hetps_build_info"].samples
-    assert info.value == 1 and info.labels["algorithm"] == "grouping" and info.labels["role"] == "worker"
+    assert (
+        info.value == 1
+        and info.labels["algorithm"] == "grouping"
+        and info.labels["role"] == "worker"
+    )
     assert info.labels["version"] and info.labels["torch_version"].split(".")[0].isdigit()
 
 
@@ -124,14 +171,15 @@ def test_no_metric_is_a_precomputed_rate_or_average():
     """Rates are left to PromQL over counters; durations are histograms (HISTOGRAMS)."""
     for key, spec in METRICS.items():
         assert "moving average" not in spec.help.lower(), key
-        assert not spec.name.endswith("_per_second") or key == "speed", key  # speed: the plan's input
+        # speed: the plan's input
+        assert not spec.name.endswith("_per_second") or key == "speed", key
 
 
 def test_targets_file_lists_each_daemon_once(tmp_path):
     path = tmp_path / "run7" / "prometheus_targets.json"
     add_target(path, "127.0.0.1", 9101, "ps0")
-    add_target(path, "0.0.0.0", 9102, "worker0")   # a wildcard bind is scraped by the host's name
-    add_target(path, "127.0.0.1", 9103, "ps0")     # a restarted shard replaces its entry
+    add_target(path, "0.0.0.0", 9102, "worker0")  # a wildcard bind is scraped by the host's name
+    add_target(path, "127.0.0.1", 9103, "ps0")  # a restarted shard replaces its entry
     entries = json.loads(path.read_text())
     by_daemon = {e["labels"]["daemon"]: e for e in entries}
     assert len(entries) == 2 and by_daemon["ps0"]["targets"] == ["127.0.0.1:9103"]

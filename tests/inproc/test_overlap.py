@@ -10,6 +10,7 @@ addition of two terms is commutative), the shard's SGD is deterministic,
 and every worker computes on one torch thread. Identical losses at every
 step also show that each forward ran on the freshly pulled values.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,26 +20,35 @@ import time
 
 import pytest
 import torch
-
 from cluster_util import wait_for
-from hetps.runconfig.schema import NodeConfig
-from hetps.runconfig.load import load_config
+from shard_harness import SHARD_IDS, ShardHarness, closing_factory
+
 from hetps.proto.plan import NodeEntry, chunk_specs
 from hetps.proto.rpc import Aborted, RequestTimeout
-from hetps.worker.lifecycle import trainer_class
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import NodeConfig
 from hetps.worker.data import load_datasets
+from hetps.worker.lifecycle import trainer_class
 from hetps.worker.local import LocalSgdTrainer
 from hetps.worker.models import build_model
 from hetps.worker.overlap import Overlap, OverlapTrainer
 from hetps.worker.state import ModelState, model_specs
 from hetps.worker.trainer import Trainer
-from shard_harness import SHARD_IDS, ShardHarness, closing_factory
 
 WORKERS = (1, 2)
 STEPS = 6
-OVERRIDES = ["model.name=resnet20", "data.dataset=synthetic", "data.synthetic.shape=[3,8,8]",
-             "data.synthetic.train_size=128", "data.synthetic.test_size=16", "data.batch_size=8",
-             "optimizer.lr=0.05", "optimizer.momentum=0.9", "cluster.workers=2", "cluster.retry_s=0"]
+OVERRIDES = [
+    "model.name=resnet20",
+    "data.dataset=synthetic",
+    "data.synthetic.shape=[3,8,8]",
+    "data.synthetic.train_size=128",
+    "data.synthetic.test_size=16",
+    "data.batch_size=8",
+    "optimizer.lr=0.05",
+    "optimizer.momentum=0.9",
+    "cluster.workers=2",
+    "cluster.retry_s=0",
+]
 JOIN_S = 60.0
 
 
@@ -102,9 +112,15 @@ def setup(make, overrides: list[str], n_shards: int, chunk_bytes: int = 0):
     """Shards for the model of `overrides` (chunked if asked) and the plan workers see."""
     cfg = load_config(None, ["algorithm.name=sync", *OVERRIDES, *overrides])
     data = load_datasets(cfg.data, cfg.seed)
-    specs, chunks = chunk_specs(model_specs(build_model(cfg.model, data.in_shape, data.num_classes)), chunk_bytes)
+    specs, chunks = chunk_specs(
+        model_specs(build_model(cfg.model, data.in_shape, data.num_classes)), chunk_bytes
+    )
     harness = make(specs, [*OVERRIDES, *overrides], WORKERS, n_shards)
-    plan = dataclasses.replace(harness.plan, chunks=chunks, shards=[NodeEntry(SHARD_IDS[i], i, a) for i, a in enumerate(harness.addresses)])
+    plan = dataclasses.replace(
+        harness.plan,
+        chunks=chunks,
+        shards=[NodeEntry(SHARD_IDS[i], i, a) for i, a in enumerate(harness.addresses)],
+    )
     for shard in harness.shards:
         shard.plan = plan
     return cfg, data, harness, plan
@@ -115,8 +131,16 @@ def make_trainers(cfg, data, plan, steps: int, workers=WORKERS) -> list[Trainer]
     for rank, node in enumerate(workers):
         torch.manual_seed(cfg.seed)  # all workers start equal, as the daemons do
         model = build_model(cfg.model, data.in_shape, data.num_classes)
-        trainers.append(trainer_class(cfg)(cfg, NodeConfig(), StandInMember(node, rank, steps), plan,
-                                           ModelState(model, torch.device("cpu")), data))
+        trainers.append(
+            trainer_class(cfg)(
+                cfg,
+                NodeConfig(),
+                StandInMember(node, rank, steps),
+                plan,
+                ModelState(model, torch.device("cpu")),
+                data,
+            )
+        )
     return trainers
 
 
@@ -143,7 +167,9 @@ def run_workers(trainers: list[Trainer], timeout_s: float = JOIN_S) -> list[Base
 
 def train(make, overlap: bool, n_shards: int, chunk_bytes: int = 0, extra: tuple = ()):
     """STEPS sync steps of 2 workers; the shards' values and each worker's losses."""
-    cfg, data, harness, plan = setup(make, [f"comm.overlap={str(overlap).lower()}", *extra], n_shards, chunk_bytes)
+    cfg, data, harness, plan = setup(
+        make, [f"comm.overlap={str(overlap).lower()}", *extra], n_shards, chunk_bytes
+    )
     trainers = make_trainers(cfg, data, plan, STEPS)
     assert all(type(t) is (OverlapTrainer if overlap else Trainer) for t in trainers)
     # Trainer keeps a shard's part flat (worker/flat_model.py) when it is parameters of one dtype (LeNet-5's,
@@ -156,7 +182,8 @@ def train(make, overlap: bool, n_shards: int, chunk_bytes: int = 0, extra: tuple
     with serving(harness):
         assert run_workers(trainers) == [None, None]
         wait_for(lambda: harness.versions() == [STEPS] * n_shards, 10, "every round applied")
-    assert all(t.member.plans_named == {plan.plan_id} for t in trainers)  # each ACK names the shard's plan
+    # each ACK names the shard's plan
+    assert all(t.member.plans_named == {plan.plan_id} for t in trainers)
     losses = [[r["loss"] for r in t.member.records] for t in trainers]
     return harness.values(), losses, plan
 
@@ -167,12 +194,19 @@ def assert_identical(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("n_shards,chunk_bytes,extra", [
-    (1, 0, ()), (2, 0, ()), (2, 4096, ()),
-    (2, 4096, ("comm.compression=topk", "comm.topk_ratio=0.1")),  # the push hook, with per-tensor state
-    (2, 4096, ("comm.fuse_pull=false",)),                          # a PUSH and a PULL per shard
-    (2, 0, ("model.name=lenet5", "data.synthetic.shape=[1,28,28]")),  # no buffers: Trainer's parts are flat
-])
+@pytest.mark.parametrize(
+    "n_shards,chunk_bytes,extra",
+    [
+        (1, 0, ()),
+        (2, 0, ()),
+        (2, 4096, ()),
+        # the push hook, with per-tensor state
+        (2, 4096, ("comm.compression=topk", "comm.topk_ratio=0.1")),
+        (2, 4096, ("comm.fuse_pull=false",)),  # a PUSH and a PULL per shard
+        # no buffers: Trainer's parts are flat
+        (2, 0, ("model.name=lenet5", "data.synthetic.shape=[1,28,28]")),
+    ],
+)
 def test_overlap_on_and_off_give_identical_parameters(harnesses, n_shards, chunk_bytes, extra):
     values_off, losses_off, plan = train(harnesses, False, n_shards, chunk_bytes, extra)
     values_on, losses_on, _ = train(harnesses, True, n_shards, chunk_bytes, extra)
@@ -185,7 +219,8 @@ def test_overlap_on_and_off_give_identical_parameters(harnesses, n_shards, chunk
 
 def test_top_shard_pushes_while_bottom_backward_runs(harnesses):
     cfg, data, harness, plan = setup(harnesses, [], 2)
-    (trainer,) = make_trainers(cfg, data, plan, 1, workers=WORKERS[:1])  # a plain Trainer: the hooks by hand
+    # a plain Trainer: the hooks by hand
+    (trainer,) = make_trainers(cfg, data, plan, 1, workers=WORKERS[:1])
     bottom = trainer.state.tensors["stem.0.weight"][0]  # the first layer: its gradient comes last
     seen = []
     bottom.register_post_accumulate_grad_hook(lambda p: seen.append(list(overlap.pending)))
@@ -193,8 +228,10 @@ def test_top_shard_pushes_while_bottom_backward_runs(harnesses):
     try:
         overlap.begin(0, 8)
         trainer.compute()
-        assert seen and seen[0][1] is not None and seen[0][0] is None  # shard 1 left, shard 0 waited
-        assert overlap.pending[0] is not None                          # and left when its last gradient came
+        # shard 1 left, shard 0 waited
+        assert seen and seen[0][1] is not None and seen[0][0] is None
+        # and left when its last gradient came
+        assert overlap.pending[0] is not None
     finally:
         trainer.member.stop_requested.set()  # the links' waits (no shard serves them here) give up
         assert overlap.close()
@@ -219,7 +256,8 @@ def test_stop_during_an_overlapped_step_does_not_hang(harnesses):
         errors = []
         worker = threading.Thread(target=lambda: errors.extend(run_workers([trainer])), daemon=True)
         worker.start()
-        wait_for(lambda: trainer.member.records, 30, "the first step")  # the second forward now waits
+        # the second forward now waits
+        wait_for(lambda: trainer.member.records, 30, "the first step")
         assert len(link_threads(trainer)) == 2
         stopped_at = time.monotonic()
         trainer.member.stop_requested.set()

@@ -2,6 +2,7 @@
 continues bit-identically, every policy's state survives a checkpoint),
 re-sent requests applied once, NaN/Inf handling modes, dropped messages
 recovered by retries, resume points."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,18 +12,26 @@ import time
 
 import pytest
 import torch
+from shard_harness import (
+    PLAN_ID,
+    ShardHarness,
+    closing_factory,
+    grads,
+    make_plan,
+    tiny_model,
+    values_of,
+)
 
-from hetps.runtime import checkpoint
 from hetps.proto.codec import encode
-from hetps.runconfig.schema import CheckpointConfig
-from hetps.runconfig.load import load_config
-from hetps.runtime.emulation import wire_faults
 from hetps.proto.messages import Ack, Params, Pull, Push, Status
 from hetps.proto.rpc import RemoteError, RpcClient
 from hetps.runconfig.algorithms import ALGORITHMS
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import CheckpointConfig
+from hetps.runtime import checkpoint
+from hetps.runtime.emulation import wire_faults
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs, model_tensors
-from shard_harness import PLAN_ID, ShardHarness, closing_factory, grads, make_plan, tiny_model, values_of
 
 A, B = 11, 12
 
@@ -44,8 +53,11 @@ def sync_round(h: Harness, model, clock: int) -> None:
 
 # ---------------------------------------------------------------- checkpoint files
 
+
 def test_checkpointer_writes_atomically_keeps_the_newest_and_knows_when(tmp_path):
-    cp = checkpoint.Checkpointer(CheckpointConfig(every_updates=10, every_s=0, keep=2), tmp_path / "ps0")
+    cp = checkpoint.Checkpointer(
+        CheckpointConfig(every_updates=10, every_s=0, keep=2), tmp_path / "ps0"
+    )
     assert cp.due(10) and not cp.due(5)  # the first one is due once 10 updates exist
     for v in (10, 20, 30):
         assert cp.due(v)
@@ -79,13 +91,18 @@ def test_not_a_checkpoint_is_refused(tmp_path):
 
 # ---------------------------------------------------------------- restore
 
-def restored_twin(h: Harness, model, state: dict, overrides=(), algorithm="sync", new_workers=False):
+
+def restored_twin(
+    h: Harness, model, state: dict, overrides=(), algorithm="sync", new_workers=False
+):
     twin = Harness(model, overrides, algorithm)
     twin.shards[0].restore(state, new_workers=new_workers)
     return twin
 
 
-@pytest.mark.parametrize("optimizer", [["optimizer.momentum=0.9"], ["optimizer.name=adam", "optimizer.lr=0.01"]])
+@pytest.mark.parametrize(
+    "optimizer", [["optimizer.momentum=0.9"], ["optimizer.name=adam", "optimizer.lr=0.01"]]
+)
 def test_restored_shard_continues_exactly_like_the_original(harnesses, optimizer, tmp_path):
     model = tiny_model()
     h = harnesses(model, optimizer)
@@ -110,7 +127,9 @@ def test_restored_shard_continues_exactly_like_the_original(harnesses, optimizer
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
-def test_every_policy_serves_workers_that_are_ahead_of_its_restored_checkpoint(harnesses, algorithm, tmp_path):
+def test_every_policy_serves_workers_that_are_ahead_of_its_restored_checkpoint(
+    harnesses, algorithm, tmp_path
+):
     """The shard is restored from a checkpoint written rounds ago; the workers
     carry on from where they are. Their next round must close and their pulls
     must be answered (no round waits for pushes the shard lost)."""
@@ -142,7 +161,9 @@ def test_every_policy_serves_workers_that_are_ahead_of_its_restored_checkpoint(h
 def test_restoring_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
     folder = tmp_path / "ps0"
     for v in (20, 30):
-        checkpoint.write_atomic(folder / f"v{v:012d}.pt", {"format": checkpoint.FORMAT, "version": v})
+        checkpoint.write_atomic(
+            folder / f"v{v:012d}.pt", {"format": checkpoint.FORMAT, "version": v}
+        )
     moved = checkpoint.abandon_after(folder, 20)
     assert [p.name for p in moved] == ["v000000000030.pt.abandoned"]
     cp = checkpoint.Checkpointer(CheckpointConfig(every_updates=1, keep=2), folder)
@@ -156,8 +177,12 @@ def test_restoring_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
 def test_a_restarted_process_does_not_resume_again():
     from hetps.frontend.resume import strip_resume
 
-    assert strip_resume(("--rank", "1", "--resume", "--restore-version", "40", "--bind", "x")) == \
-        ("--rank", "1", "--bind", "x")
+    assert strip_resume(("--rank", "1", "--resume", "--restore-version", "40", "--bind", "x")) == (
+        "--rank",
+        "1",
+        "--bind",
+        "x",
+    )
 
 
 def test_resumed_shard_keeps_values_but_starts_worker_clocks_afresh(harnesses, tmp_path):
@@ -177,6 +202,7 @@ def test_resumed_shard_keeps_values_but_starts_worker_clocks_afresh(harnesses, t
 
 
 # ---------------------------------------------------------------- re-sent requests
+
 
 def test_a_resent_push_is_applied_once_and_answered_like_the_first(harnesses):
     model = tiny_model()
@@ -219,21 +245,30 @@ def test_retries_with_dropped_messages_complete_every_request(harnesses):
     h = harnesses(model, [], "async", workers=(A,))
     h.init(values_of(model))
     cfg = load_config(None, ["cluster.faults.drop=0.5"])
-    client = RpcClient(h.addresses[0], src=A, timeout_s=20.0, retry_s=0.02,
-                       faults=wire_faults(cfg.cluster.faults, seed=3))
+    client = RpcClient(
+        h.addresses[0],
+        src=A,
+        timeout_s=20.0,
+        retry_s=0.02,
+        faults=wire_faults(cfg.cluster.faults, seed=3),
+    )
     stop = threading.Event()
-    server = threading.Thread(target=lambda: [h.shards[0].serve_once(0.01) for _ in iter(stop.is_set, True)])
+    server = threading.Thread(
+        target=lambda: [h.shards[0].serve_once(0.01) for _ in iter(stop.is_set, True)]
+    )
     server.start()
     try:
         for clock in range(20):
-            ack = client.call(Push(plan_id=PLAN_ID, clock=clock, base_version=0, tensors=grads(model, clock)))
+            ack = client.call(
+                Push(plan_id=PLAN_ID, clock=clock, base_version=0, tensors=grads(model, clock))
+            )
             assert isinstance(ack, Ack)
             assert isinstance(client.call(Pull(plan_id=PLAN_ID, clock=clock + 1)), Params)
     finally:
         stop.set()
         server.join(timeout=5)
         client.close()
-    assert h.versions() == [20]   # every push applied exactly once
+    assert h.versions() == [20]  # every push applied exactly once
     assert client.faults.dropped > 5 and client.resent >= client.faults.dropped
 
 
@@ -250,8 +285,13 @@ def test_each_shard_connection_draws_its_own_repeatable_faults():
     shared generator would make the drops depend on thread timing."""
     cfg = load_config(None, ["cluster.faults.drop=0.5"])
     plan = make_plan(model_specs(tiny_model()), [A], n_shards=2)
-    plan = dataclasses.replace(plan, shards=[dataclasses.replace(s, address=f"tcp://127.0.0.1:{9 + i}")
-                                             for i, s in enumerate(plan.shards)])
+    plan = dataclasses.replace(
+        plan,
+        shards=[
+            dataclasses.replace(s, address=f"tcp://127.0.0.1:{9 + i}")
+            for i, s in enumerate(plan.shards)
+        ],
+    )
     draws = []
     for _ in range(2):
         client = PSClient(plan, A, cfg.cluster)
@@ -260,11 +300,12 @@ def test_each_shard_connection_draws_its_own_repeatable_faults():
             assert client.fault_stats()["dropped"] == sum(not ok for d in draws[-1] for ok in d)
         finally:
             client.close()
-    assert draws[0] == draws[1]          # the same node draws the same drops on each connection
-    assert draws[0][0] != draws[0][1]    # and the connections draw independently
+    assert draws[0] == draws[1]  # the same node draws the same drops on each connection
+    assert draws[0][0] != draws[0][1]  # and the connections draw independently
 
 
 # ---------------------------------------------------------------- NaN / Inf
+
 
 def nan_push(model, seed: int) -> dict:
     g = grads(model, seed)
@@ -290,9 +331,9 @@ def test_nonfinite_skip_takes_part_in_the_round_as_zero(harnesses):
     h = harnesses(model, ["cluster.nonfinite=skip", "optimizer.momentum=0"])
     h.init(values_of(model))
     before = h.values()
-    h.push(A, 0, nan_push(model, 1))   # acknowledged, counted, worth a zero gradient
+    h.push(A, 0, nan_push(model, 1))  # acknowledged, counted, worth a zero gradient
     gb = grads(model, 2)
-    h.push(B, 0, gb)                   # closes the round: the mean is gb / 2
+    h.push(B, 0, gb)  # closes the round: the mean is gb / 2
     assert h.versions() == [1] and h.stats()[0]["nonfinite"] == 1
     lr = h.cfg.optimizer.lr
     for name in h.params():
@@ -301,8 +342,12 @@ def test_nonfinite_skip_takes_part_in_the_round_as_zero(harnesses):
 
 def test_nonfinite_clip_replaces_nan_and_inf(harnesses):
     model = tiny_model()
-    h = harnesses(model, ["cluster.nonfinite=clip", "cluster.clip_value=0.5", "optimizer.momentum=0"],
-                  "async", workers=(A,))
+    h = harnesses(
+        model,
+        ["cluster.nonfinite=clip", "cluster.clip_value=0.5", "optimizer.momentum=0"],
+        "async",
+        workers=(A,),
+    )
     h.init(values_of(model))
     before = h.values()
     g = nan_push(model, 1)
@@ -315,10 +360,11 @@ def test_nonfinite_clip_replaces_nan_and_inf(harnesses):
 
 # ---------------------------------------------------------------- resume points
 
+
 def test_resume_point_takes_the_newest_common_version(tmp_path):
+    from hetps.frontend.resume import resume_point
     from hetps.runconfig.schema import ConfigError
     from hetps.scheduler import state
-    from hetps.frontend.resume import resume_point
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -354,7 +400,8 @@ def test_a_resent_request_carries_its_own_copy_of_the_sender_memory(harnesses):
     try:
         req = client.send(Push(plan_id=PLAN_ID, clock=0, base_version=0, tensors=views))
         frames = client._unanswered[req].frames
-        assert torch.frombuffer(frames[-1], dtype=torch.uint8).data_ptr() == flat.data_ptr()  # the live memory
+        # the live memory
+        assert torch.frombuffer(frames[-1], dtype=torch.uint8).data_ptr() == flat.data_ptr()
         first = [bytes(memoryview(f)) for f in frames]
         client._unanswered[req].resend_at = 0.0  # due now: nobody answered
         client.tend()  # re-sent

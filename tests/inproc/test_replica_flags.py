@@ -2,6 +2,7 @@
 $HETPS_REPLICA_ADVERTISE): where the backup a shard holds binds, and the
 address it registers for its primary to forward to. In one process: the
 shard daemon's main() against a scheduler played on the in-memory transport."""
+
 from __future__ import annotations
 
 import faulthandler
@@ -11,13 +12,12 @@ import uuid
 
 import pytest
 import torch
+from cluster_util import REPO
 
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import Error, Register, Status
 from hetps.proto.transport import MemServer
 from hetps.ps.__main__ import main
-
-from cluster_util import REPO
 
 CONFIG = str(REPO / "configs" / "sync.yaml")
 SCHED = "tcp://scheduler:7000"  # never contacted: --check stops before connecting
@@ -39,8 +39,15 @@ def check(capfd, *flags: str) -> tuple[int, str, str]:
 
 
 def test_check_shows_the_replica_addresses_used_with_replicas(capfd):
-    code, out, _ = check(capfd, "--replica-bind", "tcp://0.0.0.0:7101", "--replica-advertise",
-                         "tcp://ps1:7101", "cluster.replicas=1", "cluster.shards=2")
+    code, out, _ = check(
+        capfd,
+        "--replica-bind",
+        "tcp://0.0.0.0:7101",
+        "--replica-advertise",
+        "tcp://ps1:7101",
+        "cluster.replicas=1",
+        "cluster.shards=2",
+    )
     assert code == 0
     assert "replicas=1 replica_bind=tcp://0.0.0.0:7101 replica_advertise=tcp://ps1:7101" in out
 
@@ -58,15 +65,26 @@ def test_replica_flags_come_from_the_environment_and_default_to_a_random_port(ca
 
 def test_without_replicas_the_replica_flags_are_ignored(capfd):
     """One manifest for both: the flags bind nothing when cluster.replicas is 0."""
-    code, out, _ = check(capfd, "--replica-bind", "tcp://0.0.0.0:7101", "--replica-advertise", "tcp://ps1:7101")
+    code, out, _ = check(
+        capfd, "--replica-bind", "tcp://0.0.0.0:7101", "--replica-advertise", "tcp://ps1:7101"
+    )
     assert code == 0 and "replicas=0 replica_bind=None" in out
 
 
-@pytest.mark.parametrize("flags,named", [
-    (["--replica-advertise", "tcp://ps1:7101"], "needs --replica-bind with a fixed port"),
-    (["--replica-bind", "tcp://0.0.0.0:0", "--replica-advertise", "tcp://ps1:7101"], "tcp://0.0.0.0:0"),
-    (["--replica-bind", "tcp://0.0.0.0:7101", "--replica-advertise", "tcp://ps1:0"], "port 0 cannot be reached"),
-])
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--replica-advertise", "tcp://ps1:7101"], "needs --replica-bind with a fixed port"),
+        (
+            ["--replica-bind", "tcp://0.0.0.0:0", "--replica-advertise", "tcp://ps1:7101"],
+            "tcp://0.0.0.0:0",
+        ),
+        (
+            ["--replica-bind", "tcp://0.0.0.0:7101", "--replica-advertise", "tcp://ps1:0"],
+            "port 0 cannot be reached",
+        ),
+    ],
+)
 def test_an_advertised_replica_address_other_shards_cannot_reach_exits_2(capfd, flags, named):
     code, out, err = check(capfd, *flags, "cluster.replicas=1", "cluster.shards=2")
     assert code == 2 and "--replica-advertise" in err and named in err, err
@@ -82,22 +100,41 @@ def test_register_carries_the_advertised_replica_address():
     seen: list[Register] = []
 
     def scheduler() -> None:
-        got = server.recv(30.0)  # an upper bound: the daemon registers once it profiled its update speed
+        # an upper bound: the daemon registers once it profiled its update speed
+        got = server.recv(30.0)
         if got is None:
             return
         peer, frames = got
         env = decode(frames)
         seen.append(env.msg)
-        server.send(peer, encode(Error(status=int(Status.BAD_STATE), message="test: refused"), env.req_id))
+        server.send(
+            peer, encode(Error(status=int(Status.BAD_STATE), message="test: refused"), env.req_id)
+        )
 
     thread = threading.Thread(target=scheduler, daemon=True)
     thread.start()
     threads = torch.get_num_threads()  # the daemon sets its node's threads for this whole process
     try:
-        code = main(["--config", CONFIG, "--scheduler", sched, "--bind", f"{sched}-shard",
-                     "--advertise", "tcp://ps7.example:7100", "--replica-bind", f"{sched}-backup",
-                     "--replica-advertise", "tcp://ps7.example:7101", "cluster.replicas=1", "cluster.shards=2",
-                     "cluster.profile_steps=1", "cluster.startup_timeout_s=30"])
+        code = main(
+            [
+                "--config",
+                CONFIG,
+                "--scheduler",
+                sched,
+                "--bind",
+                f"{sched}-shard",
+                "--advertise",
+                "tcp://ps7.example:7100",
+                "--replica-bind",
+                f"{sched}-backup",
+                "--replica-advertise",
+                "tcp://ps7.example:7101",
+                "cluster.replicas=1",
+                "cluster.shards=2",
+                "cluster.profile_steps=1",
+                "cluster.startup_timeout_s=30",
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
         thread.join(timeout=40)

@@ -7,6 +7,7 @@ its backup is promoted by the failover plan, and the workers re-send what
 was unanswered to the new address. The final parameters must equal those of
 a run without the failure, and every push must be applied exactly once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,17 +15,17 @@ import threading
 
 import pytest
 import torch
+from shard_harness import SHARD_IDS, grads, make_plan, tiny_model, values_of
 
-from hetps.runconfig.schema import ClusterConfig
-from hetps.runconfig.load import load_config
 from hetps.proto.messages import Ack
 from hetps.proto.transport import make_server
 from hetps.ps.replication import ReplicaHost, ReplicatedShard, same_members
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import ClusterConfig
 from hetps.scheduler.failover import failover_plan, with_backups
 from hetps.scheduler.nodes import Node
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs
-from shard_harness import SHARD_IDS, grads, make_plan, tiny_model, values_of
 
 A, B, C = 11, 12, 13
 STEPS = 8
@@ -54,29 +55,59 @@ class Cluster:
     """Two replicated shard processes served by one thread; `kill(i)` stops
     serving process i for good and publishes the scheduler's failover plan."""
 
-    def __init__(self, algorithm: str, kill_at: tuple | None = None, late: bool = False,
-                 workers: tuple = (A, B), groups: tuple = (), overrides: tuple = ()):
+    def __init__(
+        self,
+        algorithm: str,
+        kill_at: tuple | None = None,
+        late: bool = False,
+        workers: tuple = (A, B),
+        groups: tuple = (),
+        overrides: tuple = (),
+    ):
         self.model = tiny_model()
-        self.cfg = load_config(None, [f"algorithm.name={algorithm}", "optimizer.momentum=0.9",
-                                      "cluster.replicas=1", *overrides])
+        self.cfg = load_config(
+            None,
+            [
+                f"algorithm.name={algorithm}",
+                "optimizer.momentum=0.9",
+                "cluster.replicas=1",
+                *overrides,
+            ],
+        )
         self.workers = workers
-        self.info = AVERAGING_INFO if algorithm == "cpsgd" else None  # a model push says how it was made
+        # a model push says how it was made
+        self.info = AVERAGING_INFO if algorithm == "cpsgd" else None
         tag = f"{algorithm}-{id(self)}"
-        plan = make_plan(model_specs(self.model), list(workers), n_shards=2, algorithm=algorithm, groups=groups)
-        plan = dataclasses.replace(plan, shards=[dataclasses.replace(s, address=f"mem://repl-{tag}-{i}")
-                                                 for i, s in enumerate(plan.shards)])
-        hosts = [ReplicaHost(make_server(f"mem://repl-{tag}-backup-{i}"), self.cfg, SHARD_IDS[i]) for i in range(2)]
-        self.nodes = {sid: Node(sid, "ps", i, plan.shards[i].address, 0.0, replica_address=hosts[i].address)
-                      for i, sid in enumerate(SHARD_IDS)}
+        plan = make_plan(
+            model_specs(self.model), list(workers), n_shards=2, algorithm=algorithm, groups=groups
+        )
+        plan = dataclasses.replace(
+            plan,
+            shards=[
+                dataclasses.replace(s, address=f"mem://repl-{tag}-{i}")
+                for i, s in enumerate(plan.shards)
+            ],
+        )
+        hosts = [
+            ReplicaHost(make_server(f"mem://repl-{tag}-backup-{i}"), self.cfg, SHARD_IDS[i])
+            for i in range(2)
+        ]
+        self.nodes = {
+            sid: Node(sid, "ps", i, plan.shards[i].address, 0.0, replica_address=hosts[i].address)
+            for i, sid in enumerate(SHARD_IDS)
+        }
         self.plan = with_backups(plan, self.nodes, 1)
         self.processes = []
         for i, host in enumerate(hosts):
-            shard = KillableShard(make_server(self.plan.shards[i].address), SHARD_IDS[i], self.plan, self.cfg)
+            shard = KillableShard(
+                make_server(self.plan.shards[i].address), SHARD_IDS[i], self.plan, self.cfg
+            )
             shard.cluster, shard.index = self, i
             host.follow(self.plan)
             self.processes.append(Process(shard, host))
         self.kill_at = kill_at  # (process index, worker, clock, "before" | "after" forwarding)
-        self.late = late        # the survivor adopts the failover plan only once a worker's request reached it
+        # the survivor adopts the failover plan only once a worker's request reached it
+        self.late = late
         self.unadopted = None
         self.killed = threading.Event()
         self.stop = threading.Event()
@@ -112,8 +143,12 @@ class Cluster:
 
     def _serve(self) -> None:
         while not self.stop.is_set():
-            if self.unadopted is not None and any(p.host.shadow.early for p in self.processes if p.alive):
-                self.early = len([e for p in self.processes if p.alive for e in p.host.shadow.early])
+            if self.unadopted is not None and any(
+                p.host.shadow.early for p in self.processes if p.alive
+            ):
+                self.early = len(
+                    [e for p in self.processes if p.alive for e in p.host.shadow.early]
+                )
                 self._adopt()
             for p in self.processes:
                 for part in p.parts() if p.alive else ():
@@ -127,8 +162,12 @@ class Cluster:
         return p.shard if p.shard.node_id == node else p.host.shadow
 
     def client(self, node: int) -> PSClient:
-        return PSClient(self.plan, node, ClusterConfig(request_timeout_s=TIMEOUT_S, retry_s=0.05),
-                        plans=self.plans)
+        return PSClient(
+            self.plan,
+            node,
+            ClusterConfig(request_timeout_s=TIMEOUT_S, retry_s=0.05),
+            plans=self.plans,
+        )
 
     def close(self) -> None:
         self.stop.set()
@@ -145,8 +184,12 @@ class KillableShard(ReplicatedShard):
 
     def _forward(self, env):
         at = self.cluster.kill_at
-        hit = (at is not None and not self.cluster.killed.is_set() and self.role == "primary"
-               and (self.index, env.src, getattr(env.msg, "clock", None)) == at[:3])
+        hit = (
+            at is not None
+            and not self.cluster.killed.is_set()
+            and self.role == "primary"
+            and (self.index, env.src, getattr(env.msg, "clock", None)) == at[:3]
+        )
         if hit and at[3] == "before":
             self.cluster.kill(self.index)
             return
@@ -170,8 +213,9 @@ def run_sync(cluster: Cluster) -> dict:
     def train(node: int) -> None:
         try:
             for clock in range(STEPS):
-                acks, _ = clients[node].push_pull(grads(cluster.model, 10 * clock + node), clock, 8,
-                                                  cluster.info)
+                acks, _ = clients[node].push_pull(
+                    grads(cluster.model, 10 * clock + node), clock, 8, cluster.info
+                )
                 assert all(isinstance(a, Ack) for a in acks)
                 acked[node] += 1
         except Exception as exc:  # handed to the test thread
@@ -232,12 +276,16 @@ def run_grouped(cluster: Cluster) -> dict:
         clients[A].init(values_of(cluster.model))
         for clock in range(STEPS):
             for group in cluster.plan.groups:
-                threads = [threading.Thread(target=step, args=(n, clock), daemon=True) for n in group]
+                threads = [
+                    threading.Thread(target=step, args=(n, clock), daemon=True) for n in group
+                ]
                 for t in threads:
                     t.start()
                 for t in threads:
                     t.join(timeout=2 * TIMEOUT_S)
-                assert not any(t.is_alive() for t in threads), f"group {group} still waiting at clock {clock}"
+                assert not any(t.is_alive() for t in threads), (
+                    f"group {group} still waiting at clock {clock}"
+                )
                 assert not errors, errors
     finally:
         cluster.close()
@@ -255,18 +303,35 @@ def final_values(cluster: Cluster) -> dict:
 
 RUNS = {"sync": run_sync, "async": run_async, "grouping": run_grouped, "cpsgd": run_sync}
 # how each algorithm's cluster is made: workers, groups, config overrides
-SETUPS = {"sync": {}, "async": {},
-          "grouping": {"workers": (A, B, C), "groups": ((A, B), (C,))},
-          "cpsgd": {"overrides": ("algorithm.period=1", "optimizer.name=sgd", "optimizer.momentum=0",
-                                  "optimizer.weight_decay=0")}}
+SETUPS = {
+    "sync": {},
+    "async": {},
+    "grouping": {"workers": (A, B, C), "groups": ((A, B), (C,))},
+    "cpsgd": {
+        "overrides": (
+            "algorithm.period=1",
+            "optimizer.name=sgd",
+            "optimizer.momentum=0",
+            "optimizer.weight_decay=0",
+        )
+    },
+}
 # shard versions after STEPS clocks: one per round (sync, cpsgd), per push (async), per group round (grouping)
 UPDATES = {"sync": STEPS, "async": 2 * STEPS, "grouping": 2 * STEPS, "cpsgd": STEPS}
 
 
-CASES = [(a, when, victim, False) for a in ("sync", "async") for when in ("before", "after") for victim in (0, 1)]
+CASES = [
+    (a, when, victim, False)
+    for a in ("sync", "async")
+    for when in ("before", "after")
+    for victim in (0, 1)
+]
 CASES += [(a, when, 1, True) for a in ("sync", "async") for when in ("before", "after")]
-CASES += [(a, when, victim, late) for a in ("grouping", "cpsgd") for when, victim, late in
-          (("before", 0, False), ("after", 1, False), ("after", 0, True))]
+CASES += [
+    (a, when, victim, late)
+    for a in ("grouping", "cpsgd")
+    for when, victim, late in (("before", 0, False), ("after", 1, False), ("after", 0, True))
+]
 
 
 @pytest.mark.parametrize("algorithm,when,victim,late", CASES)
@@ -287,7 +352,11 @@ def test_a_killed_primary_fails_over_to_its_backup_with_nothing_lost(algorithm, 
     assert cluster.plan.backups == {}  # the survivor's backup died with the victim
     for i in range(2):  # every push applied exactly once, on both shards
         shard, ref = cluster.serving(i), reference.serving(i)
-        assert shard.policy.counts["accepted"] == ref.policy.counts["accepted"] == len(cluster.workers) * STEPS
+        assert (
+            shard.policy.counts["accepted"]
+            == ref.policy.counts["accepted"]
+            == len(cluster.workers) * STEPS
+        )
         assert shard.store.version == ref.store.version == UPDATES[algorithm]
         assert shard.policy.state_dict() == ref.policy.state_dict()
     expected, got = final_values(reference), final_values(cluster)
@@ -303,16 +372,20 @@ def test_the_backup_holds_the_primarys_state_and_acks_wait_for_it():
     for p, other in zip(cluster.processes, reversed(cluster.processes)):
         primary, backup = p.shard, other.host.shadow
         assert backup.role == "backup" and backup.node_id == primary.node_id
-        assert primary.counts["replicated"] == 2 * STEPS + 1   # the pushes and the INIT
+        assert primary.counts["replicated"] == 2 * STEPS + 1  # the pushes and the INIT
         assert not primary.replicator.held and not primary.replicator.pending
         assert backup.store.version == primary.store.version == STEPS
         assert backup.policy.state_dict() == primary.policy.state_dict()
-        assert {w: r for w, (r, _) in backup.recent_acks.items()} == {w: r for w, (r, _) in primary.recent_acks.items()}
+        assert {w: r for w, (r, _) in backup.recent_acks.items()} == {
+            w: r for w, (r, _) in primary.recent_acks.items()
+        }
         for name, t in primary.store.tensors.items():
             assert torch.equal(backup.store.tensors[name], t), name
         mine = primary.policy.updater.optimizer.state_dict()["state"]
         theirs = backup.policy.updater.optimizer.state_dict()["state"]
-        assert all(torch.equal(mine[k]["momentum_buffer"], theirs[k]["momentum_buffer"]) for k in mine)
+        assert all(
+            torch.equal(mine[k]["momentum_buffer"], theirs[k]["momentum_buffer"]) for k in mine
+        )
 
 
 def test_a_plan_switch_reaches_the_backup_where_it_happened_in_the_push_order():
@@ -324,28 +397,38 @@ def test_a_plan_switch_reaches_the_backup_where_it_happened_in_the_push_order():
     try:
         cluster.thread.start()
         client.init(values_of(cluster.model))
-        client.push(grads(cluster.model, 1), 0, 8)          # acknowledged: both backups have it
+        client.push(grads(cluster.model, 1), 0, 8)  # acknowledged: both backups have it
     finally:
         cluster.stop.set()
         cluster.thread.join(timeout=10)
-    without_b = dataclasses.replace(cluster.plan, plan_id=cluster.plan.plan_id + 1,
-                                    workers=[w for w in cluster.plan.workers if w.node_id == A])
+    without_b = dataclasses.replace(
+        cluster.plan,
+        plan_id=cluster.plan.plan_id + 1,
+        workers=[w for w in cluster.plan.workers if w.node_id == A],
+    )
     for p in cluster.processes:
-        p.shard.adopt(without_b)                            # on this thread: the serving one has stopped
+        # on this thread: the serving one has stopped
+        p.shard.adopt(without_b)
 
     def settle() -> None:
         while any(part.serve_once(0.01) for p in cluster.processes for part in p.parts()):
             pass
 
     settle()
-    push = client.shards[0].send(client._push(0, client._split(grads(cluster.model, 2))[0], 1, 8, None))
+    push = client.shards[0].send(
+        client._push(0, client._split(grads(cluster.model, 2))[0], 1, 8, None)
+    )
     settle()
     assert isinstance(client.shards[0].wait(push, timeout_s=TIMEOUT_S), Ack)
     try:
         for p, other in zip(cluster.processes, reversed(cluster.processes)):
             primary, backup = p.shard, other.host.shadow
             assert backup.plan.plan_id == without_b.plan_id and backup.policy.workers == [A]
-            assert backup.store.version == primary.store.version == (2 if p is cluster.processes[0] else 1)
+            assert (
+                backup.store.version
+                == primary.store.version
+                == (2 if p is cluster.processes[0] else 1)
+            )
             assert backup.policy.state_dict() == primary.policy.state_dict()
             for name, t in primary.store.tensors.items():
                 assert torch.equal(backup.store.tensors[name], t), name

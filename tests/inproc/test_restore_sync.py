@@ -11,6 +11,7 @@ re-send its lost clock-6 push to S1 meanwhile. Every fault is triggered by
 an event (a push arriving), not by time; retries run on real time with short
 intervals, and every wait has a deadline.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,23 +19,23 @@ import threading
 
 import pytest
 import torch
+from shard_harness import PLAN_ID, SHARD_IDS, ShardHarness, grads, make_plan, tiny_model, values_of
 
-from hetps.runtime import checkpoint
-from hetps.runconfig.schema import CheckpointConfig, ClusterConfig
-from hetps.runconfig.load import load_config
 from hetps.proto.messages import Ack, Params, Pull, Push
 from hetps.proto.rpc import RpcClient
 from hetps.proto.transport import MemServer, make_server
 from hetps.ps.shard import Shard
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import CheckpointConfig, ClusterConfig
+from hetps.runtime import checkpoint
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs
-from shard_harness import PLAN_ID, SHARD_IDS, ShardHarness, grads, make_plan, tiny_model, values_of
 
 A, B = 11, 12
-KILL_ROUND = 5          # the round whose reply to B is lost
-STEPS = 10              # clocks each worker trains
+KILL_ROUND = 5  # the round whose reply to B is lost
+STEPS = 10  # clocks each worker trains
 RETRY_S = 0.05
-TIMEOUT_S = 15.0        # request timeout: a deadlock fails the step after this
+TIMEOUT_S = 15.0  # request timeout: a deadlock fails the step after this
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,14 +77,18 @@ class Cluster:
         self.cfg = load_config(None, ["algorithm.name=sync", "optimizer.momentum=0.9"])
         addresses = [f"mem://restore-sync-{behind}-{i}-{id(self)}" for i in range(2)]
         plan = make_plan(model_specs(model), [A, B], n_shards=2)
-        self.plan = dataclasses.replace(plan, shards=[dataclasses.replace(s, address=a)
-                                                      for s, a in zip(plan.shards, addresses)])
+        self.plan = dataclasses.replace(
+            plan, shards=[dataclasses.replace(s, address=a) for s, a in zip(plan.shards, addresses)]
+        )
         self.folder = tmp_path / "ps1"
         self.restore_version = KILL_ROUND + 1 - behind
-        self.shards = [Shard(make_server(addresses[0]), SHARD_IDS[0], self.plan, self.cfg),
-                       DyingShard(make_server(addresses[1]), SHARD_IDS[1], self.plan, self.cfg, die=self.die)]
-        self.shards[1].checkpointer = checkpoint.Checkpointer(CheckpointConfig(every_updates=1, keep=20),
-                                                              self.folder)
+        self.shards = [
+            Shard(make_server(addresses[0]), SHARD_IDS[0], self.plan, self.cfg),
+            DyingShard(make_server(addresses[1]), SHARD_IDS[1], self.plan, self.cfg, die=self.die),
+        ]
+        self.shards[1].checkpointer = checkpoint.Checkpointer(
+            CheckpointConfig(every_updates=1, keep=20), self.folder
+        )
         self.died = threading.Event()
         self.stop = threading.Event()
         self.server = threading.Thread(target=self._serve, daemon=True)
@@ -92,7 +97,9 @@ class Cluster:
         """S1 dies with what it holds; a new S1 at its address restores the
         checkpoint `restore_version` (called on the serving thread)."""
         old = self.shards[1]
-        twin = Shard(MemServer(old.server.address, take_over=True), SHARD_IDS[1], self.plan, self.cfg)
+        twin = Shard(
+            MemServer(old.server.address, take_over=True), SHARD_IDS[1], self.plan, self.cfg
+        )
         old.server.close()
         twin.restore(checkpoint.load(checkpoint.latest(self.folder, self.restore_version)))
         self.shards[1] = twin
@@ -123,14 +130,20 @@ def train(cluster: Cluster, node: int, client: PSClient, done: list, errors: lis
 def test_sync_trains_on_after_a_shard_is_restored_rounds_behind(tmp_path, behind):
     cluster = Cluster(tmp_path, behind)
     cluster.server.start()
-    clients = {n: PSClient(cluster.plan, n, ClusterConfig(request_timeout_s=TIMEOUT_S, retry_s=RETRY_S))
-               for n in (A, B)}
+    clients = {
+        n: PSClient(cluster.plan, n, ClusterConfig(request_timeout_s=TIMEOUT_S, retry_s=RETRY_S))
+        for n in (A, B)
+    }
     done = {A: [], B: []}
     errors: list[str] = []
     try:
         clients[A].init(values_of(cluster.model))
-        threads = [threading.Thread(target=train, args=(cluster, n, clients[n], done[n], errors), daemon=True)
-                   for n in (A, B)]
+        threads = [
+            threading.Thread(
+                target=train, args=(cluster, n, clients[n], done[n], errors), daemon=True
+            )
+            for n in (A, B)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -173,10 +186,10 @@ def test_a_lower_version_from_a_shard_resends_what_it_lost_at_once(tmp_path):
         h.serve()
         assert a.wait(seen, timeout_s=1.0).version == 1
         push = a.send(Push(plan_id=PLAN_ID, clock=1, base_version=1, tensors=grads(model, 3)))
-        pull = a.send(Pull(plan_id=PLAN_ID, clock=2), after=push)   # as PSClient sends them unfused
+        pull = a.send(Pull(plan_id=PLAN_ID, clock=2), after=push)  # as PSClient sends them unfused
         h.serve()
         assert isinstance(a.wait(push, timeout_s=1.0), Ack)
-        assert h.stats()[0]["parked"] == 1   # B has not pushed clock 1
+        assert h.stats()[0]["parked"] == 1  # B has not pushed clock 1
         # the shard dies; a new one at its address restores the checkpoint made after INIT
         old = h.shards[0]
         h.shards[0] = Shard(MemServer(h.addresses[0], take_over=True), SHARD_IDS[0], h.plan, h.cfg)
@@ -184,10 +197,11 @@ def test_a_lower_version_from_a_shard_resends_what_it_lost_at_once(tmp_path):
         h.shards[0].restore(checkpoint.load(saved))
         latest = a.send(Pull(plan_id=PLAN_ID, clock=-1))
         h.serve()
-        assert a.wait(latest, timeout_s=1.0).version == 0   # lower than the 1 A saw: state was lost
-        a.tend()                                            # re-sends the push, then the pull
+        assert a.wait(latest, timeout_s=1.0).version == 0  # lower than the 1 A saw: state was lost
+        a.tend()  # re-sends the push, then the pull
         h.serve()
-        h.push(B, 1, grads(model, 4))                       # closes the round A's re-sent push opened
+        # closes the round A's re-sent push opened
+        h.push(B, 1, grads(model, 4))
         reply = a.wait(pull, timeout_s=1.0)
         assert isinstance(reply, Params) and reply.version == 1 and h.versions() == [1]
         assert a.resent == 1 and h.shards[0].policy.applied == {A: 2, B: 2}

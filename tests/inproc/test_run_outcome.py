@@ -1,6 +1,7 @@
 """How a run ends, in one process: the divergence guard, the summary's
 status, a node's start-up failure reported to the coordinator (in-memory
 transport), the launcher's progress line and device assignment."""
+
 from __future__ import annotations
 
 import json
@@ -10,19 +11,19 @@ import threading
 import pytest
 import torch
 
+from hetps.frontend.launcher import with_local_devices
+from hetps.frontend.report import Progress
 from hetps.proto.codec import Envelope
-from hetps.runconfig.schema import ConfigError
-from hetps.runconfig.load import load_config
-from hetps.runtime.devices import DeviceUnavailable, assign_devices, pick_device
-from hetps.runtime.membership import Membership
 from hetps.proto.messages import GetPlan, Register
 from hetps.proto.plan import TensorSpec
 from hetps.proto.rpc import RemoteError, RpcClient
 from hetps.proto.transport import MemServer
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import ConfigError
+from hetps.runtime.devices import DeviceUnavailable, assign_devices, pick_device
+from hetps.runtime.membership import Membership
 from hetps.scheduler.coordinator import Coordinator
-from hetps.frontend.launcher import with_local_devices
 from hetps.scheduler.outcome import EXIT_CODES, DivergenceGuard, run_status
-from hetps.frontend.report import Progress
 
 SPECS = [TensorSpec("w", "float32", (2, 3)).to_wire()]
 
@@ -83,11 +84,15 @@ def test_a_failure_report_ends_the_run_at_once_and_answers_nodes_waiting_for_the
     member = Membership("mem://coordinator-failed", "worker", 1, cfg.cluster)
     try:
         coord = Coordinator(server, cfg, run_dir=tmp_path)
-        coord.on_register(b"x", Envelope(Register(role="worker", rank=0, tensor_specs=SPECS, host="hostA"), 1, 0))
+        coord.on_register(
+            b"x", Envelope(Register(role="worker", rank=0, tensor_specs=SPECS, host="hostA"), 1, 0)
+        )
         parked = waiter.send(GetPlan(after=0))
         assert coord.serve_once(2.0) and coord.plan_waiters  # worker0 waits for a plan
         done = threading.Event()
-        loop = threading.Thread(target=lambda: [coord.serve_once(0.02) for _ in iter(done.is_set, True)])
+        loop = threading.Thread(
+            target=lambda: [coord.serve_once(0.02) for _ in iter(done.is_set, True)]
+        )
         loop.start()  # the scheduler's loop, as in its daemon
         try:
             with pytest.raises(SystemExit) as exit_info:
@@ -101,7 +106,8 @@ def test_a_failure_report_ends_the_run_at_once_and_answers_nodes_waiting_for_the
         assert "no such file /data/x.npy" in coord.stop_reason
         assert coord.finished()  # no plan went out: nobody to wait for
         coord.close()
-        with pytest.raises(RemoteError, match="worker1"):  # the parked GetPlan is answered, not left to time out
+        # the parked GetPlan is answered, not left to time out
+        with pytest.raises(RemoteError, match="worker1"):
             waiter.wait(parked, timeout_s=5.0)
         summary = json.loads((tmp_path / "summary.json").read_text())
         assert summary["status"] == "failed" and summary["failed_node"] == "worker1"
@@ -117,8 +123,13 @@ def test_a_failure_report_ends_the_run_at_once_and_answers_nodes_waiting_for_the
 # ---------------------------------------------------------------- launcher pieces
 def test_auto_devices_go_round_robin_over_the_visible_gpus():
     assert assign_devices(["auto"] * 5, 2) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
-    assert assign_devices(["auto", "cpu", "auto", "cuda:3", "auto"], 4) == \
-        ["cuda:0", "cpu", "cuda:1", "cuda:3", "cuda:2"]
+    assert assign_devices(["auto", "cpu", "auto", "cuda:3", "auto"], 4) == [
+        "cuda:0",
+        "cpu",
+        "cuda:1",
+        "cuda:3",
+        "cuda:2",
+    ]
     assert assign_devices(["auto", "auto", "cuda"], 0) == ["cpu", "cpu", "cuda"]
     assert assign_devices([], 8) == []
 
@@ -132,18 +143,27 @@ def test_hetps_run_writes_the_resolved_devices_into_the_config():
 
 def test_a_device_this_host_lacks_is_a_clear_error_and_a_bad_name_a_config_error():
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    with pytest.raises(DeviceUnavailable, match=rf"cluster.workers.2.device: cuda:{count} .* {count} CUDA"):
+    with pytest.raises(
+        DeviceUnavailable, match=rf"cluster.workers.2.device: cuda:{count} .* {count} CUDA"
+    ):
         pick_device(f"cuda:{count}", "cluster.workers.2.device")
     assert pick_device("cpu") == torch.device("cpu")
     assert pick_device("auto").type == ("cuda" if count else "cpu")
-    with pytest.raises(ConfigError, match=r"cluster.workers.0.device: unknown value 'gpu'; allowed: auto, cpu"):
+    with pytest.raises(
+        ConfigError, match=r"cluster.workers.0.device: unknown value 'gpu'; allowed: auto, cpu"
+    ):
         load_config(None, ["cluster.workers.0.device=gpu"])
 
 
 def test_progress_says_what_start_up_waits_for_then_shows_target_and_limits(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    progress = Progress(path, expected=["ps0", "ps1", "worker0", "worker1", "evaluator"], target=0.95,
-                        max_seconds=300, max_steps=6000)
+    progress = Progress(
+        path,
+        expected=["ps0", "ps1", "worker0", "worker1", "evaluator"],
+        target=0.95,
+        max_seconds=300,
+        max_steps=6000,
+    )
     progress.poll()
     assert "starting 5 processes" in progress.line()
     with open(path, "w") as f:
@@ -159,4 +179,6 @@ def test_progress_says_what_start_up_waits_for_then_shows_target_and_limits(tmp_
         f.write(json.dumps({"kind": "eval", "t": 2.0, "accuracy": 0.5, "loss": 1.2}) + "\n")
     progress.poll()
     line = progress.line()
-    assert "2.0s/300s" in line and "steps      40/6000" in line and "0.5000 (target 0.95)" in line, line
+    assert (
+        "2.0s/300s" in line and "steps      40/6000" in line and "0.5000 (target 0.95)" in line
+    ), line

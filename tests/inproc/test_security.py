@@ -5,6 +5,7 @@ a whole `hetps run` with curve on: tests/cluster/test_security_cluster.py.
 Real sockets on random loopback ports; every wait has a timeout; every
 process is reaped.
 """
+
 from __future__ import annotations
 
 import socket
@@ -13,12 +14,12 @@ import threading
 import pytest
 import zmq
 import zmq.auth
-
 from cluster_util import run_hetps
+from security_util import CONFIG, HANDSHAKE_S, REPLY_S, SILENCE_S, curve_keys, curve_overrides
+
 from hetps.proto.transport import make_client, make_server
 from hetps.runconfig.load import load_config
 from hetps.runtime import curve_setup
-from security_util import CONFIG, HANDSHAKE_S, REPLY_S, SILENCE_S, curve_keys, curve_overrides
 
 
 @pytest.fixture
@@ -37,8 +38,11 @@ def test_keys_command_writes_pairs_allow_list_and_private_modes(tmp_path):
     assert result.returncode == 0, result.stderr
     names = [f"client-{i}" for i in range(3)]
     secrets = [keys / "server.key_secret", *(keys / "clients" / f"{n}.key_secret" for n in names)]
-    publics = [keys / "server.key", *(keys / "clients" / f"{n}.key" for n in names),
-               *(keys / "authorized" / f"{n}.key" for n in names)]
+    publics = [
+        keys / "server.key",
+        *(keys / "clients" / f"{n}.key" for n in names),
+        *(keys / "authorized" / f"{n}.key" for n in names),
+    ]
     for path in secrets:
         assert path.stat().st_mode & 0o777 == 0o600, path
         public, secret = zmq.auth.load_certificate(path)
@@ -48,8 +52,10 @@ def test_keys_command_writes_pairs_allow_list_and_private_modes(tmp_path):
         assert zmq.auth.load_certificate(path)[1] is None, f"{path} holds a secret"
     assert sorted(p.name for p in (keys / "authorized").iterdir()) == [f"{n}.key" for n in names]
     for n in names:  # the allow-list holds exactly the client public keys
-        assert (zmq.auth.load_certificate(keys / "authorized" / f"{n}.key")[0]
-                == zmq.auth.load_certificate(keys / "clients" / f"{n}.key_secret")[0])
+        assert (
+            zmq.auth.load_certificate(keys / "authorized" / f"{n}.key")[0]
+            == zmq.auth.load_certificate(keys / "clients" / f"{n}.key_secret")[0]
+        )
     all_keys = {zmq.auth.load_certificate(p)[0] for p in secrets}
     assert len(all_keys) == 4
     assert str(keys / "server.key_secret") in result.stdout
@@ -63,19 +69,53 @@ def test_missing_keys_exit_2_naming_the_key(keys_dir):
     (keys_dir / "server.key_secret").unlink()
     cases = [
         (["scheduler", "--config", CONFIG, "--check", "security.curve=true"], "security.keys_dir"),
-        (["scheduler", "--config", CONFIG, "--check", *curve_overrides(keys_dir.parent / "nowhere")],
-         str(keys_dir.parent / "nowhere")),
-        (["scheduler", "--config", CONFIG, "--check", *curve_overrides(keys_dir)],
-         str(keys_dir / "server.key_secret")),
-        (["worker", "--config", CONFIG, "--scheduler", sched, "--client-key", "nobody", "--check",
-          *curve_overrides(keys_dir)], str(keys_dir / "clients" / "nobody.key_secret")),
+        (
+            [
+                "scheduler",
+                "--config",
+                CONFIG,
+                "--check",
+                *curve_overrides(keys_dir.parent / "nowhere"),
+            ],
+            str(keys_dir.parent / "nowhere"),
+        ),
+        (
+            ["scheduler", "--config", CONFIG, "--check", *curve_overrides(keys_dir)],
+            str(keys_dir / "server.key_secret"),
+        ),
+        (
+            [
+                "worker",
+                "--config",
+                CONFIG,
+                "--scheduler",
+                sched,
+                "--client-key",
+                "nobody",
+                "--check",
+                *curve_overrides(keys_dir),
+            ],
+            str(keys_dir / "clients" / "nobody.key_secret"),
+        ),
     ]
     for args, named in cases:
         result = run_hetps(args, timeout_s=120)
         assert result.returncode == 2, f"{args}: {result.returncode}\n{result.stderr}"
         assert named in result.stderr and "security" in result.stderr, result.stderr
-    ok = run_hetps(["worker", "--config", CONFIG, "--scheduler", sched, "--client-key", "ps0", "--check",
-                    *curve_overrides(keys_dir)], timeout_s=120)  # the control: a present key passes
+    ok = run_hetps(
+        [
+            "worker",
+            "--config",
+            CONFIG,
+            "--scheduler",
+            sched,
+            "--client-key",
+            "ps0",
+            "--check",
+            *curve_overrides(keys_dir),
+        ],
+        timeout_s=120,
+    )  # the control: a present key passes
     assert ok.returncode == 0, ok.stderr
 
 
@@ -157,7 +197,8 @@ def test_curve_hides_and_guards_bytes_in_transit(curve, keys_dir):
         if curve:
             assert got is None, "a tampered curve message was delivered"
         else:
-            assert got is not None and bytes(got[1][0]) != marker  # plaintext: altered and delivered
+            # plaintext: altered and delivered
+            assert got is not None and bytes(got[1][0]) != marker
     finally:
         client.close()
         relay.close()

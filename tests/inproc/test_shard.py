@@ -6,6 +6,7 @@ shard_harness.py. A request is `send`, then the test runs `serve_once` until
 the shard's inbox is empty, then `wait`s; a reply that must NOT have come yet
 (a parked pull) is checked with a short `wait` that times out.
 """
+
 from __future__ import annotations
 
 import copy
@@ -13,18 +14,19 @@ import math
 
 import pytest
 import torch
+from shard_harness import PLAN_ID, ShardHarness, closing_factory, not_answered
 from torch import nn
 
 from hetps.proto.messages import Ack, Init, Params, Pull, Push, Register, Status
 from hetps.proto.rpc import RemoteError
 from hetps.worker.state import model_specs, model_tensors
-from shard_harness import PLAN_ID, ShardHarness, closing_factory, not_answered
 
-A, B = 11, 12             # worker node ids
+A, B = 11, 12  # worker node ids
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------- fixtures and helpers
+
 
 def tiny_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
@@ -39,8 +41,14 @@ def tiny_model(seed: int = 0) -> nn.Module:
 class Harness(ShardHarness):
     """The shards of a plan over `model`'s tensors, workers A and B by default."""
 
-    def __init__(self, model: nn.Module, overrides: list[str], n_shards: int = 1,
-                 algorithm: str = "sync", workers=(A, B)):
+    def __init__(
+        self,
+        model: nn.Module,
+        overrides: list[str],
+        n_shards: int = 1,
+        algorithm: str = "sync",
+        workers=(A, B),
+    ):
         super().__init__(model_specs(model), overrides, workers, n_shards, algorithm)
         self.model = model
 
@@ -76,18 +84,35 @@ def assert_values(actual: dict, expected: dict, names) -> None:
 def reference_optimizer(ref: nn.Module, cfg) -> torch.optim.Optimizer:
     o = cfg.optimizer
     if o.name == "sgd":
-        return torch.optim.SGD(ref.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
-                               weight_decay=o.weight_decay)
-    return torch.optim.Adam(ref.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        return torch.optim.SGD(
+            ref.parameters(),
+            lr=o.lr,
+            momentum=o.momentum,
+            nesterov=o.nesterov,
+            weight_decay=o.weight_decay,
+        )
+    return torch.optim.Adam(
+        ref.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
+    )
 
 
 # ---------------------------------------------------------------- sync arithmetic
 
 OPTIMIZERS = {
-    "sgd": ["optimizer.name=sgd", "optimizer.lr=0.1", "optimizer.momentum=0.9",
-            "optimizer.weight_decay=1e-4", "optimizer.nesterov=false"],
-    "sgd-nesterov": ["optimizer.name=sgd", "optimizer.lr=0.1", "optimizer.momentum=0.9",
-                     "optimizer.weight_decay=1e-4", "optimizer.nesterov=true"],
+    "sgd": [
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        "optimizer.momentum=0.9",
+        "optimizer.weight_decay=1e-4",
+        "optimizer.nesterov=false",
+    ],
+    "sgd-nesterov": [
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        "optimizer.momentum=0.9",
+        "optimizer.weight_decay=1e-4",
+        "optimizer.nesterov=true",
+    ],
     "adam": ["optimizer.name=adam", "optimizer.lr=0.01", "optimizer.weight_decay=1e-4"],
 }
 
@@ -111,7 +136,9 @@ def test_sync_rounds_equal_one_optimizer_step_on_the_mean(harnesses, opt, n_shar
         acks = h.push(A, rnd, ga, base_version=rnd)
         assert [a.version for a in acks] == [rnd] * n_shards  # round still open
         # A pulls for its next step: parked until B's push closes the round
-        pulls = [(i, h.client(A, i).send(Pull(plan_id=PLAN_ID, clock=rnd + 1))) for i in range(n_shards)]
+        pulls = [
+            (i, h.client(A, i).send(Pull(plan_id=PLAN_ID, clock=rnd + 1))) for i in range(n_shards)
+        ]
         h.serve()
         for i, req in pulls:
             assert not_answered(h.client(A, i), req), "pull answered before the round closed"
@@ -201,6 +228,7 @@ def test_duplicate_push_is_applied_once(harnesses):
 
 # ---------------------------------------------------------------- ssp and async
 
+
 def test_ssp_parks_a_pull_more_than_staleness_ahead(harnesses):
     model = tiny_model()
     h = harnesses(model, ["algorithm.staleness=2"], algorithm="ssp")
@@ -231,13 +259,16 @@ def test_ssp_parks_a_pull_more_than_staleness_ahead(harnesses):
 
 def test_async_applies_every_push_and_never_parks(harnesses):
     model = tiny_model()
-    h = harnesses(model, ["optimizer.name=sgd", "optimizer.momentum=0", "optimizer.lr=0.1"],
-                  algorithm="async")
+    h = harnesses(
+        model, ["optimizer.name=sgd", "optimizer.momentum=0", "optimizer.lr=0.1"], algorithm="async"
+    )
     h.init(init_values(model))
     ref = copy.deepcopy(model)
     ref_opt = reference_optimizer(ref, h.cfg)
     params = dict(ref.named_parameters())
-    expected_buffers = {n: t.clone() for n, t in init_values(model).items() if h.kinds[n] == "buffer"}
+    expected_buffers = {
+        n: t.clone() for n, t in init_values(model).items() if h.kinds[n] == "buffer"
+    }
     schedule = [(A, 0, 0), (B, 0, 0), (B, 1, 0), (A, 1, 1)]  # (worker, clock, base_version)
     for version, (worker, clock, base) in enumerate(schedule):
         # a pull far ahead of everyone is never parked
@@ -267,6 +298,7 @@ def test_async_applies_every_push_and_never_parks(harnesses):
 
 # ---------------------------------------------------------------- refusals
 
+
 def refused(h: Harness, node: int, msg, status: Status) -> None:
     with pytest.raises(RemoteError) as info:
         h.call(node, msg)
@@ -282,8 +314,12 @@ def good_pull(h: Harness, node: int = A) -> Params:
 def test_push_before_init_is_not_ready(harnesses):
     model = tiny_model()
     h = harnesses(model, [])
-    refused(h, A, Push(plan_id=PLAN_ID, clock=0, base_version=0, tensors=fake_push(model, 1)),
-            Status.NOT_READY)
+    refused(
+        h,
+        A,
+        Push(plan_id=PLAN_ID, clock=0, base_version=0, tensors=fake_push(model, 1)),
+        Status.NOT_READY,
+    )
     h.init(init_values(model))
     (ack,) = h.push(A, 0, fake_push(model, 1))
     assert isinstance(ack, Ack)
@@ -375,6 +411,7 @@ def test_sync_buffer_mean_counts_only_the_pushes_that_carried_it(harnesses):
 
 # ---------------------------------------------------------------- learning-rate schedule
 
+
 def run_rounds(h: Harness, model: nn.Module, k: int) -> list[tuple[float, dict, dict]]:
     """k single-worker updates; per update: (lr reported before it, values before, grad)."""
     out = []
@@ -389,7 +426,12 @@ def run_rounds(h: Harness, model: nn.Module, k: int) -> list[tuple[float, dict, 
 
 
 def plain_sgd(lr: float) -> list[str]:
-    return ["optimizer.name=sgd", f"optimizer.lr={lr}", "optimizer.momentum=0", "optimizer.weight_decay=0"]
+    return [
+        "optimizer.name=sgd",
+        f"optimizer.lr={lr}",
+        "optimizer.momentum=0",
+        "optimizer.weight_decay=0",
+    ]
 
 
 def check_steps(h: Harness, steps, expected_lrs) -> None:
@@ -403,19 +445,35 @@ def check_steps(h: Harness, steps, expected_lrs) -> None:
 
 def test_step_schedule_halves_lr_every_update(harnesses):
     model = tiny_model()
-    h = harnesses(model, plain_sgd(0.2) + ["optimizer.schedule.name=step", "optimizer.schedule.step_size=1",
-                                           "optimizer.schedule.gamma=0.5"], workers=(A,))
+    h = harnesses(
+        model,
+        plain_sgd(0.2)
+        + [
+            "optimizer.schedule.name=step",
+            "optimizer.schedule.step_size=1",
+            "optimizer.schedule.gamma=0.5",
+        ],
+        workers=(A,),
+    )
     h.init(init_values(model))
     steps = run_rounds(h, model, 4)
-    check_steps(h, steps, [0.2 * 0.5 ** k for k in range(4)])
-    assert h.shards[0].stats()["lr"] == pytest.approx(0.2 * 0.5 ** 4, rel=1e-12)
+    check_steps(h, steps, [0.2 * 0.5**k for k in range(4)])
+    assert h.shards[0].stats()["lr"] == pytest.approx(0.2 * 0.5**4, rel=1e-12)
     assert h.shards[0].policy.updater.updates == 4
 
 
 def test_step_schedule_with_step_size(harnesses):
     model = tiny_model()
-    h = harnesses(model, plain_sgd(0.2) + ["optimizer.schedule.name=step", "optimizer.schedule.step_size=2",
-                                           "optimizer.schedule.gamma=0.1"], workers=(A,))
+    h = harnesses(
+        model,
+        plain_sgd(0.2)
+        + [
+            "optimizer.schedule.name=step",
+            "optimizer.schedule.step_size=2",
+            "optimizer.schedule.gamma=0.1",
+        ],
+        workers=(A,),
+    )
     h.init(init_values(model))
     steps = run_rounds(h, model, 5)
     assert [s[0] for s in steps] == pytest.approx([0.2, 0.2, 0.02, 0.02, 0.002], rel=1e-12)
@@ -431,9 +489,17 @@ def test_warmup_then_constant(harnesses):
 
 def test_warmup_then_step(harnesses):
     model = tiny_model()
-    h = harnesses(model, plain_sgd(0.4) + ["optimizer.schedule.warmup_steps=2", "optimizer.schedule.name=step",
-                                           "optimizer.schedule.step_size=1", "optimizer.schedule.gamma=0.5"],
-                  workers=(A,))
+    h = harnesses(
+        model,
+        plain_sgd(0.4)
+        + [
+            "optimizer.schedule.warmup_steps=2",
+            "optimizer.schedule.name=step",
+            "optimizer.schedule.step_size=1",
+            "optimizer.schedule.gamma=0.5",
+        ],
+        workers=(A,),
+    )
     h.init(init_values(model))
     steps = run_rounds(h, model, 5)
     assert [s[0] for s in steps] == pytest.approx([0.2, 0.4, 0.4, 0.2, 0.1], rel=1e-12)
@@ -441,12 +507,19 @@ def test_warmup_then_step(harnesses):
 
 def test_sync_schedule_counts_rounds_not_pushes(harnesses):
     model = tiny_model()
-    h = harnesses(model, plain_sgd(0.2) + ["optimizer.schedule.name=step", "optimizer.schedule.step_size=1",
-                                           "optimizer.schedule.gamma=0.5"])
+    h = harnesses(
+        model,
+        plain_sgd(0.2)
+        + [
+            "optimizer.schedule.name=step",
+            "optimizer.schedule.step_size=1",
+            "optimizer.schedule.gamma=0.5",
+        ],
+    )
     h.init(init_values(model))
     for clock in range(3):
         h.push(A, clock, fake_push(model, clock), base_version=clock)
-        assert h.shards[0].stats()["lr"] == pytest.approx(0.2 * 0.5 ** clock)
+        assert h.shards[0].stats()["lr"] == pytest.approx(0.2 * 0.5**clock)
         h.push(B, clock, fake_push(model, clock + 10), base_version=clock)
         assert h.shards[0].stats()["lr"] == pytest.approx(0.2 * 0.5 ** (clock + 1))
     assert h.versions() == [3]

@@ -1,5 +1,6 @@
 """Shared-memory frames (proto/shm.py, `comm.shm_bytes`): real ZeroMQ sockets and
 sealed memfd segments in one process; a shard applying a push read in place."""
+
 from __future__ import annotations
 
 import contextlib
@@ -10,17 +11,17 @@ import msgpack
 import pytest
 import torch
 import zmq
-
 from cluster_util import wait_for
+from shard_harness import PLAN_ID, SHARD_IDS, make_plan
+
 from hetps.proto import shm
-from hetps.runconfig.schema import ConfigError
-from hetps.runconfig.load import load_config
 from hetps.proto.messages import Push, Status
 from hetps.proto.plan import TensorSpec
 from hetps.proto.rpc import RemoteError, RpcClient
 from hetps.proto.transport import TransportError, TransportOptions, make_client, make_server
 from hetps.ps.shard import Shard
-from shard_harness import PLAN_ID, SHARD_IDS, make_plan
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import ConfigError
 
 MIN_BYTES = 64 << 10
 N = 1 << 16  # floats per test tensor: 256 KiB, over MIN_BYTES
@@ -66,7 +67,8 @@ def test_segment_is_not_rewritten_while_a_view_of_it_lives(pair):
     server, client = pair
     first, second = torch.full((N,), 1.0), torch.full((N,), 2.0)
     client.send(frames_of(first))
-    held = torch.frombuffer(received(server)[1], dtype=torch.float32)  # the frames list is gone, the view not
+    # the frames list is gone, the view not
+    held = torch.frombuffer(received(server)[1], dtype=torch.float32)
     gc.collect()
     assert [s.free() for s in client.shm.segments] == [False]
     client.send(frames_of(second))  # must take another segment
@@ -107,8 +109,15 @@ def test_a_larger_message_replaces_a_free_segment_too_small(pair):
 
 def forged(server, boot=shm.BOOT_ID, pid=None, fd=0, ino=0, places=None) -> list:
     """Send a hand-made descriptor with one emptied frame through a raw DEALER; what the server returns."""
-    desc = shm.MARK + msgpack.packb([boot, os.getpid() if pid is None else pid, fd, ino,
-                                     [[1, 0, 4096]] if places is None else places])
+    desc = shm.MARK + msgpack.packb(
+        [
+            boot,
+            os.getpid() if pid is None else pid,
+            fd,
+            ino,
+            [[1, 0, 4096]] if places is None else places,
+        ]
+    )
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.address)
@@ -128,15 +137,17 @@ def test_forged_descriptors_are_refused(shm_on, tmp_path):
         f.write(bytes(1 << 16))
     plain = os.open(tmp_path / "plain", os.O_RDWR)
     try:
-        refused = [b"header", b""]  # the descriptor dropped, the frame left empty: the codec refuses it
+        # the descriptor dropped, the frame left empty: the codec refuses it
+        refused = [b"header", b""]
         assert forged(server, fd=good.fd, ino=good.ino, boot="another-host") == refused
         assert forged(server, fd=good.fd, ino=good.ino + 1) == refused
         assert forged(server, fd=good.fd, ino=good.ino, places=[[1, 1 << 16, 4096]]) == refused
         assert forged(server, fd=good.fd, ino=good.ino, places=[[2, 0, 4096]]) == refused
         assert forged(server, fd=unsealed, ino=os.fstat(unsealed).st_ino) == refused
         assert forged(server, fd=plain, ino=os.fstat(plain).st_ino) == refused
-        good.view[shm.PAGE:shm.PAGE + 4] = b"abcd"
-        assert forged(server, fd=good.fd, ino=good.ino)[1][:4] == b"abcd"  # the same, well formed, is taken
+        good.view[shm.PAGE : shm.PAGE + 4] = b"abcd"
+        # the same, well formed, is taken
+        assert forged(server, fd=good.fd, ino=good.ino)[1][:4] == b"abcd"
     finally:
         os.close(plain)
         os.close(unsealed)
@@ -147,8 +158,12 @@ def test_forged_descriptors_are_refused(shm_on, tmp_path):
 SPECS = [TensorSpec("w", "float32", (N,)), TensorSpec("b", "float32", (8,))]
 
 
-def shard_over_tcp(overrides: list[str], workers: list[int], algorithm: str = "async",
-                   options: TransportOptions | None = None) -> Shard:
+def shard_over_tcp(
+    overrides: list[str],
+    workers: list[int],
+    algorithm: str = "async",
+    options: TransportOptions | None = None,
+) -> Shard:
     cfg = load_config(None, [f"algorithm.name={algorithm}", "optimizer.lr=0.5", *overrides])
     server = make_server("tcp://127.0.0.1:0", options)
     return Shard(server, SHARD_IDS[0], make_plan(SPECS, workers, 1, algorithm), cfg)
@@ -166,13 +181,17 @@ def test_shard_applies_pushes_read_from_shared_memory(shm_on, algorithm):
 
     workers = [10, 11]
     shard = shard_over_tcp(["optimizer.momentum=0.0"], workers, algorithm, shm_on)
-    clients = {w: RpcClient(shard.server.address, src=w, timeout_s=5.0, options=shm_on)
-               for w in workers}
+    clients = {
+        w: RpcClient(shard.server.address, src=w, timeout_s=5.0, options=shm_on) for w in workers
+    }
     try:
         start = {"w": torch.zeros(N), "b": torch.zeros(8)}
         call(shard, clients[10], Init(plan_id=PLAN_ID, tensors=start))
         grads = {w: {"w": torch.randn(N), "b": torch.randn(8)} for w in workers}
-        reqs = {w: clients[w].send(Push(plan_id=PLAN_ID, clock=0, base_version=0, tensors=grads[w])) for w in workers}
+        reqs = {
+            w: clients[w].send(Push(plan_id=PLAN_ID, clock=0, base_version=0, tensors=grads[w]))
+            for w in workers
+        }
         for _ in workers:
             assert shard.serve_once(5.0)
         for w in workers:
@@ -195,7 +214,11 @@ def test_a_server_without_shared_memory_refuses_such_frames(shm_on):
     client = RpcClient(shard.server.address, src=10, timeout_s=5.0, options=shm_on)
     try:
         with pytest.raises(RemoteError) as err:
-            call(shard, client, Init(plan_id=PLAN_ID, tensors={"w": torch.zeros(N), "b": torch.zeros(8)}))
+            call(
+                shard,
+                client,
+                Init(plan_id=PLAN_ID, tensors={"w": torch.zeros(N), "b": torch.zeros(8)}),
+            )
         assert err.value.status == Status.MALFORMED
         assert shard.policy is None  # nothing of it was taken
     finally:
@@ -203,8 +226,13 @@ def test_a_server_without_shared_memory_refuses_such_frames(shm_on):
         shard.server.close()
 
 
-@pytest.mark.parametrize("overrides, key", [(["comm.shm_bytes=100"], "comm.shm_bytes"),
-                                            (["comm.shm_bytes=1048576", "security.curve=true"], "comm.shm_bytes")])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["comm.shm_bytes=100"], "comm.shm_bytes"),
+        (["comm.shm_bytes=1048576", "security.curve=true"], "comm.shm_bytes"),
+    ],
+)
 def test_bad_shm_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, overrides)
@@ -233,9 +261,11 @@ def test_replies_go_back_through_shared_memory_only_to_peers_that_used_it(shm_on
 
 def bind_again(address: str, options: TransportOptions):
     """A server at a closed one's address (its port may take a moment to free up)."""
+
     def bound():
         with contextlib.suppress(TransportError):
             return make_server(address, options)
+
     return wait_for(bound, 60, f"{address} to bind again")
 
 
@@ -262,14 +292,19 @@ def test_segments_a_restarted_server_held_are_set_aside_then_closed(shm_on):
             # set aside at reconnects 1..restart+1; beyond max_segments (1), only those before the previous go
             assert [r for r, _ in client.shm.aside] == [[1], [1, 2], [2, 3]][restart]
         # the client closed its side of the older ones: the views the server kept still read
-        assert [float(torch.frombuffer(f[1], dtype=torch.float32)[0]) for f in held] == [0.0, 1.0, 2.0]
+        assert [float(torch.frombuffer(f[1], dtype=torch.float32)[0]) for f in held] == [
+            0.0,
+            1.0,
+            2.0,
+        ]
         last = torch.randn(N)
         client.send(frames_of(last))
         assert torch.equal(torch.frombuffer(received(server)[1], dtype=torch.float32), last)
         assert client.shm.staged == 4 and client.shm.fallbacks == 0
         held.clear()
         gc.collect()
-        client.send(frames_of(last))  # the aside segment was let go: closed when the pool looks again
+        # the aside segment was let go: closed when the pool looks again
+        client.send(frames_of(last))
         received(server)
         assert client.shm.aside == [] and client.shm.fallbacks == 0
     finally:

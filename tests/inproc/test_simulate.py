@@ -2,6 +2,7 @@
 clock, in this process. Deterministic: a config and seed give the same
 summary; events happen at virtual times the cost model fixes (no wall clock).
 """
+
 from __future__ import annotations
 
 import json
@@ -9,16 +10,22 @@ from pathlib import Path
 
 import pytest
 
-from hetps.runconfig.schema import ConfigError
-from hetps.runconfig.load import load_config
 from hetps.frontend.cli import main as hetps_main
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import ConfigError
 from hetps.scheduler.runlog import read_metrics
 from hetps.sim.engine import SimulationError, simulate
 from hetps.sim.events import Link, ServiceQueue, transfer
 from hetps.worker.data import load_datasets
 
-BASE = ["data.batch_size=16", "eval.every_s=0.25", "stop.target_accuracy=null", "cluster.heartbeat_s=0.1",
-        "cluster.dead_after_s=0.5", "optimizer.lr=0.05"]
+BASE = [
+    "data.batch_size=16",
+    "eval.every_s=0.25",
+    "stop.target_accuracy=null",
+    "cluster.heartbeat_s=0.1",
+    "cluster.dead_after_s=0.5",
+    "optimizer.lr=0.05",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +47,12 @@ def comparable(summary: dict) -> dict:
 
 
 def test_same_config_and_seed_give_the_same_summary(tmp_path, digits):
-    overrides = ("algorithm.name=grouping", "cluster.workers=[{slowdown: 1}, {slowdown: 1}, {slowdown: 3}]",
-                 "stop.max_seconds=0.5", "sim.sample_s=0.0005")
+    overrides = (
+        "algorithm.name=grouping",
+        "cluster.workers=[{slowdown: 1}, {slowdown: 1}, {slowdown: 3}]",
+        "stop.max_seconds=0.5",
+        "sim.sample_s=0.0005",
+    )
     first, _ = run(tmp_path, digits, "a", *overrides)
     second, _ = run(tmp_path, digits, "b", *overrides)
     assert first["mode"] == "simulated"
@@ -53,34 +64,64 @@ def test_same_config_and_seed_give_the_same_summary(tmp_path, digits):
 
 def test_sync_rounds_take_the_slowest_worker_in_virtual_time(tmp_path, digits):
     # 2 workers of 16 samples at 1 ms/sample: 16 ms and 48 ms steps, no network cost: a round is 48 ms
-    summary, run_dir = run(tmp_path, digits, "sync", "algorithm.name=sync", "sim.sample_s=0.001",
-                           "cluster.workers=[{slowdown: 1}, {slowdown: 3}]", "stop.max_seconds=0.96",
-                           "sim.shard_bytes_per_s=1e15")
+    summary, run_dir = run(
+        tmp_path,
+        digits,
+        "sync",
+        "algorithm.name=sync",
+        "sim.sample_s=0.001",
+        "cluster.workers=[{slowdown: 1}, {slowdown: 3}]",
+        "stop.max_seconds=0.96",
+        "sim.shard_bytes_per_s=1e15",
+    )
     rounds = summary["shard_versions"]["ps0"]
-    assert summary["wall_s"] == pytest.approx(1.0)   # the first heartbeat after the 0.96 s limit
-    assert rounds == 20                               # floor(1.0 / 0.048)
-    assert summary["per_node"]["worker0"]["steps"] == summary["per_node"]["worker1"]["steps"] == rounds
-    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "step" and r["worker"] == 0]
+    assert summary["wall_s"] == pytest.approx(1.0)  # the first heartbeat after the 0.96 s limit
+    assert rounds == 20  # floor(1.0 / 0.048)
+    assert (
+        summary["per_node"]["worker0"]["steps"] == summary["per_node"]["worker1"]["steps"] == rounds
+    )
+    steps = [
+        r
+        for r in read_metrics(run_dir / "metrics.jsonl")
+        if r["kind"] == "step" and r["worker"] == 0
+    ]
     assert [round(r["t"], 6) for r in steps[:3]] == [0.048, 0.096, 0.144]
 
 
 def test_grouping_groups_update_at_their_own_pace(tmp_path, digits):
-    summary, run_dir = run(tmp_path, digits, "grouping", "algorithm.name=grouping", "sim.sample_s=0.001",
-                           "cluster.workers={count: 4, speeds: {classes: [{slowdown: 1, fraction: 0.5}, "
-                           "{slowdown: 4, fraction: 0.5}]}}", "stop.max_seconds=0.96", "sim.shard_bytes_per_s=1e15")
+    summary, run_dir = run(
+        tmp_path,
+        digits,
+        "grouping",
+        "algorithm.name=grouping",
+        "sim.sample_s=0.001",
+        "cluster.workers={count: 4, speeds: {classes: [{slowdown: 1, fraction: 0.5}, "
+        "{slowdown: 4, fraction: 0.5}]}}",
+        "stop.max_seconds=0.96",
+        "sim.shard_bytes_per_s=1e15",
+    )
     plan = json.loads((run_dir / "plan-1.json").read_text())
     assert len(plan["groups"]) == 2
     updates = summary["shard_stats"]["ps0"]["group_updates"]
-    assert updates["0"] == pytest.approx(4 * updates["1"], abs=2)   # 4x faster group, 4x the updates
+    # 4x faster group, 4x the updates
+    assert updates["0"] == pytest.approx(4 * updates["1"], abs=2)
 
 
 def test_killed_worker_is_declared_dead_and_replanned_in_virtual_time(tmp_path, digits):
-    summary, run_dir = run(tmp_path, digits, "kill", "algorithm.name=sync", "cluster.workers=3",
-                           "cluster.kill=[{node: worker2, at_s: 0.3}]", "stop.max_seconds=1.5",
-                           "sim.sample_s=0.001")
+    summary, run_dir = run(
+        tmp_path,
+        digits,
+        "kill",
+        "algorithm.name=sync",
+        "cluster.workers=3",
+        "cluster.kill=[{node: worker2, at_s: 0.3}]",
+        "stop.max_seconds=1.5",
+        "sim.sample_s=0.001",
+    )
     dead = [f for f in summary["failures"] if f["kind"] == "worker_dead"]
     assert [f["node"] for f in dead] == ["worker2"]
-    assert 0.8 <= dead[0]["t"] <= 0.9 + 1e-9   # silent from 0.3 s, dead after 0.5 s, seen at a 0.1 s tick
+    # silent from 0.3 s, dead after 0.5 s, seen at a 0.1 s tick
+    assert 0.8 <= dead[0]["t"] <= 0.9 + 1e-9
     plan2 = json.loads((run_dir / "plan-2.json").read_text())
     assert [w["rank"] for w in plan2["workers"]] == [0, 1]
     steps = {w: summary["per_node"][w]["steps"] for w in ("worker0", "worker2")}
@@ -88,16 +129,25 @@ def test_killed_worker_is_declared_dead_and_replanned_in_virtual_time(tmp_path, 
 
 
 def test_worker_count_shorthand_and_its_errors():
-    cfg = load_config(None, ["cluster.workers={count: 6, speeds: {classes: [{slowdown: 1, fraction: 0.5}, "
-                             "{slowdown: 2, fraction: 0.5}]}, latency_ms: 2}"])
+    cfg = load_config(
+        None,
+        [
+            "cluster.workers={count: 6, speeds: {classes: [{slowdown: 1, fraction: 0.5}, "
+            "{slowdown: 2, fraction: 0.5}]}, latency_ms: 2}"
+        ],
+    )
     assert [w.slowdown for w in cfg.cluster.workers] == [1, 1, 1, 2, 2, 2]
     assert all(w.latency_ms == 2 for w in cfg.cluster.workers)
-    spread = load_config(None, ["cluster.workers={count: 50, speeds: {lognormal: {sigma: 0.5}}}"]).cluster.workers
+    spread = load_config(
+        None, ["cluster.workers={count: 50, speeds: {lognormal: {sigma: 0.5}}}"]
+    ).cluster.workers
     assert min(w.slowdown for w in spread) == 1.0 and max(w.slowdown for w in spread) > 2
-    for bad, key in (("{count: 0}", "cluster.workers.count"),
-                     ("{count: 4, speeds: {normal: {}}}", "cluster.workers.speeds"),
-                     ("{count: 4, speeds: {lognormal: {sigma: -1}}}", "cluster.workers.speeds.lognormal.sigma"),
-                     ("{count: 4, colour: red}", "cluster.workers.colour")):
+    for bad, key in (
+        ("{count: 0}", "cluster.workers.count"),
+        ("{count: 4, speeds: {normal: {}}}", "cluster.workers.speeds"),
+        ("{count: 4, speeds: {lognormal: {sigma: -1}}}", "cluster.workers.speeds.lognormal.sigma"),
+        ("{count: 4, colour: red}", "cluster.workers.colour"),
+    ):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, [f"cluster.workers={bad}"])
 
@@ -105,14 +155,36 @@ def test_worker_count_shorthand_and_its_errors():
 def test_what_is_not_simulated_is_refused_naming_the_key(tmp_path):
     with pytest.raises(SimulationError, match="cluster.kill.0"):
         simulate(load_config(None, ["cluster.kill=[{node: ps0, at_s: 1}]"]), tmp_path / "x")
-    assert hetps_main(["simulate", str(Path(__file__).parents[2] / "configs" / "default.yaml"), "cluster.chunk_bytes=1000", "--out",
-                       str(tmp_path / "y")]) == 2
+    assert (
+        hetps_main(
+            [
+                "simulate",
+                str(Path(__file__).parents[2] / "configs" / "default.yaml"),
+                "cluster.chunk_bytes=1000",
+                "--out",
+                str(tmp_path / "y"),
+            ]
+        )
+        == 2
+    )
 
 
 def test_compare_simulated_writes_the_tables_in_virtual_time(tmp_path):
     config = str(Path(__file__).parents[2] / "configs" / "default.yaml")
-    code = hetps_main(["compare", config, "--algorithms", "sync,grouping", "--simulate", "--out", str(tmp_path),
-                       *BASE, "stop.max_seconds=0.3", "cluster.workers=[{slowdown: 1}, {slowdown: 3}]"])
+    code = hetps_main(
+        [
+            "compare",
+            config,
+            "--algorithms",
+            "sync,grouping",
+            "--simulate",
+            "--out",
+            str(tmp_path),
+            *BASE,
+            "stop.max_seconds=0.3",
+            "cluster.workers=[{slowdown: 1}, {slowdown: 3}]",
+        ]
+    )
     assert code == 0
     rows = json.loads((tmp_path / "compare.json").read_text())
     assert [r["algorithm"] for r in rows] == ["sync", "grouping"]
@@ -123,11 +195,13 @@ def test_compare_simulated_writes_the_tables_in_virtual_time(tmp_path):
 
 
 def test_links_and_shard_service_queue_messages_in_virtual_time():
-    worker = Link(mbps=8.0, latency_s=0.001)        # 1e6 bytes/s
-    shard = Link(mbps=0.0, latency_s=0.002)         # unlimited, 2 ms
+    worker = Link(mbps=8.0, latency_s=0.001)  # 1e6 bytes/s
+    shard = Link(mbps=0.0, latency_s=0.002)  # unlimited, 2 ms
     assert transfer(worker, shard, 1_000_000, now=0.0) == pytest.approx(1.003)
-    assert transfer(worker, shard, 1_000_000, now=0.5) == pytest.approx(2.003)   # queued behind the first
+    # queued behind the first
+    assert transfer(worker, shard, 1_000_000, now=0.5) == pytest.approx(2.003)
     service = ServiceQueue(bytes_per_s=1e6)
     assert service.finish(arrived=1.0, nbytes=500_000, slowdown=2.0) == pytest.approx(2.0)
-    assert service.finish(arrived=1.5, nbytes=100_000, slowdown=1.0) == pytest.approx(2.1)  # waits its turn
+    # waits its turn
+    assert service.finish(arrived=1.5, nbytes=100_000, slowdown=1.0) == pytest.approx(2.1)
     assert service.busy_s == pytest.approx(1.1)

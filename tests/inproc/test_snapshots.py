@@ -2,6 +2,7 @@
 once the transport is done with them. Over inproc:// ZeroMQ hands the very
 same memory to the receiver, so a received tensor that changed after a later
 update would show a recycled buffer still in use."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,15 +13,15 @@ import time
 import uuid
 
 import torch
+from shard_harness import make_plan
 
 from hetps.proto import messages as m
-from hetps.runconfig.load import load_config
 from hetps.proto.plan import TensorSpec
 from hetps.proto.rpc import RpcClient
 from hetps.proto.transport import make_server
 from hetps.ps.shard import Shard
 from hetps.ps.snapshots import Snapshots as SnapshotCopies
-from shard_harness import make_plan
+from hetps.runconfig.load import load_config
 
 
 class Tracker:
@@ -33,7 +34,7 @@ def test_lend_aliases_and_settle_without_replies_in_flight_copies_nothing():
     snaps = SnapshotCopies()
     lent = snaps.lend(live)
     assert lent["w"].data_ptr() == live["w"].data_ptr()  # no copy per version
-    assert snaps.lend(live) is lent                      # every pull until the next write shares it
+    assert snaps.lend(live) is lent  # every pull until the next write shares it
     snaps.track(lent, Tracker(done=True))
     snaps.track(lent, None)
     snaps.settle(live)
@@ -109,11 +110,18 @@ def test_zero_copy_reply_never_sees_a_later_update():
             reply = client.call(m.Pull(plan_id=3, clock=-1))
             assert reply.version == step
             held.append(reply.tensors["w"])  # a view of the shard's own memory (inproc)
-            client.call(m.Push(plan_id=3, clock=step, base_version=step,
-                               tensors={"w": torch.full((n,), -1.0), "b": torch.zeros(3)}))
+            client.call(
+                m.Push(
+                    plan_id=3,
+                    clock=step,
+                    base_version=step,
+                    tensors={"w": torch.full((n,), -1.0), "b": torch.zeros(3)},
+                )
+            )
         for version, w in enumerate(held):
             assert float(w.min()) == float(w.max()) == float(version), version
-        assert shard.store.snapshots.moves == 6  # every reply was still held: the live tensors moved
+        # every reply was still held: the live tensors moved
+        assert shard.store.snapshots.moves == 6
         held.clear()
         reply = None
         gc.collect()
@@ -125,8 +133,14 @@ def test_zero_copy_reply_never_sees_a_later_update():
             gc.collect()
             time.sleep(0.01)  # pyzmq's garbage-collector thread marks the reply done
             moves = shard.store.snapshots.moves
-            client.call(m.Push(plan_id=3, clock=step, base_version=step,
-                               tensors={"w": torch.full((n,), -1.0), "b": torch.zeros(3)}))
+            client.call(
+                m.Push(
+                    plan_id=3,
+                    clock=step,
+                    base_version=step,
+                    tensors={"w": torch.full((n,), -1.0), "b": torch.zeros(3)},
+                )
+            )
             step += 1
             if shard.store.snapshots.moves == moves:
                 break
@@ -142,15 +156,19 @@ def test_plan_switch_closing_a_round_settles_first():
     shard = Shard(make_server(address), 21, plan, cfg)
     client = RpcClient(address, src=7, timeout_s=10.0)
     try:
-        for msg in (m.Init(plan_id=3, tensors={"w": torch.zeros(n)}),
-                    m.Push(plan_id=3, clock=0, base_version=0, tensors={"w": torch.ones(n)})):
+        for msg in (
+            m.Init(plan_id=3, tensors={"w": torch.zeros(n)}),
+            m.Push(plan_id=3, clock=0, base_version=0, tensors={"w": torch.ones(n)}),
+        ):
             req = client.send(msg)
             assert shard.serve_once(5.0)
             client.wait(req)
         req = client.send(m.Pull(plan_id=3, clock=-1))
         assert shard.serve_once(5.0)
-        held = client.wait(req).tensors["w"]  # version 0, worker 8 has not pushed: the round is open
-        shard.adopt(dataclasses.replace(plan, plan_id=4, workers=plan.workers[:1]))  # closes it: an update
+        # version 0, worker 8 has not pushed: the round is open
+        held = client.wait(req).tensors["w"]
+        # closes it: an update
+        shard.adopt(dataclasses.replace(plan, plan_id=4, workers=plan.workers[:1]))
         assert shard.store.version == 1 and float(shard.store.tensors["w"][0]) < 0
         assert float(held.min()) == float(held.max()) == 0.0
     finally:

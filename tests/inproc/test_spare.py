@@ -8,6 +8,7 @@ dies too: the spare takes both ranges over. Every acknowledged push must
 still be there: the final parameters equal those of a run without failures,
 and every push was applied exactly once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,20 +16,20 @@ import threading
 
 import pytest
 import torch
+from shard_harness import SHARD_IDS, grads, make_plan, tiny_model, values_of
 
-from hetps.runconfig.schema import ClusterConfig
-from hetps.runconfig.load import load_config
 from hetps.proto.messages import Ack
 from hetps.proto.records import NodeStats
 from hetps.proto.transport import make_server
 from hetps.ps.replication import ReplicaHost, ReplicatedShard
 from hetps.ps.spare import Spare
 from hetps.ps.state_copy import from_wire, to_wire
+from hetps.runconfig.load import load_config
+from hetps.runconfig.schema import ClusterConfig
 from hetps.scheduler.failover import failover_plan, with_backups, with_spares
 from hetps.scheduler.nodes import Node
 from hetps.worker.client import PSClient
 from hetps.worker.state import model_specs
-from shard_harness import SHARD_IDS, grads, make_plan, tiny_model, values_of
 
 A, B = 11, 12
 SPARE = 30
@@ -50,21 +51,45 @@ class SpareCluster:
 
     def __init__(self, algorithm: str, kills: tuple[int, int] | None = None):
         self.model = tiny_model()
-        self.cfg = load_config(None, [f"algorithm.name={algorithm}", "optimizer.momentum=0.9",
-                                      "cluster.replicas=1", "cluster.spare_shards=1"])
+        self.cfg = load_config(
+            None,
+            [
+                f"algorithm.name={algorithm}",
+                "optimizer.momentum=0.9",
+                "cluster.replicas=1",
+                "cluster.spare_shards=1",
+            ],
+        )
         tag = f"{algorithm}-{id(self)}"
         plan = make_plan(model_specs(self.model), [A, B], n_shards=2, algorithm=algorithm)
-        plan = dataclasses.replace(plan, shards=[dataclasses.replace(s, address=f"mem://spare-{tag}-{i}")
-                                                 for i, s in enumerate(plan.shards)])
-        self.hosts = [ReplicaHost(make_server(f"mem://spare-{tag}-backup-{i}"), self.cfg, SHARD_IDS[i])
-                      for i in range(2)]
-        self.spare = Spare([make_server(f"mem://spare-{tag}-slot-{i}") for i in range(2)], self.cfg, SPARE)
-        self.nodes = {sid: Node(sid, "ps", i, plan.shards[i].address, 0.0, replica_address=self.hosts[i].address)
-                      for i, sid in enumerate(SHARD_IDS)}
+        plan = dataclasses.replace(
+            plan,
+            shards=[
+                dataclasses.replace(s, address=f"mem://spare-{tag}-{i}")
+                for i, s in enumerate(plan.shards)
+            ],
+        )
+        self.hosts = [
+            ReplicaHost(make_server(f"mem://spare-{tag}-backup-{i}"), self.cfg, SHARD_IDS[i])
+            for i in range(2)
+        ]
+        self.spare = Spare(
+            [make_server(f"mem://spare-{tag}-slot-{i}") for i in range(2)], self.cfg, SPARE
+        )
+        self.nodes = {
+            sid: Node(
+                sid, "ps", i, plan.shards[i].address, 0.0, replica_address=self.hosts[i].address
+            )
+            for i, sid in enumerate(SHARD_IDS)
+        }
         self.nodes[SPARE] = Node(SPARE, "spare", 0, "", 0.0, spare_slots=self.spare.addresses)
         self.plan = with_spares(with_backups(plan, self.nodes, 1), self.nodes)
-        self.shards = [ReplicatedShard(make_server(self.plan.shards[i].address), SHARD_IDS[i], self.plan, self.cfg)
-                       for i in range(2)]
+        self.shards = [
+            ReplicatedShard(
+                make_server(self.plan.shards[i].address), SHARD_IDS[i], self.plan, self.cfg
+            )
+            for i in range(2)
+        ]
         for h in self.hosts:
             h.follow(self.plan)
         self.spare.follow(self.plan)
@@ -103,7 +128,9 @@ class SpareCluster:
     def parts(self) -> list:
         out = []
         for i in (i for i in range(2) if self.alive[i]):
-            out += [self.shards[i]] + ([self.hosts[i].shadow] if self.hosts[i].shadow is not None else [])
+            out += [self.shards[i]] + (
+                [self.hosts[i].shadow] if self.hosts[i].shadow is not None else []
+            )
         return out + [s.shadow for s in self.spare.slots if s.shadow is not None]
 
     def updates(self) -> int:
@@ -112,9 +139,10 @@ class SpareCluster:
     def copies_confirmed(self) -> bool:
         """Both spare slots hold a copied state, and the primaries heard so."""
         shadows = [s.shadow for s in self.spare.slots]
-        return (all(s is not None and s.policy is not None for s in shadows)
-                and all(self.serving(i).replicator is not None and self.serving(i).replicator.confirmed >= 1
-                        for i in range(2)))
+        return all(s is not None and s.policy is not None for s in shadows) and all(
+            self.serving(i).replicator is not None and self.serving(i).replicator.confirmed >= 1
+            for i in range(2)
+        )
 
     def _maybe_kill(self) -> bool:
         """Kill what is due now (on the serving thread, between two requests); True if one died."""
@@ -143,12 +171,21 @@ class SpareCluster:
         node = SHARD_IDS[index]
         host = self.plan.served_by.get(str(node), node)
         if host == SPARE:
-            return next(s.shadow for s in self.spare.slots if s.shadow is not None and s.shadow.node_id == node)
+            return next(
+                s.shadow
+                for s in self.spare.slots
+                if s.shadow is not None and s.shadow.node_id == node
+            )
         i = SHARD_IDS.index(host)
         return self.shards[i] if node == host else self.hosts[i].shadow
 
     def client(self, node: int) -> PSClient:
-        return PSClient(self.plan, node, ClusterConfig(request_timeout_s=TIMEOUT_S, retry_s=0.05), plans=self.newer)
+        return PSClient(
+            self.plan,
+            node,
+            ClusterConfig(request_timeout_s=TIMEOUT_S, retry_s=0.05),
+            plans=self.newer,
+        )
 
     def close(self) -> None:
         self.stop.set()
@@ -216,7 +253,9 @@ def test_the_spare_becomes_the_new_backup_and_then_takes_over_with_nothing_lost(
     run(reference)
     cluster = SpareCluster(algorithm, kills=(5, 4))
     acked = run(cluster)
-    assert cluster.alive == [False, False], f"not both killed: {cluster.alive}, copies at {cluster.copied_at}"
+    assert cluster.alive == [False, False], (
+        f"not both killed: {cluster.alive}, copies at {cluster.copied_at}"
+    )
     assert acked == {A: STEPS, B: STEPS}
     first, second = cluster.plans[1], cluster.plans[2]
     slots = cluster.spare.addresses
@@ -248,24 +287,36 @@ def test_a_copy_holds_the_primarys_state_bit_for_bit():
         cluster.thread.start()
         client_a.init(values_of(cluster.model))
         for clock in range(2):
-            reqs = [c.shards[0].send(c._push(0, c._split(grads(cluster.model, 10 * clock + n))[0], clock, 8, None))
-                    for c, n in ((client_a, A), (client_b, B))]
-            assert all(isinstance(c.shards[0].wait(r, timeout_s=TIMEOUT_S), Ack)
-                       for c, r in zip((client_a, client_b), reqs))
-        open_a = client_a.shards[0].send(client_a._push(0, client_a._split(grads(cluster.model, 99))[0], 2, 8, None))
+            reqs = [
+                c.shards[0].send(
+                    c._push(0, c._split(grads(cluster.model, 10 * clock + n))[0], clock, 8, None)
+                )
+                for c, n in ((client_a, A), (client_b, B))
+            ]
+            assert all(
+                isinstance(c.shards[0].wait(r, timeout_s=TIMEOUT_S), Ack)
+                for c, r in zip((client_a, client_b), reqs)
+            )
+        open_a = client_a.shards[0].send(
+            client_a._push(0, client_a._split(grads(cluster.model, 99))[0], 2, 8, None)
+        )
         assert isinstance(client_a.shards[0].wait(open_a, timeout_s=TIMEOUT_S), Ack)
     finally:
         cluster.stop.set()
         cluster.thread.join(timeout=10)
     primary = cluster.shards[0]
     # a spare slot as the new backup of shard 0, by a plan that names it (as after a failover)
-    moved = dataclasses.replace(cluster.plan, plan_id=cluster.plan.plan_id + 1,
-                                backups={str(SHARD_IDS[0]): {"node": SPARE, "address": cluster.spare.addresses[0]}})
+    moved = dataclasses.replace(
+        cluster.plan,
+        plan_id=cluster.plan.plan_id + 1,
+        backups={str(SHARD_IDS[0]): {"node": SPARE, "address": cluster.spare.addresses[0]}},
+    )
     primary.adopt(moved)
     cluster.spare.follow(moved)
     copy = cluster.spare.slots[0].shadow
     assert copy is not None and copy.policy is None
     try:
+
         def settle() -> None:
             while any(p.serve_once(0.01) for p in (primary, copy)):
                 pass
@@ -275,9 +326,13 @@ def test_a_copy_holds_the_primarys_state_bit_for_bit():
         assert copy.store.version == primary.store.version == 2
         assert copy.policy.state_dict().keys() == primary.policy.state_dict().keys()
         assert copy.policy.pushed == primary.policy.pushed == {A: 3, B: 2}
-        assert {w: r for w, (r, _) in copy.recent_acks.items()} == {w: r for w, (r, _) in primary.recent_acks.items()}
+        assert {w: r for w, (r, _) in copy.recent_acks.items()} == {
+            w: r for w, (r, _) in primary.recent_acks.items()
+        }
         assert_same_state(primary, copy)
-        push = client_b.shards[0].send(client_b._push(0, client_b._split(grads(cluster.model, 98))[0], 2, 8, None))
+        push = client_b.shards[0].send(
+            client_b._push(0, client_b._split(grads(cluster.model, 98))[0], 2, 8, None)
+        )
         settle()
         assert isinstance(client_b.shards[0].wait(push, timeout_s=TIMEOUT_S), Ack)
         settle()
@@ -298,16 +353,26 @@ def assert_same_state(primary: ReplicatedShard, copy: ReplicatedShard) -> None:
     assert all(torch.equal(mine[k]["momentum_buffer"], theirs[k]["momentum_buffer"]) for k in mine)
     ours, its = to_wire(primary.policy.state_dict()), to_wire(copy.policy.state_dict())
     assert ours[0] == its[0]  # same structure, scalars and clocks; the open rounds' tensors:
-    assert ours[1].keys() == its[1].keys() and all(torch.equal(ours[1][k], its[1][k]) for k in ours[1])
+    assert ours[1].keys() == its[1].keys() and all(
+        torch.equal(ours[1][k], its[1][k]) for k in ours[1]
+    )
 
 
 def test_state_wire_form_round_trips_and_refuses_what_it_does_not_make():
-    state = {1: {"momentum_buffer": torch.arange(3.0)}, "s": {2, 3}, "u": (1, None, "x"), "l": [0.5, True]}
+    state = {
+        1: {"momentum_buffer": torch.arange(3.0)},
+        "s": {2, 3},
+        "u": (1, None, "x"),
+        "l": [0.5, True],
+    }
     plain, tensors = to_wire(state)
     back = from_wire(plain, tensors)
-    assert back.keys() == state.keys() and torch.equal(back[1]["momentum_buffer"], state[1]["momentum_buffer"])
+    assert back.keys() == state.keys() and torch.equal(
+        back[1]["momentum_buffer"], state[1]["momentum_buffer"]
+    )
     assert back["s"] == {2, 3} and back["u"] == (1, None, "x") and back["l"] == [0.5, True]
     from hetps.proto.errors import ProtocolError
+
     for bad in ({"t": "missing"}, {"x": []}, {"d": [[{"l": []}, 1]]}, {"d": [[1]]}, [1, 2]):
         with pytest.raises(ProtocolError):
             from_wire(bad, tensors)

@@ -4,15 +4,16 @@ pulls wait for and who waits; a push that releases waiters is credited with
 the time it held them up. Driven through ps.shard.Shard over the in-process
 `mem://` transport (shard_harness.py), stats read back through the wire
 records (proto.waits) exactly as the scheduler reads them."""
+
 from __future__ import annotations
 
 import pytest
+from shard_harness import ShardHarness, closing_factory, grads, tiny_model
 
 from hetps.proto.errors import ProtocolError
 from hetps.proto.records import NodeStats
 from hetps.proto.waits import HeldUp, WaitingFor
 from hetps.worker.state import model_specs, model_tensors
-from shard_harness import ShardHarness, closing_factory, grads, tiny_model
 
 W = [11, 12, 13]  # worker node ids
 
@@ -20,7 +21,9 @@ W = [11, 12, 13]  # worker node ids
 class Cluster(ShardHarness):
     def __init__(self, algorithm: str, overrides: list[str] = (), groups=()):
         self.model = tiny_model()
-        super().__init__(model_specs(self.model), list(overrides), W, 1, algorithm, plan_id=1, groups=groups)
+        super().__init__(
+            model_specs(self.model), list(overrides), W, 1, algorithm, plan_id=1, groups=groups
+        )
         self.init({n: t.detach().clone() for n, (t, _) in model_tensors(self.model).items()}, W[0])
 
     def wire_stats(self) -> NodeStats:
@@ -90,19 +93,26 @@ def test_eager_random_names_the_initiator(clusters):
 
 def test_an_averaging_round_names_the_workers_whose_models_it_lacks(clusters):
     c = clusters("cpsgd", ["algorithm.period=1"])
-    c.push(W[0], 0, grads(c.model, 1), info={"steps": 1, "period": 1, "lr": 0.1})  # a model, as tensors
+    # a model, as tensors
+    c.push(W[0], 0, grads(c.model, 1), info={"steps": 1, "period": 1, "lr": 0.1})
     c.send_pull(W[0], 1)
     assert sorted(c.waiting()) == W[1:]
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"waiting": [{"node": 1, "for_s": -1.0, "waiters": []}]}, "stats.waiting[0].for_s"),
-    ({"waiting": [{"node": 1, "for_s": float("nan"), "waiters": []}]}, "stats.waiting[0].for_s"),
-    ({"waiting": [{"node": "w", "for_s": 1.0, "waiters": []}]}, "stats.waiting[0].node"),
-    ({"waiting": [{"node": 1, "for_s": 1.0}]}, "stats.waiting[0]"),
-    ({"waiting": {"node": 1}}, "stats.waiting"),
-    ({"held": [{"node": 1, "s": 2.0, "waiters": -3}]}, "stats.held[0].waiters"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"waiting": [{"node": 1, "for_s": -1.0, "waiters": []}]}, "stats.waiting[0].for_s"),
+        (
+            {"waiting": [{"node": 1, "for_s": float("nan"), "waiters": []}]},
+            "stats.waiting[0].for_s",
+        ),
+        ({"waiting": [{"node": "w", "for_s": 1.0, "waiters": []}]}, "stats.waiting[0].node"),
+        ({"waiting": [{"node": 1, "for_s": 1.0}]}, "stats.waiting[0]"),
+        ({"waiting": {"node": 1}}, "stats.waiting"),
+        ({"held": [{"node": 1, "s": 2.0, "waiters": -3}]}, "stats.held[0].waiters"),
+    ],
+)
 def test_a_bad_wait_record_is_refused_naming_the_field(bad, field):
     with pytest.raises(ProtocolError) as err:
         NodeStats.read(bad)
@@ -110,8 +120,11 @@ def test_a_bad_wait_record_is_refused_naming_the_field(bad, field):
 
 
 def test_wait_records_survive_the_wire_round_trip():
-    wire = {"waiting": [{"node": 4, "for_s": 1.5, "waiters": [1, 2]}], "held": [{"node": 4, "s": 9.0, "waiters": 2}],
-            "version": 3}
+    wire = {
+        "waiting": [{"node": 4, "for_s": 1.5, "waiters": [1, 2]}],
+        "held": [{"node": 4, "s": 9.0, "waiters": 2}],
+        "version": 3,
+    }
     stats = NodeStats.read(wire)
     assert stats.waiting == (WaitingFor(4, 1.5, (1, 2)),) and stats.held == (HeldUp(4, 9.0, 2),)
     assert NodeStats.read(stats.as_dict()) == stats and stats.as_dict() == wire

@@ -1,4 +1,5 @@
 """Transports and the RPC layer: in-process queues and ZeroMQ (tcp, ipc, inproc)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,11 +14,18 @@ import zmq
 
 from hetps.proto import messages as m
 from hetps.proto.codec import ProtocolError, decode, encode
+from hetps.proto.link import Link
 from hetps.proto.messages import PROTOCOL_VERSION, Status
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout, RpcClient, Service
-from hetps.proto.link import Link
-from hetps.proto.transport import (MemClient, MemServer, TransportError, TransportOptions,
-                                   ZmqServer, make_client, make_server)
+from hetps.proto.transport import (
+    MemClient,
+    MemServer,
+    TransportError,
+    TransportOptions,
+    ZmqServer,
+    make_client,
+    make_server,
+)
 
 TRANSPORTS = ["mem", "tcp", "ipc", "inproc"]
 ZMQ_TRANSPORTS = ["tcp", "ipc", "inproc"]
@@ -47,7 +55,7 @@ class EchoService(Service):
         super().__init__(server, node_id)
         self.value = torch.arange(1000, dtype=torch.float32)
         self.parked: list = []
-        self.sent: list = []   # (req_id, op name) in the order replies left
+        self.sent: list = []  # (req_id, op name) in the order replies left
         self.served = 0
 
     def reply(self, peer, req_id, msg):
@@ -61,8 +69,9 @@ class EchoService(Service):
     def on_push(self, peer, env):
         self.served += 1
         # received tensors are read-only views of the frames: copy before keeping them
-        return m.Params(version=env.msg.clock,
-                        tensors={k: v.clone() for k, v in env.msg.tensors.items()})
+        return m.Params(
+            version=env.msg.clock, tensors={k: v.clone() for k, v in env.msg.tensors.items()}
+        )
 
     def on_barrier(self, peer, env):
         self.parked.append((peer, env.req_id))
@@ -277,7 +286,10 @@ def test_wait_with_nobody_serving(tmp_path):
 
 def test_wait_aborted(address):
     calls = itertools.count()
-    with serving(address) as svc, client(svc.server.address, should_abort=lambda: next(calls) >= 2) as c:
+    with (
+        serving(address) as svc,
+        client(svc.server.address, should_abort=lambda: next(calls) >= 2) as c,
+    ):
         req = c.send(m.Barrier(name="never", count=99))
         t0 = time.monotonic()
         with pytest.raises(Aborted):
@@ -307,13 +319,16 @@ def test_max_message_bytes_drops_oversized(kind, tmp_path):
             big = torch.zeros(500)  # 2000 bytes > 1000
             t0 = time.monotonic()
             with pytest.raises(RequestTimeout):
-                offender.call(m.Push(plan_id=1, clock=0, base_version=0, tensors={"g": big}),
-                              timeout_s=0.3)
+                offender.call(
+                    m.Push(plan_id=1, clock=0, base_version=0, tensors={"g": big}), timeout_s=0.3
+                )
             assert time.monotonic() - t0 < 5.0
         assert svc.served == 0 and svc.malformed == 0  # dropped whole, never half-delivered
         with client(svc.server.address) as fresh:
-            reply = fresh.call(m.Push(plan_id=1, clock=3, base_version=0,
-                                      tensors={"g": torch.ones(10)}), timeout_s=5.0)
+            reply = fresh.call(
+                m.Push(plan_id=1, clock=3, base_version=0, tensors={"g": torch.ones(10)}),
+                timeout_s=5.0,
+            )
             assert reply.version == 3
             assert fresh.call(m.Pull(plan_id=1, clock=4), timeout_s=5.0).version == 4
         assert svc.served == 2

@@ -1,5 +1,6 @@
 """Helpers for tests that run real hetps processes: run a command with a
 deadline, find processes left behind, read a run directory."""
+
 from __future__ import annotations
 
 import contextlib
@@ -42,12 +43,20 @@ def kill_leftovers(text: str) -> list[int]:
     return pids
 
 
-def run_hetps(args: list[str], timeout_s: float, cwd: Path = REPO,
-              env: dict | None = None) -> subprocess.CompletedProcess:
+def run_hetps(
+    args: list[str], timeout_s: float, cwd: Path = REPO, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run `hetps ARGS` to completion (`env`: added to this environment); on
     timeout kill its whole session and fail."""
-    proc = subprocess.Popen([*HETPS, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [*HETPS, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -91,13 +100,16 @@ def assert_reached_target(s: dict, target: float, slack: float = FINAL_SLACK) ->
 def log_tails(run_dir: Path, lines: int = 20) -> str:
     out = []
     for log in sorted((run_dir / "logs").glob("*.log")):
-        out.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:]))
+        out.append(
+            f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+        )
     return "\n".join(out)
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
     """The records of one kind ("step", "eval", "plan", ...) in a run's metrics.jsonl."""
-    lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]  # a last line lacking "\n" is being written
+    # a last line lacking "\n" is being written
+    lines = (run_dir / "metrics.jsonl").read_text().split("\n")[:-1]
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
@@ -122,8 +134,12 @@ def worker_pid(run_dir: Path, rank: int) -> int:
     for pid in processes_mentioning(str(run_dir)):
         # a daemon forked by `hetps run` shows its command line as one string (frontend/zygote.py)
         cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").split()
-        if b"hetps.worker" in cmdline and b"--rank" in cmdline and cmdline[cmdline.index(b"--rank") + 1] == \
-                str(rank).encode() and b"--evaluator" not in cmdline:
+        if (
+            b"hetps.worker" in cmdline
+            and b"--rank" in cmdline
+            and cmdline[cmdline.index(b"--rank") + 1] == str(rank).encode()
+            and b"--evaluator" not in cmdline
+        ):
             return pid
     raise AssertionError(f"no worker {rank} process")
 
@@ -132,8 +148,12 @@ def shard_pid(run_dir, rank: int) -> int:
     """The pid of `hetps run`'s shard `rank` (not a spare) in `run_dir`."""
     for pid in processes_mentioning(str(run_dir)):
         cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").split()
-        if (b"hetps.ps" in cmdline and b"--spare" not in cmdline and b"--rank" in cmdline
-                and cmdline[cmdline.index(b"--rank") + 1] == str(rank).encode()):
+        if (
+            b"hetps.ps" in cmdline
+            and b"--spare" not in cmdline
+            and b"--rank" in cmdline
+            and cmdline[cmdline.index(b"--rank") + 1] == str(rank).encode()
+        ):
             return pid
     raise AssertionError(f"no shard {rank} process")
 
@@ -151,21 +171,42 @@ class Daemons:
     def start(self, args: list[str], env: dict | None = None) -> None:
         log = open(self.log_dir / f"{len(self.procs)}.log", "w")
         self.logs.append(log)
-        self.procs.append(subprocess.Popen([*HETPS, *args, *self.overrides], cwd=self.log_dir, stdout=log,
-                                           stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                           start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(
+                [*HETPS, *args, *self.overrides],
+                cwd=self.log_dir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+        )
 
     def scheduler(self, config: str, run_dir: Path) -> str:
         """Start the scheduler on a random port; returns its address."""
-        self.start(["scheduler", "--config", config, "--bind", "tcp://127.0.0.1:0", "--run-dir", str(run_dir)])
+        self.start(
+            [
+                "scheduler",
+                "--config",
+                config,
+                "--bind",
+                "tcp://127.0.0.1:0",
+                "--run-dir",
+                str(run_dir),
+            ]
+        )
         addr_file = run_dir / "scheduler.addr"
-        return wait_for(lambda: addr_file.exists() and addr_file.read_text(), 60, "the scheduler address")
+        return wait_for(
+            lambda: addr_file.exists() and addr_file.read_text(), 60, "the scheduler address"
+        )
 
     def wait(self, timeout_s: float) -> list[int]:
         return [p.wait(timeout=timeout_s) for p in self.procs]
 
     def tails(self) -> str:
-        return "\n".join((self.log_dir / f"{i}.log").read_text()[-1500:] for i in range(len(self.procs)))
+        return "\n".join(
+            (self.log_dir / f"{i}.log").read_text()[-1500:] for i in range(len(self.procs))
+        )
 
     def close(self) -> None:
         for p in self.procs:
@@ -180,8 +221,15 @@ class Daemons:
 def background_run(args: list[str], env: dict | None = None):
     """`hetps run ARGS` in its own session, for tests that act on it while it
     trains (signals, kills); its whole session is killed and reaped on exit."""
-    proc = subprocess.Popen([*HETPS, "run", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [*HETPS, "run", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         yield proc
     finally:

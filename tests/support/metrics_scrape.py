@@ -1,6 +1,7 @@
 """Scraping a daemon's Prometheus endpoint (runtime/metrics.py) and reading its
 samples: used by the collector's tests (tests/inproc/test_metrics.py) and by the
 scrapes of a real cluster (tests/cluster/test_cluster_metrics.py)."""
+
 from __future__ import annotations
 
 import urllib.request

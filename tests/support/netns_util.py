@@ -24,6 +24,7 @@ checks that none is left. Networks left behind by a test process that was
 killed outright (SIGKILL) are swept when the next network is built: their
 names carry the pid of the process that made them, and that pid is dead.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -39,9 +40,9 @@ from typing import IO, Iterator
 
 from hetps.frontend.shared_forks import pid_alive
 
-SUBNET = "10.199.0"      # 10.199.0.0/24: node i (from 0) is SUBNET.(i + 1)
+SUBNET = "10.199.0"  # 10.199.0.0/24: node i (from 0) is SUBNET.(i + 1)
 PREFIX_LEN = 24
-NS_PREFIX = "hetps-"     # every namespace this module makes starts with this
+NS_PREFIX = "hetps-"  # every namespace this module makes starts with this
 
 _OPEN: list["VirtualNetwork"] = []  # networks not yet torn down (for atexit)
 
@@ -50,7 +51,9 @@ class NetnsError(RuntimeError):
     """An `ip`/`tc` command failed while building the network."""
 
 
-def _run(cmd: list[str], timeout_s: float = 20.0, check: bool = True) -> subprocess.CompletedProcess:
+def _run(
+    cmd: list[str], timeout_s: float = 20.0, check: bool = True
+) -> subprocess.CompletedProcess:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if check and result.returncode != 0:
         raise NetnsError(f"`{' '.join(cmd)}` failed ({result.returncode}): {result.stderr.strip()}")
@@ -72,12 +75,33 @@ def skip_reason(need_tc: bool = False) -> str | None:
         if shutil.which(tool) is None:
             return f"`{tool}` not found: install iproute2 (apt-get install -y iproute2)"
     probe = f"{NS_PREFIX}{os.getpid()}-probe{secrets.token_hex(2)}"
-    steps = [["ip", "netns", "add", probe],
-             ["ip", "-n", probe, "link", "add", "pbr", "type", "bridge"],
-             ["ip", "-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb"]]
+    steps = [
+        ["ip", "netns", "add", probe],
+        ["ip", "-n", probe, "link", "add", "pbr", "type", "bridge"],
+        ["ip", "-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
+    ]
     if need_tc:
-        steps.append(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "pa", "root",
-                      "tbf", "rate", "8mbit", "burst", "32kbit", "latency", "400ms"])
+        steps.append(
+            [
+                "ip",
+                "netns",
+                "exec",
+                probe,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "pa",
+                "root",
+                "tbf",
+                "rate",
+                "8mbit",
+                "burst",
+                "32kbit",
+                "latency",
+                "400ms",
+            ]
+        )
     try:
         for cmd in steps:
             result = _run(cmd, check=False)
@@ -108,7 +132,7 @@ def sweep_stale() -> list[str]:
     for ns in _namespaces():
         if not ns.startswith(NS_PREFIX):
             continue
-        owner = ns[len(NS_PREFIX):].split("-", 1)[0]
+        owner = ns[len(NS_PREFIX) :].split("-", 1)[0]
         if owner.isdigit() and int(owner) != os.getpid() and not pid_alive(int(owner)):
             _kill_namespace_processes(ns)
             _run(["ip", "netns", "del", ns], check=False)
@@ -123,11 +147,11 @@ class VirtualNetwork:
         if len(set(nodes)) != len(nodes) or not 0 < len(nodes) < 250:
             raise ValueError(f"need 1..249 distinct node names, got {nodes}")
         self.nodes = list(nodes)
-        self.run_id = secrets.token_hex(3)                       # 6 hex chars
+        self.run_id = secrets.token_hex(3)  # 6 hex chars
         self.base = f"{NS_PREFIX}{os.getpid()}-{self.run_id}"
         self.hub = f"{self.base}-hub"
         self.bridge = f"hp{self.run_id}br"
-        self.created: list[str] = []                              # namespaces, in creation order
+        self.created: list[str] = []  # namespaces, in creation order
         self.procs: list[subprocess.Popen] = []
         self.closed = False
 
@@ -163,11 +187,37 @@ class VirtualNetwork:
         for node in self.nodes:
             ns = self.ns(node)
             self._add_ns(ns)
-            _run(["ip", "link", "add", self.veth(node), "netns", ns, "type", "veth",
-                  "peer", "name", self.hub_port(node), "netns", self.hub])
+            _run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    self.veth(node),
+                    "netns",
+                    ns,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    self.hub_port(node),
+                    "netns",
+                    self.hub,
+                ]
+            )
             _run(["ip", "-n", self.hub, "link", "set", self.hub_port(node), "master", self.bridge])
             _run(["ip", "-n", self.hub, "link", "set", self.hub_port(node), "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.ip(node)}/{PREFIX_LEN}", "dev", self.veth(node)])
+            _run(
+                [
+                    "ip",
+                    "-n",
+                    ns,
+                    "addr",
+                    "add",
+                    f"{self.ip(node)}/{PREFIX_LEN}",
+                    "dev",
+                    self.veth(node),
+                ]
+            )
             _run(["ip", "-n", ns, "link", "set", self.veth(node), "up"])
         self._wait_reachable()
         return self
@@ -179,8 +229,9 @@ class VirtualNetwork:
         pending = set(self.nodes)
         while pending and time.monotonic() < deadline:
             for node in sorted(pending):
-                state = _run(["ip", "-n", self.ns(node), "-o", "link", "show", self.veth(node)],
-                             check=False).stdout
+                state = _run(
+                    ["ip", "-n", self.ns(node), "-o", "link", "show", self.veth(node)], check=False
+                ).stdout
                 if "LOWER_UP" in state and "state UP" in state:
                     pending.discard(node)
             if pending:
@@ -201,8 +252,14 @@ class VirtualNetwork:
         where the node's hub_port lives)."""
         _run(["ip", "netns", "exec", self.hub if hub else self.ns(node), "tc", *args])
 
-    def limit_link(self, node: str, rate: str, burst: str = "32kbit", latency: str = "400ms",
-                   both_ways: bool = True) -> None:
+    def limit_link(
+        self,
+        node: str,
+        rate: str,
+        burst: str = "32kbit",
+        latency: str = "400ms",
+        both_ways: bool = True,
+    ) -> None:
         """A token-bucket cap on the node's link: egress on its veth, and (both_ways)
         on the bridge port that sends to it, i.e. the node's ingress."""
         tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
@@ -210,12 +267,19 @@ class VirtualNetwork:
         if both_ways:
             self.tc(node, "qdisc", "add", "dev", self.hub_port(node), *tbf, hub=True)
 
-    def popen(self, node: str, cmd: list[str], log: IO, env: dict | None = None,
-              cwd: Path | None = None) -> subprocess.Popen:
+    def popen(
+        self, node: str, cmd: list[str], log: IO, env: dict | None = None, cwd: Path | None = None
+    ) -> subprocess.Popen:
         """Start `cmd` inside the node's namespace, in a session of its own
         (`ip netns exec` execs the command, so the pid is the command's)."""
-        proc = subprocess.Popen([*self.exec_prefix(node), *cmd], stdout=log, stderr=subprocess.STDOUT,
-                                env=env, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(
+            [*self.exec_prefix(node), *cmd],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
         self.procs.append(proc)
         return proc
 
@@ -249,8 +313,11 @@ class VirtualNetwork:
             problems.append(f"namespaces left: {left}")
         # nothing is ever created in the host's namespace; make sure of it
         root_links = _run(["ip", "-o", "link", "show"], check=False).stdout
-        stray = [line.split(":")[1].strip().split("@")[0] for line in root_links.splitlines()
-                 if f"hp{self.run_id}" in line]
+        stray = [
+            line.split(":")[1].strip().split("@")[0]
+            for line in root_links.splitlines()
+            if f"hp{self.run_id}" in line
+        ]
         for link in stray:
             _run(["ip", "link", "del", link], check=False)
         if stray:
@@ -268,6 +335,7 @@ def _close_all() -> None:
 
 def _main_thread() -> bool:
     import threading
+
     return threading.current_thread() is threading.main_thread()
 
 
@@ -311,8 +379,9 @@ class NetDaemons:
 
     def start(self, node: str, name: str, args: list[str]) -> subprocess.Popen:
         with open(self.log_dir / f"{name}.log", "w") as log:  # the child keeps its own descriptor
-            proc = self.net.popen(node, [*self.hetps, *args, *self.overrides], log, env=self.env,
-                                  cwd=self.log_dir)
+            proc = self.net.popen(
+                node, [*self.hetps, *args, *self.overrides], log, env=self.env, cwd=self.log_dir
+            )
         self.names.append(name)
         self.procs.append(proc)
         return proc
@@ -323,9 +392,13 @@ class NetDaemons:
         while time.monotonic() < deadline:
             if path.exists() and path.read_text().strip():
                 return path.read_text().strip()
-            dead = [(n, p.returncode) for n, p in zip(self.names, self.procs) if p.poll() is not None]
+            dead = [
+                (n, p.returncode) for n, p in zip(self.names, self.procs) if p.poll() is not None
+            ]
             if dead:
-                raise AssertionError(f"daemons exited while waiting for {what}: {dead}\n{self.tails()}")
+                raise AssertionError(
+                    f"daemons exited while waiting for {what}: {dead}\n{self.tails()}"
+                )
             time.sleep(0.1)
         raise AssertionError(f"timed out after {timeout_s}s waiting for {what}\n{self.tails()}")
 

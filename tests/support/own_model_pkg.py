@@ -4,6 +4,7 @@ __getitem__) and a model factory, with the config naming them. Used by the tests
 in one process (tests/unit/test_own_model.py) and by the real runs
 (tests/cluster/test_cluster_own_model.py); import the fixtures `user_pkg` and
 `on_path` into the test module."""
+
 from __future__ import annotations
 
 import sys
@@ -16,7 +17,7 @@ import torch
 from hetps.runconfig.schema import DataConfig
 
 PKG = "hetps_user_demo"
-TRAIN, TEST = 1200, 300   # digits of mnist-5k written to disk, one file each
+TRAIN, TEST = 1200, 300  # digits of mnist-5k written to disk, one file each
 
 DATA_PY = '''
 """A dataset read lazily: one .pt file per example, read in __getitem__."""
@@ -47,7 +48,7 @@ def make(root):
     return Digits(Path(root) / "train"), Digits(Path(root) / "test")
 '''
 
-MODEL_PY = '''
+MODEL_PY = """
 import torch
 from torch import nn
 
@@ -56,7 +57,7 @@ def small_cnn(input_shape, num_classes, out=None, channels=None):
     c, h, w = input_shape
     return nn.Sequential(nn.Conv2d(channels or c, 8, 3, stride=2), nn.ReLU(), nn.Flatten(),
                          nn.Linear(8 * ((h - 3) // 2 + 1) * ((w - 3) // 2 + 1), out or num_classes))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +81,13 @@ def user_pkg(tmp_path_factory) -> Path:
 
 
 def write_config(path: Path, user_pkg: Path, *extra: str) -> Path:
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(
+        textwrap.dedent(f"""\
         name: own
         model: {{name: "{PKG}.model:small_cnn"}}
         data:
           dataset: "{PKG}.data:make"
-          kwargs: {{root: "{user_pkg.parent / 'digits'}"}}
+          kwargs: {{root: "{user_pkg.parent / "digits"}"}}
           batch_size: 32
           eval_batch_size: {TEST}
         optimizer: {{name: sgd, lr: 0.1, momentum: 0.5}}
@@ -93,7 +95,9 @@ def write_config(path: Path, user_pkg: Path, *extra: str) -> Path:
         cluster: {{shards: 2, workers: 2, profile_steps: 2}}
         stop: {{target_accuracy: 0.85, max_seconds: 60}}
         eval: {{every_s: 0.5}}
-        """) + "".join(f"{line}\n" for line in extra))
+        """)
+        + "".join(f"{line}\n" for line in extra)
+    )
     return path
 
 

@@ -1,19 +1,20 @@
 """CurveZMQ test helpers shared by tests/inproc/test_security.py (keys, the
 bytes in transit) and tests/cluster/test_security_cluster.py (live daemons):
 a keys directory, the config overrides that turn curve on, and the waits."""
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-
 from cluster_util import REPO
+
 from hetps.proto import security
 
 CONFIG = str(REPO / "configs/default.yaml")
-REPLY_S = 5.0       # any reply that must come
-SILENCE_S = 1.5     # how long a reply that must NOT come is waited for
+REPLY_S = 5.0  # any reply that must come
+SILENCE_S = 1.5  # how long a reply that must NOT come is waited for
 HANDSHAKE_S = 10.0  # a handshake's outcome
 
 

@@ -7,6 +7,7 @@ A request is `send`, then the harness runs `serve_once` on every shard until
 its inbox is empty, then the client `wait`s; a reply that must NOT have come
 yet (a parked pull) is checked with a short `wait` that times out.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -15,16 +16,16 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from hetps.runconfig.load import load_config
 from hetps.proto.messages import Ack, Init, Pull, Push
 from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, schema_hash
 from hetps.proto.rpc import RequestTimeout, RpcClient
 from hetps.proto.transport import make_server
 from hetps.ps.shard import Shard
+from hetps.runconfig.load import load_config
 from hetps.scheduler.placement import place
 from hetps.worker.state import model_tensors
 
-SHARD_IDS = (21, 22)      # shard node ids
+SHARD_IDS = (21, 22)  # shard node ids
 PLAN_ID = 3
 
 
@@ -41,19 +42,33 @@ def values_of(model: nn.Module) -> dict:
 def grads(model: nn.Module, seed: int) -> dict:
     """A push as a worker makes it: a seeded gradient per parameter, current values per buffer."""
     g = torch.Generator().manual_seed(seed)
-    return {n: (torch.randn(t.shape, generator=g) if kind == "param" else t.detach().clone())
-            for n, (t, kind) in model_tensors(model).items()}
+    return {
+        n: (torch.randn(t.shape, generator=g) if kind == "param" else t.detach().clone())
+        for n, (t, kind) in model_tensors(model).items()
+    }
 
 
-def make_plan(specs: list[TensorSpec], workers: Sequence[int], n_shards: int = 1, algorithm: str = "sync",
-              plan_id: int = PLAN_ID, groups: Sequence[Sequence[int]] = ()) -> ClusterPlan:
+def make_plan(
+    specs: list[TensorSpec],
+    workers: Sequence[int],
+    n_shards: int = 1,
+    algorithm: str = "sync",
+    plan_id: int = PLAN_ID,
+    groups: Sequence[Sequence[int]] = (),
+) -> ClusterPlan:
     """A plan of `workers` (node ids, in rank order) and `n_shards` shards with
     the tensors `specs` placed for equal shard speeds."""
-    return ClusterPlan(plan_id=plan_id, algorithm=algorithm,
-                       workers=[NodeEntry(w, r) for r, w in enumerate(workers)],
-                       shards=[NodeEntry(SHARD_IDS[i], i, f"mem://unused-{i}") for i in range(n_shards)],
-                       tensors=specs, placement=place(specs, [1.0] * n_shards), schema_hash=schema_hash(specs),
-                       groups=[list(g) for g in groups], placement_id=plan_id)
+    return ClusterPlan(
+        plan_id=plan_id,
+        algorithm=algorithm,
+        workers=[NodeEntry(w, r) for r, w in enumerate(workers)],
+        shards=[NodeEntry(SHARD_IDS[i], i, f"mem://unused-{i}") for i in range(n_shards)],
+        tensors=specs,
+        placement=place(specs, [1.0] * n_shards),
+        schema_hash=schema_hash(specs),
+        groups=[list(g) for g in groups],
+        placement_id=plan_id,
+    )
 
 
 def not_answered(client: RpcClient, req: int, timeout_s: float = 0.05) -> bool:
@@ -68,15 +83,24 @@ def not_answered(client: RpcClient, req: int, timeout_s: float = 0.05) -> bool:
 class ShardHarness:
     """Shards of one plan on mem:// transports, and one RpcClient per (worker, shard)."""
 
-    def __init__(self, specs: list[TensorSpec], overrides: list[str], workers: Sequence[int],
-                 n_shards: int = 1, algorithm: str = "sync", plan_id: int = PLAN_ID,
-                 groups: Sequence[Sequence[int]] = ()):
+    def __init__(
+        self,
+        specs: list[TensorSpec],
+        overrides: list[str],
+        workers: Sequence[int],
+        n_shards: int = 1,
+        algorithm: str = "sync",
+        plan_id: int = PLAN_ID,
+        groups: Sequence[Sequence[int]] = (),
+    ):
         self.cfg = load_config(None, [f"algorithm.name={algorithm}", *overrides])
         self.plan = make_plan(specs, workers, n_shards, algorithm, plan_id, groups)
         self.plan_id = plan_id
         self.addresses = [f"mem://test-shard-{uuid.uuid4().hex[:12]}" for _ in range(n_shards)]
-        self.shards = [Shard(make_server(a), SHARD_IDS[i], self.plan, self.cfg)
-                       for i, a in enumerate(self.addresses)]
+        self.shards = [
+            Shard(make_server(a), SHARD_IDS[i], self.plan, self.cfg)
+            for i, a in enumerate(self.addresses)
+        ]
         self.clients: dict[tuple[int, int], RpcClient] = {}
         self.kinds = {s.name: s.kind for s in self.plan.tensors}
 
@@ -114,17 +138,31 @@ class ShardHarness:
             ack = self.call(node, Init(plan_id=self.plan_id, tensors=self.part(values, i)), i)
             assert isinstance(ack, Ack) and ack.info["first"] is True
 
-    def push(self, node: int, clock: int, tensors: dict, base_version: int = 0,
-             info: dict | None = None) -> list[Ack]:
+    def push(
+        self, node: int, clock: int, tensors: dict, base_version: int = 0, info: dict | None = None
+    ) -> list[Ack]:
         """One push to every shard (its part of `tensors`); the replies in shard order."""
-        return [self.call(node, Push(plan_id=self.plan_id, clock=clock, base_version=base_version,
-                                     info=info or {}, tensors=self.part(tensors, i)), i)
-                for i in range(len(self.shards))]
+        return [
+            self.call(
+                node,
+                Push(
+                    plan_id=self.plan_id,
+                    clock=clock,
+                    base_version=base_version,
+                    info=info or {},
+                    tensors=self.part(tensors, i),
+                ),
+                i,
+            )
+            for i in range(len(self.shards))
+        ]
 
     def send_pull(self, node: int, clock: int) -> list[int]:
         """A pull to every shard, served but not waited for: the request ids in shard order."""
-        reqs = [self.client(node, i).send(Pull(plan_id=self.plan_id, clock=clock))
-                for i in range(len(self.shards))]
+        reqs = [
+            self.client(node, i).send(Pull(plan_id=self.plan_id, clock=clock))
+            for i in range(len(self.shards))
+        ]
         self.serve()
         return reqs
 

@@ -8,6 +8,7 @@ and by the fuzzing of live daemons (tests/cluster/test_fuzz_daemons.py).
 
 Every run is deterministic (derandomize=True, no example database).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,13 @@ from hypothesis import strategies as st
 
 from hetps.proto import messages as m
 from hetps.proto.codec import DEFAULT_MAX_TENSOR_BYTES, DTYPES, MAX_HEADER_BYTES, encode
-from hetps.proto.compression import (Compressed, Fp16Compressor, TopKCompressor, index_dtype,
-                                     payload_nbytes)
+from hetps.proto.compression import (
+    Compressed,
+    Fp16Compressor,
+    TopKCompressor,
+    index_dtype,
+    payload_nbytes,
+)
 from hetps.proto.layout import PACK_BELOW, aligned
 from hetps.proto.messages import MESSAGES, PROTOCOL_VERSION, Op, Status, has_tensors, header_fields
 
@@ -29,31 +35,55 @@ from hetps.proto.messages import MESSAGES, PROTOCOL_VERSION, Op, Status, has_ten
 
 
 def fuzz_settings(n: int) -> settings:
-    return settings(max_examples=n, derandomize=True, database=None, deadline=None, print_blob=False,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=n,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        print_blob=False,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 # ---------------------------------------------------------------- value strategies
 
-HUGE = st.sampled_from([2**31, 2**32, 2**53 + 1, 2**62, 2**63 - 1, 2**64 - 1, -2**31, -2**63])
-INTS = st.one_of(st.integers(-3, 3), st.integers(-2**63, 2**64 - 1), HUGE)
+HUGE = st.sampled_from([2**31, 2**32, 2**53 + 1, 2**62, 2**63 - 1, 2**64 - 1, -(2**31), -(2**63)])
+INTS = st.one_of(st.integers(-3, 3), st.integers(-(2**63), 2**64 - 1), HUGE)
 TEXT = st.text(max_size=12)
 LEAF = st.one_of(st.none(), st.booleans(), INTS, st.floats(), TEXT, st.binary(max_size=12))
-VALUES = st.recursive(LEAF, lambda kids: st.one_of(st.lists(kids, max_size=4),
-                                                    st.dictionaries(st.text(max_size=6), kids, max_size=4)),
-                      max_leaves=12)
+VALUES = st.recursive(
+    LEAF,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=6), kids, max_size=4)
+    ),
+    max_leaves=12,
+)
 # A map whose keys are not strings: the header decoder (strict_map_key) refuses it.
-BAD_MAP = st.dictionaries(st.one_of(st.integers(-5, 5), st.booleans()), LEAF, min_size=1, max_size=3)
+BAD_MAP = st.dictionaries(
+    st.one_of(st.integers(-5, 5), st.booleans()), LEAF, min_size=1, max_size=3
+)
 
 KINDS = {
-    "none": st.none(), "bool": st.booleans(), "int": INTS, "float": st.floats(), "str": TEXT,
-    "bytes": st.binary(max_size=12), "list": st.lists(VALUES, max_size=4),
-    "dict": st.dictionaries(st.text(max_size=6), VALUES, max_size=4), "badmap": BAD_MAP,
+    "none": st.none(),
+    "bool": st.booleans(),
+    "int": INTS,
+    "float": st.floats(),
+    "str": TEXT,
+    "bytes": st.binary(max_size=12),
+    "list": st.lists(VALUES, max_size=4),
+    "dict": st.dictionaries(st.text(max_size=6), VALUES, max_size=4),
+    "badmap": BAD_MAP,
 }
 # one value of another type for each declared type
 PLAINLY_WRONG = {"int": "x", "float": "x", "str": 7, "bool": "x", "list": 7, "dict": 7}
-ACCEPTS = {"int": {"int"}, "float": {"int", "float"}, "str": {"str"}, "bool": {"bool"},
-           "list": {"list"}, "dict": {"dict"}}
+ACCEPTS = {
+    "int": {"int"},
+    "float": {"int", "float"},
+    "str": {"str"},
+    "bool": {"bool"},
+    "list": {"list"},
+    "dict": {"dict"},
+}
 
 
 def wrong(type_name: str):
@@ -63,8 +93,16 @@ def wrong(type_name: str):
 
 # ---------------------------------------------------------------- templates
 
-SAME_SIZE = {"float32": "int32", "int32": "float32", "float64": "int64", "int64": "float64",
-             "float16": "bfloat16", "bfloat16": "float16", "uint8": "bool", "bool": "uint8"}
+SAME_SIZE = {
+    "float32": "int32",
+    "int32": "float32",
+    "float64": "int64",
+    "int64": "float64",
+    "float16": "bfloat16",
+    "bfloat16": "float16",
+    "uint8": "bool",
+    "bool": "uint8",
+}
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:
@@ -81,15 +119,39 @@ def sample_tensors() -> dict[str, torch.Tensor]:
 
 def sample_messages(tensors: dict, plan_id: int = 1, node_id: int = 1) -> dict[Op, m.Message]:
     out = {
-        Op.REGISTER: m.Register(role="worker", rank=0, address="tcp://127.0.0.1:1",
-                                tensor_specs=[["w", "float32", [3, 4], "param"]], schema_hash="abc", speed=2.5),
+        Op.REGISTER: m.Register(
+            role="worker",
+            rank=0,
+            address="tcp://127.0.0.1:1",
+            tensor_specs=[["w", "float32", [3, 4], "param"]],
+            schema_hash="abc",
+            speed=2.5,
+        ),
         Op.WELCOME: m.Welcome(node_id=node_id, role="ps", rank=0),
         Op.GET_PLAN: m.GetPlan(after=plan_id),
-        Op.PLAN: m.Plan(plan_id=plan_id, plan={"plan_id": plan_id, "algorithm": "sync", "workers": [], "shards": [],
-                                               "tensors": [], "placement": {}}),
-        Op.HEARTBEAT: m.Heartbeat(node_id=node_id, stats={"steps": 1}, records=[{"step": 1, "ago": 0.5}]),
+        Op.PLAN: m.Plan(
+            plan_id=plan_id,
+            plan={
+                "plan_id": plan_id,
+                "algorithm": "sync",
+                "workers": [],
+                "shards": [],
+                "tensors": [],
+                "placement": {},
+            },
+        ),
+        Op.HEARTBEAT: m.Heartbeat(
+            node_id=node_id, stats={"steps": 1}, records=[{"step": 1, "ago": 0.5}]
+        ),
         Op.INIT: m.Init(plan_id=plan_id, tensors=tensors),
-        Op.PUSH: m.Push(plan_id=plan_id, clock=0, base_version=0, n_samples=4, info={"steps": 1}, tensors=tensors),
+        Op.PUSH: m.Push(
+            plan_id=plan_id,
+            clock=0,
+            base_version=0,
+            n_samples=4,
+            info={"steps": 1},
+            tensors=tensors,
+        ),
         Op.PULL: m.Pull(plan_id=plan_id, clock=-1),
         Op.PARAMS: m.Params(version=3, tensors=tensors),
         Op.ACK: m.Ack(version=1, staleness=0, plan_id=plan_id, stop=False, info={"a": 1}),
@@ -98,10 +160,21 @@ def sample_messages(tensors: dict, plan_id: int = 1, node_id: int = 1) -> dict[O
         Op.ERROR: m.Error(status=int(Status.MALFORMED), message="x"),
         Op.REPORT: m.Report(node_id=node_id, kind="eval", values={"accuracy": 0.5}),
         Op.BYE: m.Bye(node_id=node_id, stats={}),
-        Op.FAILED: m.Failed(role="worker", rank=0, error="RuntimeError: x", host="h", node_id=node_id),
-        Op.SNAPSHOT: m.Snapshot(plan={"plan_id": plan_id, "algorithm": "sync", "workers": [], "shards": [],
-                                      "tensors": [], "placement": {}},
-                                state={"d": [["version", 1], [0, {"t": "w"}]]}, tensors=tensors),
+        Op.FAILED: m.Failed(
+            role="worker", rank=0, error="RuntimeError: x", host="h", node_id=node_id
+        ),
+        Op.SNAPSHOT: m.Snapshot(
+            plan={
+                "plan_id": plan_id,
+                "algorithm": "sync",
+                "workers": [],
+                "shards": [],
+                "tensors": [],
+                "placement": {},
+            },
+            state={"d": [["version", 1], [0, {"t": "w"}]]},
+            tensors=tensors,
+        ),
     }
     assert set(out) == set(MESSAGES), "a new message type needs a fuzz template"
     return out
@@ -116,12 +189,20 @@ class Template:
         self.cls = type(msg)
         self.header = msgpack.unpackb(bytes(frames[0]), raw=False)
         self.data = [bytes(memoryview(f)) for f in frames[1:]]
-        self.types = {"op": "int", "id": "int", "src": "int",
-                      **{f.name: str(f.type) for f in header_fields(self.cls)}}
+        self.types = {
+            "op": "int",
+            "id": "int",
+            "src": "int",
+            **{f.name: str(f.type) for f in header_fields(self.cls)},
+        }
         if has_tensors(self.cls):
-            self.types.update(tensors="list", packed="list", enc="list")  # `packed`, `enc`: optional
+            # `packed`, `enc`: optional
+            self.types.update(tensors="list", packed="list", enc="list")
         self.required = ["v", "op", "id", "src"] + [
-            f.name for f in header_fields(self.cls) if f.default is MISSING and f.default_factory is MISSING]
+            f.name
+            for f in header_fields(self.cls)
+            if f.default is MISSING and f.default_factory is MISSING
+        ]
 
     def copy(self) -> tuple[dict, list]:
         h = dict(self.header)
@@ -134,17 +215,30 @@ class Template:
         return h, list(self.data)
 
 
-def templates(tensors: dict, plan_id: int = 1, node_id: int = 1, req_id: int = 7) -> dict[Op, Template]:
-    return {op: Template(msg, req_id, node_id) for op, msg in sample_messages(tensors, plan_id, node_id).items()}
+def templates(
+    tensors: dict, plan_id: int = 1, node_id: int = 1, req_id: int = 7
+) -> dict[Op, Template]:
+    return {
+        op: Template(msg, req_id, node_id)
+        for op, msg in sample_messages(tensors, plan_id, node_id).items()
+    }
 
 
-def compressed_template(tensors: dict, plan_id: int = 1, node_id: int = 1, req_id: int = 7) -> Template:
+def compressed_template(
+    tensors: dict, plan_id: int = 1, node_id: int = 1, req_id: int = 7
+) -> Template:
     """A PUSH with its float32/float64 tensors compressed (topk and fp16 in
     turn), small payloads packed into one frame."""
     coders, out = [TopKCompressor(0.2), Fp16Compressor(0.0)], {}
-    floats = [n for n, t in tensors.items() if t.dtype in (torch.float32, torch.float64) and t.numel()]
+    floats = [
+        n for n, t in tensors.items() if t.dtype in (torch.float32, torch.float64) and t.numel()
+    ]
     for name, t in tensors.items():
-        out[name] = coders[floats.index(name) % 2].compress({name: t}, {name})[name] if name in floats else t
+        out[name] = (
+            coders[floats.index(name) % 2].compress({name: t}, {name})[name]
+            if name in floats
+            else t
+        )
     kinds = {v.kind for v in out.values() if isinstance(v, Compressed)}
     assert kinds == {"topk", "fp16"}, kinds
     push = m.Push(plan_id=plan_id, clock=0, base_version=0, n_samples=4, tensors=out)
@@ -155,8 +249,10 @@ def compressed_template(tensors: dict, plan_id: int = 1, node_id: int = 1, req_i
 
 DECODER_TENSORS = sample_tensors()
 DECODER_TEMPLATES = templates(DECODER_TENSORS)
-DECODER_CATALOG = {n: (s[1], tuple(s[2])) for n, s in
-                   zip(DECODER_TENSORS, DECODER_TEMPLATES[Op.PUSH].header["tensors"])}
+DECODER_CATALOG = {
+    n: (s[1], tuple(s[2]))
+    for n, s in zip(DECODER_TENSORS, DECODER_TEMPLATES[Op.PUSH].header["tensors"])
+}
 TENSOR_OPS = [op for op, t in DECODER_TEMPLATES.items() if has_tensors(t.cls)]
 DECODER_COMPRESSED = compressed_template(DECODER_TENSORS)
 
@@ -194,21 +290,31 @@ def expect(frame0: bytes, statuses: set[Status]) -> set[Status]:
 def add_noise(draw, t: Template, h: dict) -> None:
     """Header keys no decoder knows (ignored by the compatibility rule)."""
     known = set(t.types) | {"v"}
-    for key, value in draw(st.dictionaries(st.text(min_size=1, max_size=8).filter(lambda k: k not in known),
-                                           VALUES, max_size=3)).items():
+    for key, value in draw(
+        st.dictionaries(
+            st.text(min_size=1, max_size=8).filter(lambda k: k not in known), VALUES, max_size=3
+        )
+    ).items():
         h[key] = value
 
 
 def field_error(draw, t: Template, h: dict) -> set[Status]:
     """Break one header field; the statuses the decoder may answer."""
-    kind = draw(st.sampled_from(["wrong_type", "wrong_type", "wrong_type", "missing", "bad_op", "bad_version"]))
+    kind = draw(
+        st.sampled_from(
+            ["wrong_type", "wrong_type", "wrong_type", "missing", "bad_op", "bad_version"]
+        )
+    )
     if kind == "missing":
         name = draw(st.sampled_from(t.required))
         del h[name]
         return {Status.BAD_VERSION} if name == "v" else {M}
     if kind == "bad_op":
-        h["op"] = draw(st.one_of(st.integers(-2**63, 2**64 - 1), HUGE, st.integers(-2, 40))
-                       .filter(lambda x: x not in Op._value2member_map_))
+        h["op"] = draw(
+            st.one_of(st.integers(-(2**63), 2**64 - 1), HUGE, st.integers(-2, 40)).filter(
+                lambda x: x not in Op._value2member_map_
+            )
+        )
         return {Status.UNKNOWN_OP}
     if kind == "bad_version":
         h["v"] = draw(st.one_of(wrong("int"), INTS.filter(lambda x: x != PROTOCOL_VERSION)))
@@ -234,9 +340,22 @@ def tensor_error(draw, t: Template, h: dict, data: list, catalog: bool = False) 
     With `catalog`, also lies that only a catalog (a shard's) can catch."""
     specs = h["tensors"]
     n = len(specs)
-    kinds = ["frame_len", "huge_shape", "long_huge_shape", "bad_dtype", "bad_dims", "shape_not_list",
-             "bad_spec", "more_frames", "fewer_frames", "more_specs", "fewer_specs", "dup_name",
-             "wrong_numel", "tensors_not_list"]
+    kinds = [
+        "frame_len",
+        "huge_shape",
+        "long_huge_shape",
+        "bad_dtype",
+        "bad_dims",
+        "shape_not_list",
+        "bad_spec",
+        "more_frames",
+        "fewer_frames",
+        "more_specs",
+        "fewer_specs",
+        "dup_name",
+        "wrong_numel",
+        "tensors_not_list",
+    ]
     if catalog:
         kinds += ["unknown_name", "reshape", "retype"]
     kind = draw(st.sampled_from(kinds))
@@ -245,27 +364,57 @@ def tensor_error(draw, t: Template, h: dict, data: list, catalog: bool = False) 
     itemsize = DTYPES[dtype].itemsize
     if kind == "frame_len":
         delta = draw(st.integers(-len(data[i]), 64).filter(lambda d: d != 0))
-        data[i] = data[i][:delta] if delta < 0 else data[i] + draw(st.binary(min_size=delta, max_size=delta))
+        data[i] = (
+            data[i][:delta]
+            if delta < 0
+            else data[i] + draw(st.binary(min_size=delta, max_size=delta))
+        )
         return {M}
     if kind in ("huge_shape", "long_huge_shape"):
-        big = st.integers(DEFAULT_MAX_TENSOR_BYTES + 1, 2**62) | st.sampled_from([2**31, 2**62, 2**63 - 1,
-                                                                                  2**64 - 1])
+        big = st.integers(DEFAULT_MAX_TENSOR_BYTES + 1, 2**62) | st.sampled_from(
+            [2**31, 2**62, 2**63 - 1, 2**64 - 1]
+        )
         if kind == "huge_shape":
             dims = draw(st.lists(st.integers(0, 8) | big, max_size=6)) + [draw(big)]
         else:  # products far beyond 4,300 decimal digits
-            dims = [draw(big)] * draw(st.integers(200, 600)) + draw(st.lists(st.integers(0, 2), max_size=3))
+            dims = [draw(big)] * draw(st.integers(200, 600)) + draw(
+                st.lists(st.integers(0, 2), max_size=3)
+            )
         specs[i] = [name, dtype, draw(st.permutations(dims))]
         return {Status.TOO_LARGE}
     if kind == "bad_dtype":
-        bad = draw(st.sampled_from(["complex64", "float8_e4m3fn", "int8", "int16", "object", "", "FLOAT32",
-                                    "torch.float32", "float", "<f4", "qint8"]) | TEXT)
+        bad = draw(
+            st.sampled_from(
+                [
+                    "complex64",
+                    "float8_e4m3fn",
+                    "int8",
+                    "int16",
+                    "object",
+                    "",
+                    "FLOAT32",
+                    "torch.float32",
+                    "float",
+                    "<f4",
+                    "qint8",
+                ]
+            )
+            | TEXT
+        )
         if bad in DTYPES:
             bad = bad + "?"
         specs[i] = [name, bad, shape]
         return {Status.DTYPE_NOT_ALLOWED}
     if kind == "bad_dims":
-        bad_dim = draw(st.integers(-2**63, -1) | st.booleans() | st.floats() | TEXT | st.none()
-                       | st.lists(st.integers(0, 3), max_size=2) | st.binary(max_size=4))
+        bad_dim = draw(
+            st.integers(-(2**63), -1)
+            | st.booleans()
+            | st.floats()
+            | TEXT
+            | st.none()
+            | st.lists(st.integers(0, 3), max_size=2)
+            | st.binary(max_size=4)
+        )
         dims = list(shape)
         dims.insert(draw(st.integers(0, len(dims))), bad_dim)
         specs[i] = [name, dtype, dims]
@@ -278,7 +427,7 @@ def tensor_error(draw, t: Template, h: dict, data: list, catalog: bool = False) 
         if choice == "not_list":
             specs[i] = draw(wrong("list"))
         elif choice == "short":
-            specs[i] = specs[i][:draw(st.integers(0, 2))]
+            specs[i] = specs[i][: draw(st.integers(0, 2))]
         elif choice == "long":
             specs[i] = specs[i] + draw(st.lists(VALUES, min_size=1, max_size=3))
         elif choice == "name":
@@ -336,8 +485,11 @@ def payload_at(h: dict, data: list, i: int) -> tuple[int, int]:
     sizes = []
     for j, (_, dtype, shape) in enumerate(h["tensors"]):
         numel = math.prod(shape)
-        sizes.append(payload_nbytes(enc[j][1], DTYPES[dtype], numel, enc[j][2]) if j in enc
-                     else numel * DTYPES[dtype].itemsize)
+        sizes.append(
+            payload_nbytes(enc[j][1], DTYPES[dtype], numel, enc[j][2])
+            if j in enc
+            else numel * DTYPES[dtype].itemsize
+        )
     packed = h.get("packed", [])
     if i in packed:
         return len(data) - 1, sum(aligned(sizes[j]) for j in packed if j < i)
@@ -349,8 +501,21 @@ def compressed_error(draw, h: dict, data: list) -> set[Status]:
     message lie in one way: always MALFORMED."""
     specs, packed, enc = h["tensors"], h["packed"], h["enc"]
     n = len(specs)
-    kind = draw(st.sampled_from(["pack_len", "drop_packed", "packed_index", "enc_kind", "enc_count",
-                                 "enc_index", "enc_entry", "drop_enc", "topk_index"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "pack_len",
+                "drop_packed",
+                "packed_index",
+                "enc_kind",
+                "enc_count",
+                "enc_index",
+                "enc_entry",
+                "drop_enc",
+                "topk_index",
+            ]
+        )
+    )
     e = draw(st.sampled_from(enc))
     if kind == "pack_len":
         delta = draw(st.integers(-len(data[-1]), 64).filter(lambda d: d != 0))
@@ -363,7 +528,7 @@ def compressed_error(draw, h: dict, data: list) -> set[Status]:
         if choice == "out_of_range":
             packed[-1] = draw(st.integers(n, 2**63 - 1))
         elif choice == "negative":
-            packed[0] = draw(st.integers(-2**63, -1))
+            packed[0] = draw(st.integers(-(2**63), -1))
         elif choice == "repeat":
             packed.insert(j, packed[j])
         elif choice == "reverse":
@@ -376,18 +541,40 @@ def compressed_error(draw, h: dict, data: list) -> set[Status]:
         numel, dtype = math.prod(specs[e[0]][2]), DTYPES[specs[e[0]][1]]
         slot = aligned(payload_nbytes(e[1], dtype, numel, e[2]))
 
-        def still_valid(c) -> bool:  # a topk count whose payload fills the same aligned slot is a valid message
-            return type(c) is int and 0 <= c <= numel and (
-                c == numel if e[1] == "fp16" else aligned(payload_nbytes("topk", dtype, numel, c)) == slot)
+        # a topk count whose payload fills the same aligned slot is a valid message
+        def still_valid(c) -> bool:
+            return (
+                type(c) is int
+                and 0 <= c <= numel
+                and (
+                    c == numel
+                    if e[1] == "fp16"
+                    else aligned(payload_nbytes("topk", dtype, numel, c)) == slot
+                )
+            )
 
-        e[2] = draw(st.one_of(st.integers(-2**63, 2**64 - 1), st.integers(-1, numel + 1), st.booleans(),
-                              st.floats(), TEXT).filter(lambda c: not still_valid(c)))
+        e[2] = draw(
+            st.one_of(
+                st.integers(-(2**63), 2**64 - 1),
+                st.integers(-1, numel + 1),
+                st.booleans(),
+                st.floats(),
+                TEXT,
+            ).filter(lambda c: not still_valid(c))
+        )
     elif kind == "enc_index":
         not_float = [j for j, sp in enumerate(specs) if sp[1] not in ("float32", "float64")] or [n]
-        e[0] = draw(st.sampled_from(not_float) | st.integers(n, 2**63 - 1) | st.integers(-2**63, -1)
-                    | st.booleans() | st.sampled_from([x[0] for x in enc if x is not e] or [-1]))
+        e[0] = draw(
+            st.sampled_from(not_float)
+            | st.integers(n, 2**63 - 1)
+            | st.integers(-(2**63), -1)
+            | st.booleans()
+            | st.sampled_from([x[0] for x in enc if x is not e] or [-1])
+        )
     elif kind == "enc_entry":
-        enc[enc.index(e)] = draw(VALUES.filter(lambda v: not (isinstance(v, list) and len(v) == 3)) | st.just(e[:2]))
+        enc[enc.index(e)] = draw(
+            VALUES.filter(lambda v: not (isinstance(v, list) and len(v) == 3)) | st.just(e[:2])
+        )
     elif kind == "drop_enc":
         del h["enc"]
     else:
@@ -404,7 +591,7 @@ def topk_index_error(draw, h: dict, data: list) -> set[Status]:
     index = torch.frombuffer(raw, dtype=index_dtype(numel), count=k, offset=offset)
     choice = draw(st.sampled_from(["negative", "too_large", "repeat", "decrease"]))
     if choice == "negative":
-        index[draw(st.integers(0, k - 1))] = draw(st.integers(-2**31, -1))
+        index[draw(st.integers(0, k - 1))] = draw(st.integers(-(2**31), -1))
     elif choice == "too_large":
         index[-1] = draw(st.integers(numel, 2**31 - 1))
     elif choice == "repeat":
@@ -437,14 +624,20 @@ def random_frames(draw):
         if kind == "msgpack":
             h = draw(VALUES | BAD_MAP)
         else:
-            h = draw(st.dictionaries(st.sampled_from(["v", "op", "id", "src", "tensors", "clock", "x"]) | TEXT,
-                                     VALUES, max_size=6))
+            h = draw(
+                st.dictionaries(
+                    st.sampled_from(["v", "op", "id", "src", "tensors", "clock", "x"]) | TEXT,
+                    VALUES,
+                    max_size=6,
+                )
+            )
         if isinstance(h, dict) and type(h.get("v")) is int and h["v"] == PROTOCOL_VERSION:
-            del h["v"]  # garbage must stay garbage (a bare {v, op: STOP, id, src} would be a valid STOP)
+            # garbage must stay garbage (a bare {v, op: STOP, id, src} would be a valid STOP)
+            del h["v"]
         return [pack(h)] + rest
     t = DECODER_TEMPLATES[draw(st.sampled_from(list(Op)))]
     raw = pack(t.header)
-    return [raw[:draw(st.integers(0, len(raw) - 1))]] + t.data
+    return [raw[: draw(st.integers(0, len(raw) - 1))]] + t.data
 
 
 @st.composite
@@ -452,15 +645,22 @@ def one_error(draw, temps: dict[Op, Template], ops: list[Op] | None = None, cata
     """(frames, expected statuses, expected req id): one certain error, maybe
     with more damage behind it, plus unknown header keys."""
     t = temps[draw(st.sampled_from(ops or sorted(temps)))]
-    catalog = catalog and t.cls.CATALOGUED  # SNAPSHOT: never checked against it (a retype decodes fine)
+    # SNAPSHOT: never checked against it (a retype decodes fine)
+    catalog = catalog and t.cls.CATALOGUED
     h, data = t.copy()
     add_noise(draw, t, h)
     if has_tensors(t.cls) and draw(st.booleans()):
         expected = tensor_error(draw, t, h, data, catalog)
     else:
         expected = field_error(draw, t, h)
-        if has_tensors(t.cls) and isinstance(h.get("tensors"), list) and h["tensors"] and draw(st.booleans()):
-            tensor_error(draw, t, h, data, catalog)  # later damage: the field error is still reported
+        if (
+            has_tensors(t.cls)
+            and isinstance(h.get("tensors"), list)
+            and h["tensors"]
+            and draw(st.booleans())
+        ):
+            # later damage: the field error is still reported
+            tensor_error(draw, t, h, data, catalog)
         elif draw(st.integers(0, 4)) == 0:
             data += draw(st.lists(st.binary(max_size=16), max_size=2))  # frame count may be off too
     frames = [pack(h), *data]

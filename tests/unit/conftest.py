@@ -1,4 +1,5 @@
 """The `unit` tier: pure functions: no sockets, no processes. Every test collected under this folder is marked `unit`."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,5 +1,6 @@
 """Shard checkpoints hold plain data only: they load with
 torch.load(weights_only=True), and a policy's state survives the trip."""
+
 from __future__ import annotations
 
 import pickle
@@ -8,10 +9,10 @@ import random
 import pytest
 import torch
 
-from hetps.runtime import checkpoint
 from hetps.ps.averaging_rules import VariancePeriod
 from hetps.ps.policies import Round
 from hetps.ps.policy_state import from_plain, to_plain
+from hetps.runtime import checkpoint
 
 
 def test_policy_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
@@ -26,8 +27,15 @@ def test_policy_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     checkpoint.write_atomic(path, {"format": checkpoint.FORMAT, "policy": to_plain(state)})
     loaded = from_plain(checkpoint.load(path)["policy"])  # weights_only=True inside
     back = loaded["rounds"][(0, 5)]
-    assert isinstance(back, Round) and back.members == rnd.members and torch.equal(back.grads["w"], rnd.grads["w"])
-    assert isinstance(loaded["rule"], VariancePeriod) and (loaded["rule"].peak, loaded["rule"].last) == (0.25, 3)
+    assert (
+        isinstance(back, Round)
+        and back.members == rnd.members
+        and torch.equal(back.grads["w"], rnd.grads["w"])
+    )
+    assert isinstance(loaded["rule"], VariancePeriod) and (
+        loaded["rule"].peak,
+        loaded["rule"].last,
+    ) == (0.25, 3)
     assert loaded["rng"].random() == rng.random()  # the same draw sequence goes on
     assert loaded["members"] == {1, 2} and loaded["clock"] == [3, 4]
 

@@ -1,4 +1,5 @@
 """The wire codec: round trips of every message and every refusal class (no sockets)."""
+
 from __future__ import annotations
 
 import msgpack
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from hetps.proto import messages as m
-from hetps.proto.codec import (ProtocolError, decode, encode, error_frames)
+from hetps.proto.codec import ProtocolError, decode, encode, error_frames
 from hetps.proto.layout import PACK_ALL_BELOW, PACK_BELOW, aligned
 from hetps.proto.messages import MESSAGES, PROTOCOL_VERSION, Op, Status
 
@@ -27,20 +28,36 @@ def sample_tensors() -> dict:
 
 
 SAMPLES: dict[Op, m.Message] = {
-    Op.REGISTER: m.Register(role="ps", rank=3, address="tcp://10.0.0.1:5555",
-                            tensor_specs=[["fc.weight", "float32", [10, 20], "param"],
-                                          ["bn.running_mean", "float32", [20], "buffer"]],
-                            schema_hash="abc123"),
+    Op.REGISTER: m.Register(
+        role="ps",
+        rank=3,
+        address="tcp://10.0.0.1:5555",
+        tensor_specs=[
+            ["fc.weight", "float32", [10, 20], "param"],
+            ["bn.running_mean", "float32", [20], "buffer"],
+        ],
+        schema_hash="abc123",
+    ),
     Op.WELCOME: m.Welcome(node_id=17, role="worker", rank=2),
     Op.GET_PLAN: m.GetPlan(after=41),
-    Op.PLAN: m.Plan(plan_id=5, plan={"plan_id": 5, "algorithm": "ssp",
-                                     "workers": [{"node_id": 2, "rank": 0, "address": ""}],
-                                     "shards": [{"node_id": 1, "rank": 0, "address": "tcp://h:1"}],
-                                     "tensors": [["a", "float32", [2, 3], "param"], ["b", "int64", [], "buffer"]],
-                                     "placement": {"a": 0, "b": 0}, "groups": [[2]],
-                                     "info": {"staleness": 3, "stop": False}}),
-    Op.HEARTBEAT: m.Heartbeat(node_id=4, stats={"steps": 10, "loss": 0.5},
-                              records=[{"step": 1, "ago": 0.25}, {"step": 2, "ago": 0.0}]),
+    Op.PLAN: m.Plan(
+        plan_id=5,
+        plan={
+            "plan_id": 5,
+            "algorithm": "ssp",
+            "workers": [{"node_id": 2, "rank": 0, "address": ""}],
+            "shards": [{"node_id": 1, "rank": 0, "address": "tcp://h:1"}],
+            "tensors": [["a", "float32", [2, 3], "param"], ["b", "int64", [], "buffer"]],
+            "placement": {"a": 0, "b": 0},
+            "groups": [[2]],
+            "info": {"staleness": 3, "stop": False},
+        },
+    ),
+    Op.HEARTBEAT: m.Heartbeat(
+        node_id=4,
+        stats={"steps": 10, "loss": 0.5},
+        records=[{"step": 1, "ago": 0.25}, {"step": 2, "ago": 0.0}],
+    ),
     Op.INIT: m.Init(plan_id=2, tensors=sample_tensors()),
     Op.PUSH: m.Push(plan_id=3, clock=12, base_version=99, n_samples=32, tensors=sample_tensors()),
     Op.PULL: m.Pull(plan_id=3, clock=7),
@@ -51,13 +68,22 @@ SAMPLES: dict[Op, m.Message] = {
     Op.ERROR: m.Error(status=int(Status.NOT_READY), message="no INIT yet"),
     Op.REPORT: m.Report(node_id=9, kind="eval", values={"accuracy": 0.93, "loss": 0.2}),
     Op.BYE: m.Bye(node_id=11, stats={"pushes": 100}),
-    Op.FAILED: m.Failed(role="worker", rank=3, error="ValueError: no data (at data.py:12 in load)", host="h1"),
-    Op.SNAPSHOT: m.Snapshot(plan={"plan_id": 5, "algorithm": "sync",
-                                  "workers": [{"node_id": 2, "rank": 0, "address": ""}],
-                                  "shards": [{"node_id": 1, "rank": 0, "address": "tcp://h:1"}],
-                                  "tensors": [["a", "float32", [2, 3], "param"]], "placement": {"a": 0},
-                                  "groups": [[2]]},
-                            state={"d": [["version", 3], [0, {"t": "w.f32"}]]}, tensors=sample_tensors()),
+    Op.FAILED: m.Failed(
+        role="worker", rank=3, error="ValueError: no data (at data.py:12 in load)", host="h1"
+    ),
+    Op.SNAPSHOT: m.Snapshot(
+        plan={
+            "plan_id": 5,
+            "algorithm": "sync",
+            "workers": [{"node_id": 2, "rank": 0, "address": ""}],
+            "shards": [{"node_id": 1, "rank": 0, "address": "tcp://h:1"}],
+            "tensors": [["a", "float32", [2, 3], "param"]],
+            "placement": {"a": 0},
+            "groups": [[2]],
+        },
+        state={"d": [["version", 3], [0, {"t": "w.f32"}]]},
+        tensors=sample_tensors(),
+    ),
 }
 
 
@@ -267,13 +293,16 @@ def test_missing_required_field():
     assert "clock" in err.message
 
 
-@pytest.mark.parametrize("fields", [
-    {"clock": "3"},
-    {"clock": True},
-    {"clock": 1.5},
-    {"n_samples": None},
-    {"plan_id": [1]},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"clock": "3"},
+        {"clock": True},
+        {"clock": 1.5},
+        {"n_samples": None},
+        {"plan_id": [1]},
+    ],
+)
 def test_wrong_field_type(fields):
     h = hdr(Op.PUSH, plan_id=1, clock=0, base_version=0, tensors=[]) | fields
     err = refused([pack(h)])
@@ -282,9 +311,10 @@ def test_wrong_field_type(fields):
 
 
 def test_wrong_field_type_other_kinds():
-    assert refused([pack(hdr(Op.ACK, stop=1))]).status == Status.MALFORMED           # int for bool
-    assert refused([pack(hdr(Op.PLAN, plan_id=1, plan=[1]))]).status == Status.MALFORMED  # list for dict
-    assert refused([pack(hdr(Op.STOP, reason=b"bytes"))]).status == Status.MALFORMED   # bin for str
+    assert refused([pack(hdr(Op.ACK, stop=1))]).status == Status.MALFORMED  # int for bool
+    # list for dict
+    assert refused([pack(hdr(Op.PLAN, plan_id=1, plan=[1]))]).status == Status.MALFORMED
+    assert refused([pack(hdr(Op.STOP, reason=b"bytes"))]).status == Status.MALFORMED  # bin for str
     assert refused([pack(hdr(plan_id=1) | {"src": "me"})]).status == Status.MALFORMED
 
 
@@ -294,8 +324,9 @@ def test_bad_request_id_is_not_echoed():
     assert err.req_id == 0
 
 
-@pytest.mark.parametrize("shape", [[2**40, 2**40], [2**62, 2**62, 0], [2**30, 2**30, 2**30, 0],
-                                   [2**64 - 1, 0]])
+@pytest.mark.parametrize(
+    "shape", [[2**40, 2**40], [2**62, 2**62, 0], [2**30, 2**30, 2**30, 0], [2**64 - 1, 0]]
+)
 def test_absurd_size_is_too_large(shape):
     err = refused([pack(hdr(Op.PARAMS, version=1, tensors=[["a", "float32", shape]])), b""])
     assert err.status == Status.TOO_LARGE
@@ -308,15 +339,18 @@ def test_max_tensor_bytes_is_enforced():
     assert decode(frames, max_tensor_bytes=400).msg.tensors["a"].shape == (100,)
 
 
-@pytest.mark.parametrize("spec", [
-    ["a", "float32", [-1, 4]],
-    ["a", "float32", [2, 2.0]],
-    ["a", "float32", [True]],
-    ["a", "float32"],
-    ["a", "float32", 4],
-    [1, "float32", [1]],
-    "a:float32:4",
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ["a", "float32", [-1, 4]],
+        ["a", "float32", [2, 2.0]],
+        ["a", "float32", [True]],
+        ["a", "float32"],
+        ["a", "float32", 4],
+        [1, "float32", [1]],
+        "a:float32:4",
+    ],
+)
 def test_bad_tensor_spec(spec):
     err = refused([pack(hdr(Op.PARAMS, version=1, tensors=[spec])), b"\0" * 16])
     assert err.status == Status.MALFORMED
@@ -367,7 +401,9 @@ def test_unknown_header_keys_are_ignored():
 def test_error_frames():
     err = ProtocolError(Status.SHAPE_MISMATCH, "tensor 'w' has the wrong shape", req_id=31)
     env = decode(error_frames(err, src=5))
-    assert env.msg == m.Error(status=int(Status.SHAPE_MISMATCH), message="tensor 'w' has the wrong shape")
+    assert env.msg == m.Error(
+        status=int(Status.SHAPE_MISMATCH), message="tensor 'w' has the wrong shape"
+    )
     assert Status(env.msg.status) is Status.SHAPE_MISMATCH
     assert (env.req_id, env.src) == (31, 5)
 

@@ -1,4 +1,5 @@
 """The experiment configuration: defaults, YAML, overrides, strict errors, round trip."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,8 @@ import yaml
 
 from hetps.runconfig.algorithm_params import AsyncParams, SspParams, SyncParams
 from hetps.runconfig.algorithms import ALGORITHM_PARAMS
-from hetps.runconfig.schema import BUILTIN_MODELS, DATASETS, ConfigError, NodeConfig, RunConfig
 from hetps.runconfig.load import config_from_dict, config_to_dict, dump_config, load_config
+from hetps.runconfig.schema import BUILTIN_MODELS, DATASETS, ConfigError, NodeConfig, RunConfig
 
 
 def write(tmp_path, data, name="run.yaml"):
@@ -56,25 +57,43 @@ def test_empty_file_is_defaults(tmp_path):
 
 
 def test_yaml_file_and_overrides(tmp_path):
-    path = write(tmp_path, {
-        "name": "exp1",
-        "seed": 5,
-        "model": {"name": "mlp", "kwargs": {"hidden": 64}},
-        "data": {"dataset": "synthetic", "batch_size": 16,
-                 "synthetic": {"shape": [3, 8, 8], "classes": 4}},
-        "optimizer": {"name": "adam", "lr": 1, "schedule": {"name": "cosine", "total_steps": 100}},
-        "cluster": {"workers": [{"slowdown": 2}, {}, {"threads": 2}]},
-        "stop": {"target_accuracy": None, "max_seconds": 10},
-    })
-    cfg = load_config(path, ["data.batch_size=64", "cluster.workers.1.slowdown=3",
-                             "algorithm.name=ssp", "algorithm.staleness=3", "eval.enabled=false",
-                             "cluster.shards=1"])
+    path = write(
+        tmp_path,
+        {
+            "name": "exp1",
+            "seed": 5,
+            "model": {"name": "mlp", "kwargs": {"hidden": 64}},
+            "data": {
+                "dataset": "synthetic",
+                "batch_size": 16,
+                "synthetic": {"shape": [3, 8, 8], "classes": 4},
+            },
+            "optimizer": {
+                "name": "adam",
+                "lr": 1,
+                "schedule": {"name": "cosine", "total_steps": 100},
+            },
+            "cluster": {"workers": [{"slowdown": 2}, {}, {"threads": 2}]},
+            "stop": {"target_accuracy": None, "max_seconds": 10},
+        },
+    )
+    cfg = load_config(
+        path,
+        [
+            "data.batch_size=64",
+            "cluster.workers.1.slowdown=3",
+            "algorithm.name=ssp",
+            "algorithm.staleness=3",
+            "eval.enabled=false",
+            "cluster.shards=1",
+        ],
+    )
     assert cfg.name == "exp1" and cfg.seed == 5
     assert cfg.model.name == "mlp" and cfg.model.kwargs == {"hidden": 64}
     assert cfg.data.dataset == "synthetic"
-    assert cfg.data.batch_size == 64                      # override beats the file
+    assert cfg.data.batch_size == 64  # override beats the file
     assert cfg.data.synthetic.shape == [3, 8, 8] and cfg.data.synthetic.classes == 4
-    assert cfg.data.synthetic.train_size == 4096          # untouched default
+    assert cfg.data.synthetic.train_size == 4096  # untouched default
     assert cfg.optimizer.name == "adam"
     assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)  # int accepted for float
     assert cfg.optimizer.schedule.total_steps == 100
@@ -126,7 +145,17 @@ def test_unknown_top_level_key():
     msg = error(overrides=["bogus=1"])
     assert "bogus" in msg
     assert "allowed:" in msg
-    for name in ("name", "seed", "model", "data", "optimizer", "algorithm", "cluster", "stop", "eval"):
+    for name in (
+        "name",
+        "seed",
+        "model",
+        "data",
+        "optimizer",
+        "algorithm",
+        "cluster",
+        "stop",
+        "eval",
+    ):
         assert name in msg
 
 
@@ -154,17 +183,20 @@ def test_unknown_node_key():
     assert "slowdown" in msg and "threads" in msg and "device" in msg
 
 
-@pytest.mark.parametrize("override, path, expected", [
-    ("data.batch_size=x", "data.batch_size", "int"),
-    ("data.batch_size=2.5", "data.batch_size", "int"),
-    ("data.batch_size=true", "data.batch_size", "int"),
-    ("stop.max_seconds=[1]", "stop.max_seconds", "float"),
-    ("eval.enabled=1", "eval.enabled", "bool"),
-    ("model.kwargs=[1]", "model.kwargs", "dict"),
-    ("data.synthetic.shape=3", "data.synthetic.shape", "list"),
-    ("data.synthetic.shape=[1, x]", "data.synthetic.shape.1", "int"),
-    ("data=3", "data", "mapping"),
-])
+@pytest.mark.parametrize(
+    "override, path, expected",
+    [
+        ("data.batch_size=x", "data.batch_size", "int"),
+        ("data.batch_size=2.5", "data.batch_size", "int"),
+        ("data.batch_size=true", "data.batch_size", "int"),
+        ("stop.max_seconds=[1]", "stop.max_seconds", "float"),
+        ("eval.enabled=1", "eval.enabled", "bool"),
+        ("model.kwargs=[1]", "model.kwargs", "dict"),
+        ("data.synthetic.shape=3", "data.synthetic.shape", "list"),
+        ("data.synthetic.shape=[1, x]", "data.synthetic.shape.1", "int"),
+        ("data=3", "data", "mapping"),
+    ],
+)
 def test_wrong_type(override, path, expected):
     msg = error(overrides=[override])
     assert msg.startswith(path + ":")
@@ -235,36 +267,47 @@ def test_cosine_needs_total_steps():
     assert cfg.optimizer.schedule.total_steps == 10
 
 
-@pytest.mark.parametrize("override, path", [
-    ("cluster.workers.2.slowdown=0.5", "cluster.workers.2.slowdown"),
-    ("cluster.shards.0.slowdown=0", "cluster.shards.0.slowdown"),
-])
+@pytest.mark.parametrize(
+    "override, path",
+    [
+        ("cluster.workers.2.slowdown=0.5", "cluster.workers.2.slowdown"),
+        ("cluster.shards.0.slowdown=0", "cluster.shards.0.slowdown"),
+    ],
+)
 def test_slowdown_below_one(override, path):
     assert path in error(overrides=[override])
 
 
-@pytest.mark.parametrize("override, path", [
-    ("data.batch_size=0", "data.batch_size"),
-    ("optimizer.lr=-1", "optimizer.lr"),
-    ("stop.max_seconds=0", "stop.max_seconds"),
-    ("algorithm.name=ssp,algorithm.staleness=-1", "algorithm.staleness"),
-    ("cluster.workers=0", "cluster.workers"),
-])
+@pytest.mark.parametrize(
+    "override, path",
+    [
+        ("data.batch_size=0", "data.batch_size"),
+        ("optimizer.lr=-1", "optimizer.lr"),
+        ("stop.max_seconds=0", "stop.max_seconds"),
+        ("algorithm.name=ssp,algorithm.staleness=-1", "algorithm.staleness"),
+        ("cluster.workers=0", "cluster.workers"),
+    ],
+)
 def test_out_of_range(override, path):
     assert path in error(overrides=override.split(","))
 
 
-@pytest.mark.parametrize("override, path", [
-    ("cluster.workers.4.slowdown=2", "cluster.workers.4"),
-    ("cluster.workers.x.slowdown=2", "cluster.workers.x"),
-    ("seed.x=1", "seed"),
-])
+@pytest.mark.parametrize(
+    "override, path",
+    [
+        ("cluster.workers.4.slowdown=2", "cluster.workers.4"),
+        ("cluster.workers.x.slowdown=2", "cluster.workers.x"),
+        ("seed.x=1", "seed"),
+    ],
+)
 def test_bad_override_paths(override, path):
     assert path in error(overrides=[override])
 
 
 def test_override_value_that_is_not_yaml():
-    assert error(overrides=["cluster.kill=[{node: ps0"]).startswith("cluster.kill: value is not valid YAML")
+    assert error(overrides=["cluster.kill=[{node: ps0"]).startswith(
+        "cluster.kill: value is not valid YAML"
+    )
 
 
 def test_override_without_equals():
@@ -280,13 +323,25 @@ def test_bad_files(tmp_path):
 # ------------------------------------------------------------ round trip
 
 
-@pytest.mark.parametrize("overrides", [
-    [],
-    ["algorithm.name=ssp", "algorithm.staleness=5", "cluster.workers=3", "cluster.workers.2.slowdown=2.5",
-     "stop.target_accuracy=null", "optimizer.schedule.name=cosine", "optimizer.schedule.total_steps=50",
-     "model.kwargs={width: 8}", "data.dataset=synthetic", "optimizer.betas=[0.5, 0.75]"],
-    ["algorithm.name=async", "model.name=mlp", "eval.enabled=false"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        [
+            "algorithm.name=ssp",
+            "algorithm.staleness=5",
+            "cluster.workers=3",
+            "cluster.workers.2.slowdown=2.5",
+            "stop.target_accuracy=null",
+            "optimizer.schedule.name=cosine",
+            "optimizer.schedule.total_steps=50",
+            "model.kwargs={width: 8}",
+            "data.dataset=synthetic",
+            "optimizer.betas=[0.5, 0.75]",
+        ],
+        ["algorithm.name=async", "model.name=mlp", "eval.enabled=false"],
+    ],
+)
 def test_dump_load_round_trip(tmp_path, overrides):
     cfg = load_config(None, overrides)
     path = tmp_path / "resolved.yaml"
@@ -301,46 +356,70 @@ def test_dump_load_round_trip(tmp_path, overrides):
 
 
 def test_every_error_is_reported_at_once(tmp_path):
-    path = write(tmp_path, {"stop": {"target_accuracy": 95}, "optimizer": {"momentum": -0.5, "lr": 0},
-                            "data": {"bogus": 1, "batch_size": "x"}, "cluster": {"dead_after_s": 0}})
+    path = write(
+        tmp_path,
+        {
+            "stop": {"target_accuracy": 95},
+            "optimizer": {"momentum": -0.5, "lr": 0},
+            "data": {"bogus": 1, "batch_size": "x"},
+            "cluster": {"dead_after_s": 0},
+        },
+    )
     with pytest.raises(ConfigError) as ei:
         load_config(path, ["algorithm.staleness=3", "cluster.workers=[]", "nope.deeper=1"])
     keys = [line.split(":", 1)[0] for line in ei.value.errors]
-    assert sorted(keys) == sorted(["stop.target_accuracy", "optimizer.momentum", "optimizer.lr", "data.bogus",
-                                   "data.batch_size", "cluster.dead_after_s", "algorithm.staleness",
-                                   "cluster.workers", "nope"])
+    assert sorted(keys) == sorted(
+        [
+            "stop.target_accuracy",
+            "optimizer.momentum",
+            "optimizer.lr",
+            "data.bogus",
+            "data.batch_size",
+            "cluster.dead_after_s",
+            "algorithm.staleness",
+            "cluster.workers",
+            "nope",
+        ]
+    )
     assert str(ei.value).count("\n") == len(keys) - 1
     assert "must be in (0, 1]" in str(ei.value) and "got 95.0" in str(ei.value)
 
 
-@pytest.mark.parametrize("override, key, allowed", [
-    ("stop.target_accuracy=95", "stop.target_accuracy", "(0, 1]"),
-    ("stop.target_accuracy=0", "stop.target_accuracy", "(0, 1]"),
-    ("stop.target_patience=0", "stop.target_patience", ">= 1"),
-    ("optimizer.lr=.inf", "optimizer.lr", "finite"),
-    ("name=../../elsewhere", "name", "names the run directory"),
-    ("cluster.kill=[{node: ps0, at_s: .nan}]", "cluster.kill.0.at_s", "finite"),
-    ("cluster.workers=[{schedule: [{at_s: .nan, slowdown: 2}]}]", "cluster.workers.0.schedule.0", "at_s >= 0"),
-    ("eval.every_s=1e400", "eval.every_s", "finite"),
-    ("cluster.dead_after_s=0", "cluster.dead_after_s", "> 0"),
-    ("optimizer.momentum=-0.1", "optimizer.momentum", ">= 0"),
-    ("optimizer.weight_decay=-1", "optimizer.weight_decay", ">= 0"),
-    ("cluster.workers=[]", "cluster.workers", "at least 1"),
-    ("cluster.shards=[]", "cluster.shards", "at least 1"),
-    ("cluster.heartbeat_s=6", "cluster.heartbeat_s", "< cluster.dead_after_s"),
-    ("cluster.kill=[{node: ps0}]", "cluster.kill.0.at_s", "required"),
-    ("cluster.kill=[{node: worker7, at_s: 1}]", "cluster.kill.0.node", "worker3"),
-    ("cluster.kill=[{node: ps0, at_s: -1}]", "cluster.kill.0.at_s", ">= 0"),
-    ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
-    ("cluster.workers.1.threads=0", "cluster.workers.1.threads", ">= 1"),
-    ("cluster.faults.drop=1.5", "cluster.faults.drop", "[0, 1]"),
-    ("optimizer.betas=[0.9, 1.0]", "optimizer.betas", "[0, 1)"),
-    ("optimizer.momentum=0;optimizer.nesterov=true", "optimizer.nesterov", "momentum > 0"),
-    ("data.eval_batch_size=0", "data.eval_batch_size", ">= 1"),
-    ("data.resize=[32]", "data.resize", "[height, width]"),
-    ("data.kwargs={a: 1}", "data.kwargs", "package.module:factory"),
-    ("seed=-1", "seed", ">= 0"),
-])
+@pytest.mark.parametrize(
+    "override, key, allowed",
+    [
+        ("stop.target_accuracy=95", "stop.target_accuracy", "(0, 1]"),
+        ("stop.target_accuracy=0", "stop.target_accuracy", "(0, 1]"),
+        ("stop.target_patience=0", "stop.target_patience", ">= 1"),
+        ("optimizer.lr=.inf", "optimizer.lr", "finite"),
+        ("name=../../elsewhere", "name", "names the run directory"),
+        ("cluster.kill=[{node: ps0, at_s: .nan}]", "cluster.kill.0.at_s", "finite"),
+        (
+            "cluster.workers=[{schedule: [{at_s: .nan, slowdown: 2}]}]",
+            "cluster.workers.0.schedule.0",
+            "at_s >= 0",
+        ),
+        ("eval.every_s=1e400", "eval.every_s", "finite"),
+        ("cluster.dead_after_s=0", "cluster.dead_after_s", "> 0"),
+        ("optimizer.momentum=-0.1", "optimizer.momentum", ">= 0"),
+        ("optimizer.weight_decay=-1", "optimizer.weight_decay", ">= 0"),
+        ("cluster.workers=[]", "cluster.workers", "at least 1"),
+        ("cluster.shards=[]", "cluster.shards", "at least 1"),
+        ("cluster.heartbeat_s=6", "cluster.heartbeat_s", "< cluster.dead_after_s"),
+        ("cluster.kill=[{node: ps0}]", "cluster.kill.0.at_s", "required"),
+        ("cluster.kill=[{node: worker7, at_s: 1}]", "cluster.kill.0.node", "worker3"),
+        ("cluster.kill=[{node: ps0, at_s: -1}]", "cluster.kill.0.at_s", ">= 0"),
+        ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
+        ("cluster.workers.1.threads=0", "cluster.workers.1.threads", ">= 1"),
+        ("cluster.faults.drop=1.5", "cluster.faults.drop", "[0, 1]"),
+        ("optimizer.betas=[0.9, 1.0]", "optimizer.betas", "[0, 1)"),
+        ("optimizer.momentum=0;optimizer.nesterov=true", "optimizer.nesterov", "momentum > 0"),
+        ("data.eval_batch_size=0", "data.eval_batch_size", ">= 1"),
+        ("data.resize=[32]", "data.resize", "[height, width]"),
+        ("data.kwargs={a: 1}", "data.kwargs", "package.module:factory"),
+        ("seed=-1", "seed", ">= 0"),
+    ],
+)
 def test_numbers_out_of_range_name_the_key_and_the_range(override, key, allowed):
     with pytest.raises(ConfigError) as ei:
         load_config(None, override.split(";"))
@@ -361,7 +440,8 @@ def test_a_key_of_another_algorithm_says_whose_it_is():
     msg = error(overrides=["algorithm.name=sync", "algorithm.staleness=3"])
     assert msg.startswith("algorithm.staleness: belongs to ssp, not to sync")
     assert error(overrides=["algorithm.name=ssp", "algorithm.period=3"]).startswith(
-        "algorithm.period: belongs to cpsgd or diloco, not to ssp")
+        "algorithm.period: belongs to cpsgd or diloco, not to ssp"
+    )
 
 
 def test_algorithm_name_on_the_command_line_drops_the_files_algorithm_keys(tmp_path):
@@ -371,7 +451,9 @@ def test_algorithm_name_on_the_command_line_drops_the_files_algorithm_keys(tmp_p
     cfg = load_config(path, ["algorithm.name=ssp", "algorithm.staleness=4"])
     assert cfg.algorithm.params == SspParams(staleness=4)
     # what the command line itself set is never dropped silently
-    assert error(path, ["algorithm.groups=3", "algorithm.name=ssp"]).startswith("algorithm.groups: belongs to grouping")
+    assert error(path, ["algorithm.groups=3", "algorithm.name=ssp"]).startswith(
+        "algorithm.groups: belongs to grouping"
+    )
     # the same name keeps the file's keys
     assert load_config(path, ["algorithm.name=grouping"]).algorithm.params.groups == 2
 
@@ -379,14 +461,22 @@ def test_algorithm_name_on_the_command_line_drops_the_files_algorithm_keys(tmp_p
 def test_factory_targets_are_imported_only_when_asked(tmp_path, monkeypatch):
     (tmp_path / "cfg_targets_mod.py").write_text("def make(**kw):\n    return None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    overrides = ["model.name=cfg_targets_mod:make", "data.dataset=cfg_targets_mod:make", "data.kwargs={root: x}"]
+    overrides = [
+        "model.name=cfg_targets_mod:make",
+        "data.dataset=cfg_targets_mod:make",
+        "data.kwargs={root: x}",
+    ]
     assert load_config(None, overrides, import_targets=True).data.kwargs == {"root": "x"}
     typos = ["model.name=cfg_targets_mdo:make", "data.dataset=cfg_targets_mod:mkae"]
-    assert load_config(None, typos).model.name == "cfg_targets_mdo:make"  # the scheduler and shards never import it
+    # the scheduler and shards never import it
+    assert load_config(None, typos).model.name == "cfg_targets_mdo:make"
     with pytest.raises(ConfigError) as ei:
         load_config(None, typos, import_targets=True)
     assert [e.split(":", 1)[0] for e in ei.value.errors] == ["model.name", "data.dataset"]
-    assert "cannot import 'cfg_targets_mdo'" in ei.value.errors[0] and "importable on every host" in ei.value.errors[0]
+    assert (
+        "cannot import 'cfg_targets_mdo'" in ei.value.errors[0]
+        and "importable on every host" in ei.value.errors[0]
+    )
     assert "no callable 'mkae'" in ei.value.errors[1]
 
 
@@ -396,15 +486,29 @@ def test_hetps_config_prints_the_resolved_config_or_every_error(tmp_path):
     from hetps.runconfig.load import config_from_dict
 
     hetps = [sys.executable, "-m", "hetps.frontend.cli", "config"]
-    path = write(tmp_path, {"algorithm": {"name": "grouping", "groups": 2}, "data": {"batch_size": 8}})
-    out = subprocess.run([*hetps, str(path), "algorithm.name=ssp", "cluster.workers=3"], capture_output=True,
-                         text=True, timeout=60)
+    path = write(
+        tmp_path, {"algorithm": {"name": "grouping", "groups": 2}, "data": {"batch_size": 8}}
+    )
+    out = subprocess.run(
+        [*hetps, str(path), "algorithm.name=ssp", "cluster.workers=3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     cfg = config_from_dict(yaml.safe_load(out.stdout))
     assert cfg == load_config(path, ["algorithm.name=ssp", "cluster.workers=3"])
-    assert cfg.data.batch_size == 8 and len(cfg.cluster.workers) == 3 and cfg.algorithm.name == "ssp"
-    bad = subprocess.run([*hetps, str(path), "stop.target_accuracy=95", "cluster.dead_after_s=0"],
-                         capture_output=True, text=True, timeout=60)
+    assert (
+        cfg.data.batch_size == 8 and len(cfg.cluster.workers) == 3 and cfg.algorithm.name == "ssp"
+    )
+    bad = subprocess.run(
+        [*hetps, str(path), "stop.target_accuracy=95", "cluster.dead_after_s=0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and bad.stdout == ""
-    assert sorted(line.split(":")[2].strip() for line in bad.stderr.splitlines()) == ["cluster.dead_after_s",
-                                                                                      "stop.target_accuracy"]
+    assert sorted(line.split(":")[2].strip() for line in bad.stderr.splitlines()) == [
+        "cluster.dead_after_s",
+        "stop.target_accuracy",
+    ]

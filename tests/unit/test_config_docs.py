@@ -1,6 +1,7 @@
 """docs/configuration.md is generated from the config dataclasses
 (runconfig/reference.py) and must match them: this fails when a config field
 changes and the file was not regenerated."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,15 +21,30 @@ def test_configuration_reference_is_up_to_date():
 
 def test_every_key_is_listed_with_a_description():
     text = render()
-    rows = {line.split("`")[1]: line.rsplit("|", 2)[1].strip() for line in text.splitlines()
-            if line.startswith("| `")}
-    for key in ("optimizer.lr", "cluster.retry_s", "cluster.workers.N.slowdown", "cluster.kill[].restart_after_s",
-                "cluster.faults.drop", "comm.fuse_pull", "checkpoint.keep", "security.keys_dir"):
+    rows = {
+        line.split("`")[1]: line.rsplit("|", 2)[1].strip()
+        for line in text.splitlines()
+        if line.startswith("| `")
+    }
+    for key in (
+        "optimizer.lr",
+        "cluster.retry_s",
+        "cluster.workers.N.slowdown",
+        "cluster.kill[].restart_after_s",
+        "cluster.faults.drop",
+        "comm.fuse_pull",
+        "checkpoint.keep",
+        "security.keys_dir",
+    ):
         assert key in rows, key
     for name, cls in ALGORITHM_PARAMS.items():
         for f in dataclasses.fields(cls):
             assert f"algorithm.{f.name}" in rows, (name, f.name)
     undocumented = [k for k, meaning in rows.items() if not meaning]
-    assert not undocumented, f"add a comment on the field's line in runconfig/schema.py: {undocumented}"
+    assert not undocumented, (
+        f"add a comment on the field's line in runconfig/schema.py: {undocumented}"
+    )
     assert rows["comm.compression"].endswith("(one of: `none`, `fp16`, `topk`)")
-    assert f"`{config.ClusterConfig().retry_s}`" in next(line for line in text.splitlines() if "`cluster.retry_s`" in line)
+    assert f"`{config.ClusterConfig().retry_s}`" in next(
+        line for line in text.splitlines() if "`cluster.retry_s`" in line
+    )

@@ -3,6 +3,7 @@ with non-blocking copies (worker/state.py), pulled values copied onto the
 GPU, batches moved with non_blocking; a GPU worker and a CPU worker push
 the same gradients for the same model and batch (so they mix in one run).
 Runs only where CUDA exists; bench/gpu_check.py checks a GPU machine end to end."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,9 +14,11 @@ from hetps.runconfig.schema import ModelConfig
 from hetps.worker.models import build_model
 from hetps.worker.state import ModelState
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="no CUDA device here: the pinned-buffer path of worker/state.py runs "
-                                       "only on GPU workers (bench/gpu_check.py covers a GPU machine)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device here: the pinned-buffer path of worker/state.py runs "
+    "only on GPU workers (bench/gpu_check.py covers a GPU machine)",
+)
 
 IN_SHAPE, CLASSES = (1, 28, 28), 10
 
@@ -30,7 +33,9 @@ def backward(state: ModelState, seed: int) -> None:
     x, y = torch.randn(16, *IN_SHAPE, generator=g), torch.randint(0, CLASSES, (16,), generator=g)
     model = state.model
     model.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x.to(state.device, non_blocking=True)), y.to(state.device, non_blocking=True)).backward()
+    F.cross_entropy(
+        model(x.to(state.device, non_blocking=True)), y.to(state.device, non_blocking=True)
+    ).backward()
 
 
 def test_gradients_leave_through_reused_pinned_buffers_and_match_the_gpu_values():
@@ -41,13 +46,18 @@ def test_gradients_leave_through_reused_pinned_buffers_and_match_the_gpu_values(
         out = first[name]
         assert out.device.type == "cpu" and out.is_pinned(), name
         want = (t.grad if kind == "param" else t).detach().cpu()
-        assert torch.equal(out, want), name  # the non-blocking copy completed before outgoing() returned
+        # the non-blocking copy completed before outgoing() returned
+        assert torch.equal(out, want), name
     pointers = {n: t.data_ptr() for n, t in first.items()}
     before = {n: t.clone() for n, t in first.items()}
     backward(state, 2)
     second = state.outgoing()
     assert {n: t.data_ptr() for n, t in second.items()} == pointers  # staging buffers are reused
-    changed = [n for n, (t, kind) in state.tensors.items() if kind == "param" and not torch.equal(second[n], before[n])]
+    changed = [
+        n
+        for n, (t, kind) in state.tensors.items()
+        if kind == "param" and not torch.equal(second[n], before[n])
+    ]
     assert changed and all(torch.equal(second[n], state.tensors[n][0].grad.cpu()) for n in changed)
 
 
@@ -61,7 +71,10 @@ def test_pulled_values_land_on_the_gpu():
 
 
 def test_a_gpu_worker_and_a_cpu_worker_push_the_same_gradients():
-    gpu, cpu = ModelState(lenet("cuda"), torch.device("cuda")), ModelState(lenet("cpu"), torch.device("cpu"))
+    gpu, cpu = (
+        ModelState(lenet("cuda"), torch.device("cuda")),
+        ModelState(lenet("cpu"), torch.device("cpu")),
+    )
     backward(gpu, 3)
     backward(cpu, 3)
     got, want = gpu.outgoing(), cpu.outgoing()

@@ -9,16 +9,17 @@ them, the config path mapped onto the files mounted there — is run through the
 `--check` appended, which parses flags, environment and config and prints the resolved role, rank
 and addresses without connecting anywhere.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import re
-import tomllib
 import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,26 @@ COMPOSE = DOCKER / "docker-compose.yml"
 CPU_DOCKERFILE = DOCKER / "Dockerfile"
 CUDA_DOCKERFILE = DOCKER / "Dockerfile.cuda"
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
-PACKAGE_DIRS = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+PACKAGE_DIRS = tuple(
+    tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ].values()
+)
 
-COMPOSE_SERVICES = {"scheduler", "ps0", "ps1", "worker0", "worker1", "worker2", "worker3", "worker",
-                    "evaluator", "worker-gpu0", "worker-gpu1"}
-MONITORING_SERVICES = {"prometheus"}   # profile `monitoring`; checked in test_monitoring_files.py
+COMPOSE_SERVICES = {
+    "scheduler",
+    "ps0",
+    "ps1",
+    "worker0",
+    "worker1",
+    "worker2",
+    "worker3",
+    "worker",
+    "evaluator",
+    "worker-gpu0",
+    "worker-gpu1",
+}
+MONITORING_SERVICES = {"prometheus"}  # profile `monitoring`; checked in test_monitoring_files.py
 
 
 # ---------------------------------------------------------------- helpers
@@ -61,6 +77,7 @@ def dockerfile_entrypoint(path: Path) -> list[str]:
 def interpolate(value: str, env: dict[str, str]) -> str:
     """Compose's variable substitution ($$, $VAR, ${VAR}, ${VAR:-default}, ${VAR-default}),
     used when the docker-compose client is not installed."""
+
     def sub(m: re.Match) -> str:
         if m.group(0) == "$$":
             return "$"
@@ -69,6 +86,7 @@ def interpolate(value: str, env: dict[str, str]) -> str:
         if name in env and not (op == ":-" and env[name] == ""):
             return env[name]
         return default if op else ""
+
     pattern = r"\$\$|\$\{(?P<braced>\w+)(?:(?P<op>:?-)(?P<default>[^}]*))?\}|\$(?P<bare>\w+)"
     return re.sub(pattern, sub, value)
 
@@ -97,8 +115,13 @@ def load_compose() -> dict:
     parsed here with the same variable substitution."""
     binary = docker_compose()
     if binary:
-        done = subprocess.run([binary, "-f", str(COMPOSE), "config"], capture_output=True, text=True,
-                              env=compose_env(), timeout=120)
+        done = subprocess.run(
+            [binary, "-f", str(COMPOSE), "config"],
+            capture_output=True,
+            text=True,
+            env=compose_env(),
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         return yaml.safe_load(done.stdout)
     raw = yaml.safe_load(COMPOSE.read_text())
@@ -123,7 +146,7 @@ def map_paths(value: str, mounts: dict[str, Path]) -> str:
     """A container path under a mounted directory -> the host path it stands for."""
     for inside, outside in mounts.items():
         if value == inside or value.startswith(inside.rstrip("/") + "/"):
-            return str(outside) + value[len(inside.rstrip("/")):]
+            return str(outside) + value[len(inside.rstrip("/")) :]
     return value
 
 
@@ -133,7 +156,8 @@ def shim_path(tmp_path_factory) -> str:
     (`python -m hetps.frontend.cli ARGS --check`), `python` is this interpreter."""
     bin_dir = tmp_path_factory.mktemp("bin")
     (bin_dir / "hetps").write_text(
-        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m hetps.frontend.cli "$@" --check\n')
+        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m hetps.frontend.cli "$@" --check\n'
+    )
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
@@ -148,9 +172,12 @@ def run_container_command(argv: list[str], env: dict[str, str], shim: str) -> di
     full_env["PATH"] = shim
     exe = shutil.which(argv[0], path=shim)
     assert exe, f"{argv[0]!r} is not on the container's PATH"
-    done = subprocess.run([exe, *argv[1:]], env=full_env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, (f"{argv} exited {done.returncode}\n"
-                                  f"stdout: {done.stdout}\nstderr: {done.stderr}")
+    done = subprocess.run(
+        [exe, *argv[1:]], env=full_env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, (
+        f"{argv} exited {done.returncode}\nstdout: {done.stdout}\nstderr: {done.stderr}"
+    )
     for line in done.stdout.splitlines():
         m = re.match(r"hetps (\w+): ok\b(.*)", line)
         if m:
@@ -160,7 +187,9 @@ def run_container_command(argv: list[str], env: dict[str, str], shim: str) -> di
 
 def service_dockerfile(svc: dict) -> Path:
     context = Path(svc["build"]["context"])
-    return ((context if context.is_absolute() else DOCKER / context) / svc["build"]["dockerfile"]).resolve()
+    return (
+        (context if context.is_absolute() else DOCKER / context) / svc["build"]["dockerfile"]
+    ).resolve()
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -176,16 +205,22 @@ def test_cpu_dockerfile():
     assert len(froms) == 1 and re.fullmatch(r"python:3\.1[1-9][\w.-]*-slim[\w.-]*", froms[0]), froms
     assert dockerfile_entrypoint(CPU_DOCKERFILE) == ["hetps"]
     runs = " ".join(args for word, args in steps if word == "RUN")
-    assert "download.pytorch.org/whl/cpu" in " ".join(args for _, args in steps)  # the CPU torch wheels
+    # the CPU torch wheels
+    assert "download.pytorch.org/whl/cpu" in " ".join(args for _, args in steps)
     assert re.search(r"pip install .*\.\[data\]", runs), "installs hetps with the data extra"
 
 
 def test_cuda_dockerfile():
     steps = dockerfile_instructions(CUDA_DOCKERFILE)
     args = dict(re.match(r"(\w+)=(\S+)", a).groups() for w, a in steps if w == "ARG" and "=" in a)
-    froms = [re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), a)
-             for w, a in steps if w == "FROM"]
-    assert len(froms) == 1 and re.fullmatch(r"pytorch/pytorch:[\w.]+-cuda[\w.-]+-runtime", froms[0]), froms
+    froms = [
+        re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), a)
+        for w, a in steps
+        if w == "FROM"
+    ]
+    assert len(froms) == 1 and re.fullmatch(
+        r"pytorch/pytorch:[\w.]+-cuda[\w.-]+-runtime", froms[0]
+    ), froms
     assert dockerfile_entrypoint(CUDA_DOCKERFILE) == ["hetps"]
     runs = " ".join(a for w, a in steps if w == "RUN")
     assert re.search(r"pip install .*\.\[data\]", runs)
@@ -208,13 +243,25 @@ def test_dockerfile_copies_the_package_and_runs_unprivileged(path):
 def test_compose_config_validates():
     binary = docker_compose()
     if binary is None:
-        pytest.skip("docker-compose not installed (.ci/run installs Debian's docker-compose); "
-                    "the service commands are still checked from the parsed file")
-    done = subprocess.run([binary, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
-                          text=True, env=compose_env(), timeout=120)
+        pytest.skip(
+            "docker-compose not installed (.ci/run installs Debian's docker-compose); "
+            "the service commands are still checked from the parsed file"
+        )
+    done = subprocess.run(
+        [binary, "-f", str(COMPOSE), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        env=compose_env(),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
-    services = subprocess.run([binary, "-f", str(COMPOSE), "config", "--services"], capture_output=True,
-                              text=True, env=compose_env(), timeout=120)
+    services = subprocess.run(
+        [binary, "-f", str(COMPOSE), "config", "--services"],
+        capture_output=True,
+        text=True,
+        env=compose_env(),
+        timeout=120,
+    )
     assert set(services.stdout.split()) == COMPOSE_SERVICES | MONITORING_SERVICES
 
 
@@ -229,16 +276,20 @@ def test_compose_structure(compose):
     cfg = load_config(DEFAULT_CONFIG)
     assert {"runs", "checkpoints"} <= set(compose.get("volumes") or {})
     for name, svc in services.items():
-        assert svc.get("restart") in ("on-failure", "unless-stopped", "always") or \
-            str(svc.get("restart", "")).startswith("on-failure:"), f"{name}: no restart policy"
+        assert svc.get("restart") in ("on-failure", "unless-stopped", "always") or str(
+            svc.get("restart", "")
+        ).startswith("on-failure:"), f"{name}: no restart policy"
         assert svc.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
         env = env_dict(svc.get("environment"))
         assert env.get("HETPS_CONFIG") == "/configs/default.yaml", name
-        assert any(str(v).split(":")[1:2] == ["/configs"] for v in svc.get("volumes", [])), \
+        assert any(str(v).split(":")[1:2] == ["/configs"] for v in svc.get("volumes", [])), (
             f"{name}: the configs directory is not mounted at /configs"
+        )
         if name != "scheduler":  # every other node reaches the scheduler service by name
             host, port = split_address(env["HETPS_SCHEDULER"])
-            assert host == "scheduler" and f"tcp://0.0.0.0:{port}" in as_argv(services["scheduler"]["command"])
+            assert host == "scheduler" and f"tcp://0.0.0.0:{port}" in as_argv(
+                services["scheduler"]["command"]
+            )
             assert "scheduler" in (svc.get("depends_on") or {}), name
     # the scheduler's run directory is on the runs volume
     sched = services["scheduler"]
@@ -246,9 +297,14 @@ def test_compose_structure(compose):
     runs_mount = [v.split(":")[1] for v in sched["volumes"] if v.split(":")[0] == "runs"]
     assert runs_mount and run_dir.startswith(runs_mount[0] + "/"), (run_dir, sched["volumes"])
     # one fixed service per configured shard and worker, ranks 0..n-1, matching names
-    fixed = {role: sorted(n for n in services if re.fullmatch(rf"{role}\d+", n)) for role in ("ps", "worker")}
-    assert fixed == {"ps": [f"ps{i}" for i in range(len(cfg.cluster.shards))],
-                     "worker": [f"worker{i}" for i in range(len(cfg.cluster.workers))]}
+    fixed = {
+        role: sorted(n for n in services if re.fullmatch(rf"{role}\d+", n))
+        for role in ("ps", "worker")
+    }
+    assert fixed == {
+        "ps": [f"ps{i}" for i in range(len(cfg.cluster.shards))],
+        "worker": [f"worker{i}" for i in range(len(cfg.cluster.workers))],
+    }
     # the scalable services: none by default; GPU workers only with the gpu profile
     assert int(services["worker"].get("scale", 1)) == 0
     # GPU workers: the gpu profile, the CUDA image, one distinct GPU each
@@ -269,9 +325,14 @@ def compose_expectations(name: str) -> dict[str, str]:
     if name == "scheduler":
         return {"role": "scheduler", "bind": "tcp://0.0.0.0:7000", "run_dir": "/runs/default"}
     if m := re.fullmatch(r"ps(\d+)", name):
-        return {"role": "ps", "rank": m.group(1), "bind": "tcp://0.0.0.0:7100",
-                "advertise": f"tcp://{name}:7100", "scheduler": "tcp://scheduler:7000",
-                "replica_advertise": f"tcp://{name}:7101"}
+        return {
+            "role": "ps",
+            "rank": m.group(1),
+            "bind": "tcp://0.0.0.0:7100",
+            "advertise": f"tcp://{name}:7100",
+            "scheduler": "tcp://scheduler:7000",
+            "replica_advertise": f"tcp://{name}:7101",
+        }
     if m := re.fullmatch(r"worker(\d+)", name):
         return {"role": "worker", "rank": m.group(1), "scheduler": "tcp://scheduler:7000"}
     if name == "evaluator":
@@ -288,7 +349,9 @@ def test_compose_service_command_passes_check(name, compose, shim_path):
     for volume in svc.get("volumes", []):
         source, target = str(volume).split(":")[:2]
         if source.startswith((".", "/")):  # a bind mount (named volumes are not read by --check)
-            mounts[target] = (DOCKER / source).resolve() if not Path(source).is_absolute() else Path(source)
+            mounts[target] = (
+                (DOCKER / source).resolve() if not Path(source).is_absolute() else Path(source)
+            )
     env = {k: map_paths(v, mounts) for k, v in env_dict(svc.get("environment")).items()}
     argv = [*entrypoint, *as_argv(svc.get("command"))]
     argv = [argv[0], *(map_paths(a, mounts) for a in argv[1:])]
@@ -306,7 +369,10 @@ def test_compose_advertised_shard_addresses_are_service_names(compose):
             host, port = split_address(argv[argv.index("--advertise") + 1])
             assert host == name and host in services
             assert f"tcp://0.0.0.0:{port}" == argv[argv.index("--bind") + 1]
-        if "--replica-advertise" in argv:  # the backup it holds, with cluster.replicas: a second port
+        # the backup it holds, with cluster.replicas: a second port
+        if "--replica-advertise" in argv:
             host, port = split_address(argv[argv.index("--replica-advertise") + 1])
-            assert host == name and f"tcp://0.0.0.0:{port}" == argv[argv.index("--replica-bind") + 1]
+            assert (
+                host == name and f"tcp://0.0.0.0:{port}" == argv[argv.index("--replica-bind") + 1]
+            )
             assert port != split_address(argv[argv.index("--advertise") + 1])[1]

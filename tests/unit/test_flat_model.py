@@ -5,6 +5,7 @@ into zeros: a -0.0 comes out +0.0, an equal value; none occurs in these
 steps); a push's frame is the gradient buffer itself and its bytes are those
 the per-tensor encoder makes; a reply loads with one copy per part; parts
 that do not qualify keep the per-tensor path. Pure, in one process."""
+
 from __future__ import annotations
 
 import copy
@@ -41,12 +42,16 @@ def backward(state: ModelState, step: int) -> None:
 
 def push_frames(state: ModelState, names: list[str], step: int) -> list:
     out = state.outgoing()
-    return encode(Push(plan_id=1, clock=step, base_version=step, tensors={n: out[n] for n in names}), 7, 3)
+    return encode(
+        Push(plan_id=1, clock=step, base_version=step, tensors={n: out[n] for n in names}), 7, 3
+    )
 
 
 def reply_for(values: dict[str, torch.Tensor], names: list[str]) -> dict:
     """What a shard's reply decodes to: read-only views of one frame, with their runs."""
-    return decode(encode(Params(version=1, tensors={n: values[n] for n in names}), 7, 1)).msg.tensors
+    return decode(
+        encode(Params(version=1, tensors={n: values[n] for n in names}), 7, 1)
+    ).msg.tensors
 
 
 @pytest.fixture
@@ -70,10 +75,18 @@ def test_training_steps_match_the_per_tensor_model(pair):
         backward(plain, step)
         backward(flat, step)
         for names, part in zip(parts, flat.flat.parts):
-            plain_frames, flat_frames = push_frames(plain, names, step), push_frames(flat, names, step)
-            assert [bytes(memoryview(f)) for f in flat_frames] == [bytes(memoryview(f)) for f in plain_frames]
+            plain_frames, flat_frames = (
+                push_frames(plain, names, step),
+                push_frames(flat, names, step),
+            )
+            assert [bytes(memoryview(f)) for f in flat_frames] == [
+                bytes(memoryview(f)) for f in plain_frames
+            ]
             # the frame is the gradient buffer itself, not a joined copy
-            assert torch.frombuffer(flat_frames[-1], dtype=torch.uint8).data_ptr() == part.grads.data_ptr()
+            assert (
+                torch.frombuffer(flat_frames[-1], dtype=torch.uint8).data_ptr()
+                == part.grads.data_ptr()
+            )
         new = {n: t - 0.1 * (step + 1) for n, t in plain.values().items()}
         plain.load(merged(reply_for(new, names) for names in parts))
         flat.load(merged(reply_for(new, names) for names in parts))
@@ -117,8 +130,14 @@ def test_parts_that_do_not_qualify_keep_the_per_tensor_path():
     state = ModelState(model, torch.device("cpu"))
     names = list(state.tensors)
     bn = [n for n in names if n.startswith("1.")]
-    state.lay_out_flat([["0.weight", "0.bias"], bn, ["2.weight", "2.bias", "3.weight", "3.bias"],
-                        ["0.weight#part0"]])
+    state.lay_out_flat(
+        [
+            ["0.weight", "0.bias"],
+            bn,
+            ["2.weight", "2.bias", "3.weight", "3.bias"],
+            ["0.weight#part0"],
+        ]
+    )
     assert [p.names for p in state.flat.parts] == [("0.weight", "0.bias")]
     state.zero_grad()
     assert model[1].weight.grad is None and model[3].weight.grad is None  # per tensor: set to None

@@ -12,6 +12,7 @@ The strategies and templates: support/wire_fuzz.py; the same messages sent to a
 live shard and scheduler: tests/cluster/test_fuzz_daemons.py. Every run is
 deterministic (derandomize=True, no example database).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,14 +23,32 @@ import msgpack
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
+from wire_fuzz import (
+    DECODER_CATALOG,
+    DECODER_COMPRESSED,
+    DECODER_TEMPLATES,
+    HUGE,
+    INTS,
+    PLAINLY_WRONG,
+    TENSOR_OPS,
+    TEXT,
+    VALUES,
+    M,
+    add_noise,
+    compressed_case,
+    echo_id,
+    expect,
+    field_error,
+    fuzz_settings,
+    one_error,
+    pack,
+    random_frames,
+    tensor_error,
+)
 
 from hetps.proto import messages as m
 from hetps.proto.codec import DEFAULT_MAX_TENSOR_BYTES, DTYPES, Envelope, ProtocolError, decode
 from hetps.proto.messages import MESSAGES, Op, Status, has_tensors
-from wire_fuzz import (DECODER_CATALOG, DECODER_COMPRESSED, DECODER_TEMPLATES, HUGE, INTS, M,
-                       PLAINLY_WRONG, TENSOR_OPS, TEXT, VALUES, add_noise, compressed_case, echo_id,
-                       expect, field_error, fuzz_settings, one_error, pack, random_frames,
-                       tensor_error)
 
 # Examples per decoder test: 7,200 in all.
 N_RANDOM_FRAMES = 1200
@@ -49,7 +68,10 @@ def check_decode(frames: list, catalog=None, max_bytes: int = DEFAULT_MAX_TENSOR
     try:
         env = decode(frames, catalog, max_bytes)
     except ProtocolError as err:
-        assert isinstance(err.status, Status) and err.status not in (Status.UNSET, Status.INTERNAL), err
+        assert isinstance(err.status, Status) and err.status not in (
+            Status.UNSET,
+            Status.INTERNAL,
+        ), err
         assert isinstance(err.req_id, int)
         return err
     assert isinstance(env, Envelope) and isinstance(env.msg, m.Message)
@@ -61,7 +83,10 @@ def check_decode(frames: list, catalog=None, max_bytes: int = DEFAULT_MAX_TENSOR
         nbytes = t.numel() * t.element_size()
         assert nbytes <= max_bytes
         # its own bytes, or (packed) those of the pack frame it is a view of: nothing allocated beside them
-        assert t.untyped_storage().nbytes() in (nbytes, len(frames[-1]) if len(frames) > 1 else nbytes)
+        assert t.untyped_storage().nbytes() in (
+            nbytes,
+            len(frames[-1]) if len(frames) > 1 else nbytes,
+        )
         assert i in compressed or nbytes == 0 or inside_a_frame(t, frames[1:])  # a view of a frame
     return env
 
@@ -101,10 +126,10 @@ def test_decoder_random_frames():
     @fuzz_settings(N_RANDOM_FRAMES)
     @given(random_frames())
     @example([b""])
-    @example([b"\xdd\xff\xff\xff\xff"])              # array32 claiming 4G elements
-    @example([b"\xdf\xff\xff\xff\xff"])              # map32 claiming 4G entries
-    @example([b"\xc6\xff\xff\xff\xff"])              # bin32 claiming 4 GiB
-    @example([b"\x91" * 100_000])                    # deeply nested arrays
+    @example([b"\xdd\xff\xff\xff\xff"])  # array32 claiming 4G elements
+    @example([b"\xdf\xff\xff\xff\xff"])  # map32 claiming 4G entries
+    @example([b"\xc6\xff\xff\xff\xff"])  # bin32 claiming 4 GiB
+    @example([b"\x91" * 100_000])  # deeply nested arrays
     @example([pack({"v": 1})] + [b""] * 1000)
     def run(frames):
         budget.count += 1
@@ -116,9 +141,13 @@ def test_decoder_random_frames():
 
 
 SPEC = st.one_of(
-    st.tuples(st.sampled_from(["w", "b", "x"]) | TEXT, st.sampled_from(sorted(DTYPES)) | TEXT | VALUES,
-              st.lists(st.integers(0, 4) | HUGE | st.integers(-2, -1) | VALUES, max_size=5)).map(list),
-    VALUES)
+    st.tuples(
+        st.sampled_from(["w", "b", "x"]) | TEXT,
+        st.sampled_from(sorted(DTYPES)) | TEXT | VALUES,
+        st.lists(st.integers(0, 4) | HUGE | st.integers(-2, -1) | VALUES, max_size=5),
+    ).map(list),
+    VALUES,
+)
 
 
 @st.composite
@@ -139,9 +168,15 @@ def random_header_message(draw):
     data = []
     for spec in h.get("tensors", []) if isinstance(h.get("tensors"), list) else []:
         size = None  # the byte length the spec declares, when it is a small, sane one
-        if (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[1], str) and spec[1] in DTYPES
-                and isinstance(spec[2], list) and len(spec[2]) <= 8
-                and all(type(d) is int and 0 <= d <= 512 for d in spec[2])):
+        if (
+            isinstance(spec, list)
+            and len(spec) == 3
+            and isinstance(spec[1], str)
+            and spec[1] in DTYPES
+            and isinstance(spec[2], list)
+            and len(spec[2]) <= 8
+            and all(type(d) is int and 0 <= d <= 512 for d in spec[2])
+        ):
             size = math.prod(spec[2]) * DTYPES[spec[1]].itemsize
         if size is not None and size <= 512 and draw(st.integers(0, 3)):
             data.append(bytes(draw(st.binary(min_size=size, max_size=size))))
@@ -167,7 +202,8 @@ def test_decoder_random_headers():
     budget.done(N_RANDOM_HEADERS)
     outcomes = {k: outcome.count(k) for k in sorted(set(outcome))}
     print(outcomes)
-    n_decoded = sum(n for k, n in outcomes.items() if k in Op.__members__)  # Op and Status names differ
+    # Op and Status names differ
+    n_decoded = sum(n for k, n in outcomes.items() if k in Op.__members__)
     assert n_decoded >= N_RANDOM_HEADERS // 10, outcomes  # the envelope checks ran, too
 
 
@@ -198,13 +234,19 @@ def test_decoder_field_errors():
     budget.done(N_FIELD_ERRORS)
     # a field the random draws missed (they spread over every message's fields, which grow): broken once here
     for t in DECODER_TEMPLATES.values():
-        for name in sorted(k for k in t.types if k not in seen and k in t.header and t.types[k] in PLAINLY_WRONG):
+        for name in sorted(
+            k for k in t.types if k not in seen and k in t.header and t.types[k] in PLAINLY_WRONG
+        ):
             h, frames = t.copy()
             h[name] = PLAINLY_WRONG[t.types[name]]
             raw = pack(h)
             err = check_decode([raw, *frames], None)
             assert isinstance(err, ProtocolError), f"decoded {t.op.name} with {name}={h[name]!r}"
-            assert err.status in expect(raw, {M}) and err.req_id == echo_id(raw), (t.op.name, name, err)
+            assert err.status in expect(raw, {M}) and err.req_id == echo_id(raw), (
+                t.op.name,
+                name,
+                err,
+            )
             seen.add(name)
     every = {k for t in DECODER_TEMPLATES.values() for k in t.types}
     assert seen == every, f"fields never broken: {sorted(every - seen)}"
@@ -228,7 +270,8 @@ def test_decoder_tensor_errors():
         else:
             t = DECODER_TEMPLATES[data.draw(st.sampled_from(TENSOR_OPS))]
             h, frames = t.copy()
-            use_catalog = data.draw(st.booleans()) and t.cls.CATALOGUED  # SNAPSHOT: never checked against it
+            # SNAPSHOT: never checked against it
+            use_catalog = data.draw(st.booleans()) and t.cls.CATALOGUED
             expected = tensor_error(data.draw, t, h, frames, use_catalog)
             catalog = DECODER_CATALOG if use_catalog else None
         raw = pack(h)
@@ -241,7 +284,13 @@ def test_decoder_tensor_errors():
     run()
     budget.done(N_TENSOR_ERRORS)
     print(statuses)
-    assert set(statuses) == {"MALFORMED", "TOO_LARGE", "DTYPE_NOT_ALLOWED", "UNKNOWN_TENSOR", "SHAPE_MISMATCH"}
+    assert set(statuses) == {
+        "MALFORMED",
+        "TOO_LARGE",
+        "DTYPE_NOT_ALLOWED",
+        "UNKNOWN_TENSOR",
+        "SHAPE_MISMATCH",
+    }
 
 
 def test_decoder_mixed_damage():
@@ -250,8 +299,11 @@ def test_decoder_mixed_damage():
     budget = Budget()
 
     @fuzz_settings(N_MIXED)
-    @given(one_error(DECODER_TEMPLATES, catalog=False), st.sampled_from([None, DECODER_CATALOG]),
-           st.sampled_from([DEFAULT_MAX_TENSOR_BYTES, 1 << 10]))
+    @given(
+        one_error(DECODER_TEMPLATES, catalog=False),
+        st.sampled_from([None, DECODER_CATALOG]),
+        st.sampled_from([DEFAULT_MAX_TENSOR_BYTES, 1 << 10]),
+    )
     def run(case, catalog, max_bytes):
         budget.count += 1
         frames, expected, rid = case
@@ -295,7 +347,11 @@ def test_huge_shapes_refused_quickly_and_briefly():
         started = time.monotonic()
         err = check_decode([pack(h), DECODER_TEMPLATES[Op.PUSH].data[0]])
         assert time.monotonic() - started < 5.0
-        assert isinstance(err, ProtocolError) and err.status == Status.TOO_LARGE and len(err.message) < 300
+        assert (
+            isinstance(err, ProtocolError)
+            and err.status == Status.TOO_LARGE
+            and len(err.message) < 300
+        )
 
 
 def test_valid_messages_still_decode():

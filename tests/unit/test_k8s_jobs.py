@@ -8,6 +8,7 @@ run ended, ranks are completion indices (never derived from addresses), and each
 command line, with its environment as the kubelet would expand it, passes the real CLI's
 `--check`. A scheduler started on the directory of a finished run starts nothing.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,21 +19,35 @@ import sys
 
 import pytest
 import yaml
+from test_deploy_files import (
+    CPU_DOCKERFILE,
+    DEFAULT_CONFIG,
+    DOCKER,
+    ROOT,
+    dockerfile_entrypoint,
+    map_paths,
+    run_container_command,
+    shim_path,  # noqa: F401 (a fixture)
+    split_address,
+)
 
 from hetps.runconfig.load import config_from_dict, load_config
-
-from test_deploy_files import shim_path  # noqa: F401 (a fixture)
-from test_deploy_files import (CPU_DOCKERFILE, DEFAULT_CONFIG, DOCKER, ROOT, dockerfile_entrypoint, map_paths,
-                               run_container_command, split_address)
 
 K8S = DOCKER / "k8s"
 INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 JOB_UID = "metadata.labels['batch.kubernetes.io/controller-uid']"
 FAKE_UID = "0b7c6f1e-4a52-4a7e-9d1c-2f0e8f6a9b31"
-PLAIN = {("ConfigMap", "hetps-config"), ("PersistentVolumeClaim", "hetps-runs"), ("Service", "hetps"),
-         ("Job", "hetps-scheduler"), ("Job", "hetps-ps"), ("Job", "hetps-worker"), ("Job", "hetps-evaluator")}
+PLAIN = {
+    ("ConfigMap", "hetps-config"),
+    ("PersistentVolumeClaim", "hetps-runs"),
+    ("Service", "hetps"),
+    ("Job", "hetps-scheduler"),
+    ("Job", "hetps-ps"),
+    ("Job", "hetps-worker"),
+    ("Job", "hetps-evaluator"),
+}
 EXIT_BAD_CONFIG = 2
-SCHEDULER_NO_RETRY = {1, 2, 3}   # failed, bad config, diverged: a new pod could only repeat it
+SCHEDULER_NO_RETRY = {1, 2, 3}  # failed, bad config, diverged: a new pod could only repeat it
 
 
 def load(folder) -> dict[tuple[str, str], dict]:
@@ -65,11 +80,16 @@ def jobset() -> dict:
 
 @pytest.fixture(scope="module")
 def cfg(k8s):
-    return config_from_dict(yaml.safe_load(k8s[("ConfigMap", "hetps-config")]["data"]["default.yaml"]))
+    return config_from_dict(
+        yaml.safe_load(k8s[("ConfigMap", "hetps-config")]["data"]["default.yaml"])
+    )
 
 
 def jobs(k8s, gpu) -> dict[str, dict]:
-    return {**{name: obj for (kind, name), obj in k8s.items() if kind == "Job"}, "hetps-worker-gpu": gpu}
+    return {
+        **{name: obj for (kind, name), obj in k8s.items() if kind == "Job"},
+        "hetps-worker-gpu": gpu,
+    }
 
 
 def container(job: dict) -> dict:
@@ -92,8 +112,11 @@ def env_of(c: dict, index: int | None = None) -> dict[str, str]:
 
 def k8s_expand(value: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion of command and args ($$ escapes; unknown names stay)."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        value,
+    )
 
 
 # ---------------------------------------------------------------- objects and schemas
@@ -103,15 +126,20 @@ def test_objects(k8s, gpu, jobset):
 
 
 def test_objects_match_the_api_schemas(k8s, gpu):
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed: the manifests "
-                             "are checked by the structural tests here, not against the API schemas")
-    for obj in [*k8s.values(), gpu]:   # the JobSet is a CRD: no schema in kubernetes-validate
-        kv.validate(obj, kv.latest_version(), strict=True)  # raises ValidationError naming the field
+    kv = pytest.importorskip(
+        "kubernetes_validate",
+        reason="kubernetes-validate not installed: the manifests "
+        "are checked by the structural tests here, not against the API schemas",
+    )
+    for obj in [*k8s.values(), gpu]:  # the JobSet is a CRD: no schema in kubernetes-validate
+        # raises ValidationError naming the field
+        kv.validate(obj, kv.latest_version(), strict=True)
 
 
 def test_configmap_is_the_default_config(k8s, cfg):
-    assert k8s[("ConfigMap", "hetps-config")]["data"]["default.yaml"] == DEFAULT_CONFIG.read_text(), \
-        "docker/k8s/configmap.yaml has drifted from configs/default.yaml"
+    assert (
+        k8s[("ConfigMap", "hetps-config")]["data"]["default.yaml"] == DEFAULT_CONFIG.read_text()
+    ), "docker/k8s/configmap.yaml has drifted from configs/default.yaml"
     assert cfg == load_config(DEFAULT_CONFIG)
 
 
@@ -126,15 +154,21 @@ def test_every_workload_is_a_job_that_completes(k8s, gpu, cfg):
     for name, job in jobs(k8s, gpu).items():
         spec, pod = job["spec"], job["spec"]["template"]["spec"]
         assert "replicas" not in spec and spec["completions"] == spec["parallelism"] >= 1, name
-        assert pod["restartPolicy"] in ("Never", "OnFailure"), name   # never Always: an exit 0 ends the pod
+        # never Always: an exit 0 ends the pod
+        assert pod["restartPolicy"] in ("Never", "OnFailure"), name
         assert 1 <= spec["backoffLimit"] <= 10, name
         rules = spec.get("podFailurePolicy", {}).get("rules", [])
         if rules:
-            assert pod["restartPolicy"] == "Never", f"{name}: podFailurePolicy needs restartPolicy Never"
+            assert pod["restartPolicy"] == "Never", (
+                f"{name}: podFailurePolicy needs restartPolicy Never"
+            )
             fail = [r for r in rules if r["action"] == "FailJob"]
-            assert all(r["onExitCodes"]["containerName"] == container(job)["name"] for r in fail), name
-            assert any(EXIT_BAD_CONFIG in r["onExitCodes"]["values"] for r in fail), \
+            assert all(r["onExitCodes"]["containerName"] == container(job)["name"] for r in fail), (
+                name
+            )
+            assert any(EXIT_BAD_CONFIG in r["onExitCodes"]["values"] for r in fail), (
                 f"{name}: a bad config must fail the Job, not be retried"
+            )
     assert k8s[("Job", "hetps-ps")]["spec"]["completions"] == len(cfg.cluster.shards)
     assert k8s[("Job", "hetps-worker")]["spec"]["completions"] == len(cfg.cluster.workers)
     assert k8s[("Job", "hetps-evaluator")]["spec"]["completions"] == 1
@@ -143,10 +177,14 @@ def test_every_workload_is_a_job_that_completes(k8s, gpu, cfg):
 def test_a_finished_scheduler_is_never_started_again(k8s):
     job = k8s[("Job", "hetps-scheduler")]
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
-    assert spec["completions"] == spec["parallelism"] == 1   # exit 0 completes the Job: nothing restarts it
+    # exit 0 completes the Job: nothing restarts it
+    assert spec["completions"] == spec["parallelism"] == 1
     assert pod["restartPolicy"] == "Never"
     (fail,) = [r for r in spec["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
-    assert set(fail["onExitCodes"]["values"]) == SCHEDULER_NO_RETRY and fail["onExitCodes"]["operator"] == "In"
+    assert (
+        set(fail["onExitCodes"]["values"]) == SCHEDULER_NO_RETRY
+        and fail["onExitCodes"]["operator"] == "In"
+    )
     # the run directory is the Job's own: a replacement pod of this Job carries its run on,
     # and a new Job (a new run) never writes into an old run's directory
     args = container(job)["args"]
@@ -171,24 +209,33 @@ def test_pods_are_named_and_scraped(k8s, gpu):
         template = job["spec"]["template"]
         pod, c = template["spec"], container(job)
         assert service["selector"].items() <= template["metadata"]["labels"].items(), name
-        if name != "hetps-worker-gpu":   # reached by DNS: HOSTNAME.hetps
+        if name != "hetps-worker-gpu":  # reached by DNS: HOSTNAME.hetps
             assert pod["subdomain"] == "hetps", name
         port = int(env_of(c, 0)["HETPS_METRICS_PORT"])
         assert {"name": "metrics", "containerPort": port} in c["ports"], name
         notes = template["metadata"]["annotations"]
-        assert notes["prometheus.io/scrape"] == "true" and int(notes["prometheus.io/port"]) == port, name
+        assert (
+            notes["prometheus.io/scrape"] == "true" and int(notes["prometheus.io/port"]) == port
+        ), name
         assert env_of(c, 0)["HETPS_METRICS_HOST"] == "0.0.0.0", name
-        assert c["resources"]["requests"].get("cpu") and c["resources"]["requests"].get("memory"), name
+        assert c["resources"]["requests"].get("cpu") and c["resources"]["requests"].get("memory"), (
+            name
+        )
         if name != "hetps-scheduler":
             host, rpc = split_address(env_of(c, 0)["HETPS_SCHEDULER"])
-            assert host == "hetps-scheduler.hetps" and rpc in [p["port"] for p in service["ports"]], name
-    assert k8s[("Job", "hetps-scheduler")]["spec"]["template"]["spec"]["hostname"] == "hetps-scheduler"
+            assert host == "hetps-scheduler.hetps" and rpc in [
+                p["port"] for p in service["ports"]
+            ], name
+    assert (
+        k8s[("Job", "hetps-scheduler")]["spec"]["template"]["spec"]["hostname"] == "hetps-scheduler"
+    )
 
 
 def test_gpu_workers(gpu):
     c = container(gpu)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["image"] == "hetps:cuda"
-    assert env_of(c)["HETPS_RANK"] == "auto"   # no indices beside the CPU workers': claimed from the scheduler
+    # no indices beside the CPU workers': claimed from the scheduler
+    assert env_of(c)["HETPS_RANK"] == "auto"
     assert any(t["key"] == "nvidia.com/gpu" for t in gpu["spec"]["template"]["spec"]["tolerations"])
 
 
@@ -196,7 +243,9 @@ def test_gpu_workers(gpu):
 def as_in_jobset(spec: dict) -> dict:
     """A plain Job's spec as the JobSet holds it: its pods named by the JobSet."""
     text = json.dumps(spec).replace("hetps-scheduler.hetps:7000", "hetps-scheduler-0-0.hetps:7000")
-    text = text.replace("tcp://hetps-ps-$(HETPS_RANK).hetps:", "tcp://hetps-ps-0-$(HETPS_RANK).hetps:")
+    text = text.replace(
+        "tcp://hetps-ps-$(HETPS_RANK).hetps:", "tcp://hetps-ps-0-$(HETPS_RANK).hetps:"
+    )
     out = json.loads(text)
     for key in ("hostname", "subdomain"):
         out["template"]["spec"].pop(key, None)
@@ -216,37 +265,79 @@ def test_jobset_completes_with_the_scheduler_and_fails_as_a_whole(k8s, jobset):
         got = copy.deepcopy(r["template"]["spec"])
         got.pop("completionMode", None) if name in ("scheduler", "evaluator") else None
         expected.pop("completionMode", None) if name in ("scheduler", "evaluator") else None
-        assert got == expected, f"jobset/hetps.yaml's {name} has drifted from docker/k8s/{name}.yaml"
+        assert got == expected, (
+            f"jobset/hetps.yaml's {name} has drifted from docker/k8s/{name}.yaml"
+        )
 
 
 # ---------------------------------------------------------------- command lines
 def pods():
     """(source, job, index, expected --check values) for every kind of pod the manifests make."""
     plain, js = "tcp://hetps-scheduler.hetps:7000", "tcp://hetps-scheduler-0-0.hetps:7000"
-    out = [("k8s", "hetps-scheduler", 0, {"role": "scheduler", "bind": "tcp://0.0.0.0:7000",
-                                          "run_dir": f"/runs/default-{FAKE_UID}"})]
-    out += [("k8s", "hetps-ps", i, {"role": "ps", "rank": str(i), "bind": "tcp://0.0.0.0:7100",
-                                    "advertise": f"tcp://hetps-ps-{i}.hetps:7100", "scheduler": plain,
-                                    "replica_advertise": f"tcp://hetps-ps-{i}.hetps:7101"})
-            for i in range(2)]
-    out += [("k8s", "hetps-worker", i, {"role": "worker", "rank": str(i), "scheduler": plain}) for i in (0, 3)]
-    out += [("k8s", "hetps-evaluator", 0, {"role": "evaluator", "scheduler": plain}),
-            ("gpu", "hetps-worker-gpu", 0, {"role": "worker", "rank": "auto", "scheduler": plain}),
-            ("jobset", "ps", 1, {"role": "ps", "rank": "1", "advertise": "tcp://hetps-ps-0-1.hetps:7100",
-                                 "replica_advertise": "tcp://hetps-ps-0-1.hetps:7101", "scheduler": js}),
-            ("jobset", "worker", 2, {"role": "worker", "rank": "2", "scheduler": js}),
-            ("jobset", "scheduler", 0, {"role": "scheduler", "run_dir": f"/runs/default-{FAKE_UID}"})]
+    out = [
+        (
+            "k8s",
+            "hetps-scheduler",
+            0,
+            {
+                "role": "scheduler",
+                "bind": "tcp://0.0.0.0:7000",
+                "run_dir": f"/runs/default-{FAKE_UID}",
+            },
+        )
+    ]
+    out += [
+        (
+            "k8s",
+            "hetps-ps",
+            i,
+            {
+                "role": "ps",
+                "rank": str(i),
+                "bind": "tcp://0.0.0.0:7100",
+                "advertise": f"tcp://hetps-ps-{i}.hetps:7100",
+                "scheduler": plain,
+                "replica_advertise": f"tcp://hetps-ps-{i}.hetps:7101",
+            },
+        )
+        for i in range(2)
+    ]
+    out += [
+        ("k8s", "hetps-worker", i, {"role": "worker", "rank": str(i), "scheduler": plain})
+        for i in (0, 3)
+    ]
+    out += [
+        ("k8s", "hetps-evaluator", 0, {"role": "evaluator", "scheduler": plain}),
+        ("gpu", "hetps-worker-gpu", 0, {"role": "worker", "rank": "auto", "scheduler": plain}),
+        (
+            "jobset",
+            "ps",
+            1,
+            {
+                "role": "ps",
+                "rank": "1",
+                "advertise": "tcp://hetps-ps-0-1.hetps:7100",
+                "replica_advertise": "tcp://hetps-ps-0-1.hetps:7101",
+                "scheduler": js,
+            },
+        ),
+        ("jobset", "worker", 2, {"role": "worker", "rank": "2", "scheduler": js}),
+        ("jobset", "scheduler", 0, {"role": "scheduler", "run_dir": f"/runs/default-{FAKE_UID}"}),
+    ]
     return [pytest.param(*p, id=f"{p[0]}-{p[1]}-{p[2]}") for p in out]
 
 
 @pytest.mark.parametrize("source,name,index,expected", pods())
-def test_container_command_passes_check(source, name, index, expected, k8s, gpu, jobset, tmp_path, shim_path):
+def test_container_command_passes_check(
+    source, name, index, expected, k8s, gpu, jobset, tmp_path, shim_path
+):
     if source == "jobset":
         job = next(r["template"] for r in jobset["spec"]["replicatedJobs"] if r["name"] == name)
     else:
         job = gpu if source == "gpu" else k8s[("Job", name)]
     c = container(job)
-    config_dir = tmp_path / "configs"   # /configs is the ConfigMap: lay its files out as the kubelet would
+    # /configs is the ConfigMap: lay its files out as the kubelet would
+    config_dir = tmp_path / "configs"
     config_dir.mkdir()
     for key, text in k8s[("ConfigMap", "hetps-config")]["data"].items():
         (config_dir / key).write_text(text)
@@ -264,9 +355,22 @@ def test_a_scheduler_on_a_finished_runs_directory_starts_nothing(tmp_path):
     and no new run: the old run's files stay as they were."""
     (tmp_path / "scheduler-state.json").write_text(json.dumps({"run_id": "r1", "finished": True}))
     (tmp_path / "summary.json").write_text('{"status": "completed"}')
-    done = subprocess.run([sys.executable, "-m", "hetps.scheduler", "--run-dir", str(tmp_path),
-                           "--bind", "tcp://127.0.0.1:0", "eval.enabled=false"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetps.scheduler",
+            "--run-dir",
+            str(tmp_path),
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "eval.enabled=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr
     assert "run r1" in done.stderr and "has finished" in done.stderr
     assert not (tmp_path / "scheduler.addr").exists() and not (tmp_path / "metrics.jsonl").exists()

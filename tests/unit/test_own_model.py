@@ -3,6 +3,7 @@
 a dataset that breaks the contract; `export`'s joining of chunked tensors. The
 real runs (trained by `hetps run`, the dry step's one-line errors, `hetps
 export` from a killed run's checkpoints): tests/cluster/test_cluster_own_model.py."""
+
 from __future__ import annotations
 
 import re
@@ -10,9 +11,9 @@ import sys
 
 import pytest
 import torch
+from own_model_pkg import PKG, TEST, TRAIN, on_path, user_pkg, write_config  # noqa: F401 (fixtures)
 
 from hetps.runconfig.load import load_config
-from own_model_pkg import PKG, TEST, TRAIN, on_path, user_pkg, write_config  # noqa: F401 (fixtures)
 
 
 def test_workers_read_only_their_share(user_pkg, on_path, tmp_path):
@@ -20,7 +21,12 @@ def test_workers_read_only_their_share(user_pkg, on_path, tmp_path):
 
     cfg = load_config(write_config(tmp_path / "own.yaml", user_pkg), import_targets=True)
     data = load_datasets(cfg.data, cfg.seed)
-    assert (len(data.train), len(data.test), data.in_shape, data.num_classes) == (TRAIN, TEST, (1, 28, 28), 10)
+    assert (len(data.train), len(data.test), data.in_shape, data.num_classes) == (
+        TRAIN,
+        TEST,
+        (1, 28, 28),
+        10,
+    )
     reads = sys.modules[f"{PKG}.data"].READS
     reads.clear()
     share = partition(len(data.train), 1, 2, cfg.seed)
@@ -28,10 +34,11 @@ def test_workers_read_only_their_share(user_pkg, on_path, tmp_path):
     for _ in range(3):
         x, y = stream.next_batch()
     assert x.shape == (32, 1, 28, 28) and x.dtype == torch.float32 and y.dtype == torch.int64
-    assert len(reads) == 96 and set(reads) <= set(share.tolist())  # nothing outside the share, nothing whole
+    # nothing outside the share, nothing whole
+    assert len(reads) == 96 and set(reads) <= set(share.tolist())
 
 
-BROKEN_PY = '''
+BROKEN_PY = """
 import torch
 
 
@@ -61,7 +68,7 @@ def one_split():
 
 def classes_list():
     return Items([(torch.zeros(3), torch.tensor(1))], classes=["a", "b", "c"]), Items([(torch.zeros(3), 0)])
-'''
+"""
 
 
 def test_a_dataset_that_breaks_the_contract_says_how(tmp_path, monkeypatch):
@@ -69,8 +76,11 @@ def test_a_dataset_that_breaks_the_contract_says_how(tmp_path, monkeypatch):
 
     (tmp_path / "tests_broken_data.py").write_text(BROKEN_PY)
     monkeypatch.syspath_prepend(str(tmp_path))
-    for factory, words in (("no_classes", "num_classes"), ("uint8_images", "float tensor, got torch.uint8"),
-                           ("one_split", "(train, test)")):
+    for factory, words in (
+        ("no_classes", "num_classes"),
+        ("uint8_images", "float tensor, got torch.uint8"),
+        ("one_split", "(train, test)"),
+    ):
         with pytest.raises(DatasetContractError, match=re.escape(words)):
             load_factory_datasets(f"tests_broken_data:{factory}", {})
     data = load_factory_datasets("tests_broken_data:classes_list", {})
@@ -85,7 +95,9 @@ def test_export_joins_chunked_tensors_and_names_a_missing_one():
     source = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))
     tensors = {k: v.clone() for k, v in source.state_dict().items()}
     weight = tensors.pop("0.weight").reshape(-1)
-    tensors.update({"0.weight#0": weight[:13], "0.weight#1": weight[13:21], "0.weight#2": weight[21:]})
+    tensors.update(
+        {"0.weight#0": weight[:13], "0.weight#1": weight[13:21], "0.weight#2": weight[21:]}
+    )
     target = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))
     assemble(target, tensors)
     for name, value in source.state_dict().items():

@@ -12,6 +12,7 @@
 
 Each package may import only packages of a lower layer (and itself), so there is no cycle
 between packages."""
+
 from __future__ import annotations
 
 import ast
@@ -20,7 +21,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-LAYERS = [{"proto"}, {"runconfig"}, {"runtime"}, {"ps", "worker", "scheduler"}, {"sim"}, {"frontend"}]
+LAYERS = [
+    {"proto"},
+    {"runconfig"},
+    {"runtime"},
+    {"ps", "worker", "scheduler"},
+    {"sim"},
+    {"frontend"},
+]
 RANK = {package: i for i, layer in enumerate(LAYERS) for package in layer}
 
 
@@ -63,18 +71,29 @@ def test_every_installed_package_has_a_layer():
     """A new package folder is placed in LAYERS before it can import anything."""
     import tomllib
 
-    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
     assert {name.split(".")[1] for name in mapping} == set(RANK)
 
 
-@pytest.mark.parametrize("package, source, expected", [
-    ("proto", "from hetps.runconfig.schema import RunConfig\n", "proto -> runconfig (a higher layer)"),
-    ("ps", "def f():\n    from hetps.worker import data\n", "ps -> worker (same layer)"),
-    ("sim", "import hetps.frontend.cli\n", "sim -> frontend (a higher layer)"),
-    ("runtime", "from hetps.proto.codec import decode\n", None),
-])
+@pytest.mark.parametrize(
+    "package, source, expected",
+    [
+        (
+            "proto",
+            "from hetps.runconfig.schema import RunConfig\n",
+            "proto -> runconfig (a higher layer)",
+        ),
+        ("ps", "def f():\n    from hetps.worker import data\n", "ps -> worker (same layer)"),
+        ("sim", "import hetps.frontend.cli\n", "sim -> frontend (a higher layer)"),
+        ("runtime", "from hetps.proto.codec import decode\n", None),
+    ],
+)
 def test_a_violation_is_reported(tmp_path, package, source, expected):
     (tmp_path / package).mkdir()
     (tmp_path / package / "mod.py").write_text(source)
     found = violations(tmp_path)
-    assert found == ([] if expected is None else [f"{package}/mod.py:{source.count(chr(10))}: {expected}"])
+    assert found == (
+        [] if expected is None else [f"{package}/mod.py:{source.count(chr(10))}: {expected}"]
+    )

@@ -1,6 +1,7 @@
 """docs/protocol.md against the code: its tables of op codes, status codes,
 message fields, header keys, dtypes, constants and plan fields must say what
 proto/ does, so the reference fails this test when either side drifts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,13 @@ def table(heading: str) -> list[dict[str, str]]:
     """The first markdown table under `heading` (a `#`-line), as rows keyed by
     the header cells; backticks are dropped from every cell."""
     lines = DOC.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.lstrip("#").strip() == heading and line.startswith("#"))
+    start = next(
+        i
+        for i, line in enumerate(lines)
+        if line.lstrip("#").strip() == heading and line.startswith("#")
+    )
     rows = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("#"):
             break
         if line.startswith("|"):
@@ -39,7 +44,9 @@ def test_op_codes_are_the_op_enum():
 
 def test_status_codes_are_the_status_enum_each_with_a_meaning():
     rows = table("Status codes")
-    assert {(int(r["code"]), r["status"]) for r in rows} == {(int(s), s.name) for s in messages.Status}
+    assert {(int(r["code"]), r["status"]) for r in rows} == {
+        (int(s), s.name) for s in messages.Status
+    }
     assert all(r["meaning"] for r in rows)
 
 
@@ -50,10 +57,20 @@ def wire_type(field: dataclasses.Field) -> str:
 @pytest.mark.parametrize("op", list(messages.Op), ids=lambda op: op.name)
 def test_every_message_field_is_documented_with_its_type_and_whether_required(op):
     cls = messages.MESSAGES[op]
-    want = {f.name: (wire_type(f), "yes" if f.default is dataclasses.MISSING
-                     and f.default_factory is dataclasses.MISSING else "no")
-            for f in dataclasses.fields(cls)}
-    got = {r["field"]: (r["type"], r["required"]) for r in table("Message fields") if r["op"] == op.name}
+    want = {
+        f.name: (
+            wire_type(f),
+            "yes"
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            else "no",
+        )
+        for f in dataclasses.fields(cls)
+    }
+    got = {
+        r["field"]: (r["type"], r["required"])
+        for r in table("Message fields")
+        if r["op"] == op.name
+    }
     assert got == want
 
 
@@ -68,17 +85,29 @@ def test_header_keys_and_dtypes():
     dtypes = {r["dtype"]: int(r["bytes per element"]) for r in table("Tensor frames")}
     assert dtypes == {name: d.itemsize for name, d in codec.DTYPES.items()}
     text = DOC.read_text()
-    assert codec.BYTE_ORDER == "little" and "**little-endian**" in text and "**C-contiguous (row-major)**" in text
+    assert (
+        codec.BYTE_ORDER == "little"
+        and "**little-endian**" in text
+        and "**C-contiguous (row-major)**" in text
+    )
 
 
 def test_constants():
     values = {r["constant"]: int(r["value"]) for r in table("Constants")}
-    assert values == {"PROTOCOL_VERSION": messages.PROTOCOL_VERSION, "PACK_BELOW": layout.PACK_BELOW,
-                      "PACK_ALL_BELOW": layout.PACK_ALL_BELOW, "ALIGN": layout.ALIGN,
-                      "ZERO_COPY_BYTES": messages.ZERO_COPY_BYTES, "MAX_HEADER_BYTES": codec.MAX_HEADER_BYTES}
+    assert values == {
+        "PROTOCOL_VERSION": messages.PROTOCOL_VERSION,
+        "PACK_BELOW": layout.PACK_BELOW,
+        "PACK_ALL_BELOW": layout.PACK_ALL_BELOW,
+        "ALIGN": layout.ALIGN,
+        "ZERO_COPY_BYTES": messages.ZERO_COPY_BYTES,
+        "MAX_HEADER_BYTES": codec.MAX_HEADER_BYTES,
+    }
     text = DOC.read_text()
     assert f"must equal the receiver's ({messages.PROTOCOL_VERSION})" in text
-    assert f"smaller than {layout.PACK_BELOW:,} bytes" in text and f"multiple of {layout.ALIGN} bytes" in text
+    assert (
+        f"smaller than {layout.PACK_BELOW:,} bytes" in text
+        and f"multiple of {layout.ALIGN} bytes" in text
+    )
     assert f"total at most\n{layout.PACK_ALL_BELOW:,} bytes" in text
 
 
@@ -96,16 +125,33 @@ def test_the_pack_layout_described_is_what_encode_makes():
     from hetps.proto.messages import Push
 
     big = torch.arange(layout.PACK_ALL_BELOW // 4, dtype=torch.float32)
-    small = {"a": torch.tensor([1, 2, 3], dtype=torch.int32), "b": torch.tensor([[1.5]], dtype=torch.float64)}
-    frames = codec.encode(Push(plan_id=1, clock=0, base_version=0, tensors={"a": small["a"], "big": big,
-                                                                              "b": small["b"]}), req_id=7)
+    small = {
+        "a": torch.tensor([1, 2, 3], dtype=torch.int32),
+        "b": torch.tensor([[1.5]], dtype=torch.float64),
+    }
+    frames = codec.encode(
+        Push(
+            plan_id=1,
+            clock=0,
+            base_version=0,
+            tensors={"a": small["a"], "big": big, "b": small["b"]},
+        ),
+        req_id=7,
+    )
     assert len(frames) == 1 + 1 + 1
     assert bytes(frames[1]) == big.numpy().astype("<f4").tobytes()
     pack = bytes(frames[2])
-    assert pack == (small["a"].numpy().astype("<i4").tobytes() + bytes(4)
-                    + small["b"].numpy().astype("<f8").tobytes())
+    assert pack == (
+        small["a"].numpy().astype("<i4").tobytes()
+        + bytes(4)
+        + small["b"].numpy().astype("<f8").tobytes()
+    )
     header = codec._unpack_header(frames[0])
-    assert header["packed"] == [0, 2] and header["tensors"][1] == ["big", "float32", [layout.PACK_ALL_BELOW // 4]]
+    assert header["packed"] == [0, 2] and header["tensors"][1] == [
+        "big",
+        "float32",
+        [layout.PACK_ALL_BELOW // 4],
+    ]
     assert re.fullmatch(r"\d+", str(header["id"])) and header["v"] == messages.PROTOCOL_VERSION
 
 
@@ -118,7 +164,12 @@ def test_a_small_message_is_one_pack_frame():
 
     big = torch.arange(layout.PACK_BELOW // 4, dtype=torch.float32)
     small = torch.tensor([1, 2, 3], dtype=torch.int32)
-    frames = codec.encode(Push(plan_id=1, clock=0, base_version=0, tensors={"a": small, "big": big}), req_id=7)
+    frames = codec.encode(
+        Push(plan_id=1, clock=0, base_version=0, tensors={"a": small, "big": big}), req_id=7
+    )
     assert len(frames) == 1 + 1
-    assert bytes(frames[1]) == small.numpy().astype("<i4").tobytes() + bytes(4) + big.numpy().astype("<f4").tobytes()
+    assert (
+        bytes(frames[1])
+        == small.numpy().astype("<i4").tobytes() + bytes(4) + big.numpy().astype("<f4").tobytes()
+    )
     assert codec._unpack_header(frames[0])["packed"] == [0, 1]

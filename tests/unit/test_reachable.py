@@ -1,6 +1,7 @@
 """The address a shard registers when it binds every interface: this host's
 address on the route to the scheduler, so peers on other hosts can connect
 (tests/cluster/test_netns.py runs it across namespaces)."""
+
 from __future__ import annotations
 
 import pytest

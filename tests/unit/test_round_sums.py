@@ -4,6 +4,7 @@ and the mean equals, to the bit, the per-tensor sum of the same pushes; the
 mean knows its runs, so the optimizer steps on them; a round that closes in
 the call that opened it keeps the push as it is, and never writes a peer's
 memory. Pure, in one process."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,14 +17,23 @@ from hetps.ps.policies.base import Round
 from hetps.ps.round_sums import add_to_sum, copy_sum, divide_sum
 
 # odd sizes (padding between tensors in the frame), two float dtypes, an integer tensor
-SHAPES = {"a.weight": ((3, 5), torch.float32), "a.bias": ((3,), torch.float32),
-          "steps": ((), torch.int64), "b.weight": ((2, 7), torch.float64), "b.bias": ((7,), torch.float32)}
+SHAPES = {
+    "a.weight": ((3, 5), torch.float32),
+    "a.bias": ((3,), torch.float32),
+    "steps": ((), torch.int64),
+    "b.weight": ((2, 7), torch.float64),
+    "b.bias": ((7,), torch.float32),
+}
 
 
 def push_tensors(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {n: torch.randn(shape, generator=g, dtype=dtype) if dtype.is_floating_point
-            else torch.tensor(seed, dtype=dtype) for n, (shape, dtype) in SHAPES.items()}
+    return {
+        n: torch.randn(shape, generator=g, dtype=dtype)
+        if dtype.is_floating_point
+        else torch.tensor(seed, dtype=dtype)
+        for n, (shape, dtype) in SHAPES.items()
+    }
 
 
 def decoded(tensors: dict) -> dict:
@@ -45,9 +55,16 @@ def per_tensor_mean(pushes: list[dict], k: int) -> dict:
 @pytest.mark.parametrize("members", [1, 2, 3])
 def test_the_sum_by_runs_equals_the_per_tensor_sum_bit_for_bit(kinds, members):
     plain = [push_tensors(seed) for seed in range(members)]
-    pushes = [decoded(p) if (kinds == "runs" or (kinds == "runs-then-plain" and i == 0)
-                             or (kinds == "plain-then-runs" and i > 0)) else p
-              for i, p in enumerate(plain)]
+    pushes = [
+        decoded(p)
+        if (
+            kinds == "runs"
+            or (kinds == "runs-then-plain" and i == 0)
+            or (kinds == "plain-then-runs" and i > 0)
+        )
+        else p
+        for i, p in enumerate(plain)
+    ]
     frames_before = [{n: t.clone() for n, t in p.items()} for p in pushes]
     total = copy_sum(pushes[0])
     for p in pushes[1:]:

@@ -2,6 +2,7 @@
 their start-up phases in REGISTER (checked at decode like every field);
 summary.json's `startup` section is computed from the launcher's marks and
 metrics.jsonl."""
+
 from __future__ import annotations
 
 import json
@@ -10,19 +11,22 @@ import sys
 
 import pytest
 
+from hetps.frontend.startup_report import startup_line, startup_section
 from hetps.proto.codec import decode, encode
 from hetps.proto.errors import ProtocolError
 from hetps.proto.messages import Register
 from hetps.runtime.startup import Phases
-from hetps.frontend.startup_report import startup_line, startup_section
 
 
-@pytest.mark.parametrize("module", ["hetps.scheduler.__main__", "hetps.frontend.launcher",
-                                    "hetps.scheduler.coordinator"])
+@pytest.mark.parametrize(
+    "module", ["hetps.scheduler.__main__", "hetps.frontend.launcher", "hetps.scheduler.coordinator"]
+)
 def test_the_scheduler_and_the_launcher_do_not_load_torch(module):
     # a fresh interpreter: this one has torch loaded already
-    code = (f"import sys, {module}; t = sys.modules.get('torch'); "
-            "print('loaded' if t is not None and type(t).__name__ == 'module' else 'not loaded')")
+    code = (
+        f"import sys, {module}; t = sys.modules.get('torch'); "
+        "print('loaded' if t is not None and type(t).__name__ == 'module' else 'not loaded')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "not loaded"
@@ -34,8 +38,17 @@ def test_register_carries_startup_phases_through_the_codec():
     assert env.msg.startup == {"imports": 1.5, "build": 0.25}
 
 
-@pytest.mark.parametrize("bad", [{"imports": -1.0}, {"imports": float("nan")}, {"": 1.0}, {"x": "1"},
-                                 {f"p{i}": 1.0 for i in range(17)}, [1.0]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"imports": -1.0},
+        {"imports": float("nan")},
+        {"": 1.0},
+        {"x": "1"},
+        {f"p{i}": 1.0 for i in range(17)},
+        [1.0],
+    ],
+)
 def test_bad_startup_phases_are_refused(bad):
     with pytest.raises(ProtocolError, match="startup"):
         Register(role="ps", rank=0, startup=bad)
@@ -54,30 +67,61 @@ def test_startup_section_from_marks_and_records(tmp_path):
     launch = 1000.0
     records = [
         {"kind": "register", "t": 1.0, "node": "ps0", "startup": {"imports": 2.0, "profile": 0.5}},
-        {"kind": "register", "t": 3.0, "node": "worker0", "startup": {"imports": 2.5, "build": 0.4}},
-        {"kind": "register", "t": 3.5, "node": "worker1", "startup": {"imports": 2.2, "build": 0.9}},
+        {
+            "kind": "register",
+            "t": 3.0,
+            "node": "worker0",
+            "startup": {"imports": 2.5, "build": 0.4},
+        },
+        {
+            "kind": "register",
+            "t": 3.5,
+            "node": "worker1",
+            "startup": {"imports": 2.2, "build": 0.9},
+        },
         {"kind": "plan", "t": 0.0, "plan_id": 1, "wall": launch + 5.0},
         {"kind": "step", "t": 0.5, "worker": 0, "step": 1},
         {"kind": "stop", "t": 10.0, "reason": "step limit"},
     ]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "cut')
-    timeline = {"launch": launch, "scheduler_up": launch + 1.0, "checked": launch + 4.0, "exited": launch + 16.0}
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records) + '{"kind": "cut'
+    )
+    timeline = {
+        "launch": launch,
+        "scheduler_up": launch + 1.0,
+        "checked": launch + 4.0,
+        "exited": launch + 16.0,
+    }
     s = startup_section(tmp_path, timeline)
     assert s["scheduler_up_s"] == 1.0 and s["checked_s"] == 4.0
-    assert s["registered_s"] == 4.5  # the scheduler was up at 1.0; the last registration at its t = 3.5
+    # the scheduler was up at 1.0; the last registration at its t = 3.5
+    assert s["registered_s"] == 4.5
     assert s["plan_s"] == 5.0 and s["first_step_s"] == 5.5 and s["stop_s"] == 1.0
-    assert s["node_phases_s"] == {"ps": {"imports": 2.0, "profile": 0.5}, "worker": {"imports": 2.5, "build": 0.9}}
+    assert s["node_phases_s"] == {
+        "ps": {"imports": 2.0, "profile": 0.5},
+        "worker": {"imports": 2.5, "build": 0.9},
+    }
     line = startup_line(s)
-    assert line.startswith("start-up: first step at 5.5s") and "imports 2.5s" in line and line.endswith("stop 1.0s")
+    assert (
+        line.startswith("start-up: first step at 5.5s")
+        and "imports 2.5s" in line
+        and line.endswith("stop 1.0s")
+    )
 
 
 def test_startup_section_of_a_resumed_run_reads_its_own_records(tmp_path):
-    old = [{"kind": "register", "t": 9.0, "node": "ps0", "startup": {"imports": 30.0}},
-           {"kind": "plan", "t": 0.0, "plan_id": 1, "wall": 500.0}, {"kind": "step", "t": 0.1, "worker": 0},
-           {"kind": "stop", "t": 4.0, "reason": "interrupted"}]
-    new = [{"kind": "register", "t": 2.0, "node": "ps0", "startup": {"imports": 1.0}},
-           {"kind": "plan", "t": 0.0, "plan_id": 2, "wall": 1003.0}, {"kind": "step", "t": 0.5, "worker": 0},
-           {"kind": "stop", "t": 6.0, "reason": "step limit"}]
+    old = [
+        {"kind": "register", "t": 9.0, "node": "ps0", "startup": {"imports": 30.0}},
+        {"kind": "plan", "t": 0.0, "plan_id": 1, "wall": 500.0},
+        {"kind": "step", "t": 0.1, "worker": 0},
+        {"kind": "stop", "t": 4.0, "reason": "interrupted"},
+    ]
+    new = [
+        {"kind": "register", "t": 2.0, "node": "ps0", "startup": {"imports": 1.0}},
+        {"kind": "plan", "t": 0.0, "plan_id": 2, "wall": 1003.0},
+        {"kind": "step", "t": 0.5, "worker": 0},
+        {"kind": "stop", "t": 6.0, "reason": "step limit"},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old + new))
     s = startup_section(tmp_path, {"launch": 1000.0, "scheduler_up": 1000.5, "exited": 1010.0})
     assert s["node_phases_s"] == {"ps": {"imports": 1.0}} and s["registered_s"] == 2.5
@@ -106,8 +150,8 @@ def test_lazy_module_loads_on_first_use_and_refuses_what_is_missing(monkeypatch)
     assert lazy_module("json") is sys.modules["json"]  # already imported: itself
     monkeypatch.delitem(sys.modules, "colorsys", raising=False)
     colorsys = lazy_module("colorsys")
-    assert type(colorsys).__name__ != "module"   # not run yet
+    assert type(colorsys).__name__ != "module"  # not run yet
     assert colorsys.rgb_to_hsv(1.0, 0.0, 0.0) == (0.0, 1.0, 1.0)
-    assert type(colorsys).__name__ == "module"   # ran on first use
+    assert type(colorsys).__name__ == "module"  # ran on first use
     with pytest.raises(ImportError, match="no_such_module_xyz"):
         lazy_module("no_such_module_xyz")
