@@ -24,18 +24,31 @@ from hetps.proto.security import (
 from hetps.runconfig.schema import RunConfig, SecurityConfig
 
 
+class KeysSettingError(SecurityError):
+    """The keys directory the config or the environment names is missing or
+    not a directory; the message starts with that setting
+    (`security.keys_dir: ...` or `$HETPS_KEYS_DIR: ...`)."""
+
+
 def resolve_keys_dir(sec: SecurityConfig) -> Path:
-    """$HETPS_KEYS_DIR, else security.keys_dir; raises SecurityError when
-    neither is set or the directory does not exist."""
-    chosen = os.environ.get("HETPS_KEYS_DIR") or sec.keys_dir
+    """$HETPS_KEYS_DIR, else security.keys_dir; raises KeysSettingError, naming
+    the setting and the path, when neither is set or the directory is missing."""
+    env = os.environ.get("HETPS_KEYS_DIR")
+    setting, chosen = ("$HETPS_KEYS_DIR", env) if env else ("security.keys_dir", sec.keys_dir)
     if not chosen:
-        raise SecurityError(
-            "security.curve is on but no keys directory: set security.keys_dir or "
-            "$HETPS_KEYS_DIR (make one with `hetps keys DIR`)"
+        raise KeysSettingError(
+            "security.keys_dir: security.curve is on but no keys directory is set: set "
+            "security.keys_dir or $HETPS_KEYS_DIR (make one with `hetps keys DIR`)"
         )
     path = Path(chosen).expanduser()
+    if not path.exists():
+        raise KeysSettingError(
+            f"{setting}: {path} does not exist (make it with `hetps keys {path}`)"
+        )
     if not path.is_dir():
-        raise SecurityError(f"keys directory {path} not found (make one with `hetps keys {path}`)")
+        raise KeysSettingError(
+            f"{setting}: {path} is not a directory (make a keys directory with `hetps keys DIR`)"
+        )
     return path
 
 
@@ -52,6 +65,28 @@ def configure(cfg: RunConfig, role: str, client_key: str | None = None) -> Curve
     return use_keys(load_keys(resolve_keys_dir(cfg.security), role, client_key))
 
 
+def makes_own_keys(sec: SecurityConfig, keys_dir: Path) -> bool:
+    """Whether `hetps run` makes the keys itself, in `keys_dir` (its run's):
+    curve is on and no other keys directory is given (config or $HETPS_KEYS_DIR)."""
+    if not sec.curve or os.environ.get("HETPS_KEYS_DIR"):
+        return False
+    return not sec.keys_dir or Path(sec.keys_dir).expanduser().resolve() == keys_dir.resolve()
+
+
+def check_run_keys(cfg: RunConfig, keys_dir: Path) -> None:
+    """For `hetps run` before it starts any process: with curve on and keys
+    from elsewhere (not made in `keys_dir`, its run's), load what the
+    scheduler, the shards and the other clients will load (every process of
+    such a run uses the default client key: $HETPS_CLIENT_KEY, else
+    client-0). Raises SecurityError (KeysSettingError for the directory)
+    naming the setting or the file."""
+    if not cfg.security.curve or makes_own_keys(cfg.security, keys_dir):
+        return
+    found = resolve_keys_dir(cfg.security)
+    load_keys(found, "scheduler")  # the server pair and the allow-list
+    load_keys(found, "worker")  # the server's public key and a client pair
+
+
 def keys_for_run(cfg: RunConfig, keys_dir: Path, client_names: list[str]) -> tuple[RunConfig, bool]:
     """For `hetps run`: with curve on and no other keys directory given
     (config or $HETPS_KEYS_DIR), make sure `keys_dir` holds a server pair and
@@ -59,9 +94,7 @@ def keys_for_run(cfg: RunConfig, keys_dir: Path, client_names: list[str]) -> tup
     reuses them), and return the config pointing there and True. Otherwise
     return the config unchanged and False. Not thread-safe (umask)."""
     sec = cfg.security
-    if not sec.curve or os.environ.get("HETPS_KEYS_DIR"):
-        return cfg, False
-    if sec.keys_dir and Path(sec.keys_dir).expanduser().resolve() != keys_dir.resolve():
+    if not makes_own_keys(sec, keys_dir):
         return cfg, False
     write_missing_keys(keys_dir, client_names)
     return replace(cfg, security=replace(sec, keys_dir=str(keys_dir.resolve()))), True

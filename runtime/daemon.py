@@ -21,7 +21,7 @@ from hetps.proto.transport import TransportOptions
 from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
 
-from .curve_setup import configure
+from .curve_setup import KeysSettingError, configure
 
 # exit statuses of the shard, worker and evaluator daemons (and the scheduler's 1 when the
 # cluster never formed): 0 a clean stop the scheduler asked for; 1 a peer unreachable in time;
@@ -163,8 +163,14 @@ def rank_label(rank: int) -> str:
 
 
 def check_and_exit(role: str, **resolved) -> None:
-    """For --check: print what the daemon would do and exit 0."""
+    """For --check: print what the daemon would do, and what --check leaves to
+    the model check, and exit 0."""
     print(f"hetps {role}: ok " + " ".join(f"{k}={v}" for k, v in resolved.items()))
+    print(
+        f"hetps {role}: not checked without the model: that it fits the data and that "
+        "cluster.max_message_bytes lets its tensors through (every worker checks both before it "
+        "registers; alone: python -m hetps.worker.preflight --config CONFIG)"
+    )
     raise SystemExit(0)
 
 
@@ -193,12 +199,19 @@ def transport_options(cfg: RunConfig, node: NodeConfig | None = None) -> Transpo
 
 def security_or_exit(cfg: RunConfig, role: str, client_key: str | None = None) -> None:
     """Turn CurveZMQ on for this process when the config asks (curve_setup.py);
-    a missing key prints one line naming it and exits with status 2."""
+    a missing keys directory or key prints one line naming the setting or the
+    file and exits with status 2."""
     try:
         configure(cfg, role, client_key)
     except SecurityError as exc:
-        print(f"hetps {role}: security: {exc}", file=sys.stderr)
+        print(f"hetps {role}: {security_problem(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def security_problem(exc: SecurityError) -> str:
+    """One line for a key that cannot be loaded: a keys directory setting that
+    names no directory reads like the config's own errors (`load_or_exit`)."""
+    return f"{'config error' if isinstance(exc, KeysSettingError) else 'security'}: {exc}"
 
 
 def dump_stacks_on_usr1() -> None:

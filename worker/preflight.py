@@ -3,6 +3,10 @@ model on one real batch of the configured dataset, so that a model that
 does not fit its data fails at once, in one line that names the model, the
 dataset, the shapes and the fix, instead of deep inside a running cluster.
 
+It also checks the settings only the model can check: that
+cluster.max_message_bytes lets the model's messages through
+(`message_bytes_needed`).
+
 Every worker and the evaluator run it before they register; `hetps run`
 runs it once while the shards and workers start (a failure stops them all):
 
@@ -16,22 +20,37 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetps.proto.codec import encode
+from hetps.proto.layout import aligned
+from hetps.proto.messages import Plan, Register
+from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, chunk_specs, schema_hash
+from hetps.runconfig.algorithms import resolved_params
 from hetps.runconfig.schema import RunConfig
 from hetps.runtime.daemon import load_or_exit
 
 from .data import Datasets, DatasetUnavailable, load_datasets
 from .models import ModelError, build_model
+from .state import model_specs
 from .step import autocast
 from .user_data import DatasetContractError
+
+# CurveZMQ carries each frame in a MESSAGE command (8-byte command name, 8-byte nonce, 16-byte
+# MAC, 1 flags byte), and ZMQ_MAXMSGSIZE counts those bytes too
+CURVE_FRAME_BYTES = 33
 
 
 class PreflightError(ValueError):
     """The model does not fit the dataset (or either cannot be built); one line saying why and what to do."""
+
+
+class ConfigValueError(PreflightError):
+    """A config value that cannot work with this model; the message starts with its key."""
 
 
 def first_conv(model: nn.Module) -> nn.Module | None:
@@ -88,8 +107,132 @@ def dry_step(
         )
 
 
+@dataclass(frozen=True)
+class MessageBytes:
+    """What a model's messages ask of cluster.max_message_bytes."""
+
+    need: int  # the smallest value that can work
+    why: str  # what needs it, for the user
+    whole: int  # the frame of one shard holding every tensor: the most uneven speeds can ask
+
+
+def one_frame_bytes(sizes: list[int]) -> int:
+    """The frame of a shard's pull reply that carries tensors of `sizes` bytes:
+    the shard's arena (ps/arena.py), each tensor padded to the pack alignment;
+    a lone tensor travels as it is."""
+    return sizes[0] if len(sizes) == 1 else sum(aligned(n) for n in sizes)
+
+
+def least_largest_part(sizes: list[int], shards: int) -> int:
+    """The smallest possible largest `one_frame_bytes` over every way to cut
+    the tensor list (forward order) into at most `shards` contiguous ranges,
+    as placement does (scheduler/placement.py): whatever speeds the shards
+    measure, some shard's pull reply is at least this large."""
+
+    def ranges_within(limit: int) -> int:
+        count, run, n = 0, 0, 0  # ranges closed; padded bytes and tensors of the open one
+        for size in sizes:
+            if n and run + aligned(size) > limit:
+                count, run, n = count + 1, 0, 0
+            run, n = run + aligned(size), n + 1
+        return count + (1 if n else 0)
+
+    lo, hi = max(sizes), one_frame_bytes(sizes)  # a range's frame only grows with the range
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ranges_within(mid) <= shards:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def message_bytes_needed(specs: list[TensorSpec], cfg: RunConfig) -> MessageBytes:
+    """A sound lower bound on cluster.max_message_bytes for a model of `specs`
+    under `cfg` (a run below it cannot work, whatever the shards' speeds):
+    the largest tensor part (a shard refuses a larger tensor in a push), the
+    largest frame of a pull reply however the parts are placed (skipped with
+    comm.shm_bytes: such frames go through shared memory), and the headers
+    that list every tensor (REGISTER, PLAN); plus CurveZMQ's bytes per frame.
+    The sockets bound each frame, not the message (ZMQ_MAXMSGSIZE)."""
+    parts, chunks = chunk_specs(specs, cfg.cluster.chunk_bytes)
+    sizes = [p.nbytes for p in parts]
+    shards, workers = len(cfg.cluster.shards), len(cfg.cluster.workers)
+    curve = CURVE_FRAME_BYTES if cfg.security.curve else 0
+    largest = max(parts, key=lambda p: p.nbytes)
+    needs = [
+        (
+            largest.nbytes,
+            f"its largest tensor{' part' if chunks else ''}, {largest.name}, has "
+            f"{largest.nbytes} bytes, and a shard refuses a larger one",
+        )
+    ]
+    whole = 0  # with shared memory, large frames do not go through the sockets
+    if not cfg.comm.shm_bytes:
+        whole = one_frame_bytes(sizes) + curve
+        frame = least_largest_part(sizes, shards)
+        where = (
+            f"however the {len(parts)} tensors are placed on the {shards} shards, one holds at "
+            f"least {frame} bytes"
+            if shards > 1
+            else f"the one shard holds all {len(parts)} tensors, {frame} bytes"
+        )
+        needs.append(
+            (
+                frame + curve,
+                f"a pull reply carries all of a shard's tensors in one frame, and {where}",
+            )
+        )
+    # the headers at their smallest: no addresses, host, speeds, groups or run id
+    plan = ClusterPlan(
+        plan_id=1,
+        algorithm=cfg.algorithm.name,
+        workers=[NodeEntry(shards + 1 + i, i) for i in range(workers)],
+        shards=[NodeEntry(1 + i, i) for i in range(shards)],
+        tensors=parts,
+        placement={p.name: 0 for p in parts},
+        schema_hash=schema_hash(specs),
+        chunks=chunks,
+        algorithm_params=resolved_params(cfg.algorithm),
+    )
+    register = Register(
+        role="worker",
+        rank=0,
+        tensor_specs=[s.to_wire() for s in specs],
+        schema_hash=schema_hash(specs),
+    )
+    header = max(len(encode(Plan(plan_id=1, plan=plan))[0]), len(encode(register)[0]))
+    needs.append((header + curve, f"the plan lists every tensor in a header of {header} bytes"))
+    need, why = max(needs, key=lambda n: n[0])  # on a tie, the first: the most specific
+    if curve and need > largest.nbytes:
+        why += f", plus {curve} bytes of CurveZMQ per frame"
+    return MessageBytes(need, why, max(whole, need))
+
+
+def check_message_bytes(model: nn.Module, cfg: RunConfig) -> None:
+    """Raises ConfigValueError naming cluster.max_message_bytes and the smallest
+    value that can work when the model's messages cannot pass the sockets."""
+    limit = cfg.cluster.max_message_bytes
+    needed = message_bytes_needed(model_specs(model), cfg)
+    if limit >= needed.need:
+        return
+    shards = len(cfg.cluster.shards)
+    uneven = (
+        f"; shards of unequal speed are given unequal parts, up to {needed.whole} bytes (the whole "
+        "model in one frame)"
+        if needed.whole > needed.need
+        else ""
+    )
+    raise ConfigValueError(
+        f"cluster.max_message_bytes: must be at least {needed.need} for model {cfg.model.name!r} on "
+        f"{shards} shard{'s' if shards > 1 else ''}, got {limit}: {needed.why}{uneven}"
+    )
+
+
 def build_checked(cfg: RunConfig, device: torch.device | str = "cpu") -> tuple[Datasets, nn.Module]:
-    """The datasets and the seeded model, checked by `dry_step`. Raises PreflightError."""
+    """The datasets and the seeded model, checked by `dry_step` and
+    `check_message_bytes`. Raises PreflightError (ConfigValueError for a
+    setting the model cannot work with)."""
     try:
         data = load_datasets(cfg.data, cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -99,6 +242,7 @@ def build_checked(cfg: RunConfig, device: torch.device | str = "cpu") -> tuple[D
     except TypeError as exc:  # a factory called with keywords it does not take
         raise PreflightError(str(exc)) from None
     dry_step(model, data, cfg, device)
+    check_message_bytes(model, cfg)
     return data, model
 
 
@@ -115,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         data, _ = build_checked(cfg)
     except PreflightError as exc:
-        print(f"hetps: check failed: {exc}", file=sys.stderr)
+        # a setting reads like the config's own errors (runtime/daemon.py load_or_exit)
+        kind = "config error" if isinstance(exc, ConfigValueError) else "check failed"
+        print(f"hetps: {kind}: {exc}", file=sys.stderr)
         return 2
     print(
         f"hetps: check ok: model {cfg.model.name!r} on dataset {cfg.data.dataset!r}, input shape "
