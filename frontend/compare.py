@@ -34,7 +34,7 @@ from pathlib import Path
 from hetps.runconfig.load import apply_override, config_from_dict, load_config, load_raw
 from hetps.runconfig.schema import ConfigError
 from hetps.scheduler.efficiency import useful_efficiency
-from hetps.scheduler.runlog import read_metrics
+from hetps.scheduler.runlog import read_metrics, records_of
 
 from .launcher import run_local
 from .plots import X_AXES, plot_compare
@@ -95,7 +95,7 @@ def aggregate(algorithm: str, summaries: list[dict]) -> dict:
 
 def milestone_times(run_dir: Path, accuracies: list[float]) -> dict[str, float | None]:
     """Seconds to the first evaluation at or above each accuracy (None: never), keyed "0.97"."""
-    evals = [m for m in read_metrics(run_dir / "metrics.jsonl") if m["kind"] == "eval"]
+    evals = records_of(read_metrics(run_dir / "metrics.jsonl"), "eval", t=float, accuracy=float)
     return {f"{a:g}": next((m["t"] for m in evals if m["accuracy"] >= a), None) for a in accuracies}
 
 

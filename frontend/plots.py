@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 
-from hetps.scheduler.runlog import read_metrics, read_summary
+from hetps.scheduler.runlog import fits, plan_fits, read_metrics, read_summary, records_of
 
 X_AXES = {
     "time": ("t", "wall-clock time (s)"),
@@ -44,13 +45,22 @@ def eval_curve(records: list[dict], x: str = "time") -> tuple[list[float], list[
     (runs recorded before evaluations carried bytes)."""
     if x not in X_AXES:
         raise ValueError(f"x axis must be one of {', '.join(X_AXES)}, got {x!r}")
+    evals = _evals(records, x)
     key = X_AXES[x][0]
-    evals = [r for r in records if r.get("kind") == "eval"]
-    if any(key not in r for r in evals):
+    return [float(r[key]) for r in evals], [float(r["accuracy"]) for r in evals]
+
+
+def _evals(records: list[dict], x: str) -> list[dict]:
+    """The evaluations that hold an accuracy and their value on axis `x`, in order (an
+    evaluation without them, of another version or edited by hand, is skipped). Raises
+    ValueError when no evaluation records the axis' key (runs recorded before it existed)."""
+    key = X_AXES[x][0]
+    evals = records_of(records, "eval", accuracy=float)
+    if evals and not any(key in r for r in evals):
         raise ValueError(
             f"these evaluations do not record {key!r}, so they cannot be plotted against {x}"
         )
-    return [float(r[key]) for r in evals], [float(r["accuracy"]) for r in evals]
+    return [r for r in evals if fits(r, **{key: float})]
 
 
 def first_reach(
@@ -94,9 +104,7 @@ def _plan_finder(records: list[dict]):
     before its time that has its group (a worker finishes a step or two under the old plan
     after a new one went out; plan 1 when the records hold no plan)."""
     plans = sorted(
-        (float(r["t"]), int(r["plan_id"]), len(r.get("groups") or ()))
-        for r in records
-        if r.get("kind") == "plan"
+        (float(r["t"]), r["plan_id"], len(r["groups"])) for r in filter(plan_fits, records)
     )
     starts = [t for t, _, _ in plans]
 
@@ -116,13 +124,12 @@ def group_lanes(records: list[dict]) -> dict[tuple[int, int], list[float]]:
     step records of r arrive after it, so the earliest of them bounds when it happened.
     Group numbers are those of the plan in force (the latest plan record at or before the
     step's time that has that group): a re-plan may regroup the workers under the same
-    numbers. Records without a group (e.g. the evaluator's) are skipped."""
+    numbers. Records without a group (e.g. a client that sends none) are skipped."""
     rounds: dict[tuple[int, int, int], float] = {}
     plan_of = _plan_finder(records)
-    for r in records:
-        if r.get("kind") == "step" and isinstance(r.get("group"), int):
-            key = (plan_of(r), r["group"], r["step"])
-            rounds[key] = min(rounds.get(key, float("inf")), float(r["t"]))
+    for r in _grouped_steps(records):
+        key = (plan_of(r), r["group"], r["step"])
+        rounds[key] = min(rounds.get(key, float("inf")), float(r["t"]))
     lanes: dict[tuple[int, int], list[float]] = {}
     for (plan, group, _), t in rounds.items():
         lanes.setdefault((plan, group), []).append(t)
@@ -133,10 +140,13 @@ def lane_members(records: list[dict], lanes: dict) -> dict[tuple[int, int], list
     """The worker ranks whose step records fell into each lane of `group_lanes`."""
     members: dict[tuple[int, int], set] = {key: set() for key in lanes}
     plan_of = _plan_finder(records)
-    for r in records:
-        if r.get("kind") == "step" and isinstance(r.get("group"), int):
-            members.setdefault((plan_of(r), r["group"]), set()).add(r["worker"])
+    for r in _grouped_steps(records):
+        members.setdefault((plan_of(r), r["group"]), set()).add(r["worker"])
     return {key: sorted(ws) for key, ws in members.items()}
+
+
+def _grouped_steps(records: list[dict]) -> list[dict]:
+    return records_of(records, "step", t=float, worker=int, step=int, group=int)
 
 
 def run_title(summary: dict, fallback: str = "") -> str:
@@ -168,8 +178,10 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     records = read_metrics(run_dir / "metrics.jsonl")
     summary = read_summary(run_dir) or {}
     target = summary.get("target_accuracy")
-    xs, ys = eval_curve(records, "time")
-    losses = [float(r["loss"]) for r in records if r.get("kind") == "eval"]
+    evals = _evals(records, "time")
+    xs, ys = [float(r["t"]) for r in evals], [float(r["accuracy"]) for r in evals]
+    # an evaluation without a loss leaves a gap in the loss curve
+    losses = [float(r["loss"]) if fits(r, loss=float) else math.nan for r in evals]
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax_acc.plot(
         xs, ys, marker="o", markersize=3.5, label="test accuracy (each marker: one evaluation)"
@@ -215,7 +227,8 @@ def plot_simulated(cfg, run_dir: Path) -> Path:
 
 def _plot_loss(ax, records: list[dict], xs: list[float], losses: list[float]) -> None:
     ax.plot(xs, losses, marker="o", markersize=3.5, label="test loss")
-    steps = sorted((r for r in records if r.get("kind") == "step"), key=lambda r: r["t"])
+    # a client's steps may carry no loss
+    steps = sorted(records_of(records, "step", t=float, loss=float), key=lambda r: r["t"])
     if steps:
         window = max(1, len(steps) // 50)
         chunks = [steps[i : i + window] for i in range(0, len(steps), window)]
@@ -253,8 +266,8 @@ def plot_groups(run_dir: Path, records: list[dict] | None = None) -> Path:
             for plan, group in keys
         ],
     )
-    for r in records:
-        if r.get("kind") == "plan" and r.get("plan_id", 1) > 1:
+    for r in filter(plan_fits, records):
+        if r["plan_id"] > 1:
             ax.axvline(r["t"], color="grey", linestyle="--", linewidth=0.8)
     ax.set(
         xlabel="wall-clock time since the first plan (s)",

@@ -3,10 +3,11 @@ line that follows metrics.jsonl as it grows, and the closing summary."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from hetps.scheduler.runlog import fits, parse_record, plan_fits
 
 STALL_FRESH_S = 3.0  # an open stall's record older than this (run seconds) is not shown
 
@@ -38,39 +39,44 @@ class Progress:
     _samples: list = field(default_factory=list)  # (t, total steps) over the last few seconds
 
     def poll(self) -> None:
+        """Read the lines added since the last poll (a torn last one waits for the next); a line
+        that is no record, or a record without the fields this line shows, is skipped."""
         if not self.path.exists():
             return
-        with open(self.path) as f:
+        with open(self.path, "rb") as f:
             f.seek(self.offset)
             chunk = f.read()
-        complete = chunk[: chunk.rfind("\n") + 1]
-        self.offset += len(complete.encode())
-        for line in complete.splitlines():
-            rec = json.loads(line)
-            if rec["kind"] != "register":  # its t counts from the scheduler's start, not training's
-                self.t = max(self.t, rec.get("t", 0.0))
-            if rec["kind"] == "step":
-                self.steps[rec["worker"]] = max(self.steps.get(rec["worker"], 0), rec["step"])
-            elif rec["kind"] == "eval":
-                self.accuracy = rec["accuracy"]
-            elif rec["kind"] == "register":
-                node = (
-                    "evaluator" if str(rec.get("node")).startswith("evaluator") else rec.get("node")
-                )
-                # (the scheduler's evaluator0 is hetps run's evaluator)
-                if node not in self.registered:
-                    self.registered.append(node)
-            elif rec["kind"] == "plan":
-                self.planned = True
-                self.plan = (rec.get("plan_id", 0), len(rec.get("groups") or ()))
-                self.groups = rec.get("groups") or []
-            elif rec["kind"] == "stall":
-                self.stalls[rec["node"]] = rec
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for rec in map(parse_record, complete.splitlines()):
+            if rec is not None:
+                self._take(rec)
         total = sum(self.steps.values())
         self._samples = [s for s in self._samples if s[0] >= self.t - 3.0] + [(self.t, total)]
         t0, total0 = self._samples[0]
         if self.t - t0 >= 0.5:  # steps/s over the last ~3 s of the run
             self.rate = (total - total0) / (self.t - t0)
+
+    def _take(self, rec: dict) -> None:
+        kind = rec["kind"]
+        # a register record's t counts from the scheduler's start, not training's
+        if kind != "register" and fits(rec, t=float):
+            self.t = max(self.t, rec["t"])
+        if kind == "step" and fits(rec, worker=int, step=int):
+            self.steps[rec["worker"]] = max(self.steps.get(rec["worker"], 0), rec["step"])
+        elif kind == "eval" and fits(rec, accuracy=float):
+            self.accuracy = rec["accuracy"]
+        elif kind == "register" and fits(rec, node=str):
+            # the scheduler's evaluator0 is hetps run's evaluator
+            node = "evaluator" if rec["node"].startswith("evaluator") else rec["node"]
+            if node not in self.registered:
+                self.registered.append(node)
+        elif plan_fits(rec):
+            self.planned = True
+            self.plan = (rec["plan_id"], len(rec["groups"]))
+            self.groups = rec["groups"]
+        elif kind == "stall" and fits(rec, node=str, t=float, for_s=float):
+            self.stalls[rec["node"]] = rec
 
     def line(self) -> str:
         if not self.planned:

@@ -8,7 +8,8 @@ in this process -- so both ends see the same checked types:
 
     HEARTBEAT.stats, BYE.stats  -> NodeStats (counts and speed: finite, bounded;
                                    whom a shard waits for: waits.py)
-    HEARTBEAT.records           -> list of step records (plain values, `ago` in seconds)
+    HEARTBEAT.records           -> list of step records (STEP_RECORD_FIELDS typed, `step`
+                                   and `ago` required; other keys plain values)
     HEARTBEAT.hold_s            -> a finite, bounded float
     REGISTER.tensor_specs       -> list[TensorSpec] (dtype allow-list, unique names)
     REGISTER.speed              -> a finite, bounded float
@@ -24,6 +25,7 @@ grouping produce inf or NaN.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
@@ -33,6 +35,7 @@ from .read_values import (
     MAX_RATE,
     MAX_SECONDS,
     MAX_TEXT,
+    is_int,
     read_count,
     read_int,
     read_map,
@@ -128,19 +131,119 @@ class NodeStats:
         return bool(self.as_dict())
 
 
+# ---------------------------------------------------------------- step records
+
+# `ago`: a step that ended more than a day before its heartbeat left is a bad value, not a late
+# report: a node's records wait for an answer at most cluster.scheduler_grace_s (30 s by default),
+# then the node gives up on the scheduler and stops
+MAX_RECORD_AGE_S = 86400.0
+
+
+def _real(where: str, value: Any) -> float:
+    """Any float, NaN and +-inf included (a diverged loss is worth reporting); an int is made a
+    float; a bool is no number."""
+    if not (is_int(value) or isinstance(value, float)):
+        _bad(where, f"must be a number, got {value!r:.40}")
+    return float(value)
+
+
+def _reals(where: str, value: Any) -> list[float]:
+    if type(value) is not list:
+        _bad(where, f"must be a list of numbers, got {value!r:.40}")
+    return [_real(f"{where}[{i}]", v) for i, v in enumerate(value)]
+
+
+def _or_null(read: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    return lambda where, value: None if value is None else read(where, value)
+
+
+def _seconds(where: str, value: Any) -> float:
+    return read_number(where, value, MAX_SECONDS)
+
+
+SECONDS = f"float in [0, {MAX_SECONDS:g}]"
+
+
+@dataclass(frozen=True)
+class StepField:
+    """One field of a step record: whether a record must carry it, its type as
+    docs/protocol.md names it, and its reader (where, value) -> typed value."""
+
+    required: bool
+    kind: str
+    read: Callable[[str, Any], Any]
+    meaning: str
+
+
+# What hetps's workers send (worker/trainer.py, overlap.py, local.py, diloco.py, sim/). A record
+# needs only what places it, `step` and `ago`: the scheduler knows who sent it (it writes `worker`,
+# the sender's rank) and a client may measure nothing else; whatever else it sends is typed here.
+STEP_RECORD_FIELDS: dict[str, StepField] = {
+    "step": StepField(
+        True, "int >= 0", read_count, "steps this worker has done, this one included"
+    ),
+    "ago": StepField(
+        True,
+        f"float in [0, {MAX_RECORD_AGE_S:g}]",
+        lambda where, value: read_number(where, value, MAX_RECORD_AGE_S),
+        "seconds from the end of the step to the heartbeat",
+    ),
+    "worker": StepField(
+        False, "int >= 0", read_count, "the sender's rank; the scheduler records the sender's own"
+    ),
+    "loss": StepField(
+        False,
+        "float",
+        _real,
+        "training loss; NaN and inf are reported (the divergence guard judges them)",
+    ),
+    "staleness": StepField(
+        False, "int >= 0", read_count, "updates applied since the values the step computed on"
+    ),
+    "group": StepField(False, "int >= 0", read_count, "the worker's group in the plan"),
+    "compute_s": StepField(False, SECONDS, _seconds, "forward and backward"),
+    "step_s": StepField(False, SECONDS, _seconds, "the whole step, pushes and pulls included"),
+    "wait_s": StepField(False, SECONDS, _seconds, "overlapped pushes: waiting for the last"),
+    "grad_norm": StepField(
+        False,
+        "float >= 0 or null",
+        _or_null(lambda where, value: read_number(where, value, math.inf)),
+        "the gradient's L2 norm before clipping (null: not finite)",
+    ),
+    "round": StepField(False, "int >= 0", read_count, "model averaging: rounds taken"),
+    "period": StepField(
+        False,
+        "int >= 0 or null",
+        _or_null(read_count),
+        "model averaging: local steps per round (null: periods in seconds)",
+    ),
+    "variance": StepField(False, "float", _real, "model averaging: the last round's variance"),
+    "weights": StepField(False, "list of floats", _reals, "model averaging: the round's weights"),
+    "weights_round": StepField(False, "int >= 0", read_count, "the round `weights` belong to"),
+}
+_REQUIRED = [key for key, f in STEP_RECORD_FIELDS.items() if f.required]
+
+
+def read_step_record(where: str, value: Any) -> dict:
+    """One step record: a map of plain values, each of STEP_RECORD_FIELDS read by its reader."""
+    rec = read_map(where, value)
+    clash = [k for k in RESERVED_RECORD_KEYS if k in rec]
+    if clash:
+        _bad(where, f"keys {clash} are reserved")
+    for key in _REQUIRED:
+        if key not in rec:
+            _bad(f"{where}.{key}", f"missing (a step record needs {' and '.join(_REQUIRED)})")
+    for key, f in STEP_RECORD_FIELDS.items():
+        if key in rec:
+            rec[key] = f.read(f"{where}.{key}", rec[key])
+    return rec
+
+
 def read_step_records(value: Any) -> list[dict]:
-    """Step records: maps of plain values, each with `ago` (seconds before the heartbeat)."""
+    """HEARTBEAT.records: a list of step records (read_step_record)."""
     if type(value) is not list:
         _bad("records", f"must be a list, got {type(value).__name__}")
-    out = []
-    for i, rec in enumerate(value):
-        rec = read_map(f"records[{i}]", rec)
-        clash = [k for k in RESERVED_RECORD_KEYS if k in rec]
-        if clash:
-            _bad(f"records[{i}]", f"keys {clash} are reserved")
-        rec["ago"] = read_number(f"records[{i}].ago", rec.get("ago", 0.0), MAX_SECONDS)
-        out.append(rec)
-    return out
+    return [read_step_record(f"records[{i}]", rec) for i, rec in enumerate(value)]
 
 
 # ---------------------------------------------------------------- worker -> shard extras

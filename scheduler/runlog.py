@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .outcome import INTERRUPTED
+
 
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
@@ -50,17 +52,54 @@ class RunLog:
             self.sink.close()
 
 
+def parse_record(line: str | bytes) -> dict | None:
+    """One line of a metrics file as a record (a map with a string `kind`); None for a line that
+    is none: torn by a kill, edited by hand, bytes that are no UTF-8 (replaced, not refused)."""
+    if isinstance(line, bytes):
+        line = line.decode("utf-8", errors="replace")
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("kind"), str) else None
+
+
 def read_metrics(path: Path) -> list[dict]:
-    """All complete JSON lines of a metrics file (a torn last line is skipped)."""
-    out = []
+    """Every record of a metrics file (parse_record: a line that is no record is skipped)."""
     if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+        return []
+    return [r for r in map(parse_record, path.read_bytes().splitlines()) if r is not None]
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is float:  # any real number: a peer's loss of 1 is written as 1
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def fits(rec: dict, **types: type) -> bool:
+    """Whether `rec` holds each key of `types` with a value of that type (`float`: any real
+    number; a bool is no number). What a reader of metrics.jsonl checks before it uses a
+    record's fields: a file may hold records of another version, or edited by hand, and the
+    step records' optional fields are whatever a worker sent (docs/protocol.md, Step records)."""
+    return all(_is(rec.get(key), kind) for key, kind in types.items())
+
+
+def records_of(records: list[dict], kind: str, **types: type) -> list[dict]:
+    """The records of `kind` that `fits(**types)`, in order; the others are skipped."""
+    return [r for r in records if r.get("kind") == kind and fits(r, **types)]
+
+
+def plan_fits(rec: dict) -> bool:
+    """Whether `rec` is a `plan` record with what its readers use: `t`, `plan_id` and `groups`
+    (lists of worker node ids)."""
+    return (
+        rec.get("kind") == "plan"
+        and fits(rec, t=float, plan_id=int, groups=list)
+        and all(isinstance(g, list) for g in rec["groups"])
+    )
 
 
 def read_summary(run_dir: Path) -> dict | None:
@@ -71,7 +110,11 @@ def read_summary(run_dir: Path) -> dict | None:
 
 
 def mark_failed(run_dir: Path, summary: dict, node: str, detail: str) -> None:
-    """Write summary.json as a failed run's (the scheduler's own summary, if any, kept)."""
+    """Write summary.json as a failed run's: the scheduler's own summary, if any, kept (what it
+    counted and measured, its failures), with the node that failed and why. Its stop reason is
+    kept, unless it is the stop the launcher asked for after the failure (`interrupted`): then
+    the run stopped for `detail`."""
+    reason = summary.get("stop_reason")
     write_json_atomic(
         run_dir / "summary.json",
         {
@@ -79,6 +122,6 @@ def mark_failed(run_dir: Path, summary: dict, node: str, detail: str) -> None:
             "status": "failed",
             "failed_node": node,
             "detail": detail,
-            "stop_reason": summary.get("stop_reason") or detail,
+            "stop_reason": detail if reason in (None, "", INTERRUPTED) else reason,
         },
     )

@@ -18,6 +18,8 @@ import math
 import time
 from pathlib import Path
 
+from .runlog import fits
+
 FLUSH_S = 5  # a live `tensorboard` view lags the run by at most this many seconds
 
 
@@ -54,8 +56,8 @@ class TensorBoardSink:
             step = values.get("global_steps", 0)
             self._scalar("eval/accuracy", values.get("accuracy"), step, wall)
             self._scalar("eval/loss", values.get("loss"), step, wall)
-        elif kind == "step" and "worker" in values:
-            prefix, step = f"worker{values['worker']}", values.get("step", 0)
+        elif kind == "step" and fits(values, worker=int, step=int):
+            prefix, step = f"worker{values['worker']}", values["step"]
             for key in ("loss", "step_s", "staleness"):
                 self._scalar(f"{prefix}/{key}", values.get(key), step, wall)
         elif kind == "plan":

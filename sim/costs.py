@@ -20,12 +20,19 @@ import statistics
 from pathlib import Path
 
 from hetps.runconfig.schema import ConfigError
-from hetps.scheduler.runlog import read_metrics
+from hetps.scheduler.runlog import read_metrics, records_of
 
 
 def step_records(run_dir: Path) -> list[dict]:
-    """The `step` records of a run directory's metrics.jsonl (none if it has none)."""
-    return [m for m in read_metrics(Path(run_dir) / "metrics.jsonl") if m.get("kind") == "step"]
+    """The measured `step` records of a run directory's metrics.jsonl: those with the worker's
+    rank, `compute_s` and `step_s` (a client may send steps without them; none if none has)."""
+    return records_of(
+        read_metrics(Path(run_dir) / "metrics.jsonl"),
+        "step",
+        worker=int,
+        compute_s=float,
+        step_s=float,
+    )
 
 
 def measured_costs(run_dir: Path, n_workers: int | None = None) -> list[dict]:
@@ -36,8 +43,8 @@ def measured_costs(run_dir: Path, n_workers: int | None = None) -> list[dict]:
     steps = step_records(run_dir)
     if not steps:
         raise ConfigError(
-            f"--replay {run_dir}: no step records in its metrics.jsonl (is it a run directory "
-            "of `hetps run` that trained?)"
+            f"--replay {run_dir}: no step records with compute_s and step_s in its metrics.jsonl "
+            "(is it a run directory of `hetps run` that trained?)"
         )
     n = n_workers if n_workers is not None else max(int(s["worker"]) for s in steps) + 1
     compute, outside = [], []
