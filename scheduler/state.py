@@ -1,12 +1,17 @@
 """The scheduler's state on disk (RUN_DIR/scheduler-state.json), so a
 restarted scheduler carries on where the old one stopped: the run id, the
-plan, the model's tensor list, the nodes and their ids, the evaluation track
-and the failures. Written whole (temporary file + rename) after every plan
-and registration and every SAVE_EVERY_S while training.
+plan, the model's tensor list, the nodes and their ids, the evaluation track,
+the failures, the divergence guard's counts and, once decided, the stop (its
+reason, the node failure or divergence verdict behind it). Written whole
+(temporary file + rename) after every plan and registration, the moment a
+stop is decided (before any node can hear of it), and every SAVE_EVERY_S
+while training.
 
 Nodes restored from it count as alive from the moment of the restart; the
 ones that do not come back are declared dead after cluster.dead_after_s as
-usual.
+usual. A restarted scheduler that finds a stop carries that stop on: the
+nodes are told to stop, and the ones it never hears from (they heard the stop
+from the old scheduler and left) count as left after cluster.dead_after_s.
 
 The run's clock survives a restart: the state holds when training began on
 the wall clock (`started_unix`), so evaluation times, `time_to_target_s` and
@@ -56,10 +61,14 @@ def write(
     nodes: Iterable[Node],
     evals: EvalTrack,
     failures: list[dict],
+    stop: dict | None = None,
+    guard: dict | None = None,
 ) -> None:
     """Write a scheduler's state into `run_dir` (Coordinator.save_state).
     `finished`: the run ended, a later scheduler must not carry it on;
-    `elapsed`: seconds since training began, None before the first plan."""
+    `elapsed`: seconds since training began, None before the first plan;
+    `stop`: the stop decided, {"reason", "failed"} (None: training goes on);
+    `guard`: the divergence guard's counts and verdict (DivergenceGuard.saved)."""
     write_json_atomic(
         run_dir / STATE_FILE,
         {
@@ -83,6 +92,8 @@ def write(
             ],
             "evals": dataclasses.asdict(evals),
             "failures": failures,
+            "stop": stop,
+            "guard": guard or {},
         },
     )
 
@@ -108,11 +119,14 @@ class Saved:
     started: float | None  # training began (this process's monotonic clock); None: not yet
     measured: dict  # the evaluation track's measured fields (not target and patience)
     failures: list[dict]
+    stop: dict | None  # the stop decided: {"reason", "failed"}; None: training goes on
+    guard: dict  # the divergence guard's counts and verdict (DivergenceGuard.restore)
 
 
-def load(data: dict) -> Saved:
-    """`data` (from `read`) as of now."""
-    now = time.monotonic()
+def load(data: dict, now: float | None = None) -> Saved:
+    """`data` (from `read`) as of `now` on the restarted scheduler's clock
+    (None: time.monotonic())."""
+    now = time.monotonic() if now is None else now
     started = None
     if data["elapsed_s"] is not None:
         since_start = time.time() - data.get("started_unix", time.time() - data["elapsed_s"])
@@ -127,4 +141,7 @@ def load(data: dict) -> Saved:
         started=started,
         measured={k: v for k, v in data["evals"].items() if k not in ("target", "patience")},
         failures=list(data["failures"]),
+        # absent from the files of older schedulers
+        stop=data.get("stop"),
+        guard=data.get("guard") or {},
     )

@@ -78,6 +78,8 @@ def run_summary(coord: Coordinator) -> dict:
         ),
         "plan_id": coord.plan.plan_id if coord.plan else 0,
         "stop_reason": coord.stop_reason,
+        # worker -> its non-finite training losses (under cluster.nonfinite skip/clip: no verdict)
+        "nonfinite_losses": dict(sorted(coord.guard.nonfinite_losses.items())),
         "failures": coord.failures,
         "not_left": stragglers,
         "hosts": {
