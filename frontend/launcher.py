@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetps.proto.errors import HetpsError
+from hetps.proto.security import SecurityError
 from hetps.runconfig.load import dump_config
 from hetps.runconfig.schema import RunConfig
-from hetps.runtime.curve_setup import keys_for_run
+from hetps.runtime.curve_setup import check_run_keys, keys_for_run
+from hetps.runtime.daemon import security_problem
 from hetps.runtime.devices import assign_devices, local_gpu_count
 from hetps.runtime.startup import process_age_s
 from hetps.scheduler.outcome import EXIT_CODES, INTERRUPTED
@@ -46,6 +48,10 @@ TARGETS = "prometheus_targets.json"
 # never forked: it imports no torch, and starts before the fork server is warm
 EXECUTED = {"hetps.scheduler"}
 REAP_WAIT_S = 15.0  # after the scheduler exits, how long the rest may take to leave
+# a stopping scheduler waits at most coordinator.EXIT_GRACE_S (40 s) for the nodes to leave, then
+# writes its summary: this long, and a margin, for it to exit (the coordinator imports torch, the
+# launcher does not; tests/unit/test_failed_summary.py checks the two)
+SCHEDULER_STOP_S = 55.0
 CHECK_WAIT_S = 600.0  # the dry step loads the dataset: a generous upper bound
 
 
@@ -90,6 +96,37 @@ def with_local_devices(cfg: RunConfig) -> RunConfig:
     devices = assign_devices(requested, local_gpu_count())
     workers = [dataclasses.replace(n, device=d) for n, d in zip(cfg.cluster.workers, devices)]
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, workers=workers))
+
+
+def not_writable(path: Path) -> str | None:
+    """Why the directory `path` cannot be made or written into, or None when
+    it can (as far as the nearest existing folder tells, without writing)."""
+    probe = path.expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:  # the nearest part that exists
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+def prestart_problems(cfg: RunConfig, run_dir: Path) -> list[str]:
+    """What would make a process of the run fail at start, found before any
+    starts, one line each: keys CurveZMQ cannot load (security.keys_dir), a
+    run directory or checkpoint.dir that cannot be written."""
+    out = []
+    try:
+        check_run_keys(cfg, run_dir / "keys")
+    except SecurityError as exc:
+        out.append(security_problem(exc))
+    if why := not_writable(run_dir):
+        out.append(f"the run directory {run_dir} cannot be made: {why} (choose another with --out)")
+    if cfg.checkpoint.dir and (why := not_writable(Path(cfg.checkpoint.dir))):
+        out.append(
+            f"config error: checkpoint.dir: shards cannot write to {cfg.checkpoint.dir}: {why}"
+        )
+    return out
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -204,9 +241,9 @@ class LocalCluster:
             (self.run_dir / "logs" / "check.log").read_text(errors="replace").strip().splitlines()
         )
         if code == 2 and lines:
-            raise CheckFailed(
-                "\n".join(lines[-1:] if lines[-1].startswith("hetps: check") else lines[-5:])
-            )
+            # its one line: a model that does not fit, or a setting it cannot work with
+            own = lines[-1].startswith(("hetps: check", "hetps: config error"))
+            raise CheckFailed("\n".join(lines[-1:] if own else lines[-5:]))
         if code != 0:
             raise LaunchError(f"the model check exited with {code}:\n" + "\n".join(lines[-15:]))
 
@@ -282,10 +319,7 @@ class LocalCluster:
         deadline = time.monotonic() + ADDR_WAIT_S
         while not path.exists():
             if scheduler.popen.poll() is not None:
-                raise LaunchError(
-                    f"scheduler exited with {scheduler.popen.returncode} before binding:\n"
-                    f"{scheduler.tail()}"
-                )
+                raise LaunchError(exited_before_binding(scheduler))
             if time.monotonic() > deadline:
                 raise LaunchError(f"scheduler did not publish its address within {ADDR_WAIT_S}s")
             time.sleep(0.05)
@@ -357,9 +391,11 @@ class LocalCluster:
         failed (reported by that node), wins over the first exit the launcher saw.
         summary.json says `status: failed` whatever the scheduler managed to write."""
         self.stop_scheduler()
-        # it stops at once before training began
+        # it stops at once before training began; after, it may wait for the nodes to leave, a
+        # dead one until declared dead, and writes its summary only then: killed any sooner
+        # (kill_all), it would leave none
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.children[0].popen.wait(timeout=REAP_WAIT_S)
+            self.children[0].popen.wait(timeout=SCHEDULER_STOP_S)
         summary = read_summary(self.run_dir) or {}
         node = summary.get("failed_node") or name
         # the scheduler's own words when it failed the run (a node's report, or the cluster never formed)
@@ -425,6 +461,21 @@ class LocalCluster:
         self.sockets.close()
 
 
+def exited_before_binding(child: Child) -> str:
+    """Why `child` (exited) never bound: its exit, then its own last line (its
+    error) on the same line, and the lines before it when there are more."""
+    code = child.popen.returncode
+    try:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+    except ValueError:  # not a known signal number
+        how = f"exited with {code}"
+    lines = [line for line in child.tail().splitlines() if line.strip()]
+    if not lines:
+        return f"{child.name} {how} before binding and wrote nothing to {child.log_path}"
+    earlier = f"\nearlier in {child.log_path}:\n" + "\n".join(lines[:-1]) if lines[:-1] else ""
+    return f"{child.name} {how} before binding: {lines[-1]}{earlier}"
+
+
 def run_local(
     cfg: RunConfig,
     run_dir: Path,
@@ -435,7 +486,13 @@ def run_local(
     """Run one experiment end to end; returns the process exit status:
     0 completed, 1 failed, 3 diverged, 130 interrupted (see outcome.py).
     `metrics`: every daemon serves Prometheus /metrics on a free port;
-    `resume`: continue the stopped run in `run_dir` from its checkpoints."""
+    `resume`: continue the stopped run in `run_dir` from its checkpoints.
+    Returns 2, starting nothing, on a problem `prestart_problems` finds."""
+    problems = prestart_problems(cfg, run_dir)
+    for line in problems:
+        print(f"hetps run: {line}", file=sys.stderr)
+    if problems:
+        return 2
     cluster = LocalCluster(cfg, run_dir, quiet, metrics, resume)
     previous = signal.signal(signal.SIGINT, cluster.on_interrupt)
     previous_term = signal.signal(signal.SIGTERM, cluster.on_interrupt)

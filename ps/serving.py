@@ -214,16 +214,30 @@ def setup_checkpoints(
     shard: Shard, root: str | None, rank: int, version: int | None, resume: bool = False
 ) -> None:
     """Turn checkpoints on (when a directory is given) and continue from this
-    run's newest one (or `version`) if there is one; `resume`: new workers."""
+    run's newest valid checkpoint (or `version`) if there is one; `resume`: new
+    workers. A damaged checkpoint is passed over for the next older valid one:
+    logged naming its file, set aside as *.damaged and named in the shard's
+    stats (`checkpoints_damaged`, which the scheduler records as
+    `checkpoint_damaged` failures). Raises checkpoint.NoValidCheckpoint (naming
+    the folder) when every checkpoint is damaged, CheckpointDamaged when
+    `version`'s is: a start-up failure the scheduler ends the run with."""
     if not root:
         return
     folder = checkpoint.shard_dir(root, shard.plan.run_id, rank)
-    path = checkpoint.latest(folder, version)
-    if version is not None and path is None:
+    for tmp in checkpoint.remove_leftovers(folder):
+        log.info("removed %s, left behind by a write that never finished", tmp)
+    point = checkpoint.restore_point(folder, version)
+    if version is not None and point.path is None:
         raise SystemExit(f"hetps ps {rank}: no checkpoint of version {version} in {folder}")
-    if path is not None:
-        shard.restore(checkpoint.load(path), new_workers=resume)
-        checkpoint.abandon_after(folder, shard.store.version)
+    for damaged in point.damaged:
+        log.error("%s; set aside as %s.damaged", damaged, damaged.path.name)
+    if point.path is not None:
+        shard.restore(point.state, new_workers=resume)
+        checkpoint.abandon_after(folder, shard.store.version, {d.path for d in point.damaged})
     shard.checkpointer = checkpoint.Checkpointer(shard.cfg.checkpoint, folder)
-    shard.checkpointer.last_version = shard.store.version if path is not None else -1
-    log.info("checkpoints in %s%s", folder, f"; restored {path.name}" if path else "")
+    shard.checkpointer.last_version = shard.store.version if point.path is not None else -1
+    # (a damaged one implies a restored one: with none valid, restore_point raised)
+    shard.checkpointer.damaged = [
+        {**d.report(), "restored_version": shard.store.version} for d in point.damaged
+    ]
+    log.info("checkpoints in %s%s", folder, f"; restored {point.path.name}" if point.path else "")

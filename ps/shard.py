@@ -111,15 +111,7 @@ class Shard(Service):
 
     def stats(self) -> dict:
         policy = self.policy.stats() if self.policy else {}
-        saved = (
-            {
-                "checkpoints": self.checkpointer.written,
-                "checkpoint_s": round(self.checkpointer.seconds, 3),
-                "checkpoint_version": self.checkpointer.last_version,
-            }
-            if self.checkpointer
-            else {}
-        )
+        saved = self.checkpointer.stats() if self.checkpointer else {}
         return {
             "version": self.store.version,
             "parked": len(self.parked),
@@ -310,10 +302,12 @@ class Shard(Service):
         if force or self.checkpointer.due(self.store.version):
             try:
                 self.checkpointer.write(self.state_dict())
-            # a full or failing disk must not cost the update already applied
-            except OSError as exc:
+            # a full or failing disk must not cost the update already applied, nor its answer:
+            # whatever the write raises (OSError, torch's RuntimeError, ...) is counted and logged
+            # once per kind; its temporary file is gone (checkpoint.write_atomic)
+            except Exception as exc:
                 self.counts["checkpoint_errors"] += 1
-                log.error("checkpoint v%d not written: %s", self.store.version, exc)
+                self.checkpointer.failed(self.store.version, exc)
 
     # ------------------------------------------------------------ internals
     def _screen_nonfinite(self, push) -> None:

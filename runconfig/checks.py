@@ -25,6 +25,9 @@ POSITIVE: Rule = (lambda v: 0 < v < math.inf, "must be > 0 (and finite)")
 NON_NEGATIVE: Rule = (lambda v: 0 <= v < math.inf, "must be >= 0 (and finite)")
 AT_LEAST_1: Rule = (lambda v: 1 <= v < math.inf, "must be >= 1 (and finite)")
 FRACTION: Rule = (lambda v: 0 <= v <= 1, "must be in [0, 1]")
+# cluster.max_message_bytes bounds every frame a socket takes, headers too: never below the largest
+# header a peer may send (proto/codec.py MAX_HEADER_BYTES; not imported: it loads numpy)
+MIN_MESSAGE_BYTES = 1 << 20
 
 # every number of the config (algorithm parameters check themselves, algorithm_params.py)
 NUMBER_RULES: dict[str, Rule] = {
@@ -48,7 +51,12 @@ NUMBER_RULES: dict[str, Rule] = {
     "cluster.request_timeout_s": POSITIVE,
     "cluster.scheduler_grace_s": POSITIVE,
     "cluster.startup_timeout_s": POSITIVE,
-    "cluster.max_message_bytes": AT_LEAST_1,
+    "cluster.max_message_bytes": (
+        lambda v: MIN_MESSAGE_BYTES <= v < math.inf,
+        f"must be >= {MIN_MESSAGE_BYTES} (1 MiB, the largest message header the protocol takes: a "
+        "heartbeat's queued step records or a plan can fill hundreds of KB whatever the model; the "
+        "workers check the model's own need before they register)",
+    ),
     "cluster.chunk_bytes": (lambda v: v >= 0, "must be >= 0 (0 = never cut)"),
     "cluster.retry_s": (lambda v: v >= 0, "must be >= 0 (0 = never re-send)"),
     "cluster.clip_value": POSITIVE,
@@ -176,8 +184,15 @@ def _check_nodes(cfg: RunConfig) -> list[str]:
             out.append(
                 f"cluster.kill.{i}.node: no process {kill.node!r} in this run; allowed: {', '.join(names)}"
             )
-        if not 0 <= kill.at_s < math.inf:  # NaN fails too
+        if (kill.at_s is None) == (kill.at_step is None):
+            out.append(
+                f"cluster.kill.{i}: needs exactly one of at_s (seconds after training began) and "
+                f"at_step (workers' steps), got {'both' if kill.at_s is not None else 'neither'}"
+            )
+        if kill.at_s is not None and not 0 <= kill.at_s < math.inf:  # NaN fails too
             out.append(f"cluster.kill.{i}.at_s: must be >= 0 (and finite), got {kill.at_s}")
+        if kill.at_step is not None and kill.at_step < 0:
+            out.append(f"cluster.kill.{i}.at_step: must be >= 0, got {kill.at_step}")
         if kill.restart_after_s is not None and kill.restart_after_s < 0:
             out.append(
                 f"cluster.kill.{i}.restart_after_s: must be >= 0 or null, got {kill.restart_after_s}"

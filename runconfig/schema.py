@@ -82,7 +82,8 @@ class SlowdownChange:
 @dataclass(frozen=True)
 class KillFault:
     node: str                  # a process of `hetps run`: scheduler, ps0, worker2, evaluator, ...
-    at_s: float                # seconds after training began (the first plan)
+    at_s: float | None = None  # seconds after training began (the first plan); this or at_step
+    at_step: int | None = None  # once the workers' steps recorded in RUN_DIR/metrics.jsonl (all workers, this launch) number this many
     restart_after_s: float | None = None  # start it again this long after (same address; shards restore)
 
 
@@ -120,7 +121,7 @@ class ClusterConfig:
     profile_steps: int = 20                # steps timed on the real model before joining (speed)
     request_timeout_s: float = 120.0       # longest wait for any single reply
     startup_timeout_s: float = 120.0       # longest wait for the cluster to form
-    max_message_bytes: int = 1 << 30       # enforced by the sockets
+    max_message_bytes: int = 1 << 30       # largest frame a socket takes (>= 1 MiB); each worker checks its model's need
     chunk_bytes: int = 0                   # tensors larger than this are cut into parts placed apart; 0 = never
     faults: MessageFaults = field(default_factory=MessageFaults)
     retry_s: float = 2.0                   # a worker re-sends an unanswered push/pull after this (doubling)

@@ -92,6 +92,11 @@ METRICS = {
         "hetps_nonfinite_total", "counter", "Pushes refused for NaN or infinite values."
     ),
     "busy_s": Spec("hetps_busy_seconds_total", "counter", "Seconds spent applying updates."),
+    "checkpoint_errors": Spec(
+        "hetps_checkpoint_errors_total",
+        "counter",
+        "Checkpoint writes that failed (a full or failing disk); training went on.",
+    ),
     "lr": Spec("hetps_learning_rate", "gauge", "Learning rate of the shard's optimizer."),
     # scheduler (and evaluator)
     "nodes": Spec(

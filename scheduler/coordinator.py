@@ -9,7 +9,9 @@ of the whole cluster. No tensor passes through it.
 Stop happens in phases so the final evaluation sees the workers' last
 pushes and can still read the shards: first workers are told to stop; the
 evaluator once every worker said BYE; shards once every worker and the
-evaluator did (each, at the latest, after `STOP_GRACE_S`).
+evaluator did (each, at the latest, after `STOP_GRACE_S`). The stop is
+saved the moment it is decided, so a scheduler restarted during it carries
+it on (`restore`) rather than waiting for nodes that already left.
 One loop, one thread; `tick()` is called between requests.
 """
 
@@ -34,7 +36,7 @@ from . import failover, planning, registration, state, status
 from .formation import FORMATIONS
 from .held_beats import HeldBeat, HeldBeats
 from .nodes import EvalTrack, Node
-from .outcome import DIVERGED, DivergenceGuard, startup_failure
+from .outcome import DIVERGED, DivergenceGuard, checkpoint_failures, startup_failure
 from .runlog import RunLog
 from .stalls import StallTracker
 
@@ -92,8 +94,15 @@ class Coordinator(Service):
         self.timer_errors: dict[str, int] = {}  # timer name -> failures (see `_guarded`)
         self.failed: dict | None = None  # the node failure that ended the run: node, error, host
         self.guard = DivergenceGuard(
-            cfg.stop.diverged_after, cfg.stop.diverge_warmup_s, cfg.optimizer.lr
+            cfg.stop.diverged_after,
+            cfg.stop.diverge_warmup_s,
+            cfg.optimizer.lr,
+            nonfinite=cfg.cluster.nonfinite,
         )
+        # a stop carried on after a restart (`restore`): the nodes not heard from since,
+        # which may have heard the stop from the old scheduler and left (`_unheard_left`)
+        self.unheard: set[int] = set()
+        self.saving = False  # in `save_state`: a signal's stop saves at the next tick instead
         self.finished_steps = 0
         # who the cluster waits for
         self.stalls = StallTracker(cfg.cluster.heartbeat_s, cfg.cluster.dead_after_s, self.clock)
@@ -107,6 +116,7 @@ class Coordinator(Service):
         if node is None:
             raise ProtocolError(Status.BAD_STATE, f"unknown node id {node_id}; register first")
         node.last_seen = self.clock()
+        self.unheard.discard(node_id)
         return node
 
     def members(self, *roles: str) -> list[Node]:
@@ -119,10 +129,18 @@ class Coordinator(Service):
         return sum(status.count(n.stats, "steps") for n in self.members("worker"))
 
     def begin_stop(self, reason: str) -> None:
+        """Decide the stop (the first reason stays). Saved at once, before any
+        node can hear of it and leave: a scheduler restarted from then on
+        finishes this stop (`restore`) instead of waiting for nodes that left."""
         if self.stop_reason is None:
             self.stop_reason = reason
             self.stop_since = self.clock()
             log.info("stopping the cluster: %s", reason)
+            try:
+                self.save_state()
+            except OSError as exc:  # a full or vanished disk must not keep the run from stopping
+                log.warning("the stop could not be saved in %s: %s", state.STATE_FILE, exc)
+                self.state_dirty = True
             self.runlog.record(
                 "stop", t=self.elapsed(), reason=reason, global_steps=self.global_steps()
             )
@@ -228,15 +246,26 @@ class Coordinator(Service):
         if node.dead:  # declared dead while it was only slow: it must not come back unannounced
             return self._beat_ack(node)
         node.stats = env.msg.stats
+        self._record_checkpoint_failures(node)
         if node.role == "ps":
             self.stalls.on_heartbeat(node)
         now = self.elapsed()
-        # checked at decode: plain values, `ago` a finite number of seconds
-        for rec in env.msg.records:
+        if env.msg.records and node.role != "worker":
+            log.warning(
+                "%s %d (node %d) sent step records: dropped (only a worker's steps are recorded)",
+                node.role,
+                node.rank,
+                node.node_id,
+            )
+        # typed at decode (records.read_step_record). A step is written as the sender's (its rank,
+        # whatever the record says) and never before the run's clock began (a record kept across a
+        # scheduler restart that lost its state file)
+        for rec in env.msg.records if node.role == "worker" else ():
             ago = rec.pop("ago")
-            self.runlog.record("step", t=round(now - ago, 4), **rec)
+            rec["worker"] = node.rank
+            self.runlog.record("step", t=round(max(0.0, now - ago), 4), **rec)
             where = f"worker{node.rank} at step {rec.get('step')}"
-            if node.role == "worker" and self.guard.loss(rec.get("loss"), where):
+            if node.role == "worker" and self._worker_loss(node, rec.get("loss"), where):
                 self.begin_stop(DIVERGED)
         # a long poll: answered by `_answer_held_beats`
         if env.msg.hold_s > 0 and not self._tell_stop(node):
@@ -273,6 +302,18 @@ class Coordinator(Service):
                 beat.peer, beat.req_id, self._beat_ack(node) if node is not None else Ack(stop=True)
             )
 
+    def _record_checkpoint_failures(self, node: Node) -> None:
+        """The damaged checkpoints a shard's stats name, each once in the failures."""
+        for failure in checkpoint_failures(node, self.failures, round(self.elapsed(), 3)):
+            log.warning(
+                "%s passed over damaged checkpoint %s (%s); restored version %s",
+                failure["node"],
+                failure["file"],
+                failure["error"],
+                failure["restored_version"],
+            )
+            self.failures.append(failure)
+
     def on_report(self, peer: bytes, env: Envelope):
         self.node(env.msg.node_id)
         values = env.msg.values
@@ -306,6 +347,7 @@ class Coordinator(Service):
     def on_bye(self, peer: bytes, env: Envelope):
         node, error = self.node(env.msg.node_id), env.msg.error
         node.stats = env.msg.stats or node.stats
+        self._record_checkpoint_failures(node)
         node.left = True
         failure = None
         # it leaves on an error, before the run stopped: re-planned now, not after dead_after_s
@@ -383,6 +425,7 @@ class Coordinator(Service):
         until it comes back (restarted from its checkpoint) or their request
         timeout ends the run, unless its backup takes over (`_fail_over`)."""
         now = self.clock()
+        self._unheard_left(now)
         for n in self.members("worker", "ps", "spare"):
             silent = now - n.last_seen
             if n.gone or silent <= self.cfg.cluster.dead_after_s:
@@ -398,6 +441,25 @@ class Coordinator(Service):
                 self._replan(f"worker {n.rank} dead")
             if n.role in ("ps", "spare"):
                 self._fail_over(n)
+
+    def _unheard_left(self, now: float) -> None:
+        """A stop carried on after a restart: a node of any role not heard from
+        for dead_after_s since the restart heard the stop from the old
+        scheduler and left, its goodbye lost with it. It counts as left (not a
+        failure), so the nodes told after it (evaluator, then shards) are told."""
+        for node_id in sorted(self.unheard):
+            n = self.nodes.get(node_id)
+            if n is not None and not n.gone:
+                if now - n.last_seen <= self.cfg.cluster.dead_after_s:
+                    continue
+                n.left = True
+                log.info(
+                    "%s %d (node %d) not heard from since the restart: left at the stop",
+                    n.role,
+                    n.rank,
+                    n.node_id,
+                )
+            self.unheard.discard(node_id)
 
     def _replicating(self) -> bool:
         """Whether backups may change the plan now: replicated shards, training, not stopping."""
@@ -478,32 +540,54 @@ class Coordinator(Service):
         scheduler must not carry it on."""
         if self.runlog.run_dir is None or not self.keeps_state:
             return
-        self.state_saved = self.clock()
-        self.state_dirty = False
-        state.write(
-            self.runlog.run_dir,
-            run_id=self.run_id,
-            finished=finished,
-            elapsed=self.elapsed() if self.started else None,
-            plan=self.plan,
-            specs=self.specs,
-            schema=self.schema,
-            nodes=self.nodes.values(),
-            evals=self.evals,
-            failures=self.failures,
-        )
+        if self.saving:  # SIGTERM's stop (begin_stop) came in the middle of a save
+            self.state_dirty = True
+            return
+        self.saving = True
+        try:
+            self.state_saved = self.clock()
+            self.state_dirty = False
+            state.write(
+                self.runlog.run_dir,
+                run_id=self.run_id,
+                finished=finished,
+                elapsed=self.elapsed() if self.started else None,
+                plan=self.plan,
+                specs=self.specs,
+                schema=self.schema,
+                nodes=self.nodes.values(),
+                evals=self.evals,
+                failures=self.failures,
+                stop=(
+                    {"reason": self.stop_reason, "failed": self.failed}
+                    if self.stop_reason is not None
+                    else None
+                ),
+                guard=self.guard.saved(),
+            )
+        finally:
+            self.saving = False
 
     def restore(self, data: dict) -> None:
         """Carry on the unfinished run saved in `data` (state.read), on a
         fresh coordinator: its run id, plan, model, nodes (alive from now on),
-        run clock, measured evaluations and failures."""
-        saved = state.load(data)
+        run clock, measured evaluations, failures and divergence guard, and the
+        stop, when one was decided: that stop goes on from now (the nodes told
+        in the usual order; those never heard from again count as left after
+        dead_after_s, `_unheard_left`), whatever this scheduler would decide."""
+        saved = state.load(data, now=self.clock())
         self.run_id, self.specs, self.schema = saved.run_id, saved.specs, saved.schema
         self.plan, self.nodes = saved.plan, saved.nodes
         if saved.started is not None:
             self.started = saved.started
         self.evals = dataclasses.replace(self.evals, **saved.measured)
         self.failures = saved.failures
+        self.guard.restore(saved.guard)
+        if saved.stop is not None:
+            self.stop_reason, self.failed = saved.stop["reason"], saved.stop.get("failed")
+            self.stop_since = self.clock()  # the nodes hear of it from now: their grace starts
+            self.unheard = {n.node_id for n in self.nodes.values() if not n.gone}
+            log.info("carrying on the stop decided before the restart: %s", self.stop_reason)
 
     def _save_when_due(self) -> None:
         """Save once per tick at most: a burst of registrations (1,024 nodes)
@@ -551,6 +635,16 @@ class Coordinator(Service):
         if ev.streak >= ev.patience:
             held = f", held for {ev.streak} evaluations" if ev.patience > 1 else ""
             self.begin_stop(f"target accuracy {ev.target} reached ({accuracy:.4f}{held})")
+
+    def _worker_loss(self, node: Node, loss, where: str) -> str | None:
+        """A worker's training loss through the divergence guard (its rule per
+        cluster.nonfinite: DivergenceGuard.worker_loss); the verdict once diverged."""
+        return self.guard.worker_loss(
+            loss,
+            f"worker{node.rank}",
+            where,
+            lambda: [f"worker{n.rank}" for n in self.live_workers()],
+        )
 
     def _tell_stop(self, node: Node) -> bool:
         if self.stop_reason is None:
@@ -653,6 +747,8 @@ class Coordinator(Service):
                 req,
                 Error(status=int(Status.BAD_STATE), message=f"run stopped: {self.stop_reason}"),
             )
-        self.save_state(finished=True)
+        # the summary before the state says finished: a scheduler killed in between leaves one,
+        # and its restart (the state not finished) carries the stop on and writes it again
         self.runlog.write_summary(self.summary())
+        self.save_state(finished=True)
         self.runlog.close()

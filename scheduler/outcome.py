@@ -5,7 +5,9 @@ Statuses (summary.json `status`) and the exit codes of `hetps run`:
 
     completed    0    target accuracy, time or step limit reached, or a STOP request
     failed       1    a node failed (at start-up: the summary names it and quotes its error)
-    diverged     3    non-finite loss, or accuracy at chance level for stop.diverged_after evaluations
+    diverged     3    non-finite test loss or training loss (under cluster.nonfinite skip/clip:
+                      every live worker's), NaN/Inf pushes refused from every worker, or
+                      accuracy at chance level for stop.diverged_after evaluations
     interrupted  130  Ctrl-C / SIGINT or SIGTERM
 
 (2, a bad config or command line, happens before any run exists.)
@@ -16,7 +18,8 @@ from __future__ import annotations
 import math
 import platform
 import subprocess
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
@@ -33,13 +36,26 @@ class DivergenceGuard:
     """Decides that training diverged: a non-finite loss (at once), or
     `after` evaluations in a row below chance level once `warmup_s` seconds
     of training have passed. `after` = 0 turns the chance-level rule off.
+
+    A worker's training loss depends on `nonfinite` (cluster.nonfinite).
+    Under `reject` a non-finite one is a verdict at once: the shards refuse
+    NaN/Inf pushes, so one that reached the scheduler came with gradients the
+    model took. Under `skip` and `clip`, whose purpose is to keep one bad
+    worker's gradients out of the model, it is counted (`nonfinite_losses`)
+    and the model is judged instead: the evaluator's test loss, and the
+    latest training loss of every live worker (all non-finite: a verdict).
     Pure: fed values and times (seconds of training), no clock of its own."""
 
     after: int
     warmup_s: float
     lr: float
+    nonfinite: str = "reject"  # cluster.nonfinite
     at_chance: int = 0
     verdict: str | None = None  # set once: why the run diverged
+    # worker name -> its non-finite training losses so far (summary.json `nonfinite_losses`)
+    nonfinite_losses: dict[str, int] = field(default_factory=dict)
+    # the workers whose latest training loss was not finite
+    latest_nonfinite: set[str] = field(default_factory=set)
 
     def loss(self, value, source: str) -> str | None:
         """A training or test loss from `source` (e.g. 'worker2 at step 14');
@@ -47,6 +63,47 @@ class DivergenceGuard:
         if self.verdict is None and isinstance(value, (int, float)) and not math.isfinite(value):
             self.verdict = f"loss {value} from {source}; {self.hint()}"
         return self.verdict
+
+    def worker_loss(
+        self, value, worker: str, where: str, live: Callable[[], Iterable[str]]
+    ) -> str | None:
+        """Worker `worker`'s training loss (`where`: e.g. 'worker2 at step 14');
+        returns the verdict once diverged. Not finite: counted; then under
+        `reject` a verdict, under `skip`/`clip` one only when every worker
+        `live()` names (asked only then) has a non-finite latest loss."""
+        if not isinstance(value, (int, float)):
+            return self.verdict
+        if math.isfinite(value):
+            self.latest_nonfinite.discard(worker)
+            return self.verdict
+        self.nonfinite_losses[worker] = self.nonfinite_losses.get(worker, 0) + 1
+        self.latest_nonfinite.add(worker)
+        if self.nonfinite == "reject":
+            return self.loss(value, where)
+        names = set(live())
+        if self.verdict is None and names and names <= self.latest_nonfinite:
+            self.verdict = (
+                f"loss {value} from every live worker ({', '.join(sorted(names))}; the last: "
+                f"{where}), not only from one whose NaN/Inf gradients cluster.nonfinite="
+                f"{self.nonfinite} keeps out of the model; {self.hint()}"
+            )
+        return self.verdict
+
+    def saved(self) -> dict:
+        """What a restarted scheduler needs of this guard (scheduler-state.json `guard`)."""
+        return {
+            "verdict": self.verdict,
+            "at_chance": self.at_chance,
+            "nonfinite_losses": dict(self.nonfinite_losses),
+            "latest_nonfinite": sorted(self.latest_nonfinite),
+        }
+
+    def restore(self, saved: dict) -> None:
+        """Take over `saved` (from `saved()`; {} from an older scheduler's file: nothing)."""
+        self.verdict = saved.get("verdict", self.verdict)
+        self.at_chance = saved.get("at_chance", self.at_chance)
+        self.nonfinite_losses = dict(saved.get("nonfinite_losses", {}))
+        self.latest_nonfinite = set(saved.get("latest_nonfinite", []))
 
     def evaluation(self, accuracy: float, num_classes: int | None, t: float) -> str | None:
         """One evaluation at `t` seconds of training; returns the verdict once diverged."""
@@ -97,6 +154,37 @@ def startup_failure(msg, t: float) -> dict:
         "t": t,
         "reason": f"{name}{f' on {msg.host}' if msg.host else ''} failed at start-up: {last_line}",
     }
+
+
+def checkpoint_failures(node, failures: list[dict], t: float) -> list[dict]:
+    """`checkpoint_damaged` failures for the damaged checkpoints `node`'s
+    stats name (`checkpoints_damaged`: files a starting shard passed over, see
+    ps/serving.py) that `failures` does not hold yet. Not a failed run: the
+    shard restored an older valid checkpoint and serves on."""
+    reported = node.stats.get("checkpoints_damaged")
+    if not isinstance(reported, list):
+        return []
+    name = f"{node.role}{node.rank}"
+    known = {(f.get("node"), f.get("file")) for f in failures if f["kind"] == "checkpoint_damaged"}
+    new = []
+    for entry in reported:
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+            continue  # plain data from a peer (checked at decode), not necessarily this shape
+        if (name, entry["file"]) in known:
+            continue
+        known.add((name, entry["file"]))
+        new.append(
+            {
+                "kind": "checkpoint_damaged",
+                "node": name,
+                "node_id": node.node_id,
+                "t": t,
+                "file": entry["file"],
+                "error": str(entry.get("error", "")),
+                "restored_version": entry.get("restored_version"),
+            }
+        )
+    return new
 
 
 def run_status(stop_reason: str | None, failed: bool) -> str:

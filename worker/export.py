@@ -126,14 +126,17 @@ def find_run(path: Path) -> tuple[Path, list[Path]]:
 
 
 def newest_tensors(shard_dirs: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """Every tensor of the shards' newest checkpoints (the newest common
-    version when all shards have one), parts of chunked tensors still apart."""
-    found = {d.name: dict(checkpoint.checkpoints(d)) for d in shard_dirs}
-    common = set.intersection(*(set(v) for v in found.values()))
-    versions = {name: max(common) if common else max(v) for name, v in found.items()}
+    """Every tensor of the shards' newest valid checkpoints (the newest
+    version every shard has a valid checkpoint of, when there is one; damaged
+    files are passed over as `hetps run --resume` does), parts of chunked
+    tensors still apart. Raises checkpoint.CheckpointError (a ValueError) when
+    a shard has no valid checkpoint."""
+    versions, _, damaged = checkpoint.resume_versions({d.name: d for d in shard_dirs})
+    for d in damaged:
+        print(f"hetps export: passed over {d}", file=sys.stderr)
     tensors: dict[str, torch.Tensor] = {}
     for d in shard_dirs:
-        tensors.update(checkpoint.load(found[d.name][versions[d.name]])["tensors"])
+        tensors.update(checkpoint.load(checkpoint.latest(d, versions[d.name]))["tensors"])
     return tensors, versions
 
 

@@ -376,14 +376,19 @@ def test_resume_point_takes_the_newest_common_version(tmp_path):
         folder = checkpoint.shard_dir(root, "abc", rank)
         folder.mkdir(parents=True)
         for v in versions:
-            (folder / f"v{v:012d}.pt").write_bytes(b"x")
+            checkpoint.write_atomic(
+                folder / f"v{v:012d}.pt", {"format": checkpoint.FORMAT, "version": v}
+            )
     point = resume_point(run_dir, 2)
     assert point.run_id == "abc" and point.versions == {0: 20, 1: 20} and point.consistent
     with pytest.raises(ConfigError, match="no checkpoints of ps2"):
         resume_point(run_dir, 3)
     os.remove(checkpoint.shard_dir(root, "abc", 1) / f"v{20:012d}.pt")
     os.remove(checkpoint.shard_dir(root, "abc", 1) / f"v{10:012d}.pt")
-    (checkpoint.shard_dir(root, "abc", 1) / f"v{25:012d}.pt").write_bytes(b"x")
+    checkpoint.write_atomic(
+        checkpoint.shard_dir(root, "abc", 1) / f"v{25:012d}.pt",
+        {"format": checkpoint.FORMAT, "version": 25},
+    )
     point = resume_point(run_dir, 2)
     assert point.versions == {0: 30, 1: 25} and not point.consistent
 

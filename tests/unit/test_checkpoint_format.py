@@ -42,6 +42,7 @@ def test_policy_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
 
 def test_a_pickled_object_is_refused(tmp_path):
     path = tmp_path / "v000000000002.pt"
-    torch.save({"format": checkpoint.FORMAT, "policy": random.Random(1)}, path)
+    # a whole file (its checksum holds): the refusal is torch.load's weights_only
+    checkpoint.write_atomic(path, {"format": checkpoint.FORMAT, "policy": random.Random(1)})
     with pytest.raises(pickle.UnpicklingError, match="Random"):  # not on torch's allow-list
         checkpoint.load(path)

@@ -406,7 +406,7 @@ def test_every_error_is_reported_at_once(tmp_path):
         ("cluster.workers=[]", "cluster.workers", "at least 1"),
         ("cluster.shards=[]", "cluster.shards", "at least 1"),
         ("cluster.heartbeat_s=6", "cluster.heartbeat_s", "< cluster.dead_after_s"),
-        ("cluster.kill=[{node: ps0}]", "cluster.kill.0.at_s", "required"),
+        ("cluster.kill=[{node: ps0}]", "cluster.kill.0", "exactly one of at_s"),
         ("cluster.kill=[{node: worker7, at_s: 1}]", "cluster.kill.0.node", "worker3"),
         ("cluster.kill=[{node: ps0, at_s: -1}]", "cluster.kill.0.at_s", ">= 0"),
         ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
