@@ -85,7 +85,7 @@ def test_resume_continues_a_stopped_run_from_consistent_checkpoints(run_dir):
     accuracy_before = stopped["final_accuracy"]
 
     resumed = run_hetps(
-        ["run", "--resume", str(run_dir), "stop.max_steps=100", "stop.target_accuracy=null"],
+        ["run", "--resume", str(run_dir), "stop.max_steps=200", "stop.target_accuracy=null"],
         timeout_s=200,
     )
     assert resumed.returncode == 0, resumed.stderr + log_tails(run_dir)
@@ -103,6 +103,7 @@ def test_resume_continues_a_stopped_run_from_consistent_checkpoints(run_dir):
         first_after_resume,
         accuracy_before,
     )
+    # 400 steps of sync in all: a fresh-clone run ended at 0.892 after 300, too close to the bar
     assert s["final_accuracy"] >= 0.9
 
 
