@@ -639,11 +639,13 @@ class Coordinator(Service):
     def _worker_loss(self, node: Node, loss, where: str) -> str | None:
         """A worker's training loss through the divergence guard (its rule per
         cluster.nonfinite: DivergenceGuard.worker_loss); the verdict once diverged."""
+        # once the run stops, workers leave one by one: the last one's NaN loss would be "every
+        # live worker's" (seen when the healthy worker's BYE came first), so none is judged then
         return self.guard.worker_loss(
             loss,
             f"worker{node.rank}",
             where,
-            lambda: [f"worker{n.rank}" for n in self.live_workers()],
+            lambda: [] if self.stop_reason else [f"worker{n.rank}" for n in self.live_workers()],
         )
 
     def _tell_stop(self, node: Node) -> bool:
