@@ -1,7 +1,8 @@
 """Calibration: the same heterogeneous experiment run really and simulated.
 
     .venv/bin/python bench/sim_vs_real.py [--config configs/default.yaml] [--repeats N] \
-        [--algorithms sync,async,grouping] [--out runs/sim-vs-real] [--reuse] [key=value ...]
+        [--algorithms sync,async,grouping] [--shards 2,4] [--out runs/sim-vs-real] [--reuse] \
+        [key=value ...]
 
 For each algorithm, each repeat runs the experiment really (`hetps run`:
 one process per node, ZeroMQ), then simulates it (`hetps simulate`) with a
@@ -16,7 +17,11 @@ Prints, per algorithm, the median real and simulated time to target
 rate (steps per second up to the end of its run) real and simulated.
 Writes OUT/sim_vs_real.json. A `cluster.workers=...` override sets the real
 cluster; the simulation replaces it with the measured cost model. `--reuse`
-keeps the real runs already in OUT (re-simulates them only).
+keeps the real runs already in OUT (re-simulates them only). `--shards`:
+the experiment at each of these shard counts (`cluster.shards={count: N}`,
+equal shards; the default placement cuts large tensors into parts,
+`cluster.chunk_bytes: auto`), real and simulated alike; a row per algorithm
+and count (none given: the config's shards).
 """
 
 from __future__ import annotations
@@ -140,17 +145,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default="runs/sim-vs-real")
     parser.add_argument("--reuse", action="store_true", help="keep the real runs already in --out")
+    parser.add_argument(
+        "--shards", default="", help="shard counts, e.g. 1,4 (default: the config's shards)"
+    )
     args = parser.parse_args(argv)
     raw = load_raw(args.config)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for algorithm in [a.strip() for a in args.algorithms.split(",") if a.strip()]:
-        pairs = [
-            one_pair(raw, algorithm, args.overrides, raw.get("seed", 0) + r, out, r, args.reuse)
-            for r in range(args.repeats)
-        ]
-        rows.append(row(algorithm, pairs))
+    counts = [int(n) for n in args.shards.split(",") if n.strip()] or [None]
+    for count in counts:
+        common = list(args.overrides)
+        where = out
+        if count is not None:
+            common.append(f"cluster.shards={{count: {count}}}")
+            where = out / f"shards-{count}"
+            where.mkdir(parents=True, exist_ok=True)
+        for algorithm in [a.strip() for a in args.algorithms.split(",") if a.strip()]:
+            pairs = [
+                one_pair(raw, algorithm, common, raw.get("seed", 0) + r, where, r, args.reuse)
+                for r in range(args.repeats)
+            ]
+            name = algorithm if count is None else f"{algorithm}, {count} shards"
+            rows.append(row(name, pairs))
     (out / "sim_vs_real.json").write_text(json.dumps(rows, indent=2))
     print(markdown(rows))
     for r in rows:

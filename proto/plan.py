@@ -65,13 +65,38 @@ def schema_hash(specs: list[TensorSpec]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# cluster.chunk_bytes=auto: parts of about 1/AUTO_PARTS_PER_SHARD of a shard's fair share of the
+# model's bytes. Placement moves to the next shard within half a part of the boundary, so a shard
+# holds at most about one part more than its share: 1/8 keeps the busiest within ~1.1x of fair
+# while a shard's push still carries only ~8 parts per large tensor (ps-lite and BytePS split
+# keys the same way: into pieces well below a server's share, then spread them evenly).
+AUTO_PARTS_PER_SHARD = 8
+AUTO_MIN_CHUNK_BYTES = 4096  # below this a part's per-tensor handling outweighs the balance it buys
+
+
+def chunk_size(setting: int | str, specs: list[TensorSpec], shards: int) -> int:
+    """The part size `cluster.chunk_bytes` means for a model of `specs` on
+    `shards` shards: an int as given (0: never cut); "auto": 0 on one shard,
+    else the model's bytes / (shards x AUTO_PARTS_PER_SHARD), at least
+    AUTO_MIN_CHUNK_BYTES. Workers and the scheduler derive the same size
+    from the same config and model."""
+    if setting != "auto":
+        return int(setting)
+    if shards <= 1:
+        return 0
+    total = sum(s.nbytes for s in specs)
+    return max(AUTO_MIN_CHUNK_BYTES, -(-total // (shards * AUTO_PARTS_PER_SHARD)))
+
+
 def chunk_specs(
-    specs: list[TensorSpec], max_bytes: int
+    specs: list[TensorSpec], max_bytes: int | str, shards: int = 1
 ) -> tuple[list[TensorSpec], dict[str, dict]]:
-    """Cut every tensor larger than `max_bytes` (0: none) into 1-D parts
-    `NAME#0, NAME#1, ...` of at most `max_bytes`, in place in forward order,
-    so placement can spread one large tensor over several shards. Returns the
-    new spec list and name -> {"shape": original shape, "parts": part names}."""
+    """Cut every tensor larger than `max_bytes` (0: none; "auto": see
+    `chunk_size`, for `shards` shards) into 1-D parts `NAME#0, NAME#1, ...`
+    of at most that many bytes, in place in forward order, so placement can
+    spread one large tensor over several shards. Returns the new spec list
+    and name -> {"shape": original shape, "parts": part names}."""
+    max_bytes = chunk_size(max_bytes, specs, shards)
     out: list[TensorSpec] = []
     chunks: dict[str, dict] = {}
     for s in specs:

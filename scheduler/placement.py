@@ -34,3 +34,19 @@ def place(tensors: list[TensorSpec], speeds: list[float]) -> dict[str, int]:
         done += t.nbytes
         on_shard += 1
     return placement
+
+
+def placement_shares(plan) -> dict[str, dict[str, float]]:
+    """Per shard of `plan` (a ClusterPlan; `ps<rank>`), its fraction of the
+    model's bytes beside its fraction of the shards' summed speed: with a
+    balanced placement the two are close (the busiest shard's `bytes` is
+    what bounds a push's service time)."""
+    held = [0] * len(plan.shards)
+    for t in plan.tensors:
+        held[plan.placement[t.name]] += t.nbytes
+    total = sum(held) or 1
+    speeds = [float(plan.speeds.get(str(s.node_id), 1.0)) or 1.0 for s in plan.shards]
+    return {
+        f"ps{s.rank}": {"bytes": round(b / total, 4), "speed": round(v / sum(speeds), 4)}
+        for s, b, v in zip(plan.shards, held, speeds)
+    }

@@ -20,7 +20,7 @@ from . import failover
 from .formation import Formation
 from .grouping import drifted
 from .nodes import Node
-from .placement import place
+from .placement import place, placement_shares
 
 
 def first_plan(
@@ -40,7 +40,7 @@ def first_plan(
     (its checkpoint holds it)."""
     shards = sorted(shards, key=lambda n: (-n.speed, n.rank))  # fastest first
     workers = sorted(workers, key=lambda n: n.rank)
-    specs, chunks = chunk_specs(specs, cfg.cluster.chunk_bytes)
+    specs, chunks = chunk_specs(specs, cfg.cluster.chunk_bytes, len(shards))
     placement = place(specs, [n.speed for n in shards])
     if resumed is not None and resumed.schema_hash == schema:
         order = {s.rank: i for i, s in enumerate(resumed.shards)}
@@ -60,6 +60,7 @@ def first_plan(
         speeds={str(n.node_id): round(n.speed, 3) for n in shards + workers},
         **formation.plan_fields({n.node_id: n.speed for n in workers}, cfg.algorithm.params),
     )
+    plan = dataclasses.replace(plan, info={**plan.info, "placement": placement_shares(plan)})
     return failover.with_backups(plan, {n.node_id: n for n in shards}, cfg.cluster.replicas)
 
 

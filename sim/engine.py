@@ -28,10 +28,14 @@ from hetps.runconfig.algorithms import algorithm
 from hetps.runconfig.load import dump_config
 from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
 from hetps.scheduler.coordinator import Coordinator
+from hetps.worker.client import join_parts, part_sizes, shard_names, split_for_shards
 from hetps.worker.data import Datasets, load_datasets
-from hetps.worker.evaluator import evaluate
+from hetps.worker.evaluator import measure, report_values
 from hetps.worker.models import build_model
+from hetps.worker.preflight import model_outputs
 from hetps.worker.state import ModelState, model_specs
+from hetps.worker.step import task_for
+from hetps.worker.task import watched_metric
 
 from .events import EventQueue, Link, ServiceQueue, nbytes_of, speed_factor, transfer
 from .local_workers import SimDilocoWorker, SimLocalWorker
@@ -60,8 +64,6 @@ def check_simulable(cfg: RunConfig) -> None:
             f"algorithm.name: {cfg.algorithm.name} (worker loop {algo.worker_loop}) is not simulated; "
             f"simulated worker loops: {', '.join(SIM_WORKERS)}"
         )
-    if cfg.cluster.chunk_bytes:
-        problems.append("cluster.chunk_bytes: must be 0 under simulate (tensors are not cut)")
     if cfg.comm.overlap or cfg.comm.compression != "none" or not cfg.comm.fuse_pull:
         problems.append(
             "comm: simulate runs comm.overlap=false, comm.compression=none, comm.fuse_pull=true"
@@ -88,9 +90,13 @@ class Simulation:
         self.ids = request_ids()
         torch.manual_seed(cfg.seed)
         self.data = data or load_datasets(cfg.data, cfg.seed)
-        model = build_model(cfg.model, self.data.in_shape, self.data.num_classes)
+        # the workers' and the evaluator's task (worker/task.py): real losses and metrics
+        self.task = task_for(cfg, self.data.num_classes)
+        self.watched = watched_metric(cfg, self.task)
+        outputs = model_outputs(self.task, self.data)
+        model = build_model(cfg.model, self.data.in_shape, outputs)
         self.state = ModelState(model, torch.device("cpu"))
-        self.eval_model = build_model(cfg.model, self.data.in_shape, self.data.num_classes)
+        self.eval_model = build_model(cfg.model, self.data.in_shape, outputs)
         self.coord = Coordinator(
             SimServer("sim://scheduler"), cfg, run_dir, run_id=f"sim{cfg.seed}", clock=self.q.clock
         )
@@ -140,10 +146,12 @@ class Simulation:
             shard.clock = self.q.clock
             self.shards[node_id] = shard
             self.shard_links[node_id] = Link.of(self.shard_nodes[rank])
-            self.queues[node_id] = ServiceQueue(self.cfg.sim.shard_bytes_per_s)
-        values = self.state.values()
-        for i, entry in enumerate(plan.shards):
-            part = {t.name: values[t.name] for t in plan.owned(i)}
+            self.queues[node_id] = ServiceQueue(
+                self.cfg.sim.shard_bytes_per_s, self.cfg.sim.shard_message_s
+            )
+        # chunked tensors as their parts (cluster.chunk_bytes), as a real worker's INIT
+        parts = split_for_shards(plan, self.state.values(), part_sizes(plan), shard_names(plan))
+        for entry, part in zip(plan.shards, parts):
             frames, _ = request(Init(plan_id=plan.plan_id, tensors=part), worker_ids[0], self.ids)
             self._expect_ok(dispatch(self.shards[entry.node_id], worker_ids[0], frames))
         make = SIM_WORKERS[algorithm(self.cfg.algorithm.name).worker_loop]
@@ -278,10 +286,9 @@ class Simulation:
             )
             for _, reply, _ in dispatch(shard, self.evaluator_id, frames):
                 values.update(decode(reply).msg.tensors)
+        values = join_parts(self.coord.plan, values)  # chunked tensors whole again
         ModelState(self.eval_model, torch.device("cpu")).load(values)
-        accuracy, loss = evaluate(
-            self.eval_model, self.data.test, self.cfg.data.eval_batch_size, torch.device("cpu")
-        )
+        metrics = measure(self.task, self.eval_model, self.data.test, self.cfg, torch.device("cpu"))
         call(
             self.coord,
             self.evaluator_id,
@@ -289,12 +296,7 @@ class Simulation:
             Report(
                 node_id=self.evaluator_id,
                 kind="eval",
-                values={
-                    "accuracy": accuracy,
-                    "loss": loss,
-                    "final": final,
-                    "num_classes": self.data.num_classes,
-                },
+                values=report_values(self.task, self.watched, metrics, final=final),
             ),
         )
         if not final and self.coord.stop_reason is None:

@@ -92,15 +92,18 @@ def transfer(src: Link, dst: Link, nbytes: int, now: float) -> float:
 @dataclass
 class ServiceQueue:
     """A shard's service: messages handled one at a time, each taking
-    bytes / (bytes_per_s / slowdown) seconds; `busy_s` sums them."""
+    (message_s + bytes / bytes_per_s) x slowdown seconds: a fixed cost per
+    message (receive, decode, dispatch, reply) and a cost per byte (copy,
+    check, optimizer step, encode); `busy_s` sums them."""
 
     bytes_per_s: float
+    message_s: float = 0.0
     free_at: float = 0.0
     busy_s: float = 0.0
 
     def finish(self, arrived: float, nbytes: int, slowdown: float) -> float:
         """When a message that arrived at `arrived` has been handled."""
-        service = nbytes * slowdown / self.bytes_per_s
+        service = (self.message_s + nbytes / self.bytes_per_s) * slowdown
         self.busy_s += service
         self.free_at = max(arrived, self.free_at) + service
         return self.free_at

@@ -148,6 +148,7 @@ class SimLocalWorker(SimWorker):
         values = {}
         for reply in replies.values():
             values.update(reply.tensors)
+        values = self.client.join(values)
         if self.record is None:  # the first pull
             self.state.load(values)
             self.rounds.begin()

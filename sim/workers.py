@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from hetps.proto.messages import Params, Pull, Push
 from hetps.proto.plan import ClusterPlan
 from hetps.runconfig.schema import NodeConfig, RunConfig
-from hetps.worker.client import ack_of
+from hetps.worker.client import ack_of, join_parts, part_sizes, shard_names, split_for_shards
 from hetps.worker.data import Datasets
 from hetps.worker.state import ModelState
 from hetps.worker.step import GradientStep
@@ -51,6 +51,8 @@ class SimClient:
 
     def __init__(self, plan: ClusterPlan):
         self.plan = plan
+        self.names = shard_names(plan)
+        self.part_sizes = part_sizes(plan)
         self.versions = [0] * len(plan.shards)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -64,11 +66,12 @@ class SimClient:
         self.plan = plan
 
     def split(self, tensors: dict) -> list[dict]:
-        """Per shard, the tensors it owns (chunked tensors are refused by the engine)."""
-        return [
-            {t.name: tensors[t.name] for t in self.plan.owned(i) if t.name in tensors}
-            for i in range(len(self.plan.shards))
-        ]
+        """Per shard, the tensors it owns; chunked tensors as views of their parts (as the real client)."""
+        return split_for_shards(self.plan, tensors, self.part_sizes, self.names)
+
+    def join(self, values: dict) -> dict:
+        """Values gathered from the shards with chunked tensors whole again."""
+        return join_parts(self.plan, values)
 
 
 class SimWorker:
@@ -141,7 +144,7 @@ class SimWorker:
         values = {}
         for reply in replies.values():
             values.update(reply.tensors)
-        self.state.load(values)
+        self.state.load(self.client.join(values))
         acks = [ack_of(r) for r in replies.values() if r.ack]
         if self.outgoing is None:  # the first pull: no step to account
             return

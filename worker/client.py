@@ -31,6 +31,43 @@ from hetps.runconfig.schema import ClusterConfig
 from hetps.runtime.emulation import wire_faults
 
 
+def part_sizes(plan: ClusterPlan) -> dict[str, list[int]]:
+    """Chunked tensor name -> its parts' element counts (parts are 1-D; scalars never cut)."""
+    sizes = {t.name: t.shape[0] for t in plan.tensors if t.shape}
+    return {n: [sizes[p] for p in c["parts"]] for n, c in plan.chunks.items()}
+
+
+def shard_names(plan: ClusterPlan) -> list[list[str]]:
+    """Per shard of `plan`, the names of the tensors (and parts) it owns, in forward order."""
+    return [[t.name for t in plan.owned(i)] for i in range(len(plan.shards))]
+
+
+def split_for_shards(
+    plan: ClusterPlan,
+    tensors: Mapping[str, torch.Tensor],
+    sizes: dict[str, list[int]],
+    names: list[list[str]],
+) -> list[dict]:
+    """Per shard of `plan`, the tensors of `tensors` it owns; chunked tensors
+    become views of their parts (`sizes`: `part_sizes(plan)`, `names`: `shard_names(plan)`)."""
+    flat: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        chunk = plan.chunks.get(name)
+        if chunk is None:
+            flat[name] = t
+        else:
+            flat.update(zip(chunk["parts"], t.reshape(-1).split(sizes[name])))
+    return [{n: flat[n] for n in mine if n in flat} for mine in names]
+
+
+def join_parts(plan: ClusterPlan, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Reassemble, in place in `values`, the chunked tensors whose parts it holds (one copy each)."""
+    for name, chunk in plan.chunks.items():
+        if chunk["parts"][0] in values:
+            values[name] = torch.cat([values.pop(p) for p in chunk["parts"]]).view(chunk["shape"])
+    return values
+
+
 class PSClient:
     def __init__(
         self,
@@ -81,13 +118,11 @@ class PSClient:
             )
             for i, (s, faults) in enumerate(zip(plan.shards, self.faults))
         ]
-        self.names = [[t.name for t in plan.owned(i)] for i in range(len(plan.shards))]
+        self.names = shard_names(plan)
         self.versions = [0] * len(plan.shards)  # version of each shard's values we hold
         # seconds from sending the last push_pull until its pushes were acked
         self.last_push_s = 0.0
-        # parts are 1-D; scalars never cut
-        sizes = {t.name: t.shape[0] for t in plan.tensors if t.shape}
-        self.part_sizes = {n: [sizes[p] for p in c["parts"]] for n, c in plan.chunks.items()}
+        self.part_sizes = part_sizes(plan)
 
     def adopt(self, plan: ClusterPlan) -> None:
         """Use a newer plan; its placement must be the one we connected for."""
@@ -127,14 +162,7 @@ class PSClient:
 
     def _split(self, tensors: Mapping[str, torch.Tensor]) -> list[dict]:
         """Per shard, the tensors it owns; chunked tensors become views of their parts."""
-        flat: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            chunk = self.plan.chunks.get(name)
-            if chunk is None:
-                flat[name] = t
-            else:
-                flat.update(zip(chunk["parts"], t.reshape(-1).split(self.part_sizes[name])))
-        return [{n: flat[n] for n in names if n in flat} for names in self.names]
+        return split_for_shards(self.plan, tensors, self.part_sizes, self.names)
 
     def _join(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Reassemble chunked tensors from their parts (one copy each); the runs
@@ -147,11 +175,7 @@ class PSClient:
             for run, names in getattr(values, "runs", None) or ()
             if parts.isdisjoint(names)
         ]
-        for name, chunk in self.plan.chunks.items():
-            if chunk["parts"][0] in values:
-                values[name] = torch.cat([values.pop(p) for p in chunk["parts"]]).view(
-                    chunk["shape"]
-                )
+        join_parts(self.plan, values)
         if isinstance(values, RunTensors):
             values.runs = runs or None
         return values

@@ -73,6 +73,7 @@ def test_sync_rounds_take_the_slowest_worker_in_virtual_time(tmp_path, digits):
         "cluster.workers=[{slowdown: 1}, {slowdown: 3}]",
         "stop.max_seconds=0.96",
         "sim.shard_bytes_per_s=1e15",
+        "sim.shard_message_s=0",
     )
     rounds = summary["shard_versions"]["ps0"]
     assert summary["wall_s"] == pytest.approx(1.0)  # the first heartbeat after the 0.96 s limit
@@ -99,6 +100,7 @@ def test_grouping_groups_update_at_their_own_pace(tmp_path, digits):
         "{slowdown: 4, fraction: 0.5}]}}",
         "stop.max_seconds=0.96",
         "sim.shard_bytes_per_s=1e15",
+        "sim.shard_message_s=0",
     )
     plan = json.loads((run_dir / "plan-1.json").read_text())
     assert len(plan["groups"]) == 2
@@ -160,7 +162,7 @@ def test_what_is_not_simulated_is_refused_naming_the_key(tmp_path):
             [
                 "simulate",
                 str(Path(__file__).parents[2] / "configs" / "default.yaml"),
-                "cluster.chunk_bytes=1000",
+                "comm.overlap=true",
                 "--out",
                 str(tmp_path / "y"),
             ]

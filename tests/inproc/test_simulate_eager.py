@@ -23,6 +23,7 @@ BASE = [
     "optimizer.lr=0.05",
     "sim.sample_s=0.001",
     "sim.shard_bytes_per_s=1e15",
+    "sim.shard_message_s=0",
     "stop.max_seconds=0.5",
     "cluster.workers=[{slowdown: 1}, {slowdown: 3}, {slowdown: 5}]",
 ]

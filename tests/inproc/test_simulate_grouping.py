@@ -25,6 +25,9 @@ REGROUP = [
     "sim.sample_s=0.0005",
     "eval.every_s=1.0",
     "cluster.heartbeat_s=0.1",
+    # the shard cost these 700 steps were sized with (bytes only): the test is about re-grouping
+    "sim.shard_message_s=0",
+    "sim.shard_bytes_per_s=1e9",
 ]
 
 

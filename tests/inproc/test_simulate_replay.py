@@ -22,6 +22,7 @@ BASE = [
     "optimizer.lr=0.02",
     "stop.max_seconds=0.5",
     "sim.shard_bytes_per_s=1e15",
+    "sim.shard_message_s=0",
 ]
 GIVEN = "cluster.workers=[{step_s: 0.004, latency_ms: 3}, {step_s: 0.012, latency_ms: 3}]"
 

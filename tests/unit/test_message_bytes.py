@@ -34,7 +34,8 @@ WIDE_MLP = ["model.name=mlp", "model.kwargs={hidden: [2048]}"]
 
 
 def cfg_of(*overrides: str):
-    return load_config("configs/sync.yaml", list(overrides))
+    # tensors uncut unless a test cuts them (the default, chunk_bytes=auto, is tested at the end)
+    return load_config("configs/sync.yaml", ["cluster.chunk_bytes=0", *overrides])
 
 
 def specs_of(cfg, in_shape=MNIST) -> list[TensorSpec]:
@@ -138,3 +139,12 @@ def test_check_message_bytes_names_the_key_and_the_smallest_value():
     check_message_bytes(model, cfg_of(*WIDE_MLP, "cluster.max_message_bytes=6422528"))
     lenet = cfg_of(f"cluster.max_message_bytes={MIN_MESSAGE_BYTES}")  # needs 202288
     check_message_bytes(build_model(lenet.model, MNIST, 10), lenet)
+
+
+def test_the_default_auto_parts_lower_the_bound_of_a_wide_tensor():
+    uncut = cfg_of(*WIDE_MLP)
+    auto = load_config("configs/sync.yaml", WIDE_MLP)  # cluster.chunk_bytes: auto, 2 shards
+    specs = specs_of(auto)
+    need = message_bytes_needed(specs, auto)
+    assert need.need < message_bytes_needed(specs, uncut).need // 2 + 65536, need
+    assert "pull reply" in need.why, need
