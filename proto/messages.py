@@ -63,6 +63,7 @@ class Status(enum.IntEnum):
     INTERNAL = 11  # handler failed; the daemon keeps serving
     NOT_READY = 12  # e.g. push before any INIT reached the shard
     BAD_STATE = 13  # request not valid now (e.g. unknown node id)
+    CONFIG_MISMATCH = 14  # REGISTER: the node's agreed settings differ from the scheduler's
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ class Register(Message):
     replica_address: str = ""
     # a spare (cluster.spare_shards): its backup sockets' addresses
     spare_slots: list = field(default_factory=list)
+    # {config key path: value} of the settings every host must agree on (runconfig/agreement.py)
+    agreed: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -376,6 +376,20 @@ def read_startup(value: Any) -> dict[str, float]:
     return {name: read_number(f"startup.{name}", v, MAX_PHASE_S) for name, v in value.items()}
 
 
+MAX_AGREED_KEYS = 64
+
+
+def read_agreed(value: Any) -> dict[str, Any]:
+    """REGISTER's `agreed`: at most MAX_AGREED_KEYS {config key path: plain value}; the values
+    are only compared for equality with the scheduler's, never used."""
+    if type(value) is not dict or len(value) > MAX_AGREED_KEYS:
+        _bad("agreed", f"must be a map of at most {MAX_AGREED_KEYS} keys, got {value!r:.60}")
+    for key in value:
+        if type(key) is not str or not 0 < len(key) <= 100:
+            _bad("agreed", f"keys must be strings of 1-100 characters, got {key!r:.40}")
+    return value
+
+
 def _entries(where: str, value: Any) -> list[NodeEntry]:
     if type(value) is not list:
         _bad(where, "must be a list")
@@ -506,6 +520,7 @@ READERS: dict[type, dict[str, Callable[[Any], Any]]] = {
         "speed": read_speed,
         "startup": read_startup,
         "spare_slots": lambda v: read_addresses("spare_slots", v),
+        "agreed": read_agreed,
     },
     m.Push: {"info": PushInfo.read},
     m.Params: {"ack": FusedAck.read},

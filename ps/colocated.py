@@ -37,6 +37,7 @@ from hetps.proto.transport import (
     TransportOptions,
     make_server,
 )
+from hetps.runconfig.agreement import agreed_values
 from hetps.runconfig.algorithms import AlgorithmMismatch
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.runtime.daemon import check_and_exit, scheduler_lost_exit, transport_options
@@ -158,6 +159,7 @@ class ColocatedRanks:
                 address=reachable(server.address, member.scheduler),
                 speed=speed,
                 startup=phases.as_dict(),
+                agreed=agreed_values(cfg),
             )
         # the plan needs every rank registered
         plans = [member.wait_plan() for member in self.members]

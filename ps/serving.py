@@ -14,6 +14,7 @@ import torch
 
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.transport import TransportError, make_server
+from hetps.runconfig.agreement import agreed_values
 from hetps.runconfig.algorithms import AlgorithmMismatch
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.runtime import checkpoint
@@ -74,6 +75,7 @@ def run_shard(
             speed=speed,
             startup=phases.as_dict(),
             replica_address=host.address if host else "",
+            agreed=agreed_values(cfg),
         )
         args.rank = member.rank  # `--rank auto`: from here on, the rank the scheduler gave
         plan = member.wait_plan()

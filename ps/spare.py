@@ -21,6 +21,7 @@ import zmq
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.transport import ServerTransport, TransportError, make_server
+from hetps.runconfig.agreement import agreed_values
 from hetps.runtime.daemon import check_and_exit, scheduler_lost_exit, transport_options
 from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
 
@@ -180,7 +181,9 @@ def run_spare(args, cfg, scheduler: str, phases, replica_bind: str | None) -> in
         print(f"hetps ps --spare {args.rank}: {exc}", file=sys.stderr)
         return 1
     try:
-        member.join(startup=phases.as_dict(), spare_slots=spare.addresses)
+        member.join(
+            startup=phases.as_dict(), spare_slots=spare.addresses, agreed=agreed_values(cfg)
+        )
         spare.set_node_id(member.node_id)
         plan = member.wait_plan()
         member.start_heartbeats(spare.stats)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .build import fail
+from .build import fail, unknown_key
 from .schema import NodeConfig
 
 SPEC_KEYS = ("count", "speeds", "seed")
@@ -35,7 +35,8 @@ def expand_nodes(spec: dict, path: str, node_fields: list[str]) -> list[dict]:
     if unknown:
         fail(
             f"{path}.{unknown[0]}",
-            f"unknown key; allowed: {', '.join(SPEC_KEYS + tuple(node_fields))}",
+            f"{unknown_key(unknown[0], [*SPEC_KEYS, *node_fields])}; "
+            f"allowed: {', '.join(SPEC_KEYS + tuple(node_fields))}",
         )
     count, seed = spec.get("count"), spec.get("seed", 0)
     if not _is_int(count) or count < 1:
@@ -121,4 +122,11 @@ def node_list(value: Any, path: str) -> Any:
         if value < 1:
             fail(path, f"need at least 1, got {value}")
         return [{} for _ in range(value)]
+    if not isinstance(value, list):
+        fail(
+            path,
+            "expected a count (e.g. 4), a list of node settings (e.g. [{slowdown: 1}, "
+            "{slowdown: 3}]) or a mapping with `count` (e.g. {count: 8, speeds: ...}); "
+            f"got {type(value).__name__} {value!r}",
+        )
     return value

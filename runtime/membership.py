@@ -131,10 +131,16 @@ class Membership:
         startup: dict | None = None,
         replica_address: str = "",
         spare_slots: list[str] | None = None,
+        agreed: dict | None = None,
     ) -> int:
         """Register; returns this node's id. Raises SchedulerUnreachable, naming
         the address and the timeout, if the scheduler does not answer in time.
-        `startup`: {phase: seconds} this node took before registering (runtime/startup.py)."""
+        `startup`: {phase: seconds} this node took before registering (runtime/startup.py).
+        `agreed`: this node's runconfig.agreement.agreed_values, which the scheduler compares
+        with its own: when they differ (or the rank is not one the scheduler's configuration
+        has: registration.check_rank), this prints the scheduler's answer (the keys and both
+        values) as a config error and exits 2, as a daemon does for a bad config
+        (daemon.load_or_exit); any other refusal raises RemoteError."""
         self._registration = Register(
             role=self.role,
             rank=self.rank,
@@ -146,9 +152,15 @@ class Membership:
             startup=startup or {},
             replica_address=replica_address,
             spare_slots=spare_slots or [],
+            agreed=agreed or {},
         )
         try:
             welcome = self.rpc.call(self._registration, timeout_s=self.cluster.startup_timeout_s)
+        except RemoteError as exc:
+            if exc.status != Status.CONFIG_MISMATCH:
+                raise
+            print(f"hetps: config error: {exc.message}", file=sys.stderr)
+            raise SystemExit(2) from None
         except RequestTimeout:
             raise SchedulerUnreachable(
                 f"cannot reach the scheduler at {self.scheduler} within {self.cluster.startup_timeout_s}s "

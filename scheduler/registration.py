@@ -1,18 +1,60 @@
 """REGISTER's rules, as functions of the scheduler's node table and plan:
-the rank a `--rank auto` node claims (`claim_rank`), the node a registration
-comes back as (`returning`: a restarted shard, a node registering again after
-a scheduler restart), and whether it may come back (`check_return`). A
-refusal is a ProtocolError; the coordinator applies what they decide
-(Coordinator.on_register)."""
+whether a node's configuration agrees with the scheduler's (`check_agreement`)
+and its rank is one the configuration has (`check_rank`), the rank a
+`--rank auto` node claims (`claim_rank`), the node a registration comes back
+as (`returning`: a restarted shard, a node registering again after a
+scheduler restart), and whether it may come back (`check_return`). A refusal
+is a ProtocolError; the coordinator applies what they decide
+(Coordinator.on_register) and names the nodes it refused while the cluster
+forms."""
 
 from __future__ import annotations
 
 from hetps.proto.codec import ProtocolError
 from hetps.proto.messages import Register, Status
 from hetps.proto.plan import ClusterPlan
+from hetps.runconfig.agreement import describe, differences
 
 from . import failover
 from .nodes import Node, free_rank
+
+
+def check_agreement(mine: dict, msg: Register) -> None:
+    """The settings every host must agree on (runconfig/agreement.py): `mine` (the
+    scheduler's agreed_values) against the node's. Raises ProtocolError naming each key that
+    differs with both values; a node that sends none (an in-process client) is not checked."""
+    diffs = differences(mine, msg.agreed)
+    if diffs:
+        raise ProtocolError(
+            Status.CONFIG_MISMATCH,
+            f"{msg.role} {rank_name(msg.rank)}'s configuration differs from the scheduler's: "
+            + describe(diffs, "scheduler", f"{msg.role} {rank_name(msg.rank)}")
+            + " (these settings must be identical on every host: docs/deployment.md)",
+        )
+
+
+def check_rank(msg: Register, configured: int, forming: bool) -> None:
+    """A node naming its own rank (not `--rank auto`, not registering again) must name one
+    of the `configured` count of its role: a shard always; a worker while the cluster forms
+    (`forming`: before the first plan), where a rank beyond the count would stand in for a
+    configured one that never started. Once training runs, a worker of any rank may join it.
+    Raises ProtocolError."""
+    if msg.role not in ("ps", "worker") or msg.rank < 0 or msg.node_id:
+        return
+    if msg.rank >= configured and (msg.role == "ps" or forming):
+        key = "cluster.shards" if msg.role == "ps" else "cluster.workers"
+        raise ProtocolError(
+            Status.CONFIG_MISMATCH,
+            f"{msg.role} rank {msg.rank} is not one of the configured ranks 0..{configured - 1} "
+            f"({key} has {configured} at the scheduler)"
+            + (
+                "; a worker beyond them may join once training runs" if msg.role == "worker" else ""
+            ),
+        )
+
+
+def rank_name(rank: int) -> str:
+    return "auto" if rank < 0 else str(rank)
 
 
 def claim_rank(nodes: dict[int, Node], role: str, configured: int) -> int:

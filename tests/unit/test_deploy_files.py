@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -33,11 +34,10 @@ COMPOSE = DOCKER / "docker-compose.yml"
 CPU_DOCKERFILE = DOCKER / "Dockerfile"
 CUDA_DOCKERFILE = DOCKER / "Dockerfile.cuda"
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
-PACKAGE_DIRS = tuple(
-    tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-dir"
-    ].values()
-)
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+# what pip needs to build hetps, as pyproject.toml says: its package folders and its readme
+PACKAGE_DIRS = tuple(PYPROJECT["tool"]["setuptools"]["package-dir"].values())
+BUILD_FILES = ("pyproject.toml", PYPROJECT["project"]["readme"], *PACKAGE_DIRS)
 
 COMPOSE_SERVICES = {
     "scheduler",
@@ -58,7 +58,12 @@ MONITORING_SERVICES = {"prometheus"}  # profile `monitoring`; checked in test_mo
 # ---------------------------------------------------------------- helpers
 def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", path.read_text())
+    return parse_dockerfile(path.read_text())
+
+
+def parse_dockerfile(text: str) -> list[tuple[str, str]]:
+    """dockerfile_instructions of a Dockerfile's text."""
+    text = re.sub(r"\\\n", " ", text)
     out = []
     for line in text.splitlines():
         line = line.strip()
@@ -229,14 +234,133 @@ def test_cuda_dockerfile():
         assert not re.search(r"(^|\s)['\"]?torch(vision)?([<>=~!\s'\"]|$)", command), command
 
 
+def missing_copies(steps: list[tuple[str, str]]) -> list[str]:
+    """The files and folders pip needs to build hetps (BUILD_FILES) that no COPY copies."""
+    copied = {src.rstrip("/") for w, a in steps if w == "COPY" for src in a.split()[:-1]}
+    return [d for d in BUILD_FILES if d not in copied]
+
+
+def without_copy_of(steps: list[tuple[str, str]], name: str) -> list[tuple[str, str]]:
+    """`steps` with `name` taken out of every COPY (a COPY left with no source dropped)."""
+    out = []
+    for word, args in steps:
+        if word == "COPY":
+            *sources, dest = args.split()
+            sources = [s for s in sources if s.rstrip("/") != name]
+            if not sources:
+                continue
+            args = " ".join([*sources, dest])
+        out.append((word, args))
+    return out
+
+
+def installs_hetps(word: str, args: str) -> bool:
+    return word == "RUN" and re.search(r"pip install [^&;]*['\"]?\.(\[\w+\])?['\"]?", args)
+
+
+def replay_copies(steps: list[tuple[str, str]], workdir: Path) -> None:
+    """Copy into `workdir` what the COPY instructions before the RUN that pip-installs hetps copy
+    into the image's WORKDIR (destinations relative to it), from the repository root (the build
+    context) with Docker's rules: a folder's contents go into the destination, a file goes into
+    a destination ending in `/` (or one of several sources) or becomes the destination. The
+    .dockerignore patterns without a `/` (e.g. `__pycache__`) are left out as Docker leaves
+    them out."""
+    ignored = [
+        line.strip().removeprefix("**/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    ignore = shutil.ignore_patterns(*(p for p in ignored if "/" not in p))
+    for word, args in steps:
+        if installs_hetps(word, args):
+            return
+        if word != "COPY":
+            continue
+        *sources, dest = args.split()
+        if dest.startswith("/"):  # outside the WORKDIR the pip step builds from
+            continue
+        target = workdir / dest
+        for src in sources:
+            path = ROOT / src
+            if path.is_dir():
+                shutil.copytree(path, target, ignore=ignore, dirs_exist_ok=True)
+            elif dest.endswith("/") or len(sources) > 1:
+                target.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, target / path.name)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, target)
+    raise AssertionError("no RUN instruction pip-installs hetps (`pip install .` or `.[extra]`)")
+
+
+def build_wheel(steps: list[tuple[str, str]], tmp: Path) -> subprocess.CompletedProcess:
+    """Build hetps's wheel, offline, from exactly what the Dockerfile copies before its pip step,
+    in a clean directory (`tmp/src`), as the image's `pip install .` builds it (the wheel goes to
+    `tmp/wheel`). No dependency is fetched: the build uses this environment's setuptools."""
+    src = tmp / "src"
+    src.mkdir()
+    replay_copies(steps, src)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index"]
+        + ["--quiet", "--wheel-dir", str(tmp / "wheel"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp,
+    )
+
+
+def source_packages() -> set[str]:
+    """Every hetps package of the tree: each folder with an __init__.py under a folder that
+    pyproject's package-dir maps to a package, named under that package."""
+    return {
+        name + "".join(f".{part}" for part in init.parent.relative_to(ROOT / folder).parts)
+        for name, folder in PYPROJECT["tool"]["setuptools"]["package-dir"].items()
+        for init in (ROOT / folder).rglob("__init__.py")
+        if "__pycache__" not in init.parts
+    }
+
+
 @pytest.mark.parametrize("path", [CPU_DOCKERFILE, CUDA_DOCKERFILE], ids=lambda p: p.name)
 def test_dockerfile_copies_the_package_and_runs_unprivileged(path):
     steps = dockerfile_instructions(path)
-    copied = {src for w, a in steps if w == "COPY" for src in a.split()[:-1]}
-    missing = [d for d in ("pyproject.toml", *PACKAGE_DIRS) if d not in copied]
+    missing = missing_copies(steps)
     assert not missing, f"{path.name} does not copy {missing} (pyproject installs them)"
     users = [a for w, a in steps if w == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0"), f"{path.name} runs as root"
+
+
+@pytest.mark.parametrize("name", BUILD_FILES)
+def test_the_copy_check_names_a_folder_a_dockerfile_leaves_out(name):
+    """The check above fails, naming it, for a Dockerfile that copies all but one of them."""
+    doctored = without_copy_of(dockerfile_instructions(CPU_DOCKERFILE), name)
+    assert missing_copies(doctored) == [name]
+
+
+@pytest.mark.parametrize("path", [CPU_DOCKERFILE, CUDA_DOCKERFILE], ids=lambda p: p.name)
+def test_the_image_build_step_builds_every_package(path, tmp_path):
+    """The image's `pip install .` step, run on exactly the files its COPY lines copy: the wheel
+    builds and holds every package of pyproject.toml and of the tree (a sub-package missing from
+    pyproject's `packages` would be missing from an image, though an editable install finds it)."""
+    done = build_wheel(dockerfile_instructions(path), tmp_path)
+    assert done.returncode == 0, f"{path.name}: the pip step fails:\n{done.stderr}"
+    (wheel,) = (tmp_path / "wheel").glob("hetps-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        packages = {
+            n.removesuffix("/__init__.py").replace("/", ".")
+            for n in z.namelist()
+            if n.endswith("/__init__.py")
+        }
+    expected = set(PYPROJECT["tool"]["setuptools"]["packages"]) | source_packages()
+    assert "hetps.sim" in expected and "hetps.ps.policies" in expected
+    assert not expected - packages, f"{path.name}: the wheel lacks {sorted(expected - packages)}"
+
+
+def test_the_image_build_fails_without_a_package_folder(tmp_path):
+    """The build check can fail: with `sim` not copied, pip stops as it would in `docker build`."""
+    done = build_wheel(without_copy_of(dockerfile_instructions(CPU_DOCKERFILE), "sim"), tmp_path)
+    assert done.returncode != 0
+    assert "package directory 'sim' does not exist" in done.stderr, done.stderr
 
 
 # ---------------------------------------------------------------- docker-compose
