@@ -1,6 +1,9 @@
 """The run directory as the scheduler writes it, and its readers: metrics as
 JSON lines, each plan, and the summary. Files are written whole through a
 temporary file and a rename, so a reader never sees half a JSON document.
+A resumed run appends to the same files: its records carry the run's time
+and counts, on from the earlier segments' (segments.py), after a `segment`
+record that marks where it began.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .outcome import INTERRUPTED
+from .segments import Earlier
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -23,14 +27,17 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 class RunLog:
-    """Appends metric records to RUN_DIR/metrics.jsonl; a None dir writes nothing."""
+    """Appends metric records to RUN_DIR/metrics.jsonl; a None dir writes nothing. Every record
+    is written in the run's terms (`earlier`: the segments before this one, Earlier.shift)."""
 
     def __init__(self, run_dir: Path | None):
         self.run_dir = run_dir
         self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1) if run_dir else None
         self.sink = None  # also given every record when set: e.g. a TensorBoardSink
+        self.earlier = Earlier()  # a resumed run's earlier segments (Coordinator.resume)
 
     def record(self, kind: str, **values: Any) -> None:
+        values = self.earlier.shift(kind, values)
         if self._metrics:
             self._metrics.write(json.dumps({"kind": kind, **values}) + "\n")
         if self.sink is not None:

@@ -17,7 +17,9 @@ The run's clock survives a restart: the state holds when training began on
 the wall clock (`started_unix`), so evaluation times, `time_to_target_s` and
 `wall_s` go on counting through the restart and the time the scheduler was
 down, never back (a wall clock stepped back by NTP cannot make them go below
-the `elapsed_s` last saved).
+the `elapsed_s` last saved). A resumed run's earlier segments (`earlier`,
+segments.py) are saved too: a restart mid-segment goes on counting from them,
+and the next resume adds this segment to them.
 
 The file's format lives here (`write`, `read`, `load`); what goes into it and
 when is the coordinator's (Coordinator.save_state, Coordinator.restore).
@@ -36,6 +38,7 @@ from hetps.proto.plan import ClusterPlan, TensorSpec
 
 from .nodes import EvalTrack, Node
 from .runlog import write_json_atomic
+from .segments import Earlier
 
 STATE_FILE = "scheduler-state.json"
 SAVE_EVERY_S = 2.0
@@ -63,12 +66,14 @@ def write(
     failures: list[dict],
     stop: dict | None = None,
     guard: dict | None = None,
+    earlier: dict | None = None,
 ) -> None:
     """Write a scheduler's state into `run_dir` (Coordinator.save_state).
     `finished`: the run ended, a later scheduler must not carry it on;
     `elapsed`: seconds since training began, None before the first plan;
     `stop`: the stop decided, {"reason", "failed"} (None: training goes on);
-    `guard`: the divergence guard's counts and verdict (DivergenceGuard.saved)."""
+    `guard`: the divergence guard's counts and verdict (DivergenceGuard.saved);
+    `earlier`: a resumed run's earlier segments (Earlier.to_dict)."""
     write_json_atomic(
         run_dir / STATE_FILE,
         {
@@ -94,6 +99,7 @@ def write(
             "failures": failures,
             "stop": stop,
             "guard": guard or {},
+            "earlier": earlier or {},
         },
     )
 
@@ -121,6 +127,7 @@ class Saved:
     failures: list[dict]
     stop: dict | None  # the stop decided: {"reason", "failed"}; None: training goes on
     guard: dict  # the divergence guard's counts and verdict (DivergenceGuard.restore)
+    earlier: Earlier  # a resumed run's earlier segments (segments.py)
 
 
 def load(data: dict, now: float | None = None) -> Saved:
@@ -144,4 +151,5 @@ def load(data: dict, now: float | None = None) -> Saved:
         # absent from the files of older schedulers
         stop=data.get("stop"),
         guard=data.get("guard") or {},
+        earlier=Earlier.from_dict(data.get("earlier")),
     )

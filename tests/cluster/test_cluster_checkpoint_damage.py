@@ -53,7 +53,8 @@ def test_resume_passes_over_a_damaged_newest_checkpoint_and_the_summary_names_it
     overwrite_tensor_bytes(damaged)
 
     resumed = run_hetps(
-        ["run", "--resume", str(run_dir), "stop.max_steps=100", "stop.target_accuracy=null"],
+        # max_steps counts the whole run: 100 more steps
+        ["run", "--resume", str(run_dir), "stop.max_steps=300", "stop.target_accuracy=null"],
         timeout_s=200,
     )
     assert resumed.returncode == 0, resumed.stderr + log_tails(run_dir)

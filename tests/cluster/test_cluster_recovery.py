@@ -85,7 +85,8 @@ def test_resume_continues_a_stopped_run_from_consistent_checkpoints(run_dir):
     accuracy_before = stopped["final_accuracy"]
 
     resumed = run_hetps(
-        ["run", "--resume", str(run_dir), "stop.max_steps=200", "stop.target_accuracy=null"],
+        # max_steps counts the whole run: 200 more steps
+        ["run", "--resume", str(run_dir), "stop.max_steps=400", "stop.target_accuracy=null"],
         timeout_s=200,
     )
     assert resumed.returncode == 0, resumed.stderr + log_tails(run_dir)
