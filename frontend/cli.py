@@ -35,6 +35,7 @@ ROLE_MODULES = {"ps": "hetps.ps", "worker": "hetps.worker", "export": "hetps.wor
 
 def run_command(argv: list[str]) -> int:
     from hetps.scheduler.tensorboard import missing as tensorboard_missing
+    from hetps.scheduler.tracking import missing as tracking_missing
 
     from .launcher import default_run_dir, run_local
 
@@ -76,6 +77,9 @@ def run_command(argv: list[str]) -> int:
     cfg = load_or_exit(args.config, args.overrides, import_targets=True)
     if cfg.log.tensorboard and (problem := tensorboard_missing()):
         print(f"hetps run: {problem}", file=sys.stderr)
+        return 2
+    if problem := tracking_missing(cfg):
+        print(f"hetps run: config error: {problem}", file=sys.stderr)
         return 2
     run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     return run_local(cfg, run_dir, quiet=args.quiet, metrics=args.metrics)
@@ -129,8 +133,13 @@ def simulate_command(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"hetps simulate: {exc}", file=sys.stderr)
         return 2
+    from .watch import summary_metric
+
+    watched = summary_metric(summary)
+    final = watched["final"]
     print(
-        f"hetps simulate: {summary['stop_reason']}; final accuracy {summary['final_accuracy']}, "
+        f"hetps simulate: {summary['stop_reason']}; final {watched['name']} "
+        f"{'-' if final is None else round(final, 4)}, "
         f"time to target {summary['time_to_target_s']} virtual s, {summary['global_steps']} steps, "
         f"{summary['simulation']['real_wall_s']} s real; {run_dir}"
     )
@@ -141,7 +150,7 @@ def resume_command(args: argparse.Namespace) -> int:
     from hetps.runconfig.schema import ConfigError
 
     from .launcher import run_local
-    from .resume import check_same_shards, resume_point
+    from .resume import check_limits, check_same_shards, resume_line, resume_point
 
     run_dir = Path(args.resume)
     overrides = ([args.config] if args.config else []) + args.overrides  # all key=value here
@@ -149,15 +158,12 @@ def resume_command(args: argparse.Namespace) -> int:
     try:
         point = resume_point(run_dir, len(cfg.cluster.shards))
         check_same_shards(run_dir, len(cfg.cluster.shards))
+        check_limits(point, cfg)
     except ConfigError as exc:
         print(f"hetps run: cannot resume: {exc}", file=sys.stderr)
         return 2
     if not args.quiet:
-        print(
-            f"hetps run: resuming run {point.run_id} in {run_dir} from shard versions "
-            f"{point.versions}{'' if point.consistent else ' (not one common version)'}",
-            file=sys.stderr,
-        )
+        print(f"hetps run: {resume_line(point, run_dir, cfg)}", file=sys.stderr)
     return run_local(cfg, run_dir, quiet=args.quiet, metrics=args.metrics, resume=point)
 
 

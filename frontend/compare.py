@@ -33,11 +33,13 @@ from pathlib import Path
 
 from hetps.runconfig.load import apply_override, config_from_dict, load_config, load_raw
 from hetps.runconfig.schema import ConfigError
+from hetps.runconfig.targets import reached
 from hetps.scheduler.efficiency import useful_efficiency
-from hetps.scheduler.runlog import read_metrics, records_of
+from hetps.scheduler.runlog import fits, read_metrics
 
 from .launcher import run_local
 from .plots import X_AXES, plot_compare
+from .watch import ACCURACY, number, run_metric, summary_metric, watched_rows
 
 
 def algorithm_config(raw: dict, algorithm: str, common: list[str], extra: list[str], seed: int):
@@ -62,9 +64,15 @@ def median_or_none(values: list) -> float | None:
 
 
 def aggregate(algorithm: str, summaries: list[dict]) -> dict:
-    """One table row; time to target is a median only if every repeat reached it."""
+    """One table row; time to target is a median only if every repeat reached it. `metric`
+    and `final_metric`: the watched metric (accuracy for classification) and the median of
+    its final values; `final_accuracy` as ever (0.0 for a task without accuracy)."""
+    watched = [summary_metric(s) for s in summaries]
+    finals = [w["final"] for w in watched if w["final"] is not None]
     return {
         "algorithm": algorithm,
+        "metric": watched[0]["name"],
+        "final_metric": statistics.median(finals) if finals else None,
         "repeats": len(summaries),
         "time_to_target_s": median_or_none([s["time_to_target_s"] for s in summaries]),
         "reached": sum(s["time_to_target_s"] is not None for s in summaries),
@@ -93,10 +101,17 @@ def aggregate(algorithm: str, summaries: list[dict]) -> dict:
     }
 
 
-def milestone_times(run_dir: Path, accuracies: list[float]) -> dict[str, float | None]:
-    """Seconds to the first evaluation at or above each accuracy (None: never), keyed "0.97"."""
-    evals = records_of(read_metrics(run_dir / "metrics.jsonl"), "eval", t=float, accuracy=float)
-    return {f"{a:g}": next((m["t"] for m in evals if m["accuracy"] >= a), None) for a in accuracies}
+def milestone_times(run_dir: Path, values: list[float]) -> dict[str, float | None]:
+    """Seconds to the first evaluation at each value of the watched metric (at or above it, at
+    or below it for a lower-is-better metric; None: never), keyed "0.97"."""
+    records = read_metrics(run_dir / "metrics.jsonl")
+    metric = run_metric(records)
+    evals = watched_rows(records, metric, t=float)
+    higher = next((r["higher_is_better"] for r in evals if fits(r, higher_is_better=bool)), True)
+    return {
+        f"{v:g}": next((m["t"] for m in evals if reached(m[metric], v, higher)), None)
+        for v in values
+    }
 
 
 def add_useful(rows: list[dict], reference: str | None) -> list[dict]:
@@ -113,7 +128,11 @@ def add_useful(rows: list[dict], reference: str | None) -> list[dict]:
 
 
 def markdown(rows: list[dict], title: str) -> str:
+    """compare.md: the table (final values of the watched metric, by its name) and, under it,
+    what the times can resolve: a target is seen at an evaluation, so they are quantized
+    to the evaluation interval (rows' `eval_every_s`)."""
     base = rows[0]
+    metric = base.get("metric", ACCURACY)
     reference = base.get("reference")
     useful = f"useful efficiency (vs {reference})" if reference else "useful efficiency"
     marks = list(base.get("milestones", {}))
@@ -122,7 +141,7 @@ def markdown(rows: list[dict], title: str) -> str:
         "",
         f"| algorithm | time to target (s, median) | speedup over {base['algorithm']} | "
         + "".join(f"time to {m} (s) | " for m in marks)
-        + f"final accuracy (median) | MB moved | rounds | steps | reached | efficiency | {useful} |",
+        + f"final {metric} (median) | MB moved | rounds | steps | reached | efficiency | {useful} |",
         "|---|---|---|" + "---|" * len(marks) + "---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -136,10 +155,21 @@ def markdown(rows: list[dict], title: str) -> str:
         )
         lines.append(
             f"| {r['algorithm']} | {'-' if ttt is None else f'{ttt:.1f}'} | {speedup} | {times}"
-            f"{r['final_accuracy']:.4f} | {r['bytes'] / 1e6:.0f} | {r['rounds']:.0f} | "
+            f"{number(r.get('final_metric', r['final_accuracy']))} | {r['bytes'] / 1e6:.0f} | "
+            f"{r['rounds']:.0f} | "
             f"{r['global_steps']:.0f} | {r['reached']}/{r['repeats']} | {_ratio(r.get('efficiency'))} | "
             f"{_ratio(r.get('useful_efficiency'))} |"
         )
+    intervals = sorted({r["eval_every_s"] for r in rows if r.get("eval_every_s")})
+    if intervals:
+        every = " or ".join(f"{i:g} s" for i in intervals)
+        lines += [
+            "",
+            f"Times to a target are quantized to the evaluation interval (eval.every_s: {every}): "
+            "a run is seen at its target at the first evaluation that reaches it, up to one "
+            "interval (plus an evaluation's duration) after it did, so rows closer than that "
+            "are not told apart; a smaller eval.every_s resolves them.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -206,7 +236,8 @@ def compare_command(argv: list[str]) -> int:
     parser.add_argument(
         "--milestones",
         default="",
-        help="comma-separated accuracies, e.g. 0.95,0.97: median seconds to each as columns",
+        help="comma-separated values of the watched metric, e.g. 0.95,0.97 (accuracy) or 3,2.5 "
+        "(perplexity): median seconds to each as columns",
     )
     parser.add_argument(
         "--reference",
@@ -247,7 +278,7 @@ def compare_command(argv: list[str]) -> int:
         milestones = [float(m) for m in args.milestones.split(",") if m.strip()]
     except ValueError:
         print(
-            f"hetps: --milestones: expected comma-separated accuracies, got {args.milestones!r}",
+            f"hetps: --milestones: expected comma-separated numbers, got {args.milestones!r}",
             file=sys.stderr,
         )
         return 2
@@ -286,7 +317,7 @@ def compare_command(argv: list[str]) -> int:
                     "milestones": milestone_times(run_dir, milestones),
                 }
             )
-        rows.append(aggregate(a, summaries))
+        rows.append({**aggregate(a, summaries), "eval_every_s": configs[a][0].eval.every_s})
     add_useful(rows, args.reference)
     (out / "compare.json").write_text(json.dumps(rows, indent=2))
     title = f"{args.config} {' '.join(args.overrides)}".strip()

@@ -18,7 +18,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from hetps.proto.errors import HetpsError
 from hetps.proto.security import SecurityError
 from hetps.runconfig.load import dump_config
 from hetps.runconfig.schema import RunConfig
+from hetps.runconfig.targets import stop_target
 from hetps.runtime.curve_setup import check_run_keys, keys_for_run
 from hetps.runtime.daemon import security_problem
 from hetps.runtime.devices import assign_devices, local_gpu_count
@@ -245,7 +248,10 @@ class LocalCluster:
             own = lines[-1].startswith(("hetps: check", "hetps: config error"))
             raise CheckFailed("\n".join(lines[-1:] if own else lines[-5:]))
         if code != 0:
-            raise LaunchError(f"the model check exited with {code}:\n" + "\n".join(lines[-15:]))
+            # summary.json says failed, not the `interrupted` of the stop that follows
+            self.failed_as = ("check", f"the model check exited with {code}")
+            tail = "\n".join(lines[-15:]) or f"(nothing in {self.run_dir / 'logs' / 'check.log'})"
+            raise LaunchError(f"the model check exited with {code}:\n{tail}")
 
     def start(self) -> str:
         """Start every process; returns the scheduler address. Everything
@@ -328,14 +334,15 @@ class LocalCluster:
         return path.read_text().strip()
 
     # ------------------------------------------------------------ watching
-    def watch(self) -> None:
+    def watch(self, on_poll: Callable[[LocalCluster], None] | None = None) -> None:
         """Show progress until the scheduler exits. Raises LaunchError when a
-        process fails (after asking the scheduler to stop the others)."""
+        process fails (after asking the scheduler to stop the others). `on_poll`
+        is called with the cluster each time metrics.jsonl is read (4 times a second)."""
         stop = self.cfg.stop
         progress = Progress(
             self.run_dir / "metrics.jsonl",
             expected=client_names(self.cfg),
-            target=stop.target_accuracy,
+            target=(stop_target(stop) or (None, None))[1],
             max_seconds=stop.max_seconds,
             max_steps=stop.max_steps,
         )
@@ -369,6 +376,8 @@ class LocalCluster:
                     continue
                 raise LaunchError(self.failure(child.name, f"{child.name} exited with {code}"))
             progress.poll()
+            if on_poll is not None:
+                on_poll(self)
             if not self.quiet and time.monotonic() - last_print > (
                 0.5 if sys.stderr.isatty() else 5.0
             ):
@@ -436,12 +445,17 @@ class LocalCluster:
     def on_interrupt(self, signum, frame) -> None:
         """First Ctrl-C: clean stop through the scheduler (the summary says
         `interrupted`, the exit status is 130). Second: kill everything."""
-        self.interrupted += 1
-        if self.interrupted == 1:
+        if self.interrupted == 0:
             print("\nhetps run: stopping (Ctrl-C again to kill)", file=sys.stderr)
-            self.stop_scheduler(signal.SIGINT)
+            self.stop()
         else:
+            self.interrupted += 1
             self.kill_all()
+
+    def stop(self) -> None:
+        """Stop the run cleanly, as the first Ctrl-C does (the summary says `interrupted`)."""
+        self.interrupted += 1
+        self.stop_scheduler(signal.SIGINT)
 
     def kill_all(self) -> None:
         """Terminate, then kill, then reap every child that is still running."""
@@ -482,33 +496,44 @@ def run_local(
     quiet: bool = False,
     metrics: bool = False,
     resume: ResumePoint | None = None,
+    on_poll: Callable[[LocalCluster], None] | None = None,
 ) -> int:
     """Run one experiment end to end; returns the process exit status:
     0 completed, 1 failed, 3 diverged, 130 interrupted (see outcome.py).
     `metrics`: every daemon serves Prometheus /metrics on a free port;
-    `resume`: continue the stopped run in `run_dir` from its checkpoints.
-    Returns 2, starting nothing, on a problem `prestart_problems` finds."""
+    `resume`: continue the stopped run in `run_dir` from its checkpoints;
+    `on_poll`: see `LocalCluster.watch` (the Python API's callbacks).
+    Returns 2, starting nothing, on a problem `prestart_problems` finds.
+    Ctrl-C and SIGTERM stop the run cleanly when it runs in the main thread
+    (signal handlers can be set only there)."""
     problems = prestart_problems(cfg, run_dir)
     for line in problems:
         print(f"hetps run: {line}", file=sys.stderr)
     if problems:
         return 2
     cluster = LocalCluster(cfg, run_dir, quiet, metrics, resume)
-    previous = signal.signal(signal.SIGINT, cluster.on_interrupt)
-    previous_term = signal.signal(signal.SIGTERM, cluster.on_interrupt)
-    error = None
+    handling = threading.current_thread() is threading.main_thread()
+    if handling:
+        previous = signal.signal(signal.SIGINT, cluster.on_interrupt)
+        previous_term = signal.signal(signal.SIGTERM, cluster.on_interrupt)
+    error = refused = None
     try:
         cluster.start()
-        cluster.watch()
+        cluster.watch(on_poll)
     except CheckFailed as exc:
-        print(exc, file=sys.stderr)
-        return 2
+        refused = exc
     except LaunchError as exc:
         error = exc
     finally:
         cluster.kill_all()
-        signal.signal(signal.SIGINT, previous)
-        signal.signal(signal.SIGTERM, previous_term)
+        if handling:
+            signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGTERM, previous_term)
+    if refused is not None:
+        # once the stopped scheduler wrote its summary (`interrupted`): the check's line instead
+        mark_failed(run_dir, read_summary(run_dir) or {}, "check", str(refused))
+        print(refused, file=sys.stderr)
+        return 2
     if error is not None and not cluster.interrupted:
         # again: a scheduler stopped late may have written its own summary since
         if cluster.failed_as:

@@ -1,7 +1,10 @@
 """The plots of a run directory and of a comparison, and the data behind them.
 
     accuracy_vs_time.png   test accuracy (a marker at every evaluation) with the target line and
-                           the time-to-target marker, beside test and train loss
+                           (METRIC_vs_time.png for a task watching another metric, e.g.
+                           perplexity_vs_time.png; `run_plot_name`)
+                           the time-to-target marker, beside test and train loss; a resumed
+                           run is one curve, a dotted line where each later segment began
     groups.png             one lane per group: when each group's update was applied (runs with
                            more than one group, e.g. Grouping-SGD)
     compare.png            per algorithm, the median test accuracy over all repeats and the
@@ -16,11 +19,16 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 
+from hetps.runconfig.targets import reached
+from hetps.scheduler.nodes import LOWER_IS_BETTER
 from hetps.scheduler.runlog import fits, plan_fits, read_metrics, read_summary, records_of
+
+from .watch import ACCURACY, label, number, run_metric, summary_metric, watched_rows
 
 X_AXES = {
     "time": ("t", "wall-clock time (s)"),
@@ -47,15 +55,17 @@ def eval_curve(records: list[dict], x: str = "time") -> tuple[list[float], list[
         raise ValueError(f"x axis must be one of {', '.join(X_AXES)}, got {x!r}")
     evals = _evals(records, x)
     key = X_AXES[x][0]
-    return [float(r[key]) for r in evals], [float(r["accuracy"]) for r in evals]
+    metric = run_metric(records)
+    return [float(r[key]) for r in evals], [float(r[metric]) for r in evals]
 
 
 def _evals(records: list[dict], x: str) -> list[dict]:
-    """The evaluations that hold an accuracy and their value on axis `x`, in order (an
-    evaluation without them, of another version or edited by hand, is skipped). Raises
-    ValueError when no evaluation records the axis' key (runs recorded before it existed)."""
+    """The evaluations that hold the watched metric (`run_metric`) and their value on axis
+    `x`, in order (an evaluation without them, of another version or edited by hand, is
+    skipped). Raises ValueError when no evaluation records the axis' key (runs recorded
+    before it existed)."""
     key = X_AXES[x][0]
-    evals = records_of(records, "eval", accuracy=float)
+    evals = watched_rows(records, run_metric(records))
     if evals and not any(key in r for r in evals):
         raise ValueError(
             f"these evaluations do not record {key!r}, so they cannot be plotted against {x}"
@@ -63,13 +73,24 @@ def _evals(records: list[dict], x: str) -> list[dict]:
     return [r for r in evals if fits(r, **{key: float})]
 
 
+def segment_starts(records: list[dict]) -> list[tuple[int, float]]:
+    """(segment, the run's time it began at) of each segment after the first: where a resumed
+    run went on (its records' times go on from the earlier segments', segments.py)."""
+    return [
+        (r["segment"], float(r["t"]))
+        for r in records_of(records, "segment", segment=int, t=float)
+        if r["segment"] > 1
+    ]
+
+
 def first_reach(
-    xs: list[float], ys: list[float], target: float | None
+    xs: list[float], ys: list[float], target: float | None, higher_is_better: bool = True
 ) -> tuple[float, float] | None:
-    """(x, accuracy) of the first evaluation at or above `target`; None if none or no target."""
+    """(x, value) of the first evaluation at `target` (at or above it, or at or below it for a
+    lower-is-better metric); None if none or no target."""
     if target is None:
         return None
-    return next(((x, y) for x, y in zip(xs, ys) if y >= target), None)
+    return next(((x, y) for x, y in zip(xs, ys) if reached(y, target, higher_is_better)), None)
 
 
 def median_band(curves: list[tuple[list[float], list[float]]]) -> dict[str, np.ndarray]:
@@ -150,47 +171,52 @@ def _grouped_steps(records: list[dict]) -> list[dict]:
 
 
 def run_title(summary: dict, fallback: str = "") -> str:
-    """E.g. `default: grouping, 4 workers: 95% reached at 3.6 s (final 0.9630)`."""
+    """E.g. `default: grouping, 4 workers: 95% reached at 3.6 s (final 0.9630)`, or for
+    another metric `lm: sync, 4 workers: perplexity 3 reached at 41.2 s (final perplexity 2.9120)`."""
     name = f"{summary.get('name', '')}: {summary.get('algorithm', '')}".strip(": ") or fallback
     workers = sum(1 for n in summary.get("per_node", {}) if n.startswith("worker"))
     head = f"{name}, {workers} workers" if workers else name
-    target, ttt, final = (
-        summary.get("target_accuracy"),
-        summary.get("time_to_target_s"),
-        summary.get("final_accuracy"),
-    )
+    watched = summary_metric(summary)
+    target, ttt, final = watched["target"], summary.get("time_to_target_s"), watched["final"]
+    accuracy = watched["name"] == ACCURACY
     parts = []
     if target is not None:
-        parts.append(
-            f"{target:.0%} reached at {ttt:.1f} s"
-            if ttt is not None
-            else f"{target:.0%} not reached"
-        )
+        goal = f"{target:.0%}" if accuracy else f"{watched['name']} {target:g}"
+        parts.append(f"{goal} reached at {ttt:.1f} s" if ttt is not None else f"{goal} not reached")
     if final is not None:
-        parts.append(f"final {final:.4f}")
+        parts.append(
+            f"final {final:.4f}" if accuracy else f"final {watched['name']} {number(final)}"
+        )
     return head + (": " + ", ".join(parts) if parts else "")
 
 
 def plot_run(run_dir: Path, title: str = "") -> Path:
-    """Write RUN_DIR/accuracy_vs_time.png (and groups.png when the run had several groups)
-    from metrics.jsonl and summary.json; returns the accuracy plot's path."""
+    """Write RUN_DIR/accuracy_vs_time.png, or METRIC_vs_time.png for a run watching another
+    metric (`run_plot_name`), and groups.png when the run had several groups, from
+    metrics.jsonl and summary.json; returns the metric plot's path. The x axis is virtual
+    time for a run of `hetps simulate` (its summary has `simulation`)."""
     plt = _pyplot()
     records = read_metrics(run_dir / "metrics.jsonl")
     summary = read_summary(run_dir) or {}
-    target = summary.get("target_accuracy")
+    metric = run_metric(records)
+    watched = summary_metric(summary)
+    same = watched["name"] == metric  # the summary's target is a value of the plotted metric
+    target = watched["target"] if same else None
+    higher = watched["higher_is_better"] if same else metric not in LOWER_IS_BETTER
+    clock = time_axis(summary)
     evals = _evals(records, "time")
-    xs, ys = [float(r["t"]) for r in evals], [float(r["accuracy"]) for r in evals]
+    xs, ys = [float(r["t"]) for r in evals], [float(r[metric]) for r in evals]
     # an evaluation without a loss leaves a gap in the loss curve
     losses = [float(r["loss"]) if fits(r, loss=float) else math.nan for r in evals]
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax_acc.plot(
-        xs, ys, marker="o", markersize=3.5, label="test accuracy (each marker: one evaluation)"
+        xs, ys, marker="o", markersize=3.5, label=f"{label(metric)} (each marker: one evaluation)"
     )
     if target is not None:
         ax_acc.axhline(
             target, color="tab:red", linestyle="--", linewidth=1, label=f"target {target}"
         )
-    reached = first_reach(xs, ys, target)
+    reached = first_reach(xs, ys, target, higher)
     if reached is not None:
         ax_acc.axvline(reached[0], color="tab:green", linestyle=":", linewidth=1)
         ax_acc.plot(
@@ -203,21 +229,55 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
             label=f"target reached at {reached[0]:.1f} s",
         )
     ax_acc.set(
-        xlabel="wall-clock time since the first plan (s)",
-        ylabel="test accuracy",
-        title="test accuracy",
+        xlabel=f"{clock} since the first plan (s)", ylabel=label(metric), title=label(metric)
     )
+    _mark_segments((ax_acc, ax_loss), segment_starts(records))
     ax_acc.grid(alpha=0.3)
-    ax_acc.legend(loc="lower right", fontsize=8)
-    _plot_loss(ax_loss, records, xs, losses)
+    ax_acc.legend(loc="lower right" if higher else "upper right", fontsize=8)
+    _plot_loss(
+        ax_loss, records, xs, losses, clock, "cross-entropy" if metric == ACCURACY else "loss"
+    )
     fig.suptitle(run_title(summary, title))
     fig.tight_layout()
-    out = run_dir / "accuracy_vs_time.png"
+    out = run_dir / run_plot_name(metric)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     if len({group for _, group in group_lanes(records)}) > 1:
-        plot_groups(run_dir, records)
+        plot_groups(run_dir, records, clock)
     return out
+
+
+def run_plot_name(metric: str) -> str:
+    """The run plot's file name: accuracy_vs_time.png, or e.g. perplexity_vs_time.png (a name
+    a task gave its metric is kept to letters, digits, `_`, `-` and `.`)."""
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', metric)}_vs_time.png"
+
+
+def time_axis(summary: dict) -> str:
+    """`virtual time` for a run of `hetps simulate` (docs/simulation.md), else `wall-clock time`."""
+    return "virtual time" if summary.get("simulation") else "wall-clock time"
+
+
+def _mark_segments(axes, starts: list[tuple[int, float]]) -> None:
+    """A dotted line on each of `axes` where a resumed run's segment began (labelled once)."""
+    for i, (segment, t) in enumerate(starts):
+        for ax in axes:
+            ax.axvline(
+                t,
+                color="tab:gray",
+                linestyle=":",
+                linewidth=1.2,
+                label="resumed (a new segment)" if i == 0 and ax is axes[0] else None,
+            )
+            ax.annotate(
+                f"segment {segment}",
+                (t, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(2, -10),
+                textcoords="offset points",
+                fontsize=7,
+                color="tab:gray",
+            )
 
 
 def plot_simulated(cfg, run_dir: Path) -> Path:
@@ -225,7 +285,14 @@ def plot_simulated(cfg, run_dir: Path) -> Path:
     return plot_run(run_dir, f"{cfg.name}: {cfg.algorithm.name} (simulated, virtual seconds)")
 
 
-def _plot_loss(ax, records: list[dict], xs: list[float], losses: list[float]) -> None:
+def _plot_loss(
+    ax,
+    records: list[dict],
+    xs: list[float],
+    losses: list[float],
+    clock: str = "wall-clock time",
+    ylabel: str = "cross-entropy",
+) -> None:
     ax.plot(xs, losses, marker="o", markersize=3.5, label="test loss")
     # a client's steps may carry no loss
     steps = sorted(records_of(records, "step", t=float, loss=float), key=lambda r: r["t"])
@@ -238,14 +305,16 @@ def _plot_loss(ax, records: list[dict], xs: list[float], losses: list[float]) ->
             alpha=0.7,
             label=f"train loss (mean of {window} steps)",
         )
-    ax.set(xlabel="wall-clock time since the first plan (s)", ylabel="cross-entropy", title="loss")
+    ax.set(xlabel=f"{clock} since the first plan (s)", ylabel=ylabel, title="loss")
     if any(v > 0 for v in losses):
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
 
 
-def plot_groups(run_dir: Path, records: list[dict] | None = None) -> Path:
+def plot_groups(
+    run_dir: Path, records: list[dict] | None = None, clock: str = "wall-clock time"
+) -> Path:
     """Write RUN_DIR/groups.png: one lane per group of each plan, a tick at each of its
     updates, a dashed line where the plan changed; returns its path."""
     plt = _pyplot()
@@ -270,7 +339,7 @@ def plot_groups(run_dir: Path, records: list[dict] | None = None) -> Path:
         if r["plan_id"] > 1:
             ax.axvline(r["t"], color="grey", linestyle="--", linewidth=0.8)
     ax.set(
-        xlabel="wall-clock time since the first plan (s)",
+        xlabel=f"{clock} since the first plan (s)",
         title="when each group's update was applied (count after the colon; dashed: a new plan)",
     )
     ax.grid(alpha=0.3, axis="x")
@@ -297,11 +366,11 @@ def plot_compare(rows: list[dict], out: Path, x: str = "time") -> Path:
     ValueError for an axis the runs did not record."""
     plt = _pyplot()
     bands = compare_bands(rows, x)
-    target = (
-        (read_summary(Path(rows[0]["runs"][0])) or {}).get("target_accuracy")
-        if rows and rows[0]["runs"]
-        else None
-    )
+    first = (read_summary(Path(rows[0]["runs"][0])) or {}) if rows and rows[0]["runs"] else {}
+    watched = summary_metric(first)
+    target, metric = watched["target"], watched["name"]
+    # the same axes for a run of hetps simulate, but its seconds are virtual
+    xlabel = "virtual time (s)" if x == "time" and first.get("simulation") else X_AXES[x][1]
     fig, ax = plt.subplots(figsize=(8, 5))
     for algorithm, band in bands.items():
         repeats = int(band["n"].max()) if len(band["n"]) else 0
@@ -314,9 +383,9 @@ def plot_compare(rows: list[dict], out: Path, x: str = "time") -> Path:
     if target is not None:
         ax.axhline(target, color="tab:red", linestyle="--", linewidth=1, label=f"target {target}")
     ax.set(
-        xlabel=X_AXES[x][1],
-        ylabel="test accuracy",
-        title="test accuracy: median over repeats, band from min to max",
+        xlabel=xlabel,
+        ylabel=label(metric),
+        title=f"{label(metric)}: median over repeats, band from min to max",
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from hetps.scheduler.runlog import fits, parse_record, plan_fits
 
+from .watch import ACCURACY, number, row_value, summary_metric
+
 STALL_FRESH_S = 3.0  # an open stall's record older than this (run seconds) is not shown
 
 
@@ -17,12 +19,15 @@ class Progress:
     """Follows metrics.jsonl as it grows and renders one status line: while
     the cluster forms, who registered and who it still waits for; then the
     training line with the target, the limits, the groups and, while the
-    scheduler's latest `stall` records name one, whom training waits for."""
+    scheduler's latest `stall` records name one, whom training waits for.
+    A resumed run's `segment` record starts the line afresh: the cluster forms
+    again, while the time and steps go on from the earlier segments'; the time
+    limit (`stop.max_seconds`) counts the segment, the step limit the run."""
 
     path: Path
     # node names the run starts, e.g. ps0, worker3, evaluator
     expected: list = field(default_factory=list)
-    target: float | None = None
+    target: float | None = None  # a value of the watched metric (stop.target's / target_accuracy)
     max_seconds: float = 0.0
     max_steps: int = 0
     registered: list = field(default_factory=list)
@@ -30,13 +35,16 @@ class Progress:
     launched: float = field(default_factory=time.monotonic)
     offset: int = 0
     steps: dict = field(default_factory=dict)  # worker index -> latest step
-    accuracy: float | None = None
+    metric: str = "accuracy"  # the watched metric, as the latest eval row names it (`watch`)
+    value: float | None = None  # its latest value
     t: float = 0.0
     rate: float = 0.0
     plan: tuple = (0, 0)  # (plan id, number of groups) of the latest plan
     groups: list = field(default_factory=list)  # the latest plan's groups (node ids)
     stalls: dict = field(default_factory=dict)  # node -> its latest `stall` record
     _samples: list = field(default_factory=list)  # (t, total steps) over the last few seconds
+    segment: int = 1  # a resumed run's segment (from its `segment` record)
+    segment_t: float = 0.0  # the run's time when this segment began
 
     def poll(self) -> None:
         """Read the lines added since the last poll (a torn last one waits for the next); a line
@@ -64,8 +72,8 @@ class Progress:
             self.t = max(self.t, rec["t"])
         if kind == "step" and fits(rec, worker=int, step=int):
             self.steps[rec["worker"]] = max(self.steps.get(rec["worker"], 0), rec["step"])
-        elif kind == "eval" and fits(rec, accuracy=float):
-            self.accuracy = rec["accuracy"]
+        elif kind == "eval" and (watched := row_value(rec)) is not None:
+            self.metric, self.value = watched
         elif kind == "register" and fits(rec, node=str):
             # the scheduler's evaluator0 is hetps run's evaluator
             node = "evaluator" if rec["node"].startswith("evaluator") else rec["node"]
@@ -77,11 +85,26 @@ class Progress:
             self.groups = rec["groups"]
         elif kind == "stall" and fits(rec, node=str, t=float, for_s=float):
             self.stalls[rec["node"]] = rec
+        elif kind == "segment" and fits(rec, segment=int, t=float):
+            self._new_segment(rec)
+
+    def _new_segment(self, rec: dict) -> None:
+        """A resumed run began a segment: what the line shows of the earlier one is dropped,
+        but each worker's steps so far (the run's steps go on from them)."""
+        workers = rec.get("workers") if isinstance(rec.get("workers"), dict) else {}
+        self.steps = {
+            int(w): n for w, n in workers.items() if str(w).isdigit() and fits({"n": n}, n=int)
+        }
+        self.segment, self.segment_t, self.t = rec["segment"], rec["t"], rec["t"]
+        self.registered, self.planned, self.plan, self.groups = [], False, (0, 0), []
+        self.stalls, self._samples, self.rate = {}, [], 0.0
 
     def line(self) -> str:
         if not self.planned:
             return self.startup_line()
-        acc = f"{self.accuracy:.4f}" if self.accuracy is not None else "  -   "
+        acc = number(self.value) if self.value is not None else "  -   "
+        # "test acc" as ever for classification; any other metric by its name
+        name = "acc" if self.metric == ACCURACY else self.metric
         target = f" (target {self.target})" if self.target is not None else ""
         steps = f"/{self.max_steps}" if self.max_steps else ""
         # async and ssp: one per worker
@@ -94,10 +117,22 @@ class Progress:
             else ""
         )
         plan = f"  plan {self.plan[0]}{groups}" if self.planned else ""
-        return (
-            f"[{self.t:7.1f}s/{self.max_seconds:g}s] steps {sum(self.steps.values()):7d}{steps}  "
-            f"test acc {acc}{target}  {self.rate:7.1f} steps/s{plan}{self.blocked_by()}"
+        # a resumed run: the run's time, and this segment's against the time limit
+        clock = (
+            f"[{self.t:7.1f}s/{self.max_seconds:g}s]"
+            if self.segment == 1
+            else f"[{self.t:7.1f}s, segment {self.segment}: "
+            f"{self.t - self.segment_t:.1f}s/{self.max_seconds:g}s]"
         )
+        return (
+            f"{clock} steps {sum(self.steps.values()):7d}{steps}  "
+            f"test {name} {acc}{target}  {self.rate:7.1f} steps/s{plan}{self.blocked_by()}"
+        )
+
+    @property
+    def accuracy(self) -> float | None:
+        """The latest test accuracy, when accuracy is the watched metric."""
+        return self.value if self.metric == ACCURACY else None
 
     def blocked_by(self) -> str:
         """E.g. ` — waiting 3.2 s for worker4 (compute) — 5 workers idle`; empty
@@ -135,11 +170,15 @@ class Progress:
 
 
 def format_summary(summary: dict, run_dir: Path) -> str:
-    acc = summary.get("final_accuracy")
+    """The closing summary, e.g. `sync: completed, final accuracy 0.9554, best 0.9554, time to
+    target 3.1s, ...`: the watched metric by its name, rounded like the progress line."""
+    watched = summary_metric(summary)
     ttt = summary.get("time_to_target_s")
+    final, best = watched["final"], watched["best"]
     return (
-        f"{summary.get('algorithm')}: {summary.get('status', 'completed')}, final accuracy "
-        f"{acc if acc is None else round(acc, 4)}, best {summary.get('best_accuracy')}, time to target "
+        f"{summary.get('algorithm')}: {summary.get('status', 'completed')}, final "
+        f"{watched['name']} {final if final is None else number(final)}, best "
+        f"{best if best is None else number(best)}, time to target "
         f"{'not reached' if ttt is None else f'{ttt:.1f}s'}, {summary.get('global_steps', 0)} steps in "
         f"{summary.get('wall_s', 0.0):.1f}s ({summary.get('stop_reason')})\nrun directory: {run_dir}"
     )

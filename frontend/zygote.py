@@ -19,11 +19,14 @@ the way a multi-host deployment starts them).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import runpy
 import subprocess
 import sys
+import threading
+import types
 from pathlib import Path
 
 # What every daemon imports before its first step; loaded once, in the fork server
@@ -113,8 +116,34 @@ class ForkServer:
             name=module,
             daemon=False,
         )
-        process.start()
+        with main_not_shipped():
+            process.start()
         return ForkedDaemon(process, args)
+
+
+_MAIN_SWAP = threading.Lock()
+
+
+@contextlib.contextmanager
+def main_not_shipped():
+    """While a daemon is handed to the fork server: `__main__` is a bare module.
+
+    multiprocessing tells each child to run the parent's `__main__` script again (as
+    `__mp_main__`, so that objects defined there unpickle). A daemon needs nothing from it
+    (its target and arguments are importable and plain), and a script or notebook that drives
+    a run without an `if __name__ == "__main__":` guard would start the whole run again in
+    every daemon, which multiprocessing refuses with a traceback. Without a file or a module
+    name, `__main__` gives the child nothing to run."""
+    with _MAIN_SWAP:
+        main = sys.modules.get("__main__")
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            if main is None:
+                del sys.modules["__main__"]
+            else:
+                sys.modules["__main__"] = main
 
 
 def run_daemon(

@@ -6,6 +6,7 @@ reported, left out, and the instance keeps its default there.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import types
 import typing
@@ -37,7 +38,10 @@ def _build(tp: Any, value: Any, path: str, problems: Problems) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        return _build(next(a for a in args if a is not type(None)), value, path, problems)
+        args = [a for a in args if a is not type(None)]
+        # `int | str` (e.g. a size or "auto"): the value's own type when it is one of them
+        fits = [a for a in args if type(value) is a]
+        return _build(fits[0] if fits else args[0], value, path, problems)
     if dataclasses.is_dataclass(tp):
         return build_dataclass(tp, value, path, problems)
     if origin is list:
@@ -57,6 +61,12 @@ def _build(tp: Any, value: Any, path: str, problems: Problems) -> Any:
         problems.add(path, f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
         return BAD
     return value
+
+
+def unknown_key(key: Any, names: list[str]) -> str:
+    """`unknown key`, with `(did you mean 'NAME'?)` when one of `names` is close to `key`."""
+    close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+    return f"unknown key (did you mean {close[0]!r}?)" if close else "unknown key"
 
 
 def _required(cls: type) -> list[str]:
@@ -81,7 +91,7 @@ def build_dataclass(cls: type, value: Any, path: str, problems: Problems) -> Any
     for key, v in value.items():
         sub = f"{path}.{key}".lstrip(".")
         if key not in names:
-            problems.add(sub, f"unknown key; allowed: {', '.join(names) or '(none)'}")
+            problems.add(sub, f"{unknown_key(key, names)}; allowed: {', '.join(names) or '(none)'}")
         elif (built := _build(hints[key], v, sub, problems)) is not BAD:
             kwargs[key] = built
     for key in _required(cls):

@@ -12,7 +12,7 @@ import re
 from typing import Any, Callable
 
 from .algorithms import ALGORITHMS
-from .schema import BUILTIN_MODELS, CHOICES, DATASETS, RunConfig
+from .schema import BUILTIN_MODELS, CHOICES, DATASETS, SCHEDULES, TASKS, RunConfig
 
 FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:factory
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # as runtime/devices.py
@@ -34,6 +34,8 @@ NUMBER_RULES: dict[str, Rule] = {
     "seed": NON_NEGATIVE,
     "data.batch_size": AT_LEAST_1,
     "data.eval_batch_size": AT_LEAST_1,
+    "data.num_workers": NON_NEGATIVE,
+    "data.accumulate": AT_LEAST_1,
     "data.synthetic.classes": (lambda v: v >= 2, "must be >= 2"),
     "data.synthetic.train_size": AT_LEAST_1,
     "data.synthetic.test_size": AT_LEAST_1,
@@ -57,7 +59,10 @@ NUMBER_RULES: dict[str, Rule] = {
         "heartbeat's queued step records or a plan can fill hundreds of KB whatever the model; the "
         "workers check the model's own need before they register)",
     ),
-    "cluster.chunk_bytes": (lambda v: v >= 0, "must be >= 0 (0 = never cut)"),
+    "cluster.chunk_bytes": (
+        lambda v: v == "auto" or (isinstance(v, int) and v >= 0),
+        "must be auto or an int >= 0 (0 = never cut)",
+    ),
     "cluster.retry_s": (lambda v: v >= 0, "must be >= 0 (0 = never re-send)"),
     "cluster.clip_value": POSITIVE,
     "cluster.faults.drop": FRACTION,
@@ -80,10 +85,15 @@ NUMBER_RULES: dict[str, Rule] = {
     "checkpoint.every_s": NON_NEGATIVE,
     "checkpoint.keep": AT_LEAST_1,
     "comm.topk_ratio": FRACTION,
+    "tracking.wandb.mode": (
+        lambda v: v in ("online", "offline", "disabled"),
+        "must be online, offline or disabled",
+    ),
     "optimizer.clip_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 = no clipping)"),
     "comm.shm_bytes": (lambda v: v == 0 or v >= 4096, "must be 0 (off) or >= 4096 (bytes)"),
     "sim.sample_s": POSITIVE,
     "sim.shard_bytes_per_s": POSITIVE,
+    "sim.shard_message_s": NON_NEGATIVE,
     "sim.eval_s": NON_NEGATIVE,
 }
 NODE_RULES: dict[str, Rule] = {
@@ -135,6 +145,21 @@ def _check_names(cfg: RunConfig) -> list[str]:
         out.append(
             f"data.kwargs: only for a package.module:factory dataset (data.dataset is {dataset!r})"
         )
+    for path, builtin, kwargs_path in (
+        ("task.name", TASKS, "task.kwargs"),
+        ("optimizer.schedule.name", SCHEDULES, "optimizer.schedule.kwargs"),
+    ):
+        value = value_at(cfg, path)
+        if value not in builtin and not FACTORY.fullmatch(value):
+            out.append(
+                f"{path}: unknown value {value!r}; allowed: {', '.join(builtin)}, "
+                "or package.module:factory"
+            )
+        elif value_at(cfg, kwargs_path) and not FACTORY.fullmatch(value):
+            out.append(f"{kwargs_path}: only for a package.module:factory (it is {value!r})")
+    classes = cfg.data.num_classes
+    if classes is not None and classes < 2:
+        out.append(f"data.num_classes: must be >= 2 or null, got {classes!r}")
     name = cfg.model.name
     if name not in BUILTIN_MODELS and not FACTORY.fullmatch(name):
         import torchvision  # deferred: only needed for non-builtin names
@@ -247,6 +272,17 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
             "optimizer.clip_grad_norm: needs the whole gradient before the push; not with comm.overlap: true "
             "(which pushes each layer's gradient during the backward)"
         )
+    if cfg.comm.overlap and loop == "gradients":
+        if cfg.data.accumulate > 1:
+            out.append(
+                "data.accumulate: needs the whole gradient of several batches before the push; "
+                "not with comm.overlap: true (which pushes each layer's gradient during the backward)"
+            )
+        if cfg.model.autocast == "float16":
+            out.append(
+                "model.autocast: float16 checks the whole gradient for overflow before the push; "
+                "not with comm.overlap: true (use bfloat16, which needs no loss scaling)"
+            )
     if optimizer.nesterov and optimizer.momentum <= 0:
         out.append("optimizer.nesterov: needs optimizer.momentum > 0")
     if len(optimizer.betas) != 2 or not all(0 <= b < 1 for b in optimizer.betas):
@@ -289,7 +325,7 @@ def check_targets(cfg: RunConfig) -> list[str]:
     that does not import, or has no such callable, is a problem here rather
     than in a process started later."""
     out = []
-    for path in ("model.name", "data.dataset"):
+    for path in ("model.name", "data.dataset", "task.name", "optimizer.schedule.name"):
         spec = value_at(cfg, path)
         if FACTORY.fullmatch(spec):
             problem = import_problem(spec)

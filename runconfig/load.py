@@ -11,6 +11,7 @@ every problem, each naming the key path and the allowed values or range.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,11 @@ import yaml
 from hetps.proto.errors import ConfigError
 
 from .algorithms import ALGORITHM_PARAMS
-from .build import BAD, Problems, build_dataclass, fail
+from .build import BAD, Problems, build_dataclass, fail, unknown_key
 from .checks import check_targets, check_values
 from .node_spec import node_list
 from .schema import AlgorithmConfig, ClusterConfig, RunConfig
+from .targets import resolve_targets
 
 # ------------------------------------------------------------ typed building
 
@@ -51,7 +53,7 @@ def _build_algorithm(value: Any, problems: Problems) -> AlgorithmConfig:
         where = (
             f"belongs to {' or '.join(owners)}, not to {name} (algorithm.name={owners[0]} takes it)"
             if owners
-            else "unknown key"
+            else unknown_key(key, own)
         )
         problems.add(f"algorithm.{key}", f"{where}; allowed: {', '.join(own) or '(none)'}")
         del value[key]
@@ -86,6 +88,8 @@ def _config_from_dict(raw: Any, import_targets: bool, problems: Problems) -> Run
     if not isinstance(raw, dict):
         fail("", "the config file must hold a mapping")
     raw = dict(raw)
+    resolve_targets(raw, problems)  # stop.target / target_accuracy / eval.metric, as written
+    task_shorthand(raw)
     algorithm = _build_algorithm(raw.pop("algorithm", None), problems)
     cluster = raw.get("cluster")
     if isinstance(cluster, dict):
@@ -107,6 +111,12 @@ def _config_from_dict(raw: Any, import_targets: bool, problems: Problems) -> Run
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def task_shorthand(raw: dict) -> None:
+    """In place: `task: NAME` (the shorthand) becomes `task: {name: NAME}`."""
+    if isinstance(raw.get("task"), str):
+        raw["task"] = {"name": raw["task"]}
 
 
 # ------------------------------------------------------------ overrides and files
@@ -169,19 +179,22 @@ def load_raw(path: str | Path) -> dict:
 
 
 def load_config(
-    path: str | Path | None, overrides: list[str] = (), import_targets: bool = False
+    path: str | Path | dict | None, overrides: list[str] = (), import_targets: bool = False
 ) -> RunConfig:
-    """Load a YAML file (None: all defaults), apply overrides, validate.
+    """Load a YAML file (None: all defaults; a dict: the file's content, not changed), apply
+    overrides, validate.
 
     `algorithm.name=X` among the overrides drops the keys of the previous
     algorithm that X does not take (unless an override set them).
     `import_targets`: see `config_from_dict`. Raises ConfigError listing every
     problem found (an unreadable file: only that)."""
-    raw = load_raw(path) if path else {}
+    raw = copy.deepcopy(path) if isinstance(path, dict) else load_raw(path) if path else {}
     problems = Problems()
     typed: set[str] = set()  # algorithm keys the command line set: never dropped
     for assignment in overrides:
         key = assignment.split("=", 1)[0].strip()
+        if isinstance(raw, dict):
+            task_shorthand(raw)  # so that a `task.kwargs=...` override finds a mapping
         try:
             apply_override(raw, assignment, typed if key == "algorithm.name" else None)
         except ConfigError as exc:

@@ -17,13 +17,15 @@ from .algorithm_params import SyncParams
 
 BUILTIN_MODELS = ("mlp", "lenet5", "resnet20")
 DATASETS = ("mnist-5k", "mnist", "cifar10", "cifar100", "imagefolder", "synthetic")
+TASKS = ("classification", "regression", "language_model")
+SCHEDULES = ("constant", "step", "cosine")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "lenet5"       # mlp | lenet5 | resnet20 | a torchvision.models name | pkg.module:factory
     kwargs: dict = field(default_factory=dict)  # passed to the model's constructor
-    autocast: str = "none"     # train forward passes under torch.autocast: none | bfloat16 (the rest stays float32)
+    autocast: str = "none"     # train forward passes under torch.autocast: none | bfloat16 | float16 (loss scaling; the rest stays float32)
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,21 @@ class DataConfig:
     download: bool = False
     resize: list[int] | None = None  # imagefolder: [H, W] to resize every image to; null = keep their size
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    num_classes: int | None = None  # classification: the class count (else the dataset's num_classes or classes)
+    num_workers: int = 0       # DataLoader processes per worker (0: batches are read in the worker's own process)
+    accumulate: int = 1        # gradient accumulation: batches whose gradients are summed into each push or local step
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: str = "classification"  # classification | regression | language_model | pkg.module:factory (docs/own-model.md)
+    kwargs: dict = field(default_factory=dict)  # pkg.module:factory tasks: passed to the factory
 
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    name: str = "constant"     # constant | step | cosine
+    name: str = "constant"     # constant | step | cosine | pkg.module:factory (factory(optimizer, **kwargs) -> an LR scheduler)
+    kwargs: dict = field(default_factory=dict)  # pkg.module:factory schedules: passed to the factory
     warmup_steps: int = 0      # linear warm-up, in shard updates
     step_size: int = 1000      # step: multiply by gamma every step_size updates
     gamma: float = 0.1
@@ -122,7 +134,7 @@ class ClusterConfig:
     request_timeout_s: float = 120.0       # longest wait for any single reply
     startup_timeout_s: float = 120.0       # longest wait for the cluster to form
     max_message_bytes: int = 1 << 30       # largest frame a socket takes (>= 1 MiB); each worker checks its model's need
-    chunk_bytes: int = 0                   # tensors larger than this are cut into parts placed apart; 0 = never
+    chunk_bytes: int | str = "auto"        # tensors larger than this are cut into parts placed apart; auto = model bytes / (8 x shards), >= 4096; 0 = never
     faults: MessageFaults = field(default_factory=MessageFaults)
     retry_s: float = 2.0                   # a worker re-sends an unanswered push/pull after this (doubling)
     nonfinite: str = "reject"              # NaN/Inf in a push: reject (NONFINITE) | skip (ack, not applied) | clip
@@ -133,11 +145,18 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class TargetConfig:
+    metric: str                # a metric of the task: accuracy, perplexity, r2, mse, loss, ...
+    value: float               # reached at >= for a higher-is-better metric, <= for a lower-is-better one
+
+
+@dataclass(frozen=True)
 class StopConfig:
-    target_accuracy: float | None = 0.95   # stop when the evaluator reaches it; null = never
+    target: TargetConfig | None = None     # stop at a value of any metric of the task, in its direction (>= accuracy, <= perplexity): {metric: perplexity, value: 3.0}; not with target_accuracy
+    target_accuracy: float | None = 0.95   # classification shorthand for target {metric: accuracy, value: X}; null = never; the default applies only to tasks with an accuracy metric
     target_patience: int = 1               # stop at this many evaluations in a row at the target (1: the first)
-    max_seconds: float = 300.0             # wall-clock limit of training
-    max_steps: int = 0                     # limit on the sum of all workers' steps; 0 = none
+    max_seconds: float = 300.0             # wall-clock limit of training (of a resumed run: of its new segment)
+    max_steps: int = 0                     # limit on the sum of all workers' steps (a resumed run's included); 0 = none
     diverged_after: int = 5                # stop as diverged after this many evaluations in a row at
                                            # chance accuracy (after diverge_warmup_s); 0 = never
     diverge_warmup_s: float = 20.0         # evaluations in the first seconds of training do not count
@@ -148,11 +167,33 @@ class EvalConfig:
     enabled: bool = True
     every_s: float = 2.0
     keep_best: bool = True     # also write the best-evaluated model (best.safetensors beside model.safetensors)
+    metric: str | None = None  # the watched metric (best model, progress, plots); null = stop.target's metric, else the task's primary one
 
 
 @dataclass(frozen=True)
 class LogConfig:
     tensorboard: bool = False  # TensorBoard event files in RUN_DIR/tensorboard (needs hetps[tensorboard])
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    tracking_uri: str = ""     # MLflow tracking URI (file:///path/mlruns, http://host:5000, ...); "" = off. Needs hetps[mlflow]
+    experiment: str = "hetps"  # experiment the run is logged under (created when missing)
+    run_name: str = ""         # "" = NAME-RUN_ID (the config's name, the run's id); W&B's run takes the same name
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    project: str = ""          # Weights & Biases project; "" = off. Needs hetps[wandb]
+    entity: str = ""           # team or user; "" = the logged-in user's default
+    mode: str = "online"       # online | offline (files only: `wandb sync` uploads them later) | disabled
+    dir: str = ""              # where W&B writes its files; "" = RUN_DIR
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)  # the scheduler logs params, every evaluation and the summary
+    wandb: WandbConfig = field(default_factory=WandbConfig)     # the same, to Weights & Biases
 
 
 @dataclass(frozen=True)
@@ -183,7 +224,8 @@ class CommConfig:
 class SimConfig:
     """The cost model of `hetps simulate` (virtual time; docs/simulation.md)."""
     sample_s: float = 0.0002           # compute seconds per training sample of a slowdown-1 worker
-    shard_bytes_per_s: float = 1e9     # bytes a slowdown-1 shard takes in per second (its service time)
+    shard_bytes_per_s: float = 1.2e9   # bytes a slowdown-1 shard takes in per second (its service time per byte)
+    shard_message_s: float = 0.00025   # a slowdown-1 shard's service time per message, on top of its bytes
     eval_s: float = 0.0                # virtual seconds an evaluation takes (the evaluator's pull is free)
 
 
@@ -192,6 +234,7 @@ class RunConfig:
     name: str = "default"
     seed: int = 0
     out_dir: str = "runs"
+    task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -203,13 +246,13 @@ class RunConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.autocast": ("none", "bfloat16"),
+    "model.autocast": ("none", "bfloat16", "float16"),
     "optimizer.name": ("sgd", "adam", "adamw"),
-    "optimizer.schedule.name": ("constant", "step", "cosine"),
     "cluster.nonfinite": ("reject", "skip", "clip"),
     "comm.compression": ("none", "fp16", "topk"),
     "comm.local_transport": ("ipc", "tcp"),

@@ -106,6 +106,19 @@ METRICS = {
     "accuracy": Spec("hetps_accuracy", "gauge", "Latest test accuracy."),
     "best_accuracy": Spec("hetps_best_accuracy", "gauge", "Best test accuracy so far."),
     "loss": Spec("hetps_loss", "gauge", "Latest test loss."),
+    "metric": Spec(
+        "hetps_metric",
+        "gauge",
+        "Latest value of the watched metric (stop.target's, eval.metric or the task's primary "
+        "one), labelled with its name: accuracy, perplexity, r2, ...",
+        ("metric",),
+    ),
+    "best_metric": Spec(
+        "hetps_best_metric",
+        "gauge",
+        "Best value so far of the watched metric (highest or lowest, by its direction).",
+        ("metric",),
+    ),
     "elapsed_s": Spec("hetps_elapsed_seconds", "gauge", "Seconds since training began."),
     "stopping": Spec("hetps_stopping", "gauge", "1 once the scheduler began stopping the cluster."),
     "samples": Spec(

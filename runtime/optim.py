@@ -5,6 +5,7 @@ the multiplier of its lr under the configured schedule.
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Callable
 
@@ -63,5 +64,23 @@ def lr_factor(cfg: ScheduleConfig) -> Callable[[int], float]:
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig):
-    """A LambdaLR stepping `lr_factor(cfg)`: call .step() once per update."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
+    """The schedule of `optimizer`'s lr: call .step() once per update. A
+    builtin name: a LambdaLR stepping `lr_factor(cfg)`; `package.module:factory`:
+    `factory(optimizer, **cfg.kwargs)`, any object with `step()` (a
+    torch.optim.lr_scheduler scheduler; warmup_steps and the other builtin
+    keys do not apply). Raises ValueError naming optimizer.schedule.name."""
+    if ":" not in cfg.name:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
+    module_name, _, attr = cfg.name.partition(":")
+    where = f"optimizer.schedule.name {cfg.name!r}"
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+        scheduler = factory(optimizer, **cfg.kwargs)
+    except (ImportError, AttributeError, TypeError) as exc:
+        raise ValueError(f"{where}: {type(exc).__name__}: {exc}") from None
+    if not callable(getattr(scheduler, "step", None)):
+        raise ValueError(
+            f"{where}: factory(optimizer, **kwargs) must return an LR scheduler (with step()), "
+            f"got {type(scheduler).__name__}"
+        )
+    return scheduler

@@ -20,7 +20,6 @@ import signal
 import sys
 from pathlib import Path
 
-from hetps.proto.plan import ClusterPlan
 from hetps.proto.transport import TransportError, TransportOptions, make_server
 from hetps.runtime.daemon import (
     DaemonArgumentParser,
@@ -35,7 +34,7 @@ from hetps.runtime.daemon import (
 )
 from hetps.runtime.metrics import serve_metrics
 
-from . import state, tensorboard
+from . import state, tensorboard, tracking
 from .coordinator import Coordinator
 from .outcome import EXIT_CODES, INTERRUPTED
 
@@ -91,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.log.tensorboard and (problem := tensorboard.missing()):
         print(f"hetps scheduler: {problem}", file=sys.stderr)
         return 2
+    if problem := tracking.missing(cfg):
+        print(f"hetps scheduler: config error: {problem}", file=sys.stderr)
+        return 2
     if run_dir:
         run_dir.mkdir(parents=True, exist_ok=True)
     finished = state.read(run_dir) if run_dir and not args.resume else None
@@ -113,8 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetps scheduler: {exc}", file=sys.stderr)
         return 1
     coordinator = Coordinator(server, cfg, run_dir, run_id=args.run_id)
-    if cfg.log.tensorboard and run_dir:
-        coordinator.runlog.sink = tensorboard.TensorBoardSink(run_dir / "tensorboard")
+    coordinator.runlog.sink = tracking.Sinks(
+        tensorboard.TensorBoardSink(run_dir / "tensorboard")
+        if cfg.log.tensorboard and run_dir
+        else None,
+        tracking.TrackingSink(cfg, coordinator.run_id, run_dir)
+        if tracking.missing(cfg) is None and tracking.wanted(cfg)
+        else None,
+    )
     saved = state.read(run_dir)
     if (
         saved is not None
@@ -131,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             len(coordinator.nodes),
         )
     elif args.resume and saved is not None and saved["run_id"] == args.run_id and saved["plan"]:
-        # resuming: keep its placement
-        coordinator.resumed_plan = ClusterPlan.from_dict(saved["plan"])
+        # resuming: a new segment of the run, its placement kept, its clock and counts going on
+        coordinator.resume(saved)
     if run_dir:
         tmp = run_dir / "scheduler.addr.tmp"
         tmp.write_text(server.address)

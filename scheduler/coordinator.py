@@ -29,13 +29,15 @@ from hetps.proto.messages import Ack, Error, Plan, Status, Welcome
 from hetps.proto.plan import ClusterPlan, TensorSpec
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
+from hetps.runconfig.agreement import agreed_values
 from hetps.runconfig.algorithms import algorithm
 from hetps.runconfig.schema import RunConfig
+from hetps.runconfig.targets import reached, stop_target
 
-from . import failover, planning, registration, state, status
+from . import failover, planning, registration, segments, state, status
 from .formation import FORMATIONS
 from .held_beats import HeldBeat, HeldBeats
-from .nodes import EvalTrack, Node
+from .nodes import EVAL_ROW_FIELDS, EvalTrack, Node, read_eval
 from .outcome import DIVERGED, DivergenceGuard, checkpoint_failures, startup_failure
 from .runlog import RunLog
 from .stalls import StallTracker
@@ -74,11 +76,17 @@ class Coordinator(Service):
         # a registration changed the state: saved at the next tick, not per node
         self.state_dirty = False
         self.resumed_plan: ClusterPlan | None = None  # the stopped run's last plan, when resuming
+        # a resumed run's earlier segments: this one's time and counts go on from theirs (`resume`)
+        self.earlier = segments.Earlier()
         self.runlog = RunLog(run_dir)
         self.nodes: dict[int, Node] = {}
         self.expected = {"ps": len(cfg.cluster.shards), "worker": len(cfg.cluster.workers)}
         self.specs: list[TensorSpec] | None = None
         self.schema = ""
+        # the settings every node must agree on (runconfig/agreement.py), and the nodes refused
+        # for a mismatch or a rank outside the configured ones: {name: {node, host, reason, t}}
+        self.agreed = agreed_values(cfg)
+        self.refused: dict[str, dict] = {}
         self.plan: ClusterPlan | None = None
         self.plan_waiters: list[tuple[bytes, int, int]] = []
         self.plan_checked = 0.0  # when the plan was last published or checked for re-grouping
@@ -89,7 +97,12 @@ class Coordinator(Service):
         self.started: float | None = None  # when the first plan went out
         self.stop_reason: str | None = None
         self.stop_since = 0.0
-        self.evals = EvalTrack(cfg.stop.target_accuracy, cfg.stop.target_patience)
+        target = stop_target(cfg.stop)  # (metric, value) or None
+        self.evals = EvalTrack(
+            target[1] if target else None,
+            cfg.stop.target_patience,
+            target_metric=target[0] if target else "accuracy",
+        )
         self.failures: list[dict] = []
         self.timer_errors: dict[str, int] = {}  # timer name -> failures (see `_guarded`)
         self.failed: dict | None = None  # the node failure that ended the run: node, error, host
@@ -149,20 +162,30 @@ class Coordinator(Service):
     def on_register(self, peer: bytes, env: Envelope):
         """REGISTER: a new node gets the next id; a node coming back (a
         restarted shard, a node registering again after a scheduler restart)
-        gets its own back; `--rank auto` nodes a free rank; a worker's model
-        schema must be the cluster's (the first worker's). The first plan goes
-        out once every expected node registered."""
+        gets its own back; `--rank auto` nodes a free rank. A node whose agreed
+        settings differ from the scheduler's, whose rank the configuration does
+        not have, or (a worker) whose model schema is not the cluster's (the
+        first worker's) is refused, and named while the cluster forms
+        (`_refuse`). The first plan goes out once every expected node
+        registered."""
         msg = env.msg
         if msg.role not in status.ROLES:
             raise ProtocolError(Status.MALFORMED, f"role {msg.role!r} not in {status.ROLES}")
-        if msg.role == "worker":
-            self._check_schema(msg.tensor_specs, msg.schema_hash)
+        try:
+            registration.check_agreement(self.agreed, msg)
+            registration.check_rank(msg, self.expected.get(msg.role, 0), self.plan is None)
+            if msg.role == "worker":
+                self._check_schema(msg.tensor_specs, msg.schema_hash)
+        except ProtocolError as exc:
+            self._refuse(msg, exc.message)
+            raise
         if msg.rank < 0:  # `--rank auto`: the node takes the rank given here (nodes.free_rank)
             rank = registration.claim_rank(self.nodes, msg.role, self.expected.get(msg.role, 0))
             msg = dataclasses.replace(msg, rank=rank)
         known = registration.returning(self.nodes, self.plan, msg)
         if known is not None:
             return self._readmit(known, msg)
+        self.refused.pop(f"{msg.role}{msg.rank}", None)  # it came back agreeing
         node_id = len(self.nodes) + 1
         self.nodes[node_id] = Node(
             node_id,
@@ -212,6 +235,30 @@ class Coordinator(Service):
         log.info("%s %d came back as node %d", msg.role, msg.rank, node.node_id)
         self.save_state()
         return Welcome(node_id=node.node_id, role=msg.role, rank=msg.rank)
+
+    def _refuse(self, msg, reason: str) -> None:
+        """Keep a refused node's name, host and reason until it registers (the start-up
+        failure names it: `_waiting`), record it in the run log and say it in the log."""
+        name = f"{msg.role}{msg.rank}" if msg.rank >= 0 else f"{msg.role} (--rank auto)"
+        t = round(self.elapsed(), 4)
+        self.refused[name] = {"node": name, "host": msg.host, "reason": reason, "t": t}
+        self.runlog.record("refused", t=t, node=name, host=msg.host, reason=reason)
+        log.warning(
+            "refused %s from host %s: %s%s",
+            name,
+            msg.host or "?",
+            reason,
+            f" ({self._waiting()})" if self.plan is None else "",
+        )
+
+    def _waiting(self) -> str:
+        """`still waiting for {role: count}`, and the nodes refused since, with why."""
+        missing = {r: self.expected[r] - len(self.members(r)) for r in self.expected}
+        refused = "; ".join(
+            f"{r['node']} from host {r['host'] or '?'}: {r['reason']}"
+            for r in self.refused.values()
+        )
+        return f"still waiting for {missing}" + (f"; refused {refused}" if refused else "")
 
     def _check_schema(self, specs: list[TensorSpec], schema_hash: str) -> None:
         """The first worker's model is the cluster's; later workers must match it."""
@@ -564,6 +611,7 @@ class Coordinator(Service):
                     else None
                 ),
                 guard=self.guard.saved(),
+                earlier=self.earlier.to_dict(),
             )
         finally:
             self.saving = False
@@ -583,11 +631,33 @@ class Coordinator(Service):
         self.evals = dataclasses.replace(self.evals, **saved.measured)
         self.failures = saved.failures
         self.guard.restore(saved.guard)
+        self.earlier = self.runlog.earlier = saved.earlier
         if saved.stop is not None:
             self.stop_reason, self.failed = saved.stop["reason"], saved.stop.get("failed")
             self.stop_since = self.clock()  # the nodes hear of it from now: their grace starts
             self.unheard = {n.node_id for n in self.nodes.values() if not n.gone}
             log.info("carrying on the stop decided before the restart: %s", self.stop_reason)
+
+    def resume(self, data: dict) -> None:
+        """Start a new segment of the stopped run saved in `data` (state.read; `hetps run
+        --resume`): its placement (`resumed_plan`), and its time, counts and evaluation track
+        to go on from (segments.py); the segment's start is the first record it writes."""
+        if data.get("plan"):
+            self.resumed_plan = ClusterPlan.from_dict(data["plan"])
+        self.earlier = self.runlog.earlier = segments.after(data)
+        known = {f.name for f in dataclasses.fields(self.evals)}
+        self.evals = dataclasses.replace(
+            self.evals, **{k: v for k, v in self.earlier.evals.items() if k in known}
+        )
+        self.runlog.record(
+            "segment",
+            t=0.0,
+            segment=self.earlier.segment,
+            global_steps=0,
+            global_samples=0,
+            bytes=0,
+            workers=self.earlier.worker_steps(),
+        )
 
     def _save_when_due(self) -> None:
         """Save once per tick at most: a burst of registrations (1,024 nodes)
@@ -597,21 +667,19 @@ class Coordinator(Service):
 
     # ------------------------------------------------------------ evaluation and stopping
     def _record_eval(self, values: dict) -> None:
-        accuracy, loss = float(values.get("accuracy", 0.0)), float(values.get("loss", 0.0))
+        """An evaluation report (either form, nodes.read_eval): counted on the watched
+        metric, written as a metrics.jsonl row, judged by the divergence guard, and held
+        against the stop target in its metric's direction."""
+        reading = read_eval(values)
         ev = self.evals
-        ev.count += 1
-        ev.best = max(ev.best, accuracy)
-        ev.final, ev.final_loss = accuracy, loss
+        ev.take(reading)
         t = self.elapsed()
         samples = sum(status.count(n.stats, "samples") for n in self.members("worker"))
-        self.runlog.record(
-            "eval",
+        row = dict(
             t=round(t, 4),
-            accuracy=accuracy,
-            loss=loss,
             global_steps=self.global_steps(),
             global_samples=samples,
-            final=bool(values.get("final", False)),
+            final=reading.final,
             # as last heard
             bytes=sum(
                 status.count(n.stats, k)
@@ -619,22 +687,66 @@ class Coordinator(Service):
                 for k in ("bytes_sent", "bytes_received")
             ),
         )
-        classes = values.get("num_classes")
-        if self.guard.loss(loss, "the evaluator (test loss)") or self.guard.evaluation(
-            accuracy, classes if isinstance(classes, int) else None, t
+        # every metric flattened into the row (a classification row: accuracy, loss as ever);
+        # a metric named like a field of the row is left out rather than overwrite it
+        metrics = {k: v for k, v in reading.metrics.items() if k not in EVAL_ROW_FIELDS}
+        if reading.loss is not None:
+            metrics.setdefault("loss", reading.loss)
+        self.runlog.record(
+            "eval",
+            **metrics,
+            watch=reading.watch,
+            higher_is_better=reading.higher_is_better.get(reading.watch, True),
+            **row,
+        )
+        accuracy = reading.metrics.get("accuracy")
+        if self.guard.test_loss(reading.loss, t) or (
+            accuracy is not None and self.guard.evaluation(accuracy, reading.num_classes, t)
         ):
             self.begin_stop(DIVERGED)
-        if ev.target is None:
+        if ev.target is None or not self._target_known(reading):
             return
-        ev.streak = ev.streak + 1 if accuracy >= ev.target else 0
+        value = reading.metrics[ev.target_metric]
+        higher = reading.higher_is_better.get(ev.target_metric, True)
+        ev.streak = ev.streak + 1 if reached(value, ev.target, higher) else 0
         # a restarted scheduler must not resume a streak this evaluation broke
         self.state_dirty = True
         if ev.streak and ev.time_to_target_s is None:
-            ev.time_to_target_s = round(t, 3)
-            ev.samples_to_target = samples
+            # on the run's clock and counts: a resumed run's earlier segments included
+            ev.time_to_target_s = round(self.earlier.t + t, 3)
+            ev.samples_to_target = samples + self.earlier.total("samples")
         if ev.streak >= ev.patience:
             held = f", held for {ev.streak} evaluations" if ev.patience > 1 else ""
-            self.begin_stop(f"target accuracy {ev.target} reached ({accuracy:.4f}{held})")
+            self.begin_stop(f"target {ev.target_metric} {ev.target} reached ({value:.4f}{held})")
+
+    def _target_known(self, reading) -> bool:
+        """Whether the evaluator reports the stop target's metric. Not: stop.target_accuracy
+        (the classification shorthand, its 0.95 default included) is dropped with a warning;
+        a metric stop.target names ends the run as failed, naming the task's metrics (a
+        built-in task's names were checked with the config; a factory task's come only now)."""
+        ev = self.evals
+        if ev.target_metric in reading.metrics:
+            return True
+        names = ", ".join(reading.metrics) or "none"
+        if self.cfg.stop.target is None:
+            log.warning(
+                "stop.target_accuracy %s ignored: the task reports no accuracy (its metrics: %s)",
+                ev.target,
+                names,
+            )
+            ev.target = None
+            return False
+        error = (
+            f"stop.target.metric: {ev.target_metric!r} is not a metric of this run's task "
+            f"(its metrics: {names}); the run cannot reach its target"
+        )
+        log.error("%s", error)
+        failure = {"kind": "config", "node": None, "t": round(self.elapsed(), 3), "error": error}
+        self.failures.append(failure)
+        self.failed = self.failed or failure
+        self.begin_stop(error)
+        ev.target = None
+        return False
 
     def _worker_loss(self, node: Node, loss, where: str) -> str | None:
         """A worker's training loss through the divergence guard (its rule per
@@ -701,10 +813,12 @@ class Coordinator(Service):
     def _check_startup(self) -> None:
         if self.elapsed() > self.cfg.cluster.startup_timeout_s:
             missing = {r: self.expected[r] - len(self.members(r)) for r in self.expected}
-            self.failures.append({"kind": "startup", "missing": missing})
+            self.failures.append(
+                {"kind": "startup", "missing": missing, "refused": list(self.refused.values())}
+            )
             self.begin_stop(
                 f"cluster did not form within {self.cfg.cluster.startup_timeout_s}s: "
-                f"still waiting for {missing}"
+                + self._waiting()
             )
 
     def _track_stalls(self) -> None:
@@ -722,7 +836,9 @@ class Coordinator(Service):
         stop = self.cfg.stop
         if self.elapsed() >= stop.max_seconds:
             self.begin_stop(f"time limit {stop.max_seconds}s")
-        if stop.max_steps and self.global_steps() >= stop.max_steps:
+        # max_steps counts the whole run (a resumed one stops where it would have without the
+        # break); max_seconds this segment (segments.py)
+        if stop.max_steps and self.earlier.total("steps") + self.global_steps() >= stop.max_steps:
             self.begin_stop(f"step limit {stop.max_steps}")
 
     def finished(self) -> bool:

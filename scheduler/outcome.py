@@ -6,8 +6,9 @@ Statuses (summary.json `status`) and the exit codes of `hetps run`:
     completed    0    target accuracy, time or step limit reached, or a STOP request
     failed       1    a node failed (at start-up: the summary names it and quotes its error)
     diverged     3    non-finite test loss or training loss (under cluster.nonfinite skip/clip:
-                      every live worker's), NaN/Inf pushes refused from every worker, or
-                      accuracy at chance level for stop.diverged_after evaluations
+                      every live worker's), NaN/Inf pushes refused from every worker, or for
+                      stop.diverged_after evaluations in a row a test loss over LOSS_FACTOR x
+                      the first evaluation's, or (tasks with classes) accuracy at chance level
     interrupted  130  Ctrl-C / SIGINT or SIGTERM
 
 (2, a bad config or command line, happens before any run exists.)
@@ -29,13 +30,19 @@ DIVERGED = "diverged"
 # accuracy below this multiple of 1/num_classes counts as chance level: a model that
 # predicts one class scores about 1/num_classes; one that learns anything climbs well past 1.5x
 CHANCE_FACTOR = 1.5
+# a test loss above this multiple of the first evaluation's (the barely trained model's) counts
+# as exploded: training that goes wrong climbs far past where it started, one that learns
+# does not come back up anywhere near 10x
+LOSS_FACTOR = 10.0
 
 
 @dataclass
 class DivergenceGuard:
-    """Decides that training diverged: a non-finite loss (at once), or
-    `after` evaluations in a row below chance level once `warmup_s` seconds
-    of training have passed. `after` = 0 turns the chance-level rule off.
+    """Decides that training diverged: a non-finite loss (at once), or, once
+    `warmup_s` seconds of training have passed, `after` evaluations in a row
+    with a test loss over LOSS_FACTOR x the first evaluation's (`early_loss`,
+    when positive) or, for a task with classes, with accuracy below chance
+    level. `after` = 0 turns both rules off.
 
     A worker's training loss depends on `nonfinite` (cluster.nonfinite).
     Under `reject` a non-finite one is a verdict at once: the shards refuse
@@ -51,6 +58,8 @@ class DivergenceGuard:
     lr: float
     nonfinite: str = "reject"  # cluster.nonfinite
     at_chance: int = 0
+    early_loss: float | None = None  # the first evaluation's test loss (finite)
+    exploded: int = 0  # evaluations in a row with a test loss over LOSS_FACTOR x early_loss
     verdict: str | None = None  # set once: why the run diverged
     # worker name -> its non-finite training losses so far (summary.json `nonfinite_losses`)
     nonfinite_losses: dict[str, int] = field(default_factory=dict)
@@ -94,6 +103,8 @@ class DivergenceGuard:
         return {
             "verdict": self.verdict,
             "at_chance": self.at_chance,
+            "early_loss": self.early_loss,
+            "exploded": self.exploded,
             "nonfinite_losses": dict(self.nonfinite_losses),
             "latest_nonfinite": sorted(self.latest_nonfinite),
         }
@@ -102,6 +113,8 @@ class DivergenceGuard:
         """Take over `saved` (from `saved()`; {} from an older scheduler's file: nothing)."""
         self.verdict = saved.get("verdict", self.verdict)
         self.at_chance = saved.get("at_chance", self.at_chance)
+        self.early_loss = saved.get("early_loss", self.early_loss)
+        self.exploded = saved.get("exploded", self.exploded)
         self.nonfinite_losses = dict(saved.get("nonfinite_losses", {}))
         self.latest_nonfinite = set(saved.get("latest_nonfinite", []))
 
@@ -115,6 +128,27 @@ class DivergenceGuard:
             self.verdict = (
                 f"test accuracy at chance level ({accuracy:.4f}, chance {chance:.4f}) for "
                 f"{self.at_chance} evaluations in a row (stop.diverged_after); {self.hint()}"
+            )
+        return self.verdict
+
+    def test_loss(self, loss: float | None, t: float) -> str | None:
+        """One evaluation's test loss at `t` seconds of training (None: the task reports
+        none); returns the verdict once diverged. Non-finite: at once (`loss`). The first
+        finite one is the yardstick; from `warmup_s` on, `after` in a row above LOSS_FACTOR
+        times it (a positive one) are a verdict."""
+        if loss is None or self.loss(loss, "the evaluator (test loss)"):
+            return self.verdict
+        if self.early_loss is None:
+            self.early_loss = loss
+            return None
+        if not self.after or t < self.warmup_s or self.early_loss <= 0:
+            return None
+        self.exploded = self.exploded + 1 if loss > LOSS_FACTOR * self.early_loss else 0
+        if self.exploded >= self.after:
+            self.verdict = (
+                f"test loss exploded: {loss:.4g}, over {LOSS_FACTOR:g}x the first evaluation's "
+                f"{self.early_loss:.4g}, for {self.exploded} evaluations in a row "
+                f"(stop.diverged_after); {self.hint()}"
             )
         return self.verdict
 

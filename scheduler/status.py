@@ -11,9 +11,12 @@ from typing import TYPE_CHECKING
 
 from .efficiency import run_efficiency
 from .outcome import environment, run_status
+from .placement import placement_shares
+from .segments import COUNTED, segment_summary
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator
+    from .nodes import EvalTrack
 
 ROLES = ("ps", "spare", "worker", "evaluator")
 
@@ -28,19 +31,22 @@ def count(stats: dict, key: str) -> int:
 def run_summary(coord: Coordinator) -> dict:
     """summary.json: results, traffic, shard statistics, failures."""
     workers = sorted(coord.members("worker", "evaluator"), key=lambda n: (n.role, n.rank))
-    per_node = {
-        f"{n.role}{n.rank}": {
-            "sent": count(n.stats, "bytes_sent"),
-            "received": count(n.stats, "bytes_received"),
-            "steps": count(n.stats, "steps"),
-            "samples": count(n.stats, "samples"),
-            **{
-                k: count(n.stats, k)
-                for k in ("resent", "dropped", "delayed", "grad_dense_bytes", "grad_sent_bytes")
-            },
-        }
-        for n in workers
+    # this segment's counts; a resumed run's totals add the earlier segments' (segments.py)
+    own = {f"{n.role}{n.rank}": {k: count(n.stats, k) for k in COUNTED} for n in workers}
+    earlier = coord.earlier
+    totals = {
+        name: {k: earlier.count(name, k) + own.get(name, {}).get(k, 0) for k in COUNTED}
+        for name in [*own, *sorted(set(earlier.counts) - set(own))]
     }
+    per_node = {
+        name: {
+            "sent": c["bytes_sent"],
+            "received": c["bytes_received"],
+            **{k: c[k] for k in COUNTED if not k.startswith("bytes_")},
+        }
+        for name, c in totals.items()
+    }
+    own_evals = coord.evals.count - int(earlier.evals.get("count", 0))
     stragglers = [f"{n.role}{n.rank}" for n in coord.nodes.values() if not n.gone]
     failed = coord.failed or next(
         (f for f in coord.failures if f["kind"] in ("startup", "startup_failed")), None
@@ -51,14 +57,12 @@ def run_summary(coord: Coordinator) -> dict:
         "detail": failed.get("error") or coord.stop_reason if failed else coord.guard.verdict,
         "name": coord.cfg.name,
         "algorithm": coord.cfg.algorithm.name,
-        "final_accuracy": coord.evals.final,
-        "final_loss": coord.evals.final_loss,
-        "best_accuracy": coord.evals.best if coord.evals.count else None,
-        "target_accuracy": coord.evals.target,
+        **metric_summary(coord.evals),
         "target_patience": coord.evals.patience,
         "time_to_target_s": coord.evals.time_to_target_s,
-        "wall_s": round(coord.elapsed(), 3),
-        "global_steps": coord.global_steps(),
+        # the whole run: a resumed run's earlier segments included (`segments` says what each did)
+        "wall_s": round(earlier.t + coord.elapsed(), 3),
+        "global_steps": earlier.total("steps") + coord.global_steps(),
         "bytes_sent": sum(v["sent"] for v in per_node.values()),
         "bytes_received": sum(v["received"] for v in per_node.values()),
         "per_node": per_node,
@@ -71,6 +75,8 @@ def run_summary(coord: Coordinator) -> dict:
             default=0,
         ),
         "shard_stats": {f"ps{n.rank}": n.stats.as_dict() for n in coord.members("ps")},
+        # per shard: its share of the model's bytes beside its share of the shards' speed
+        "placement": placement_shares(coord.plan) if coord.plan else {},
         **(
             {"spare_stats": {f"spare{n.rank}": n.stats.as_dict() for n in coord.members("spare")}}
             if coord.members("spare")
@@ -78,6 +84,19 @@ def run_summary(coord: Coordinator) -> dict:
         ),
         "plan_id": coord.plan.plan_id if coord.plan else 0,
         "stop_reason": coord.stop_reason,
+        "segments": [
+            *earlier.segments,
+            segment_summary(
+                earlier.segment,
+                earlier.t,
+                coord.elapsed(),
+                own,
+                own_evals,
+                coord.evals.final if own_evals > 0 else None,
+                coord.evals.metric or "accuracy",
+                coord.stop_reason,
+            ),
+        ],
         # worker -> its non-finite training losses (under cluster.nonfinite skip/clip: no verdict)
         "nonfinite_losses": dict(sorted(coord.guard.nonfinite_losses.items())),
         "failures": coord.failures,
@@ -88,6 +107,32 @@ def run_summary(coord: Coordinator) -> dict:
         },
         "stalls": stall_summary(coord),
         "environment": environment(),
+    }
+
+
+def metric_summary(ev: EvalTrack) -> dict:
+    """summary.json's evaluation results: the classification fields as ever
+    (`final_accuracy`, `best_accuracy`, `target_accuracy`: None for a task without
+    accuracy), and for any task the watched metric (`metric`: name and direction),
+    every metric of the last evaluation (`final_metrics`), the watched metric's best
+    value (`best`) and the stop target (`target`: metric and value, or None)."""
+    # a scheduler state saved before metrics were named, or a resumed run not evaluated yet
+    watching_accuracy = ev.metric in (None, "accuracy")
+    best_accuracy = ev.best_accuracy
+    if best_accuracy is None and watching_accuracy and ev.count:
+        best_accuracy = ev.best
+    name = ev.metric or (ev.target_metric if ev.target is not None else None)
+    return {
+        "final_accuracy": ev.final_metrics.get("accuracy", ev.final if watching_accuracy else None),
+        "final_loss": ev.final_loss,
+        "best_accuracy": best_accuracy,
+        "target_accuracy": ev.target if ev.target_metric == "accuracy" else None,
+        "metric": {"name": name, "higher_is_better": ev.higher_is_better} if name else None,
+        "final_metrics": dict(ev.final_metrics),
+        "best": ev.best if ev.count else None,
+        "target": (
+            {"metric": ev.target_metric, "value": ev.target} if ev.target is not None else None
+        ),
     }
 
 
@@ -127,12 +172,23 @@ def operator_metrics(coord: Coordinator) -> dict:
         "nodes": states,
         "plan_id": coord.plan.plan_id if coord.plan else 0,
         "global_steps": sum(count(n.stats, "steps") for n in nodes if n.role == "worker"),
-        "accuracy": ev.final,
-        "loss": ev.final_loss,
-        "best_accuracy": ev.best if ev.count else None,
+        **_watched_metrics(ev),
         "evals": ev.count,
         "elapsed_s": coord.elapsed(),
         "stopping": int(coord.stop_reason is not None),
         "stall_s": coord.stalls.gauges(),
         "stall_held_s": {n: v["held_s"] for n, v in coord.stalls.summary().items()},
+    }
+
+
+def _watched_metrics(ev: EvalTrack) -> dict:
+    """/metrics' evaluation gauges: accuracy, best accuracy and loss as ever (absent
+    for a task without them), and the watched metric under its name (`metric`)."""
+    fields = metric_summary(ev)
+    return {
+        "accuracy": fields["final_accuracy"],
+        "loss": ev.final_loss,
+        "best_accuracy": fields["best_accuracy"],
+        "metric": {ev.metric: ev.final} if ev.metric is not None else {},
+        "best_metric": {ev.metric: fields["best"]} if ev.metric is not None else {},
     }

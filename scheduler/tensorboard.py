@@ -2,7 +2,9 @@
 `hetps run --tensorboard`): the scheduler mirrors the records it writes to
 metrics.jsonl into RUN_DIR/tensorboard through torch.utils.tensorboard.
 
-    eval/accuracy, eval/loss             at the cluster's global step (sum of the workers' steps)
+    eval/<metric>                        every metric of the task (eval/accuracy and eval/loss
+                                         for classification, eval/perplexity, eval/r2, ...) at
+                                         the cluster's global step (sum of the workers' steps)
     worker<R>/loss, step_s, staleness    at that worker's own step
     plan/groups, plan/workers            at each plan id, and the groups as text
 
@@ -18,6 +20,7 @@ import math
 import time
 from pathlib import Path
 
+from .nodes import EVAL_ROW_FIELDS
 from .runlog import fits
 
 FLUSH_S = 5  # a live `tensorboard` view lags the run by at most this many seconds
@@ -54,8 +57,10 @@ class TensorBoardSink:
         wall = self.wall0 + t if isinstance(t, (int, float)) and self.wall0 is not None else None
         if kind == "eval":
             step = values.get("global_steps", 0)
-            self._scalar("eval/accuracy", values.get("accuracy"), step, wall)
-            self._scalar("eval/loss", values.get("loss"), step, wall)
+            # the row's metrics are its keys beside the row's own fields (Coordinator._record_eval)
+            for name, value in values.items():
+                if name not in EVAL_ROW_FIELDS:
+                    self._scalar(f"eval/{name}", value, step, wall)
         elif kind == "step" and fits(values, worker=int, step=int):
             prefix, step = f"worker{values['worker']}", values["step"]
             for key in ("loss", "step_s", "staleness"):

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, default_collate
 
 from hetps.proto.errors import HetpsError
 from hetps.runconfig.schema import DataConfig
@@ -64,17 +65,36 @@ class ArrayDataset:
             x = x.float().div_(255).sub_(mean).div_(std)
         return x, self.y[indices]
 
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.batch(torch.tensor([int(index)]))
+        return x[0], y[0]
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole batch at once (torch's DataLoader asks for it so): one
+        indexing of the arrays, not one example at a time. The batch is
+        ready: a DataLoader over this dataset collates with `ready`."""
+        return self.batch(torch.as_tensor(indices, dtype=torch.long))
+
+
+def ready(batch):
+    """The collate function of a dataset whose `__getitems__` gives a whole batch."""
+    return batch
+
 
 @dataclass(frozen=True, eq=False)
 class Datasets:
     """What a worker or the evaluator needs: both splits, the input shape, the
-    class count. A split is an ArrayDataset or, for a package.module:factory
-    dataset, a user_data.MapDataset: both have `len` and `batch(indices)`."""
+    class count (None: the dataset does not say), the size of one target
+    (`y`'s values per example: a regression model's outputs). A split is an
+    ArrayDataset or, for a package.module:factory dataset, a
+    user_data.MapDataset (`len`, `__getitem__`) or user_data.StreamDataset
+    (an iterable dataset: no `len`)."""
 
     train: ArrayDataset
     test: ArrayDataset
     in_shape: tuple[int, ...]
-    num_classes: int
+    num_classes: int | None
+    target_size: int = 1
 
 
 def load_datasets(cfg: DataConfig, seed: int) -> Datasets:
@@ -312,7 +332,8 @@ def partition(
 
 
 class BatchStream:
-    """Endless shuffled batches over `indices` of `dataset`.
+    """Endless shuffled batches over `indices` of `dataset`, read through a
+    torch DataLoader.
 
     Each epoch visits every index once in an order fixed by (`seed`, epoch).
     Every batch has exactly `batch_size` examples: a batch that runs past the
@@ -320,10 +341,22 @@ class BatchStream:
     is dropped and batches stay full even when there are fewer indices than
     `batch_size`. `epoch` is the epoch the next example comes from
     (`samples_seen // len(indices)`); `samples_seen` counts examples returned.
+
+    `collate`: how a list of dataset items becomes a batch (the task's; an
+    ArrayDataset hands whole batches and needs none); `num_workers`: loader
+    processes reading ahead (0: read in this process, when asked);
+    `pin_memory`: batches in page-locked memory (for a CUDA device).
     """
 
     def __init__(
-        self, dataset: ArrayDataset, indices: torch.Tensor, batch_size: int, seed: int
+        self,
+        dataset: ArrayDataset,
+        indices: torch.Tensor,
+        batch_size: int,
+        seed: int,
+        collate=None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
     ) -> None:
         if len(indices) == 0:
             raise ValueError("BatchStream needs at least one index")
@@ -333,28 +366,113 @@ class BatchStream:
         self.indices = torch.as_tensor(indices, dtype=torch.long)
         self.batch_size = batch_size
         self.seed = seed
-        self.epoch = 0
         self.samples_seen = 0
-        self._order = self._epoch_order(0)
-        self._pos = 0
+        sampler = EpochBatches(self.indices, batch_size, seed)
+        self._batches = iter(
+            loader(dataset, collate, num_workers, pin_memory, batch_sampler=sampler)
+        )
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next `batch_size` examples as (normalised float32 x, int64 y)."""
-        parts = []
-        needed = self.batch_size
-        while needed:
-            part = self._order[self._pos : self._pos + needed]
-            parts.append(part)
-            needed -= len(part)
-            self._pos += len(part)
-            if self._pos == len(self._order):
-                self.epoch += 1
-                self._order = self._epoch_order(self.epoch)
-                self._pos = 0
+    @property
+    def epoch(self) -> int:
+        return self.samples_seen // len(self.indices)
+
+    def next_batch(self):
+        """The next `batch_size` examples, collated (ArrayDataset: (normalised float32 x, int64 y))."""
+        batch = next(self._batches)
         self.samples_seen += self.batch_size
-        return self.dataset.batch(torch.cat(parts))
+        return batch
+
+
+class EpochBatches:
+    """The index lists of BatchStream's batches, endless (a DataLoader batch_sampler)."""
+
+    def __init__(self, indices: torch.Tensor, batch_size: int, seed: int):
+        self.indices, self.batch_size, self.seed = indices, batch_size, seed
+
+    def __iter__(self):
+        epoch, pos = 0, 0
+        order = self._epoch_order(0)
+        while True:
+            parts, needed = [], self.batch_size
+            while needed:
+                part = order[pos : pos + needed]
+                parts.append(part)
+                needed -= len(part)
+                pos += len(part)
+                if pos == len(order):
+                    epoch += 1
+                    order, pos = self._epoch_order(epoch), 0
+            yield torch.cat(parts).tolist()
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         state = np.random.SeedSequence([self.seed % 2**64, epoch]).generate_state(1, np.uint64)[0]
         rng = torch.Generator().manual_seed(int(state))
         return self.indices[torch.randperm(len(self.indices), generator=rng)]
+
+
+def loader(dataset, collate, num_workers: int, pin_memory: bool, **how) -> DataLoader:
+    """A DataLoader over `dataset` (`how`: batch_sampler, or batch_size for an
+    iterable dataset). An ArrayDataset gives whole batches (`__getitems__`):
+    they are passed on as they are."""
+    if isinstance(dataset, ArrayDataset) or collate is None:
+        collate = ready if hasattr(dataset, "__getitems__") else default_collate
+    return DataLoader(
+        dataset,
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        # loader processes stay for the stream's life (a new plan makes a new stream)
+        persistent_workers=False,
+        **how,
+    )
+
+
+def stream_share(
+    dataset,
+    index: int,
+    world: int,
+    weights: Sequence[float] | None,
+    batch_size: int,
+    share_seed: int,
+    order_seed: int,
+    collate=None,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+):
+    """Worker `index` of `world`'s endless batches of the training split:
+    for a map-style dataset its `partition` of the indices (seeded with
+    `share_seed`: the same in every worker), shuffled per epoch (seeded with
+    `order_seed`); for an
+    iterable dataset (user_data.StreamDataset) its share of the stream
+    (StreamDataset.share). Both have `next_batch()` and `samples_seen`."""
+    if getattr(dataset, "iterable", False):
+        return StreamBatches(
+            dataset.share(index, world, weights), batch_size, collate, num_workers, pin_memory
+        )
+    share = partition(len(dataset), index, world, share_seed, weights)
+    return BatchStream(dataset, share, batch_size, order_seed, collate, num_workers, pin_memory)
+
+
+class StreamBatches:
+    """Endless full batches of `batch_size` from an endless iterable (a worker's share of a stream)."""
+
+    def __init__(self, share, batch_size: int, collate, num_workers: int, pin_memory: bool):
+        self.batch_size = batch_size
+        self.samples_seen = 0
+        self._batches = iter(
+            loader(share, collate, num_workers, pin_memory, batch_size=batch_size, drop_last=True)
+        )
+
+    def next_batch(self):
+        batch = next(self._batches)
+        self.samples_seen += self.batch_size
+        return batch
+
+
+def test_batches(dataset, batch_size: int, collate=None, num_workers: int = 0):
+    """The test split once, in order, in batches of at most `batch_size` (the last may be smaller)."""
+    if getattr(dataset, "iterable", False):
+        return loader(dataset, collate, num_workers, False, batch_size=batch_size)
+    n = len(dataset)
+    starts = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
+    return loader(dataset, collate, num_workers, False, batch_sampler=starts)

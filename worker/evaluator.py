@@ -1,26 +1,29 @@
 """The evaluator: a worker mode that pulls the current parameters every
-`eval.every_s` seconds, measures test loss and accuracy, and reports them to
-the scheduler, so every algorithm gets the same accuracy-versus-time curve.
+`eval.every_s` seconds, measures the task's metrics on the whole test split
+(task.py: sums over every batch, then reduced), and reports them to the
+scheduler, so every algorithm gets the same metric-versus-time curve.
 When the run stops it evaluates once more, so the final numbers describe the
 final model (not when the scheduler was lost: nobody would record them), and
 (given `model_out`) writes exactly that model to MODEL_OUT/model.safetensors and
 MODEL_OUT/model.json (export.py). With `eval.keep_best` it also keeps a copy of
-the parameters its best evaluation measured and writes them as
-MODEL_OUT/best.safetensors and best.json: an asynchronous run that stops on a
-target accuracy may swing below it in the updates between that evaluation and
-the stop. Blocking.
+the parameters its best evaluation measured (by the watched metric and its
+direction) and writes them as MODEL_OUT/best.safetensors and best.json: an
+asynchronous run that stops on a target may swing past it in the updates
+between that evaluation and the stop. A resumed run's evaluator replaces an
+earlier segment's best.safetensors only with a better one. Blocking.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import math
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted
@@ -28,9 +31,11 @@ from hetps.runconfig.schema import RunConfig
 from hetps.runtime.membership import Membership
 
 from .client import PSClient
-from .data import ArrayDataset
+from .data import ArrayDataset, test_batches
 from .export import describe, state_copy, write_model, write_state
 from .state import ModelState
+from .step import task_for
+from .task import Classification, Metric, Task, evaluate_task, watched_metric
 
 log = logging.getLogger(__name__)
 
@@ -39,29 +44,74 @@ log = logging.getLogger(__name__)
 class BestEvaluation:
     """The parameters of the best evaluation so far, copied when it was measured."""
 
-    accuracy: float
-    loss: float
+    metrics: dict[str, float]
     versions: list[int]  # each shard's version the pull returned
     state: dict[str, torch.Tensor]
+
+
+def better(metric: Metric, value: float, than: float | None) -> bool:
+    """Whether `value` of `metric` beats `than` (None: nothing yet); NaN never does."""
+    if not math.isfinite(value) and not (value == math.inf and metric.higher_is_better):
+        return False
+    if than is None or math.isnan(than):
+        return True
+    return value > than if metric.higher_is_better else value < than
 
 
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module, data: ArrayDataset, batch_size: int, device: torch.device
 ) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy loss) of `model` on all of `data`."""
-    model.eval()
-    correct, loss_sum = 0, 0.0
-    for start in range(0, len(data), batch_size):
-        x, y = data.batch(torch.arange(start, min(start + batch_size, len(data))))
-        x, y = x.to(device), y.to(device)
-        logits = model(x)
-        loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(1) == y).sum())
-    return correct / len(data), loss_sum / len(data)
+    """(accuracy, mean cross-entropy loss) of a classifier on all of `data`."""
+    metrics = evaluate_task(Classification(), model, test_batches(data, batch_size), device)
+    return metrics["accuracy"], metrics["loss"]
+
+
+def measure(task: Task, model: torch.nn.Module, test, cfg: RunConfig, device) -> dict[str, float]:
+    """Every metric of `task` on the whole test split (`data.eval_batch_size` batches)."""
+    batches = test_batches(test, cfg.data.eval_batch_size, task.collate, cfg.data.num_workers)
+    return evaluate_task(task, model, batches, device)
+
+
+def report_values(task: Task, watched: Metric, metrics: dict[str, float], **more) -> dict:
+    """An evaluation REPORT's values: every metric, their directions, the
+    watched one's name, the test loss, accuracy (when the task has it), the
+    class count (the divergence guard's chance level), and `more`."""
+    out = {
+        "metrics": metrics,
+        "higher_is_better": {m.name: m.higher_is_better for m in task.metrics},
+        "watch": watched.name,
+        "loss": metrics.get("loss"),
+        "num_classes": task.num_classes,
+        **more,
+    }
+    if "accuracy" in metrics:
+        out["accuracy"] = metrics["accuracy"]
+    return out
+
+
+def earlier_best(folder: Path | None, watched: Metric) -> float | None:
+    """The watched metric's value in folder/best.json, written by an earlier
+    segment of this run (`hetps run --resume`); None when there is none, or
+    it was measured on another metric."""
+    if folder is None:
+        return None
+    try:
+        described = json.loads((folder / "best.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(described, dict) or described.get("watch") != watched.name:
+        return None
+    value = (described.get("metrics") or {}).get(watched.name)
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 class Evaluator:
+    """Evaluates the shards' current model every `eval.every_s` (the task's
+    metrics over the whole test split) and reports it; keeps the best
+    evaluation by the watched metric (task.py watched_metric) with
+    `eval.keep_best`."""
+
     def __init__(
         self,
         cfg: RunConfig,
@@ -71,6 +121,7 @@ class Evaluator:
         test: ArrayDataset,
         model_out: Path | None = None,
         shape: tuple = ((), 0),
+        task: Task | None = None,
     ):
         self.cfg = cfg
         self.model_out = model_out
@@ -78,8 +129,10 @@ class Evaluator:
         self.member = member
         self.state = state
         self.test = test
-        # sent with each result: the scheduler's divergence guard knows chance
-        self.num_classes = shape[1] or None
+        self.task = task or task_for(cfg, shape[1] or None)
+        self.watched = watched_metric(cfg, self.task)
+        # an earlier segment's best (hetps run --resume): best.safetensors is replaced only when beaten
+        self.best_before = earlier_best(model_out, self.watched) if cfg.eval.keep_best else None
         plans = member.newer_plan if cfg.cluster.replicas else None  # follow a failover
         self.client = PSClient(
             plan,
@@ -94,15 +147,23 @@ class Evaluator:
             plan, member.node_id, cfg.cluster, plans=plans, transport=member.transport
         )
         self.evals = 0
-        self.accuracy: float | None = None  # of the latest evaluation
-        self.loss: float | None = None
+        self.metrics: dict[str, float] = {}  # of the latest evaluation
         self.best: BestEvaluation | None = None  # with eval.keep_best
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.metrics.get("accuracy")
+
+    @property
+    def loss(self) -> float | None:
+        return self.metrics.get("loss")
 
     def stats(self) -> dict:
         return {
             "evals": self.evals,
             "accuracy": self.accuracy,
             "loss": self.loss,
+            self.watched.name: self.metrics.get(self.watched.name),
             "bytes_sent": self.client.bytes_sent + self.final_client.bytes_sent,
             "bytes_received": self.client.bytes_received + self.final_client.bytes_received,
         }
@@ -110,25 +171,26 @@ class Evaluator:
     def evaluate_once(self, client: PSClient, final: bool = False) -> None:
         started = time.perf_counter()
         self.state.load(client.pull(-1))
-        accuracy, loss = evaluate(
-            self.state.model, self.test, self.cfg.data.eval_batch_size, self.state.device
-        )
+        metrics = measure(self.task, self.state.model, self.test, self.cfg, self.state.device)
         self.evals += 1
-        self.accuracy, self.loss = accuracy, loss
-        if self.cfg.eval.keep_best and (self.best is None or accuracy > self.best.accuracy):
+        self.metrics = metrics
+        value = metrics[self.watched.name]
+        if self.cfg.eval.keep_best and better(
+            self.watched, value, self.best.metrics[self.watched.name] if self.best else None
+        ):
             self.best = BestEvaluation(
-                accuracy, loss, list(client.versions), state_copy(self.state.model.state_dict())
+                metrics, list(client.versions), state_copy(self.state.model.state_dict())
             )
         self.member.report(
             "eval",
-            {
-                "accuracy": accuracy,
-                "loss": loss,
-                "final": final,
-                "versions": list(client.versions),
-                "eval_s": time.perf_counter() - started,
-                "num_classes": self.num_classes,
-            },
+            report_values(
+                self.task,
+                self.watched,
+                metrics,
+                final=final,
+                versions=list(client.versions),
+                eval_s=time.perf_counter() - started,
+            ),
         )
 
     def run(self) -> None:
@@ -147,7 +209,8 @@ class Evaluator:
 
     def save_model(self, folder: Path) -> None:
         """The model of the last evaluation -> folder/model.safetensors and model.json;
-        the best evaluation's (`eval.keep_best`) -> folder/best.safetensors and best.json."""
+        the best evaluation's (`eval.keep_best`) -> folder/best.safetensors and best.json,
+        unless an earlier segment of the run wrote a better one there."""
         in_shape, num_classes = self.shape
         path, _ = write_model(
             self.state.model,
@@ -156,30 +219,41 @@ class Evaluator:
                 self.cfg,
                 in_shape,
                 num_classes,
-                self.accuracy,
-                self.loss,
+                self.metrics,
                 "evaluator",
+                task=self.task,
+                watched=self.watched,
                 evaluation="final",
             ),
         )
-        log.info("model written to %s (test accuracy %s)", path, self.accuracy)
-        if self.best is not None:
-            b = self.best
-            path, _ = write_state(
-                b.state,
-                folder / "best.safetensors",
-                describe(
-                    self.cfg,
-                    in_shape,
-                    num_classes,
-                    b.accuracy,
-                    b.loss,
-                    "evaluator",
-                    evaluation="best",
-                    versions=b.versions,
-                ),
+        log.info("model written to %s (%s)", path, self.metrics)
+        b = self.best
+        if b is None:
+            return
+        if not better(self.watched, b.metrics[self.watched.name], self.best_before):
+            log.info(
+                "best model kept from an earlier segment (%s %s; this one's best: %s)",
+                self.watched.name,
+                self.best_before,
+                b.metrics[self.watched.name],
             )
-            log.info("best model written to %s (test accuracy %s)", path, b.accuracy)
+            return
+        path, _ = write_state(
+            b.state,
+            folder / "best.safetensors",
+            describe(
+                self.cfg,
+                in_shape,
+                num_classes,
+                b.metrics,
+                "evaluator",
+                task=self.task,
+                watched=self.watched,
+                evaluation="best",
+                versions=b.versions,
+            ),
+        )
+        log.info("best model written to %s (%s)", path, b.metrics)
 
     def close(self) -> None:
         self.client.close()

@@ -32,6 +32,8 @@ from hetps.runtime import checkpoint
 
 from .preflight import PreflightError, build_checked
 from .state import model_tensors
+from .step import task_for
+from .task import Metric, Task, TaskError, watched_metric
 
 
 class ExportError(ValueError):
@@ -41,24 +43,34 @@ class ExportError(ValueError):
 def describe(
     cfg: RunConfig,
     in_shape,
-    num_classes: int,
-    accuracy: float | None,
-    loss: float | None,
+    num_classes: int | None,
+    metrics: dict[str, float] | None,
     source: str,
+    task: Task | None = None,
+    watched: Metric | None = None,
     **more,
 ) -> dict:
-    """model.json's content (`more`: further keys, e.g. which evaluation measured it)."""
+    """model.json's content: the model, dataset and task (its name and
+    kwargs), the test `metrics` measured on these values, the watched
+    metric (`watch`, `higher_is_better`), and `final_accuracy`/`final_loss`
+    as before (null when the task has no such metric); `more`: further keys,
+    e.g. which evaluation measured it."""
     try:
         version = metadata.version("hetps")
     except metadata.PackageNotFoundError:
         version = None
+    metrics = metrics or {}
     return {
         "model": {"name": cfg.model.name, "kwargs": cfg.model.kwargs},
         "dataset": {"name": cfg.data.dataset, "kwargs": cfg.data.kwargs},
+        "task": {"name": cfg.task.name, "kwargs": cfg.task.kwargs},
         "num_classes": num_classes,
         "input_shape": list(in_shape),
-        "final_accuracy": accuracy,
-        "final_loss": loss,
+        "metrics": metrics,
+        "watch": watched.name if watched else None,
+        "higher_is_better": watched.higher_is_better if watched else None,
+        "final_accuracy": metrics.get("accuracy"),
+        "final_loss": metrics.get("loss"),
         "source": source,
         "hetps_version": version,
         "torch_version": torch.__version__,
@@ -175,10 +187,19 @@ def export(path: Path, out: Path, config: Path | None = None) -> dict:
     data, model = build_checked(cfg)
     tensors, versions = newest_tensors(shard_dirs)
     assemble(model, tensors)
-    from .evaluator import evaluate  # (evaluator.py imports this module)
+    from .evaluator import measure  # (evaluator.py imports this module)
 
-    accuracy, loss = evaluate(model, data.test, cfg.data.eval_batch_size, torch.device("cpu"))
-    description = describe(cfg, data.in_shape, data.num_classes, accuracy, loss, "checkpoints")
+    task = task_for(cfg, data.num_classes)
+    metrics = measure(task, model, data.test, cfg, torch.device("cpu"))
+    description = describe(
+        cfg,
+        data.in_shape,
+        data.num_classes,
+        metrics,
+        "checkpoints",
+        task=task,
+        watched=watched_metric(cfg, task),
+    )
     description["checkpoint_versions"] = versions
     write_model(model, out, description)
     return description
@@ -199,12 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     try:
         d = export(Path(args.path), Path(args.out), Path(args.config) if args.config else None)
-    except (ExportError, ConfigError, PreflightError, ValueError, OSError) as exc:
+    except (ExportError, ConfigError, PreflightError, TaskError, ValueError, OSError) as exc:
         print(f"hetps export: {exc}", file=sys.stderr)
         return 2
+    watch = d["watch"]
     print(
         f"hetps export: wrote {args.out} and {Path(args.out).with_suffix('.json')} (checkpoint versions "
-        f"{d['checkpoint_versions']}, test accuracy {d['final_accuracy']:.4f})"
+        f"{d['checkpoint_versions']}, test {watch} {d['metrics'][watch]:.4f})"
     )
     return 0
 

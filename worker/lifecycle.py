@@ -19,6 +19,7 @@ from hetps.proto.errors import HetpsError
 from hetps.proto.plan import schema_hash
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.transport import TransportError
+from hetps.runconfig.agreement import agreed_values
 from hetps.runconfig.algorithms import AlgorithmMismatch, algorithm, check_plan_algorithm
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.runtime.daemon import scheduler_lost_exit, transport_options
@@ -36,6 +37,7 @@ from .local import LocalSgdTrainer
 from .overlap import OverlapTrainer
 from .preflight import PreflightError, build_checked
 from .state import ModelState, model_specs
+from .step import task_for
 from .trainer import Trainer, profile_speed
 
 log = logging.getLogger("hetps.worker")
@@ -128,6 +130,8 @@ def run_node(
                     cfg.cluster.profile_steps,
                     Slowdown(node),
                     cfg.model.autocast,
+                    task_for(cfg, data.num_classes),
+                    cfg.data.num_workers,
                 )
             )
             phases.mark("profile")
@@ -136,6 +140,7 @@ def run_node(
             schema_hash=schema_hash(specs),
             speed=speed,
             startup=phases.as_dict(),
+            agreed=agreed_values(cfg),
         )
         args.rank = member.rank  # `--rank auto`: from here on, the rank the scheduler gave
         plan = member.wait_plan()

@@ -355,7 +355,7 @@ class OverlapTrainer(Trainer):
         super().use_plan(plan)
 
     def compute(self) -> float:
-        self.overlap.begin(self.clock, self.work.batch_size)
+        self.overlap.begin(self.clock, self.work.step_samples)
         return super().compute()
 
     def exchange(self) -> tuple[list[Ack], float]:

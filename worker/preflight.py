@@ -1,7 +1,9 @@
-"""The check before training: one dry forward+backward of the configured
-model on one real batch of the configured dataset, so that a model that
-does not fit its data fails at once, in one line that names the model, the
-dataset, the shapes and the fix, instead of deep inside a running cluster.
+"""The check before training: one dry step of the configured task (its
+loss, backward, metrics) with the configured model on one real batch of the
+configured dataset, so that a model that does not fit its data, a loss
+that is not a finite scalar, or parameters that get no gradient fail at
+once, in one line that names the task, model, dataset and the fix, instead
+of deep inside a running cluster.
 
 It also checks the settings only the model can check: that
 cluster.max_message_bytes lets the model's messages through
@@ -19,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import sys
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hetps.proto.codec import encode
@@ -34,10 +36,11 @@ from hetps.runconfig.algorithms import resolved_params
 from hetps.runconfig.schema import RunConfig
 from hetps.runtime.daemon import load_or_exit
 
-from .data import Datasets, DatasetUnavailable, load_datasets
+from .data import Datasets, DatasetUnavailable, load_datasets, test_batches
 from .models import ModelError, build_model
 from .state import model_specs
-from .step import autocast
+from .step import autocast, task_for
+from .task import Classification, Regression, Task, TaskError
 from .user_data import DatasetContractError
 
 # CurveZMQ carries each frame in a MESSAGE command (8-byte command name, 8-byte nonce, 16-byte
@@ -59,17 +62,47 @@ def first_conv(model: nn.Module) -> nn.Module | None:
     )
 
 
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def model_outputs(task: Task, data: Datasets) -> int | None:
+    """What a model's `num_classes` is for `task`: the class count
+    (classification), the values of one target (regression), else the
+    dataset's class count if it has one."""
+    if isinstance(task, Classification):
+        return task.num_classes
+    if isinstance(task, Regression):
+        return data.target_size
+    return data.num_classes
+
+
 def dry_step(
-    model: nn.Module, data: Datasets, cfg: RunConfig, device: torch.device | str = "cpu"
+    model: nn.Module,
+    data: Datasets,
+    cfg: RunConfig,
+    device: torch.device | str = "cpu",
+    task: Task | None = None,
 ) -> None:
-    """Forward and backward on the first `data.batch_size` training examples,
-    on a copy of `model` (its values and buffers stay as they are).
-    Raises PreflightError: the channel count differs, the forward fails, the
-    output is not (B, num_classes), or no parameter gets a gradient."""
-    names = f"model {cfg.model.name!r} and dataset {cfg.data.dataset!r}"
-    batch = min(cfg.data.batch_size, len(data.train))
-    x, y = data.train.batch(torch.arange(batch))
-    shape = tuple(x.shape)
+    """One step of the task on the first `data.batch_size` training
+    examples, on a copy of `model` (its values and buffers stay as they
+    are): the batch collates, the forward pass runs (under
+    `model.autocast`), the loss is a finite scalar, a parameter gets a
+    gradient, and the task's metrics on that batch are all there and finite.
+    Raises PreflightError in one line naming task, model, dataset and the fix."""
+    task = task or Classification(data.num_classes)
+    names = f"task {task.name!r}, model {cfg.model.name!r}, dataset {cfg.data.dataset!r}"
+    iterable = getattr(data.train, "iterable", False)
+    size = cfg.data.batch_size if iterable else min(cfg.data.batch_size, len(data.train))
+    try:
+        batch = next(iter(test_batches(data.train, size, task.collate)))
+    except Exception as exc:  # the user's dataset and collate may raise anything
+        raise PreflightError(
+            f"{names}: reading the first batch fails ({first_line(exc)}); fix: the dataset's items "
+            "must be what the task's collate takes (torch's default_collate: tensors, numbers, "
+            "and tuples or dicts of them, of one shape)"
+        ) from None
     conv = first_conv(model)
     if conv is not None and len(data.in_shape) >= 2 and conv.in_channels != data.in_shape[0]:
         raise PreflightError(
@@ -80,31 +113,101 @@ def dry_step(
         )
     probe = copy.deepcopy(model).to(device).train()
     precision = cfg.model.autocast
+    under = f" under model.autocast: {precision}" if precision != "none" else ""
+    batch = task.to_device(batch, device)
+    shape = tuple(batch[0].shape) if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor) else None  # fmt: skip
+    if isinstance(task, Classification):  # today's checks of logits
+        with autocast(precision, torch.device(device)):
+            out = forward(probe, batch[0], names, shape, data, under)
+        n = len(batch[1])
+        want = (n, task.num_classes)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise PreflightError(
+                f"{names}: the model gives outputs of shape {got} for inputs of shape {shape}, but the dataset has "
+                f"{task.num_classes} classes, so it must give {want}; fix: make its last layer output num_classes "
+                f"logits (a factory receives num_classes={task.num_classes}) or check the dataset's num_classes"
+            )
     try:
-        with autocast(precision, torch.device(device)):  # as training runs it
-            out = probe(x.to(device))
-    except Exception as exc:  # the user's forward may raise anything
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        under = f" under model.autocast: {precision}" if precision != "none" else ""
+        with autocast(precision, torch.device(device)):
+            loss = task.loss(probe, batch)
+    except TaskError as exc:
+        raise PreflightError(f"{names}: {exc}") from None
+    except Exception as exc:  # the user's forward and loss may raise anything
         raise PreflightError(
-            f"{names}: the forward pass fails on a batch of shape {shape}{under} ({first}); fix: "
-            f"build the model for inputs of shape {data.in_shape} (a factory receives input_shape)"
+            f"{names}: the forward pass and loss fail on the first batch"
+            + (f" (inputs of shape {shape})" if shape else "")
+            + f"{under} ({first_line(exc)}); fix: build the model for the dataset's inputs "
+            f"{data.in_shape or ''}(a factory receives input_shape) and check the task's loss"
             + (" or set model.autocast: none" if under else "")
         ) from None
-    want = (batch, data.num_classes)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise PreflightError(
-            f"{names}: the model gives outputs of shape {got} for inputs of shape {shape}, but the dataset has "
-            f"{data.num_classes} classes, so it must give {want}; fix: make its last layer output num_classes "
-            f"logits (a factory receives num_classes={data.num_classes}) or check the dataset's num_classes"
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
         )
-    F.cross_entropy(out.float(), y.to(device)).backward()
+        raise PreflightError(
+            f"{names}: the loss must be a scalar tensor, got {got}; fix: reduce it in the task's "
+            "loss (e.g. .mean() over the batch)"
+        )
+    if not torch.isfinite(loss.detach()).all():
+        raise PreflightError(
+            f"{names}: the loss is {float(loss)} at the first step, before any update; fix: check "
+            "the dataset for NaN/Inf values and the model's initialisation and forward (log, "
+            "division, sqrt of values <= 0)"
+        )
+    if not loss.requires_grad:
+        raise PreflightError(
+            f"{names}: no parameter of the model gets a gradient (the loss does not depend on "
+            "any trainable parameter); fix: compute the loss from the model's output, and leave "
+            "its parameters trainable (requires_grad)"
+        )
+    loss.float().backward()
     if not any(p.grad is not None for p in probe.parameters()):
         raise PreflightError(
             f"{names}: no parameter of the model gets a gradient; fix: the model must have "
             "trainable parameters that the output depends on"
         )
+    check_metrics(task, probe, batch, names)
+
+
+def forward(model: nn.Module, x, names: str, shape, data: Datasets, under: str):
+    """model(x); a failure as the one line of PreflightError."""
+    try:
+        return model(x)
+    except Exception as exc:  # the user's forward may raise anything
+        raise PreflightError(
+            f"{names}: the forward pass fails on a batch of shape {shape}{under} ({first_line(exc)}); fix: "
+            f"build the model for inputs of shape {data.in_shape} (a factory receives input_shape)"
+            + (" or set model.autocast: none" if under else "")
+        ) from None
+
+
+def check_metrics(task: Task, model: nn.Module, batch, names: str) -> None:
+    """The task's metrics on one batch: each named metric given, and finite."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            values = task.reduce(dict(task.eval_sums(model, batch)))
+    except Exception as exc:  # the user's eval_sums and reduce may raise anything
+        raise PreflightError(
+            f"{names}: evaluating the first batch fails ({first_line(exc)}); fix: the task's "
+            "eval_sums(model, batch) must return additive sums that its reduce(sums) turns into "
+            "metric values"
+        ) from None
+    for metric in task.metrics:
+        value = values.get(metric.name) if isinstance(values, dict) else None
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise PreflightError(
+                f"{names}: the task's reduce gives no number for its metric {metric.name!r} (got "
+                f"{value!r}); fix: return every metric of task.metrics from reduce"
+            )
+        if not math.isfinite(value):
+            raise PreflightError(
+                f"{names}: the metric {metric.name!r} is {value} on the first batch, before any "
+                "update; fix: check the dataset's values and the task's eval_sums and reduce"
+            )
 
 
 @dataclass(frozen=True)
@@ -155,7 +258,7 @@ def message_bytes_needed(specs: list[TensorSpec], cfg: RunConfig) -> MessageByte
     comm.shm_bytes: such frames go through shared memory), and the headers
     that list every tensor (REGISTER, PLAN); plus CurveZMQ's bytes per frame.
     The sockets bound each frame, not the message (ZMQ_MAXMSGSIZE)."""
-    parts, chunks = chunk_specs(specs, cfg.cluster.chunk_bytes)
+    parts, chunks = chunk_specs(specs, cfg.cluster.chunk_bytes, len(cfg.cluster.shards))
     sizes = [p.nbytes for p in parts]
     shards, workers = len(cfg.cluster.shards), len(cfg.cluster.workers)
     curve = CURVE_FRAME_BYTES if cfg.security.curve else 0
@@ -235,13 +338,20 @@ def build_checked(cfg: RunConfig, device: torch.device | str = "cpu") -> tuple[D
     setting the model cannot work with)."""
     try:
         data = load_datasets(cfg.data, cfg.seed)
+        task = task_for(cfg, data.num_classes)
+        if isinstance(task, Classification) and task.num_classes is None:
+            raise PreflightError(
+                f"task 'classification', dataset {cfg.data.dataset!r}: the class count is unknown; "
+                "fix: set data.num_classes, or give the train dataset an int attribute num_classes "
+                "(or a list classes)"
+            )
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, data.in_shape, data.num_classes).to(device)
-    except (DatasetUnavailable, DatasetContractError, ModelError) as exc:
+        model = build_model(cfg.model, data.in_shape, model_outputs(task, data)).to(device)
+    except (DatasetUnavailable, DatasetContractError, ModelError, TaskError) as exc:
         raise PreflightError(str(exc)) from None
     except TypeError as exc:  # a factory called with keywords it does not take
         raise PreflightError(str(exc)) from None
-    dry_step(model, data, cfg, device)
+    dry_step(model, data, cfg, device, task)
     check_message_bytes(model, cfg)
     return data, model
 
@@ -263,9 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         kind = "config error" if isinstance(exc, ConfigValueError) else "check failed"
         print(f"hetps: {kind}: {exc}", file=sys.stderr)
         return 2
+    classes = f", {data.num_classes} classes" if data.num_classes else ""
     print(
-        f"hetps: check ok: model {cfg.model.name!r} on dataset {cfg.data.dataset!r}, input shape "
-        f"{data.in_shape}, {data.num_classes} classes"
+        f"hetps: check ok: task {cfg.task.name!r}, model {cfg.model.name!r} on dataset "
+        f"{cfg.data.dataset!r}, input shape {data.in_shape}{classes}"
     )
     return 0
 

@@ -24,13 +24,14 @@ Each gets what it reads in its constructor: the config, the worker's
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hetps.proto.messages import Ack
@@ -40,8 +41,9 @@ from hetps.runconfig.schema import RunConfig
 from hetps.runtime.optim import build_lr_scheduler, build_optimizer
 from hetps.runtime.speed_shares import local_steps
 
-from .data import BatchStream, Datasets, partition
+from .data import Datasets, stream_share
 from .state import ModelState
+from .task import Task, load_task
 
 # What a round's push carries: (tensors, clock, n_samples, info), PSClient.push's arguments.
 RoundRequest = tuple[dict[str, torch.Tensor], int, int, dict]
@@ -49,15 +51,65 @@ RoundRequest = tuple[dict[str, torch.Tensor], int, int, dict]
 
 def autocast(kind: str, device: torch.device) -> ContextManager:
     """`model.autocast`: the context a training forward pass runs in (bfloat16
-    needs no loss scaling: it has float32's range)."""
-    if kind == "bfloat16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    needs no loss scaling: it has float32's range; float16 does: LossScale)."""
+    if kind in ("bfloat16", "float16"):
+        dtype = torch.bfloat16 if kind == "bfloat16" else torch.float16
+        return torch.autocast(device_type=device.type, dtype=dtype)
     return contextlib.nullcontext()
 
 
-def batch_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The training loss of one batch (the one place that says which loss)."""
-    return F.cross_entropy(model(x), y)
+def batch_loss(task: Task, model: nn.Module, batch) -> torch.Tensor:
+    """The training loss of one batch: the task's (a scalar tensor)."""
+    return task.loss(model, batch)
+
+
+@functools.lru_cache(maxsize=None)
+def _task(name: str, kwargs: str, data_classes: int | None, dataset_classes: int | None) -> Task:
+    from hetps.runconfig.schema import DataConfig, TaskConfig
+
+    cfg = RunConfig(
+        task=TaskConfig(name=name, kwargs=json.loads(kwargs)),
+        data=DataConfig(num_classes=data_classes),
+    )
+    return load_task(cfg, dataset_classes)
+
+
+def task_for(cfg: RunConfig, num_classes: int | None) -> Task:
+    """The configured task (worker/task.py load_task), built once per process
+    for a config and class count: a factory task is called once, and every
+    part of a worker shares the object. Raises TaskError."""
+    kwargs = json.dumps(cfg.task.kwargs, sort_keys=True, default=str)
+    return _task(cfg.task.name, kwargs, cfg.data.num_classes, num_classes)
+
+
+class LossScale:
+    """float16 loss scaling, torch.amp.GradScaler's rule on a worker: the
+    loss is multiplied by `scale` before backward and the gradient divided by
+    it after; a gradient with an Inf or NaN (float16 overflow) halves the
+    scale, and `interval` finite steps in a row double it."""
+
+    def __init__(self, init: float = 2.0**16, interval: int = 2000):
+        self.scale = init
+        self.interval = interval
+        self.good = 0  # finite steps in a row
+
+    def unscale(self, grads: list[torch.Tensor]) -> bool:
+        """Divide `grads` by the scale; True when they are all finite (else
+        the scale is halved: the step must be taken again)."""
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+            finite = bool(torch.stack([g.isfinite().all() for g in grads]).all())
+        else:
+            finite = True
+        if not finite:
+            self.scale /= 2
+            self.good = 0
+            return False
+        self.good += 1
+        if self.good >= self.interval:
+            self.scale *= 2
+            self.good = 0
+        return True
 
 
 def clip_to_norm(grads: list[torch.Tensor], max_norm: float) -> float:
@@ -88,25 +140,51 @@ class GradientStep:
 
     Attributes the loops read: `node_id`; `index` (its place among the plan's
     workers), `group` and `batch_size` (the plan's; per worker under
-    `balanced`), all set by `use_plan`; `samples` (examples computed on, all
-    plans together); `grad_norm` (the last gradient's L2 norm before
-    clipping; None without `optimizer.clip_grad_norm`). Clipping covers the
-    parameters `state` holds when this is built (build it before the loop
-    lays them out flat)."""
+    `balanced`), all set by `use_plan`; `step_samples` (samples a step's
+    gradient stands for: `batch_size` x `data.accumulate`); `samples`
+    (examples computed on, all plans together); `grad_norm` (the last
+    gradient's L2 norm before clipping; None without
+    `optimizer.clip_grad_norm`); `task`. Clipping covers the parameters
+    `state` holds when this is built (build it before the loop lays them out
+    flat).
+
+    A step computes `data.accumulate` batches and leaves the mean of their
+    gradients (each batch's loss divided by the count); under
+    `model.autocast: float16` the loss is scaled (LossScale) and a step
+    whose gradient overflowed is taken again on the next batches at a
+    lower scale, so a push always carries a finite float16 gradient."""
+
+    # a gradient still not finite after this many halvings is handed on as it is (a diverged model:
+    # the shards' cluster.nonfinite and the divergence guard decide)
+    OVERFLOW_RETRIES = 8
 
     def __init__(
-        self, cfg: RunConfig, state: ModelState, data: Datasets, node_id: int, plan: ClusterPlan
+        self,
+        cfg: RunConfig,
+        state: ModelState,
+        data: Datasets,
+        node_id: int,
+        plan: ClusterPlan,
+        task: Task | None = None,
     ):
-        """Takes `plan`'s share at once (`use_plan`)."""
+        """Takes `plan`'s share at once (`use_plan`). `task`: default the configured one."""
         self.cfg = cfg
         self.state = state
         self.data = data
+        self.task = task or task_for(cfg, data.num_classes)
         self.node_id = node_id
         self.samples = 0
         self.batch_size = 0
+        self.accumulate = cfg.data.accumulate
         self.clipped = clipped_params(cfg, state)
         self.grad_norm: float | None = None
+        self.scaler = LossScale() if cfg.model.autocast == "float16" else None
+        self.overflows = 0  # steps taken again after a float16 overflow
         self.use_plan(plan)
+
+    @property
+    def step_samples(self) -> int:
+        return self.batch_size * self.accumulate
 
     def use_plan(self, plan: ClusterPlan) -> float:
         """Take this worker's place, group, data share and batch size from
@@ -115,39 +193,64 @@ class GradientStep:
         loop rescales its step timer by it (StepTimer.rescale)."""
         self.index = plan.worker_ids().index(self.node_id)
         self.group = plan.group_of(self.node_id)
-        share = partition(
-            len(self.data.train), self.index, len(plan.workers), self.cfg.seed, plan.share_weights()
-        )
         old_batch = self.batch_size
         # balanced: per worker
         self.batch_size = plan.batch_of(self.node_id, self.cfg.data.batch_size)
-        self.stream = BatchStream(
+        self.stream = stream_share(
             self.data.train,
-            share,
+            self.index,
+            len(plan.workers),
+            plan.share_weights(),
             self.batch_size,
+            self.cfg.seed,
             self.cfg.seed + 1000 * self.index + plan.plan_id,
+            self.task.collate,
+            self.cfg.data.num_workers,
+            self.state.device.type == "cuda",
         )
         if old_batch and old_batch != self.batch_size:
             return self.batch_size / old_batch
         return 1.0
 
     def compute(self) -> float:
-        """Forward (under `model.autocast`) and backward on the next batch,
-        the gradient clipped with `optimizer.clip_grad_norm`; returns the loss.
+        """Forward (under `model.autocast`) and backward on the next
+        `data.accumulate` batches, the gradient clipped with
+        `optimizer.clip_grad_norm`; returns the loss (the batches' mean).
         The gradient is left in the model (ModelState.outgoing hands it out)."""
-        x, y = self.stream.next_batch()
-        self.samples += len(y)
+        for _ in range(self.OVERFLOW_RETRIES):
+            loss = self._accumulated()
+            if self.scaler is None or self.scaler.unscale(self._grads()):
+                break
+            self.overflows += 1
+        if self.clipped:
+            self.clip_gradients()
+        return loss
+
+    def _accumulated(self) -> float:
+        """Zero the gradient, then add each of `accumulate` batches' gradients
+        of loss / accumulate (scaled under float16); the mean loss."""
         device = self.state.device
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         model = self.state.model
         model.train()
         self.state.zero_grad()
-        with autocast(self.cfg.model.autocast, device):
-            loss = batch_loss(model, x, y)
-        loss.backward()
-        if self.clipped:
-            self.clip_gradients()
-        return float(loss.detach())
+        total = 0.0
+        for _ in range(self.accumulate):
+            batch = self.stream.next_batch()
+            self.samples += self.task.batch_size(batch)
+            batch = self.task.to_device(batch, device, non_blocking=True)
+            with autocast(self.cfg.model.autocast, device):
+                loss = batch_loss(self.task, model, batch)
+            total += float(loss.detach())
+            scaled = loss / self.accumulate
+            if self.scaler is not None:
+                scaled = scaled * self.scaler.scale
+            scaled.backward()
+        return total / self.accumulate
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The gradients the model holds (a tied parameter once)."""
+        params = {id(p): p for p in self.state.model.parameters()}.values()
+        return [p.grad for p in params if p.grad is not None]
 
     def clip_gradients(self) -> None:
         """Scale the gradient to at most `optimizer.clip_grad_norm` (its L2 norm
@@ -248,7 +351,7 @@ class LocalRounds:
 
     def n_samples(self) -> int:
         """Examples the round's push stands for (the configured batch per step)."""
-        return self.steps_in_round * self.cfg.data.batch_size
+        return self.steps_in_round * self.cfg.data.batch_size * self.cfg.data.accumulate
 
     def request(self) -> RoundRequest:
         """This round's push (the model); the round is in flight until `take`."""

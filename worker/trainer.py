@@ -13,8 +13,6 @@ import copy
 import logging
 import time
 
-import torch
-
 from hetps.proto.compression import make_compressor
 from hetps.proto.messages import Ack
 from hetps.proto.plan import ClusterPlan
@@ -25,10 +23,11 @@ from hetps.runtime.histogram import Histogram
 from hetps.runtime.membership import Membership
 
 from .client import PSClient
-from .data import BatchStream, Datasets
+from .data import Datasets, stream_share
 from .state import ModelState
 from .step import GradientStep, autocast, batch_loss
 from .straggler import straggle
+from .task import Classification, Task
 
 log = logging.getLogger(__name__)
 
@@ -87,19 +86,28 @@ def profile_speed(
     steps: int,
     slowdown: Slowdown,
     precision: str = "none",
+    task: Task | None = None,
+    num_workers: int = 0,
 ) -> float:
-    """Samples per second of forward+backward on the real model and data,
-    stretched by the emulated slowdown (on a copy: the model is untouched)."""
+    """Samples per second of forward+backward on the real model and data
+    (the task's loss; batches read as training reads them, by `num_workers`
+    loader processes), stretched by the emulated slowdown (on a copy: the
+    model is untouched). `task`: default classification."""
+    task = task or Classification(data.num_classes)
     model = copy.deepcopy(state.model).train()
-    stream = BatchStream(data.train, torch.arange(len(data.train)), batch_size, seed=0)
+    stream = stream_share(
+        data.train, 0, 1, None, batch_size, 0, 0, task.collate, num_workers,
+        state.device.type == "cuda",
+    )  # fmt: skip
     busy = 0.0
     device = str(state.device)
     for i in range(steps + 1):
-        x, y = stream.next_batch()
+        batch = stream.next_batch()
         started = work_clock(device)
         model.zero_grad(set_to_none=True)
+        batch = task.to_device(batch, state.device, non_blocking=True)
         with autocast(precision, state.device):
-            loss = batch_loss(model, x.to(state.device), y.to(state.device))
+            loss = batch_loss(task, model, batch)
         loss.backward()
         if i:  # the first step warms up allocators and kernels
             busy += work_clock(device) - started
@@ -172,12 +180,12 @@ class Trainer:
             "plan_id": self.client.plan.plan_id,
             "group": work.group,
             "staleness": self.staleness,
-            "speed": self.timer.speed(work.batch_size),
+            "speed": self.timer.speed(work.step_samples),
             "push_s": self.timer.push_s,
             "samples": work.samples,
             **self.client.fault_stats(),
             **self.client.compression_stats(),
-            "samples_per_s": work.batch_size / self.timer.step_s if self.timer.step_s else 0.0,
+            "samples_per_s": work.step_samples / self.timer.step_s if self.timer.step_s else 0.0,
         }
 
     def compute(self) -> float:
@@ -198,7 +206,7 @@ class Trainer:
         """Push this step's gradients and buffers, then load the values for the
         next step (blocking). Returns the push ACKs and the seconds until they came."""
         acks, values = self.client.push_pull(
-            self.state.outgoing(), self.clock, self.work.batch_size
+            self.state.outgoing(), self.clock, self.work.step_samples
         )
         self.state.load(values)
         return acks, self.client.last_push_s

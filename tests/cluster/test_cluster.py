@@ -88,6 +88,13 @@ def test_cluster_trains_to_93_percent(algorithm, run_dir):
     plan = json.loads((run_dir / "plan.json").read_text())
     assert len(plan["workers"]) == 4 and len(plan["shards"]) == 2
     assert plan["placement"][plan["tensors"][0][0]] == 0  # bottom layer on the first shard
+    # by default (cluster.chunk_bytes: auto) LeNet-5's large tensor (78% of its bytes) is cut into
+    # parts of 1/16 of the model's bytes (2 shards x 8), and each shard's share of the bytes follows
+    # its share of the measured speed to within about one part
+    assert "classifier.0.weight" in plan["chunks"]
+    assert s["placement"] == plan["info"]["placement"]
+    for share in s["placement"].values():
+        assert abs(share["bytes"] - share["speed"]) <= 0.07, s["placement"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
     assert {r["worker"] for r in steps} == {0, 1, 2, 3}

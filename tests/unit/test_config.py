@@ -512,3 +512,39 @@ def test_hetps_config_prints_the_resolved_config_or_every_error(tmp_path):
         "cluster.dead_after_s",
         "stop.target_accuracy",
     ]
+
+
+# ---------------------------------------------------------------- messages a user meets
+@pytest.mark.parametrize("value", ["two", "true", "2.5"])
+def test_a_node_list_that_is_neither_count_list_nor_mapping_names_every_form(value):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [f"cluster.workers={value}"])
+    (line,) = exc.value.errors
+    assert line.startswith("cluster.workers: expected a count (e.g. 4), a list of node settings")
+    assert "a mapping with `count`" in line and "got " in line, line
+
+
+@pytest.mark.parametrize(
+    "override, path, suggestion",
+    [
+        ("modle.name=mlp", "modle", "model"),  # a top-level section
+        ("cluster.wokers=2", "cluster.wokers", "workers"),  # a nested key
+        ("optimizer.schedule.nam=step", "optimizer.schedule.nam", "name"),  # two levels down
+        ("cluster.workers={cont: 3}", "cluster.workers.cont", "count"),  # the node-list shorthand
+        ("algorithm.stalenes=2", "algorithm.stalenes", "staleness"),  # an algorithm's parameter
+    ],
+)
+def test_an_unknown_key_gets_a_did_you_mean(override, path, suggestion):
+    overrides = ["algorithm.name=ssp", override] if override.startswith("algorithm") else [override]
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, overrides)
+    (line,) = exc.value.errors
+    assert line.startswith(f"{path}: unknown key (did you mean {suggestion!r}?); allowed: "), line
+
+
+def test_an_unknown_key_far_from_every_name_gets_no_suggestion():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["zzz=1"])
+    assert exc.value.errors == [
+        "zzz: unknown key; allowed: " + ", ".join(f.name for f in dataclasses.fields(RunConfig))
+    ]

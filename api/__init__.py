@@ -1,0 +1,52 @@
+"""hetps from Python: build a configuration, run a local cluster, load the trained model.
+
+    import hetps
+
+    cfg = hetps.config("configs/charlm.yaml", algorithm="grouping", stop__max_seconds=60)
+    result = hetps.run(cfg, on_eval=lambda row: print(row["t"], row[row["watch"]]))
+    print(result.status, result.metrics, result.time_to_target_s)
+    model = hetps.load_model(result.run_dir)
+
+`config` (hetps.configs) builds a checked RunConfig from a YAML file, a dict or
+another config, with changes; `run` (hetps.running) runs it exactly as
+`hetps run` does and returns a `Result`, raising `RunFailed` naming the cause
+when the run could not start or a process failed; `load_model`
+(hetps.models) gives back the trained torch module; a bad config raises
+`ConfigError` listing every problem. `Task` and `Metric` are
+the task contract (hetps.worker.task) for a task of your own.
+
+Every daemon imports this package (it is the parent of hetps.worker, ...):
+the names above are imported on first use, so that `import hetps.proto`
+costs nothing more.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "config": "hetps.configs",
+    "run": "hetps.running",
+    "Result": "hetps.running",
+    "RunFailed": "hetps.running",
+    "load_result": "hetps.running",
+    "load_model": "hetps.models",
+    "ConfigError": "hetps.proto.errors",
+    "Task": "hetps.worker.task",
+    "Metric": "hetps.worker.task",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hetps' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,0 +1,47 @@
+"""`hetps.load_model`: a trained model back as a torch module, in one call."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hetps.proto.errors import ConfigError
+
+
+def load_model(path: str | Path, *, best: bool = False, device: str = "cpu"):
+    """The model a run trained, with its weights, in eval mode on `device`.
+
+    `path`: a run directory (its final model, RUN_DIR/model.safetensors, or with
+    `best=True` the best-evaluated one, best.safetensors) or a .safetensors file a run or
+    `hetps export` wrote. The model is built from the run's config.yaml (in the file's
+    folder or above it) and the description beside the file (input shape, class count), as
+    the workers built it; any `package.module:factory` it names must be importable here.
+    Raises ConfigError naming what is missing."""
+    from safetensors.torch import load_file
+
+    from hetps.runconfig.load import load_config
+    from hetps.worker.models import build_model
+
+    path = Path(path)
+    file = path / ("best.safetensors" if best else "model.safetensors") if path.is_dir() else path
+    if not file.is_file():
+        why = "best.safetensors is written with eval.keep_best" if best else "did the run train?"
+        raise ConfigError(f"{file}: no such model file ({why})")
+    config = next((p / "config.yaml" for p in file.parents if (p / "config.yaml").is_file()), None)
+    if config is None:
+        raise ConfigError(f"{file}: no config.yaml in its folder or above it (the run's config)")
+    cfg = load_config(config, import_targets=True)
+    try:
+        described = json.loads(file.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        described = {}
+    if "input_shape" in described:
+        model = build_model(
+            cfg.model, tuple(described["input_shape"]), described.get("num_classes")
+        )
+    else:  # no description: the shapes from the dataset, as the workers found them
+        from hetps.worker.preflight import build_checked
+
+        model = build_checked(cfg)[1]
+    model.load_state_dict(load_file(str(file)), strict=True)
+    return model.to(device).eval()

@@ -1,0 +1,91 @@
+"""The two examples that ship with hetps train to their targets in real processes:
+the byte-level transformer language model (configs/charlm.yaml) on 4 workers at slowdown
+[1, 1, 3, 3] under sync, grouping and diloco, and the Auto MPG regression
+(configs/regression.yaml). Both name their model and data by module path
+(hetps.examples.*), as a user's own would be, and run from a directory outside the repository."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from cluster_util import REPO, log_tails, records, run_hetps, summary
+
+CHARLM_TARGET = 12.0  # configs/charlm.yaml stop.target
+
+# the best model (eval.keep_best) loaded back and measured on the test split in a fresh process
+MEASURE_BEST = """
+import json, sys
+from pathlib import Path
+
+import hetps
+from hetps.runconfig.load import load_config
+from hetps.worker.data import load_datasets
+from hetps.worker.evaluator import measure
+from hetps.worker.task import load_task
+
+run_dir = Path(sys.argv[1])
+cfg = load_config(run_dir / "config.yaml", import_targets=True)
+model = hetps.load_model(run_dir, best=True)
+data = load_datasets(cfg.data, cfg.seed)
+print(json.dumps(measure(load_task(cfg, data.num_classes), model, data.test, cfg, "cpu")))
+"""
+
+
+@pytest.mark.parametrize("algorithm", ["sync", "grouping", "diloco"])
+def test_the_language_model_reaches_its_perplexity_target(algorithm, run_dir, tmp_path):
+    done = run_hetps(
+        [
+            "run",
+            str(REPO / "configs" / "charlm.yaml"),
+            f"algorithm.name={algorithm}",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=400,
+        cwd=tmp_path,  # the examples are imported from the installed package, not the checkout
+    )
+    assert done.returncode == 0, done.stderr + log_tails(run_dir)
+    s = summary(run_dir)
+    assert s["status"] == "completed" and s["metric"]["name"] == "perplexity", s
+    assert s["time_to_target_s"] is not None and s["best"] <= CHARLM_TARGET, s
+    assert s["stop_reason"].startswith("target perplexity"), s
+    evals = records(run_dir, "eval")
+    # it learned: from about 256 (one in 256 byte values) before training
+    assert evals[0]["perplexity"] > 4 * CHARLM_TARGET, evals[0]
+    assert evals[-1]["perplexity"] < 1.1 * CHARLM_TARGET, evals[-1]
+    # every worker trained, the slow ones too
+    steps = {r["worker"] for r in records(run_dir, "step")}
+    assert steps == {0, 1, 2, 3}, steps
+    if algorithm == "sync":
+        # keep_best keeps the lowest-perplexity evaluation, and its file reproduces it
+        lowest = min(e["perplexity"] for e in evals)
+        assert s["best"] == pytest.approx(lowest), (s["best"], lowest)
+        best = json.loads((run_dir / "best.json").read_text())
+        assert best["metrics"]["perplexity"] == pytest.approx(lowest), best
+        out = subprocess.run(
+            [sys.executable, "-c", MEASURE_BEST, str(run_dir)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["perplexity"] == pytest.approx(lowest, rel=1e-5)
+
+
+def test_the_regression_reaches_its_r2_target(run_dir, tmp_path):
+    config = REPO / "configs" / "regression.yaml"
+    done = run_hetps(["run", str(config), "--out", str(run_dir), "--quiet"], 300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + log_tails(run_dir)
+    s = summary(run_dir)
+    assert s["status"] == "completed" and s["metric"] == {"name": "r2", "higher_is_better": True}
+    assert s["time_to_target_s"] is not None and s["best"] >= 0.85, s
+    # mse is in units of the standardized target's variance: about 1 - R²
+    final = s["final_metrics"]
+    assert final["r2"] >= 0.8 and final["mse"] < 0.3 and final["mae"] < 0.5, final
+    # the first evaluation, before training, is far from it
+    assert records(run_dir, "eval")[0]["r2"] < 0.5
