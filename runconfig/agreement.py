@@ -35,6 +35,10 @@ AGREED_KEYS = (
     "cluster.replicas",
     "cluster.nonfinite",
     "cluster.clip_value",
+    # the evaluator keeps the best model by the watched metric, the scheduler reports on it
+    "stop.target",
+    "stop.target_accuracy",
+    "eval.metric",
 )
 # lists of nodes: their count must agree, each node's own settings may differ
 COUNTED = frozenset({"cluster.workers", "cluster.shards"})

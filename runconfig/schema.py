@@ -48,7 +48,7 @@ class DataConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     num_classes: int | None = None  # classification: the class count (else the dataset's num_classes or classes)
     num_workers: int = 0       # DataLoader processes per worker (0: batches are read in the worker's own process)
-    accumulate: int = 1        # gradient accumulation: batches whose gradients are summed into each push or local step
+    accumulate: int = 1        # gradient accumulation: batches whose gradients are averaged into each push or local step (one batch of batch_size x accumulate)
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,8 @@ class StopConfig:
     max_seconds: float = 300.0             # wall-clock limit of training (of a resumed run: of its new segment)
     max_steps: int = 0                     # limit on the sum of all workers' steps (a resumed run's included); 0 = none
     diverged_after: int = 5                # stop as diverged after this many evaluations in a row at
-                                           # chance accuracy (after diverge_warmup_s); 0 = never
+                                           # chance accuracy or a test loss over 10x the first one
+                                           # (after diverge_warmup_s); 0 = never
     diverge_warmup_s: float = 20.0         # evaluations in the first seconds of training do not count
 
 
@@ -167,7 +168,7 @@ class EvalConfig:
     enabled: bool = True
     every_s: float = 2.0
     keep_best: bool = True     # also write the best-evaluated model (best.safetensors beside model.safetensors)
-    metric: str | None = None  # the watched metric (best model, progress, plots); null = stop.target's metric, else the task's primary one
+    metric: str | None = None  # the watched metric (best model, progress, plots); null = the stop target's metric, else the task's primary one
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,9 @@ def lr_factor(cfg: ScheduleConfig) -> Callable[[int], float]:
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig):
     """The schedule of `optimizer`'s lr: call .step() once per update. A
     builtin name: a LambdaLR stepping `lr_factor(cfg)`; `package.module:factory`:
-    `factory(optimizer, **cfg.kwargs)`, any object with `step()` (a
-    torch.optim.lr_scheduler scheduler; warmup_steps and the other builtin
+    `factory(optimizer, **cfg.kwargs)`, any object with `step()`, `state_dict()`
+    and `load_state_dict()` (a torch.optim.lr_scheduler scheduler other than
+    ReduceLROnPlateau; warmup_steps and the other builtin
     keys do not apply). Raises ValueError naming optimizer.schedule.name."""
     if ":" not in cfg.name:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
@@ -78,9 +79,18 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig):
         scheduler = factory(optimizer, **cfg.kwargs)
     except (ImportError, AttributeError, TypeError) as exc:
         raise ValueError(f"{where}: {type(exc).__name__}: {exc}") from None
-    if not callable(getattr(scheduler, "step", None)):
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError(
-            f"{where}: factory(optimizer, **kwargs) must return an LR scheduler (with step()), "
-            f"got {type(scheduler).__name__}"
+            f"{where}: ReduceLROnPlateau steps on a metric, but the shards step the schedule "
+            "once per update without one; use a schedule of the update count"
+        )
+    # the shards checkpoint and replicate the schedule with the optimizer
+    needed = ("step", "state_dict", "load_state_dict")
+    missing = [m for m in needed if not callable(getattr(scheduler, m, None))]
+    if missing:
+        raise ValueError(
+            f"{where}: factory(optimizer, **kwargs) must return an LR scheduler (with step(), "
+            f"state_dict() and load_state_dict()), got {type(scheduler).__name__} without "
+            f"{', '.join(missing)}"
         )
     return scheduler

@@ -646,9 +646,21 @@ class Coordinator(Service):
             self.resumed_plan = ClusterPlan.from_dict(data["plan"])
         self.earlier = self.runlog.earlier = segments.after(data)
         known = {f.name for f in dataclasses.fields(self.evals)}
-        self.evals = dataclasses.replace(
-            self.evals, **{k: v for k, v in self.earlier.evals.items() if k in known}
-        )
+        carried = {k: v for k, v in self.earlier.evals.items() if k in known}
+        before = data.get("evals") or {}
+        if (before.get("target_metric"), before.get("target")) != (
+            self.evals.target_metric,
+            self.evals.target,
+        ):
+            # a time to target is one of this target's: an earlier segment's other target (or
+            # none) says nothing about when this one was reached
+            carried.pop("time_to_target_s", None)
+            carried.pop("samples_to_target", None)
+        self.evals = dataclasses.replace(self.evals, **carried)
+        # the test-loss yardstick is the first segment's barely trained model, not the resumed
+        # one's (a trained model's small loss would make ordinary noise look like divergence)
+        guard = data.get("guard") or {}
+        self.guard.early_loss = guard.get("early_loss", self.guard.early_loss)
         self.runlog.record(
             "segment",
             t=0.0,

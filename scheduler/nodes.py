@@ -147,6 +147,8 @@ class EvalTrack:
     def take(self, reading: EvalReading) -> None:
         """Count one evaluation (the target's streak is the coordinator's: `on_target`)."""
         self.count += 1
+        if self.metric is not None and self.metric != reading.watch:
+            self.best = None  # another metric is watched now (a resumed run's new target)
         self.metric, value = reading.watch, reading.value
         self.higher_is_better = reading.higher_is_better.get(reading.watch, True)
         self.final, self.final_loss = value, reading.loss

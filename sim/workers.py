@@ -112,7 +112,8 @@ class SimWorker:
     # ------------------------------------------------------------ the cost model
     def step_compute_s(self, t: float) -> float:
         """Virtual seconds of one step's forward/backward at time `t`."""
-        base = base_step_s(self.cfg, self.node, self.work.batch_size)  # balanced: the plan's batch
+        # balanced: the plan's batch; data.accumulate micro-batches per step
+        base = base_step_s(self.cfg, self.node, self.work.step_samples)
         extra = 0.0
         n = len(self.cfg.cluster.workers)
         if (
@@ -205,7 +206,7 @@ class SimWorker:
                     plan_id=plan.plan_id,
                     clock=self.clock,
                     base_version=self.client.versions[i],
-                    n_samples=self.work.batch_size,
+                    n_samples=self.work.step_samples,
                     pull=True,
                     tensors=part,
                 ),
@@ -221,7 +222,7 @@ class SimWorker:
         ]
 
     def stats(self) -> dict:
-        bs = self.work.batch_size
+        bs = self.work.step_samples
         return {
             "steps": self.clock,
             "samples": self.work.samples,

@@ -30,7 +30,7 @@ from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ConfigError, RunConfig
 from hetps.runtime import checkpoint
 
-from .preflight import PreflightError, build_checked
+from .preflight import PreflightError, build_checked, model_outputs
 from .state import model_tensors
 from .step import task_for
 from .task import Metric, Task, TaskError, watched_metric
@@ -64,6 +64,7 @@ def describe(
         "model": {"name": cfg.model.name, "kwargs": cfg.model.kwargs},
         "dataset": {"name": cfg.data.dataset, "kwargs": cfg.data.kwargs},
         "task": {"name": cfg.task.name, "kwargs": cfg.task.kwargs},
+        # the model factory's num_classes argument: the class count, a regression's target size
         "num_classes": num_classes,
         "input_shape": list(in_shape),
         "metrics": metrics,
@@ -194,7 +195,7 @@ def export(path: Path, out: Path, config: Path | None = None) -> dict:
     description = describe(
         cfg,
         data.in_shape,
-        data.num_classes,
+        model_outputs(task, data),
         metrics,
         "checkpoints",
         task=task,

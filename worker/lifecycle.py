@@ -35,7 +35,7 @@ from .diloco import DilocoTrainer
 from .evaluator import Evaluator
 from .local import LocalSgdTrainer
 from .overlap import OverlapTrainer
-from .preflight import PreflightError, build_checked
+from .preflight import PreflightError, build_checked, model_outputs
 from .state import ModelState, model_specs
 from .step import task_for
 from .trainer import Trainer, profile_speed
@@ -161,7 +161,8 @@ def run_node(
                     state,
                     data.test,
                     Path(model_out) if model_out else None,
-                    (data.in_shape, data.num_classes),
+                    # the model's outputs, as built (model.json: what load_model rebuilds)
+                    (data.in_shape, model_outputs(task_for(cfg, data.num_classes), data)),
                 )
                 if args.evaluator
                 else trainer_class(cfg)(cfg, node, member, plan, state, data)

@@ -445,8 +445,9 @@ class DilocoRounds(LocalRounds):
         return self.steps_in_round >= self.period
 
     def n_samples(self) -> int:
-        """Examples the round's push stands for (the plan's batch per step)."""
-        return self.steps_in_round * self.work.batch_size
+        """Examples the round's push stands for (the plan's batch per step, times
+        data.accumulate)."""
+        return self.steps_in_round * self.work.step_samples
 
     def request(self) -> RoundRequest:
         """This round's push (the pseudo-gradient); in flight until `take`."""

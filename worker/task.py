@@ -210,7 +210,9 @@ class Regression(Task):
         mse = sums["sse"] / n
         # total sum of squares around the test set's mean
         sst = sums["sum_y2"] - sums["sum_y"] ** 2 / n
-        r2 = 1.0 - sums["sse"] / sst if sst > 0 else (1.0 if sums["sse"] == 0 else -math.inf)
+        # constant targets: R² is undefined; 1 for a perfect fit, else 0 (as scikit-learn's
+        # r2_score), so a test batch of equal targets is not a non-finite metric
+        r2 = 1.0 - sums["sse"] / sst if sst > 0 else (1.0 if sums["sse"] == 0 else 0.0)
         return {"r2": r2, "mse": mse, "mae": sums["sae"] / n, "loss": mse}
 
 
@@ -359,16 +361,17 @@ def as_task(made: Any, where: str = "task", default_name: str = "task") -> Task:
 
 
 def watched_metric(cfg: RunConfig, task: Task) -> Metric:
-    """The metric an evaluation is judged by: `stop.target.metric` when a stop
-    target is set, else `eval.metric` when set, else the task's primary
-    metric (metrics[0]). Raises TaskError when the named metric is not the task's."""
+    """The metric an evaluation is judged by (best model, progress line, plots):
+    `eval.metric` when set, else the stop target's metric (`stop.target.metric`,
+    or accuracy for the `stop.target_accuracy` shorthand), else the task's
+    primary metric (metrics[0]). Raises TaskError when the named metric is not
+    the task's."""
+    name, key = getattr(cfg.eval, "metric", None), "eval.metric"
     target = getattr(cfg.stop, "target", None)
-    name = getattr(target, "metric", None) if target is not None else None
-    key = "stop.target.metric"
+    if name is None and target is not None:
+        name, key = target.metric, "stop.target.metric"
     if name is None and cfg.stop.target_accuracy is not None and task.metric("accuracy"):
         name = "accuracy"  # stop.target_accuracy: the classification shorthand
-    if name is None:
-        name, key = getattr(cfg.eval, "metric", None), "eval.metric"
     if name is None:
         return task.metrics[0]
     found = task.metric(name)

@@ -89,3 +89,24 @@ def test_the_regression_reaches_its_r2_target(run_dir, tmp_path):
     assert final["r2"] >= 0.8 and final["mse"] < 0.3 and final["mae"] < 0.5, final
     # the first evaluation, before training, is far from it
     assert records(run_dir, "eval")[0]["r2"] < 0.5
+
+
+def test_a_builtin_model_trained_for_regression_loads_back_with_its_output_size(run_dir, tmp_path):
+    """model.json records what the model was built with (one output per target value for a
+    regression, not the dataset's absent class count), so `hetps.load_model` rebuilds it."""
+    import hetps
+    from hetps.runconfig.load import load_config
+    from hetps.worker.data import load_datasets
+    from hetps.worker.evaluator import measure
+    from hetps.worker.task import load_task
+
+    config = REPO / "configs" / "regression.yaml"
+    overrides = ["model.name=mlp", "model.kwargs={hidden: [32]}", "stop.max_steps=100"]
+    done = run_hetps(["run", str(config), *overrides, "--out", str(run_dir), "--quiet"], 300)
+    assert done.returncode == 0, done.stderr + log_tails(run_dir)
+    assert json.loads((run_dir / "model.json").read_text())["num_classes"] == 1
+    model = hetps.load_model(run_dir)
+    cfg = load_config(run_dir / "config.yaml", import_targets=True)
+    data = load_datasets(cfg.data, cfg.seed)
+    again = measure(load_task(cfg, data.num_classes), model, data.test, cfg, "cpu")
+    assert again["r2"] == pytest.approx(summary(run_dir)["final_metrics"]["r2"], abs=1e-6)

@@ -15,10 +15,13 @@ from test_coordinator_stop import cluster
 
 from hetps.proto.codec import Envelope
 from hetps.proto.messages import Report
+from hetps.proto.transport import MemServer
+from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import TargetConfig
 from hetps.runtime.metrics import METRICS, family
-from hetps.scheduler import status
-from hetps.scheduler.nodes import EvalTrack
+from hetps.scheduler import state, status
+from hetps.scheduler.coordinator import Coordinator
+from hetps.scheduler.nodes import EvalTrack, read_eval
 from hetps.scheduler.outcome import DivergenceGuard
 
 LM = {"perplexity": False, "token_accuracy": True, "loss": False}
@@ -207,3 +210,53 @@ def test_an_evaluator_of_the_older_form_is_watched_on_accuracy(tmp_path):
         "accuracy",
         True,
     )
+
+
+def resumed(tmp_path, saved: dict, overrides: list[str]):
+    """A new segment's coordinator (as `hetps scheduler --resume` builds it) over `saved`."""
+    cfg = load_config(
+        None, ["cluster.workers=2", "cluster.shards=1", "task=language_model", *overrides]
+    )
+    tmp_path.mkdir()
+    server = MemServer(f"mem://resumed-{tmp_path.name}")
+    coord = Coordinator(server, cfg, run_dir=tmp_path, clock=lambda: 500.0)
+    coord.resume(saved)
+    server.close()
+    return coord
+
+
+def test_a_resume_carries_the_time_to_target_only_for_the_same_target_and_the_loss_yardstick(
+    tmp_path,
+):
+    first = tmp_path / "one"
+    first.mkdir()
+    with cluster(first, ["stop.diverged_after=2"]) as c:
+        targeting(c, "perplexity", 20.0)
+        report(c, 90.0, loss=4.5)  # the yardstick of the loss rule
+        report(c, 15.0)  # the target, at t 4
+        assert c.coord.evals.time_to_target_s is not None
+        c.coord.save_state()
+    saved = state.read(first)
+    # the same target: its time to target is the run's, reached in the first segment
+    same = resumed(tmp_path / "same", saved, ["stop.target={metric: perplexity, value: 20}"])
+    assert same.evals.time_to_target_s == saved["evals"]["time_to_target_s"]
+    assert same.evals.best == 15.0
+    # another target: not reached yet, whatever the first segment reached
+    other = resumed(tmp_path / "other", saved, ["stop.target={metric: perplexity, value: 5}"])
+    assert other.evals.time_to_target_s is None and other.evals.samples_to_target is None
+    # the loss rule still measures against the first segment's barely trained model
+    assert other.guard.early_loss == 4.5
+
+
+def test_the_best_value_starts_again_when_another_metric_is_watched():
+    track = EvalTrack(None)
+    track.take(read_eval({"accuracy": 0.9, "loss": 0.3}))
+    assert (track.metric, track.best) == ("accuracy", 0.9)
+    lm = {
+        "metrics": {"perplexity": 5.0, "loss": 1.6},
+        "higher_is_better": LM,
+        "watch": "perplexity",
+    }
+    track.take(read_eval(lm))
+    # not min(5.0, 0.9): 0.9 was an accuracy
+    assert (track.metric, track.best, track.higher_is_better) == ("perplexity", 5.0, False)

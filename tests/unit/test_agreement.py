@@ -38,7 +38,8 @@ def test_the_agreed_values_are_plain_and_count_the_node_lists():
         (["seed=3"], ["seed"]),
         (["optimizer.momentum=0.5"], ["optimizer"]),
         (["algorithm.name=ssp"], ["algorithm.name", "algorithm.params"]),
-        (["task.name=regression"], ["task"]),
+        # a task without accuracy also drops the default target_accuracy
+        (["task.name=regression"], ["task", "stop.target_accuracy"]),
     ],
 )
 def test_each_drift_is_named_with_both_values(overrides, keys):

@@ -146,6 +146,19 @@ def a_class():
 
 def halving(optimizer, every=2):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=every, gamma=0.5)
+
+
+def plateau(optimizer):
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+
+
+class OnlyStep:
+    def step(self):
+        pass
+
+
+def only_step(optimizer):
+    return OnlyStep()
 """
 
 
@@ -203,6 +216,16 @@ def test_watched_metric_rule():
     assert watched_metric(cfg_of("stop.target_accuracy=0.9"), lm).name == "perplexity"
     assert watched_metric(cfg_of(), Classification(10)) == Metric("accuracy", True)
     assert watched_metric(cfg_of("stop.target_accuracy=null"), Regression()).name == "r2"
+    # eval.metric wins over the stop target (the default target_accuracy of 0.95 included)
+    assert watched_metric(cfg_of("eval.metric=loss"), Classification(10)) == Metric("loss", False)
+    cfg = cfg_of("task=language_model", "stop.target={metric: token_accuracy, value: 0.5}")
+    assert watched_metric(cfg, lm).name == "token_accuracy"
+    cfg = cfg_of(
+        "task=language_model",
+        "stop.target={metric: token_accuracy, value: 0.5}",
+        "eval.metric=perplexity",
+    )
+    assert watched_metric(cfg, lm).name == "perplexity"
 
 
 class Tiny(nn.Module):
@@ -553,3 +576,8 @@ def test_schedule_factory_builds_the_users_scheduler(factories):
             f"optimizer.schedule.name={factories}:halving", "optimizer.schedule.kwargs={x: 1}"
         )
         build_lr_scheduler(opt, bad.optimizer.schedule)
+    # the shards checkpoint the schedule and step it without a metric: refused up front
+    for name, words in (("plateau", "ReduceLROnPlateau"), ("only_step", "state_dict")):
+        bad = cfg_of(f"optimizer.schedule.name={factories}:{name}")
+        with pytest.raises(ValueError, match=words):
+            build_lr_scheduler(opt, bad.optimizer.schedule)
