@@ -212,19 +212,22 @@ class Evaluator:
         the best evaluation's (`eval.keep_best`) -> folder/best.safetensors and best.json,
         unless an earlier segment of the run wrote a better one there."""
         in_shape, num_classes = self.shape
-        path, _ = write_model(
-            self.state.model,
-            folder / "model.safetensors",
-            describe(
+
+        def described(metrics: dict, evaluation: str, **more) -> dict:
+            return describe(
                 self.cfg,
                 in_shape,
                 num_classes,
-                self.metrics,
+                metrics,
                 "evaluator",
                 task=self.task,
                 watched=self.watched,
-                evaluation="final",
-            ),
+                evaluation=evaluation,
+                **more,
+            )
+
+        path, _ = write_model(
+            self.state.model, folder / "model.safetensors", described(self.metrics, "final")
         )
         log.info("model written to %s (%s)", path, self.metrics)
         b = self.best
@@ -241,17 +244,7 @@ class Evaluator:
         path, _ = write_state(
             b.state,
             folder / "best.safetensors",
-            describe(
-                self.cfg,
-                in_shape,
-                num_classes,
-                b.metrics,
-                "evaluator",
-                task=self.task,
-                watched=self.watched,
-                evaluation="best",
-                versions=b.versions,
-            ),
+            described(b.metrics, "best", versions=b.versions),
         )
         log.info("best model written to %s (%s)", path, b.metrics)
 

@@ -88,15 +88,14 @@ json.dump(out, open("out.json", "w"))
 """
 
 
-def test_a_script_without_a_main_guard_runs_a_cluster_and_gets_its_result(tmp_path):
-    (tmp_path / "mytask.py").write_text(textwrap.dedent(TASK_MODULE))
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT))
+def run_script(tmp_path, args: list[str], cwd=None) -> tuple[subprocess.CompletedProcess, list]:
+    """`python ARGS` as a user runs a script (its own fork server, not the suite's), in
+    `cwd` (default tmp_path); then every process left under tmp_path killed and named."""
     env = {k: v for k, v in os.environ.items() if k != "HETPS_FORK_SERVER"}
     try:
         done = subprocess.run(
-            [sys.executable, str(script), str(REPO / "configs" / "default.yaml")],
-            cwd=tmp_path,
+            [sys.executable, *args],
+            cwd=cwd or tmp_path,
             env=env,
             capture_output=True,
             text=True,
@@ -104,6 +103,14 @@ def test_a_script_without_a_main_guard_runs_a_cluster_and_gets_its_result(tmp_pa
         )
     finally:
         leftovers = kill_leftovers(str(tmp_path))
+    return done, leftovers
+
+
+def test_a_script_without_a_main_guard_runs_a_cluster_and_gets_its_result(tmp_path):
+    (tmp_path / "mytask.py").write_text(textwrap.dedent(TASK_MODULE))
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    done, leftovers = run_script(tmp_path, [str(script), str(REPO / "configs" / "default.yaml")])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     # the script ran once: no daemon ran it again (multiprocessing's re-import of __main__)
     assert "bootstrapping phase" not in done.stderr and not leftovers, done.stderr[-3000:]
@@ -150,18 +157,7 @@ def test_the_readme_python_quick_start_runs_as_written(tmp_path):
     script.write_text(
         block.replace("hetps.run(cfg,", f"hetps.run(cfg, out={str(tmp_path / 'run')!r},")
     )
-    env = {k: v for k, v in os.environ.items() if k != "HETPS_FORK_SERVER"}
-    try:
-        done = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
-    finally:
-        leftovers = kill_leftovers(str(tmp_path))
+    done, leftovers = run_script(tmp_path, [str(script)], cwd=REPO)
     assert done.returncode == 0 and not leftovers, done.stdout[-3000:] + done.stderr[-5000:]
     lines = done.stdout.splitlines()
     status = next(line for line in lines if line.startswith(("completed", "failed", "interrupted")))
