@@ -46,6 +46,10 @@ class Op(enum.IntEnum):
     FAILED = 16  # node -> scheduler: it cannot start (the run ends at once, naming it)
     # primary shard -> its new backup: the primary's whole state at one point of its push order
     SNAPSHOT = 17
+    # sparse tables (proto/sparse.py): rows by id; a peer without them answers UNKNOWN_OP
+    PULL_ROWS = 18  # worker -> shard: the current values of some rows of its sparse tables
+    PUSH_ROWS = 19  # worker -> shard: row-sparse gradients of one step
+    ROWS = 20  # shard -> worker: row values
 
 
 class Status(enum.IntEnum):
@@ -260,6 +264,48 @@ class Snapshot(Message):
     tensors: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PullRows(Message):
+    """Rows of sparse tables by id. `tensors`: per table, "<table>:ids" (int64,
+    1-D, unique, every id held by the receiving shard: id % shards == its
+    index). Checked by the shard against its tables (proto/sparse.py
+    `read_ids`): the tables are not in the dense catalogue."""
+
+    OP: ClassVar[Op] = Op.PULL_ROWS
+    CATALOGUED: ClassVar[bool] = False
+    plan_id: int
+    # pushes of rows this worker made before; -1: the latest values, never parked (evaluator,
+    # export). Otherwise parked while the worker's last PUSH_ROWS waits in an open round
+    clock: int = -1
+    tensors: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PushRows(Message):
+    """One step's row-sparse gradients: per table "<table>:ids" (int64, 1-D,
+    unique, held by the receiving shard) and "<table>:rows" (len(ids) x dim,
+    the table's dtype: the gradient summed over the step's uses of each id).
+    Sent to every shard in every step, empty if the step touched none of its
+    rows: a synchronous round counts it as the worker's contribution."""
+
+    OP: ClassVar[Op] = Op.PUSH_ROWS
+    CATALOGUED: ClassVar[bool] = False
+    plan_id: int
+    clock: int  # row pushes this worker made before this one
+    n_samples: int = 0
+    tensors: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rows(Message):
+    """Reply to PULL_ROWS: "<table>:rows" per table asked, in the order of its ids."""
+
+    OP: ClassVar[Op] = Op.ROWS
+    CATALOGUED: ClassVar[bool] = False
+    version: int  # updates applied to this shard's rows
+    tensors: dict = field(default_factory=dict)
+
+
 MESSAGES: dict[Op, type[Message]] = {
     cls.OP: cls
     for cls in (
@@ -280,6 +326,9 @@ MESSAGES: dict[Op, type[Message]] = {
         Bye,
         Failed,
         Snapshot,
+        PullRows,
+        PushRows,
+        Rows,
     )
 }
 

@@ -12,7 +12,8 @@ from .dtypes import ITEMSIZES
 from .errors import ProtocolError
 from .messages import Status
 
-TENSOR_KINDS = ("param", "buffer")
+# "table": a sparse table (proto/sparse.py), shape (rows, dim); served row by row by every shard
+TENSOR_KINDS = ("param", "buffer", "table")
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    kind: str = "param"  # "param" (optimizer-updated) or "buffer" (e.g. BatchNorm statistics)
+    # "param" (optimizer-updated), "buffer" (e.g. BatchNorm statistics) or "table" (served row by row)
+    kind: str = "param"
 
     @classmethod
     def from_wire(cls, spec) -> "TensorSpec":
@@ -146,6 +148,8 @@ class ClusterPlan:
     served_by: dict = field(default_factory=dict)
     # worker node id -> its batch size (balanced)
     batches: dict[str, float] = field(default_factory=dict)
+    # sparse tables (kind "table"), in forward order: every shard holds a slice of each (sparse.py)
+    tables: list[TensorSpec] = field(default_factory=list)
 
     def shard_index(self, node_id: int) -> int:
         for i, s in enumerate(self.shards):
@@ -177,6 +181,7 @@ class ClusterPlan:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["tensors"] = [t.to_wire() for t in self.tensors]
+        data["tables"] = [t.to_wire() for t in self.tables]
         return data
 
     @classmethod
@@ -200,4 +205,5 @@ class ClusterPlan:
             backups=dict(data.get("backups", {})),
             served_by=dict(data.get("served_by", {})),
             batches=dict(data.get("batches", {})),
+            tables=[TensorSpec.from_wire(t) for t in data.get("tables", [])],
         )

@@ -472,7 +472,17 @@ def read_plan(value: Any) -> ClusterPlan:
         backups=_backups(d.get("backups", {})),
         served_by=_str_keyed_ints("plan.served_by", d.get("served_by", {})),
         batches=_batches(d.get("batches", {}), ids),
+        tables=_tables(d.get("tables", []), tensors),
     )
+
+
+def _tables(value: Any, tensors: list[TensorSpec]) -> list[TensorSpec]:
+    """plan.tables: specs of kind "table", 2-D, named apart from the dense tensors."""
+    tables = read_tensor_specs(value)
+    dense = {t.name for t in tensors}
+    if any(t.kind != "table" or len(t.shape) != 2 or t.name in dense for t in tables):
+        _bad("plan.tables", "must be 2-D specs of kind 'table', named apart from plan.tensors")
+    return tables
 
 
 def _backups(value: Any) -> dict:

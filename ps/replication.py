@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import zmq
 
 from hetps.proto.codec import Envelope, ProtocolError, decode, encode
-from hetps.proto.messages import Ack, Error, Message, Plan, Status
+from hetps.proto.layout import PACK_BELOW
+from hetps.proto.messages import Ack, Error, Message, Plan, Snapshot, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.transport import ServerTransport, TransportOptions, make_client
 from hetps.runtime import checkpoint
@@ -105,7 +106,10 @@ class Replicator:
         return self.client.bytes_sent
 
     def forward(self, msg: Message, req_id: int, src: int) -> None:
-        self.client.send(encode(msg, req_id, src))
+        # a SNAPSHOT unpacked: each of its frames within cluster.max_message_bytes (state_copy.py)
+        self.client.send(
+            encode(msg, req_id, src, pack_below=0 if isinstance(msg, Snapshot) else PACK_BELOW)
+        )
         self.sent += 1
 
     def hold(self, peer: bytes, req_id: int, msg: Message) -> bool:
@@ -201,6 +205,7 @@ class ReplicatedShard(Shard):
             self._deferring = outer
             if not outer:
                 self._serve_parked()
+                self._serve_parked_rows()
 
     def _serve_parked(self, released_by: int | None = None) -> None:
         # answered after the forward; the worker that released them is credited then
@@ -212,6 +217,11 @@ class ReplicatedShard(Shard):
             None,
         )
         super()._serve_parked(released_by=released_by)
+
+    def _serve_parked_rows(self) -> None:
+        # as parked pulls: answered after the forward, so their replies are held behind it
+        if not self._deferring:
+            super()._serve_parked_rows()
 
     def _forward(self, env: Envelope) -> None:
         if self.replicator is not None:
@@ -248,6 +258,24 @@ class ReplicatedShard(Shard):
         if self.policy is None:  # the primary forwards only what it applied, after its INIT
             raise ProtocolError(Status.NOT_READY, "this backup has no INIT yet")
         return self._apply_push(env)  # no parking, no values: the primary answers the worker
+
+    def on_pull_rows(self, peer: bytes, env: Envelope):
+        return None if self._early(peer, env) else super().on_pull_rows(peer, env)
+
+    def on_push_rows(self, peer: bytes, env: Envelope):
+        if self.role == "backup" and self._early(peer, env):
+            return None
+        return self._apply_row_push(env)  # a backup's ACK goes to its primary only
+
+    def _apply_row_push(self, env: Envelope) -> Ack:
+        if self.role != "primary":
+            return super()._apply_row_push(env)
+        retried = self.counts["retried"]
+        with self._forwarding():
+            ack = super()._apply_row_push(env)  # raises, with nothing applied, for a refused push
+            if self.counts["retried"] == retried:
+                self._forward(env)
+        return ack
 
     def on_plan(self, peer: bytes, env: Envelope):
         """A backup follows its primary's plan switches where they happened in the push order."""
@@ -291,6 +319,7 @@ class ReplicatedShard(Shard):
                 self.plan = plan
                 if self.policy is not None:
                     self.policy.adopt(plan)
+                self.close_row_rounds()
                 if self.role == "primary" and self.replicator is not None:
                     self.replicator.forward(Plan(plan_id=plan.plan_id, plan=plan), 0, self.node_id)
         if self.role == "primary":

@@ -17,9 +17,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from hetps.proto.codec import Envelope, ProtocolError, encode, nonfinite_names
-from hetps.proto.messages import Ack, Error, Op, Params, Status
+from hetps.proto.messages import Ack, Error, Op, Params, Rows, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Service
+from hetps.proto.sparse import read_rows_request, rows_key, table_spec
 from hetps.proto.transport import ServerTransport
 from hetps.runconfig.algorithms import algorithm, check_plan_algorithm
 from hetps.runconfig.schema import NodeConfig, RunConfig
@@ -29,6 +30,7 @@ from hetps.runtime.emulation import Slowdown, work_clock
 from .future_pushes import FuturePushes
 from .hold_ledger import HoldLedger
 from .policies import POLICIES, ConsistencyPolicy
+from .sparse_tables import SparseTables
 from .store import TensorStore
 from .updater import Updater
 
@@ -40,6 +42,20 @@ NEUTRAL_PUSH = {
 }
 
 log = logging.getLogger(__name__)
+
+
+# policies whose rounds sum a group's pushes: their sparse rows are summed per round alike
+ROUND_POLICIES = ("sync", "grouping", "balanced")
+
+
+@dataclass(frozen=True)
+class ParkedRows:
+    """A PULL_ROWS waiting for its worker's open round of rows to close."""
+
+    peer: bytes
+    req_id: int
+    worker: int
+    ids: dict  # table -> ids, checked
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,11 @@ class Shard(Service):
         self.store = TensorStore(plan.owned(plan.shard_index(node_id)))
         self.policy: ConsistencyPolicy | None = None
         self.parked: list[ParkedPull] = []
+        self.sparse_specs = {t.name: table_spec(t) for t in plan.tables}
+        self.sparse = self._make_sparse(plan)
+        self.parked_rows: list[ParkedRows] = []  # PULL_ROWS waiting for their worker's round
+        # worker -> (request id, ACK) of its last PUSH_ROWS
+        self.recent_row_acks: dict[int, tuple[int, Ack]] = {}
         # pushes made under a plan not adopted yet wait for it (the daemon turns this on: it fetches plans)
         self.park_future_pushes = False
         self.future_pushes = FuturePushes()
@@ -89,6 +110,8 @@ class Shard(Service):
             "checkpoint_errors": 0,
             "timer_errors": 0,
             "busy_s": 0.0,
+            "row_pushes": 0,
+            "row_pulls": 0,
         }
         # pull replies leave zero-copy from the live tensors: whatever else may write them settles first
         self.handlers = {
@@ -123,6 +146,7 @@ class Shard(Service):
             "snapshot_moves": self.store.snapshots.moves,
             "lr": self.policy.updater.lr if self.policy else 0.0,
             **self.counts,
+            **(self.sparse.stats() if self.sparse else {}),
             **saved,
             **policy,
             **self.holds.report(self.policy, self.parked),
@@ -139,6 +163,7 @@ class Shard(Service):
         self.plan = plan
         if self.policy is not None:
             self.policy.adopt(plan)
+        self.close_row_rounds()
         self._serve_parked()
         self.take_future_pushes(plan.plan_id)
 
@@ -246,6 +271,118 @@ class Shard(Service):
         self.parked.append(pull)
         return None
 
+    # ------------------------------------------------------------ sparse tables
+    def _make_sparse(self, plan: ClusterPlan) -> SparseTables | None:
+        """This shard's slices of the plan's sparse tables (proto/sparse.py), drawn from the
+        run's seed: a backup or a restarted shard of the same plan draws the same rows."""
+        if not plan.tables:
+            return None
+        mode = "round" if self.algorithm.policy in ROUND_POLICIES else "each"
+        index = plan.shard_index(self.node_id)
+        return SparseTables(
+            [table_spec(t) for t in plan.tables],
+            index,
+            len(plan.shards),
+            self.cfg.sparse,
+            self.cfg.seed,
+            mode,
+        )
+
+    def _rows_request(self, env: Envelope, with_rows: bool) -> dict:
+        if self.sparse is None:
+            raise ProtocolError(Status.UNKNOWN_TENSOR, "this cluster has no sparse tables")
+        return read_rows_request(
+            env.msg.tensors,
+            self.sparse_specs,
+            self.plan.shard_index(self.node_id),
+            len(self.plan.shards),
+            self.cfg.sparse.max_ids,
+            with_rows,
+        )
+
+    def on_pull_rows(self, peer: bytes, env: Envelope):
+        """Rows by id; a worker's pull (clock >= 0) waits while its last row push is in an
+        open round (its group's other members have not pushed theirs yet)."""
+        ids = self._rows_request(env, with_rows=False)  # refused now, not when it is answered
+        if env.msg.clock >= 0 and self.sparse.waiting(env.src):
+            # a retried pull replaces its parked original
+            self.parked_rows = [p for p in self.parked_rows if p.worker != env.src]
+            self.parked_rows.append(ParkedRows(peer, env.req_id, env.src, ids))
+            return None
+        return self._rows_reply(ids)
+
+    def _rows_reply(self, ids: dict) -> Rows:
+        self.counts["row_pulls"] += 1
+        return Rows(
+            version=self.sparse.updates,
+            tensors={rows_key(t): self.sparse.rows(t, i) for t, i in ids.items()},
+        )
+
+    def on_push_rows(self, peer: bytes, env: Envelope):
+        return self._apply_row_push(env)
+
+    def _apply_row_push(self, env: Envelope) -> Ack:
+        push = env.msg
+        last = self.recent_row_acks.get(env.src)
+        if last is not None and last[0] == env.req_id:  # a retry of a push already applied
+            self.counts["retried"] += 1
+            return last[1]
+        grads = self._rows_request(env, with_rows=True)
+        if push.plan_id < self.plan.placement_id:
+            raise ProtocolError(
+                Status.STALE_PLAN,
+                f"plan {push.plan_id} predates placement of plan {self.plan.placement_id}",
+            )
+        grads = self._screen_nonfinite_rows(grads)
+        members = (
+            self.plan.groups[self.plan.group_of(env.src)]
+            if self.plan.groups
+            else self.plan.worker_ids()
+        )
+        started = work_clock()
+        self.sparse.push(env.src, members, grads)
+        self._stretch(work_clock() - started)
+        self.counts["row_pushes"] += 1
+        self._serve_parked_rows()
+        ack = Ack(version=self.sparse.updates, plan_id=self.plan.plan_id)
+        self.recent_row_acks[env.src] = (env.req_id, ack)
+        return ack
+
+    def close_row_rounds(self) -> None:
+        """The workers or groups changed: open rounds of rows apply what they have."""
+        if self.sparse is not None and self.sparse.close_rounds():
+            self._serve_parked_rows()
+
+    def _serve_parked_rows(self) -> None:
+        waiting = []
+        for pull in self.parked_rows:
+            if self.sparse.waiting(pull.worker):
+                waiting.append(pull)
+            else:
+                self.reply(pull.peer, pull.req_id, self._rows_reply(pull.ids))
+        self.parked_rows = waiting
+
+    def _screen_nonfinite_rows(self, grads: dict) -> dict:
+        """NaN/Inf in pushed rows, per `cluster.nonfinite` as for dense pushes: reject refuses
+        the push, skip pushes zeros (the round still closes), clip replaces them."""
+        bad = [t for t, (_, rows) in grads.items() if not bool(torch.isfinite(rows).all())]
+        if not bad:
+            return grads
+        self.counts["nonfinite"] += 1
+        mode = self.cfg.cluster.nonfinite
+        if mode == "reject":
+            raise ProtocolError(Status.NONFINITE, f"rows of table {bad[0]!r} hold NaN or Inf")
+        clip = self.cfg.cluster.clip_value
+        for t in bad:
+            ids, rows = grads[t]
+            fixed = (
+                torch.zeros_like(rows)
+                if mode == "skip"
+                else torch.nan_to_num(rows, nan=0.0, posinf=clip, neginf=-clip)
+            )
+            grads[t] = (ids, fixed)
+        return grads
+
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Everything needed to serve on from here after a restart."""
@@ -261,6 +398,10 @@ class Shard(Service):
                 w: (req, dataclasses.asdict(ack)) for w, (req, ack) in self.recent_acks.items()
             },
             "counts": self.counts,
+            "sparse": self.sparse.state_dict() if self.sparse else None,
+            "recent_row_acks": {
+                w: (req, dataclasses.asdict(ack)) for w, (req, ack) in self.recent_row_acks.items()
+            },
         }
 
     def node_rank(self) -> int:
@@ -281,6 +422,12 @@ class Shard(Service):
         self.store.load_state_dict(state)
         self._make_policy()
         self.policy.updater.load_state_dict(state["updater"])
+        if self.sparse is not None:
+            if state.get("sparse") is None:
+                raise ValueError("checkpoint holds no sparse tables, this shard's plan has some")
+            self.sparse.load_state_dict(state["sparse"])
+            if new_workers:
+                self.sparse.close_rounds()  # the old workers' open round is applied, not kept
         if not new_workers:
             self.policy.load_state_dict(state["policy"])
             self.policy.restored = True
@@ -288,6 +435,9 @@ class Shard(Service):
                 w: (req, Ack(**ack)) for w, (req, ack) in state["recent_acks"].items()
             }
             self.counts.update(state["counts"])
+            self.recent_row_acks = {
+                w: (req, Ack(**ack)) for w, (req, ack) in state.get("recent_row_acks", {}).items()
+            }
         self.restored_version = self.store.version
         if state["plan_id"] != self.plan.plan_id and not new_workers:
             self.policy.adopt(self.plan)

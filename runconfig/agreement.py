@@ -39,6 +39,8 @@ AGREED_KEYS = (
     "stop.target",
     "stop.target_accuracy",
     "eval.metric",
+    # which tables are sparse (workers), how their rows start and are updated (shards)
+    "sparse",
 )
 # lists of nodes: their count must agree, each node's own settings may differ
 COUNTED = frozenset({"cluster.workers", "cluster.shards"})

@@ -17,7 +17,7 @@ from .algorithm_params import SyncParams
 
 BUILTIN_MODELS = ("mlp", "lenet5", "resnet20")
 DATASETS = ("mnist-5k", "mnist", "cifar10", "cifar100", "imagefolder", "synthetic")
-TASKS = ("classification", "regression", "language_model")
+TASKS = ("classification", "regression", "binary", "language_model")
 SCHEDULES = ("constant", "step", "cosine")
 
 
@@ -225,9 +225,31 @@ class CommConfig:
 class SimConfig:
     """The cost model of `hetps simulate` (virtual time; docs/simulation.md)."""
     sample_s: float = 0.0002           # compute seconds per training sample of a slowdown-1 worker
-    shard_bytes_per_s: float = 1.2e9   # bytes a slowdown-1 shard takes in per second (its service time per byte)
-    shard_message_s: float = 0.00025   # a slowdown-1 shard's service time per message, on top of its bytes
+    shard_bytes_per_s: float = 5e9     # bytes a slowdown-1 shard takes in per second (receive, check, add into the round's sum)
+    shard_message_s: float = 0.0002    # a slowdown-1 shard's service time per message (decode, dispatch, its reply), on top of its bytes
+    shard_apply_bytes_per_s: float = 2.5e9  # parameter bytes a slowdown-1 shard's optimizer step updates per second
+    shard_apply_s: float = 0.0001      # a slowdown-1 shard's time per optimizer step, on top of its parameter bytes
     eval_s: float = 0.0                # virtual seconds an evaluation takes (the evaluator's pull is free)
+
+
+@dataclass(frozen=True)
+class SparseOptimizerConfig:
+    """The row-wise optimizer the shards apply to sparse tables' touched rows (docs/sparse.md)."""
+    name: str = "adagrad"      # sgd | adagrad | rowwise_adagrad | adam (lazy: moments of touched rows only, as torch.optim.SparseAdam)
+    lr: float = 0.05
+    eps: float | None = None   # null: the optimizer's torch default (adagrad 1e-10, adam 1e-8)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adam
+    initial_accumulator_value: float = 0.0  # adagrad, rowwise_adagrad
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Embedding tables served row by row by every shard (docs/sparse.md)."""
+    tables: Any = "auto"       # auto (every nn.Embedding / nn.EmbeddingBag with at least min_rows rows) | a list of module names | [] (none)
+    min_rows: int = 100000     # auto: the smallest table served sparse
+    init_std: float = 0.01     # rows start as normal(0, init_std), drawn by the shards
+    max_ids: int = 1000000     # most ids one request may name per table
+    optimizer: SparseOptimizerConfig = field(default_factory=SparseOptimizerConfig)
 
 
 @dataclass(frozen=True)
@@ -248,12 +270,14 @@ class RunConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     log: LogConfig = field(default_factory=LogConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
     sim: SimConfig = field(default_factory=SimConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.autocast": ("none", "bfloat16", "float16"),
     "optimizer.name": ("sgd", "adam", "adamw"),
+    "sparse.optimizer.name": ("sgd", "adagrad", "rowwise_adagrad", "adam"),
     "cluster.nonfinite": ("reject", "skip", "clip"),
     "comm.compression": ("none", "fp16", "topk"),
     "comm.local_transport": ("ipc", "tcp"),

@@ -40,12 +40,16 @@ def first_plan(
     (its checkpoint holds it)."""
     shards = sorted(shards, key=lambda n: (-n.speed, n.rank))  # fastest first
     workers = sorted(workers, key=lambda n: n.rank)
+    # sparse tables are spread row by row over every shard (proto/sparse.py), never placed
+    tables = [s for s in specs if s.kind == "table"]
+    specs = [s for s in specs if s.kind != "table"]
     specs, chunks = chunk_specs(specs, cfg.cluster.chunk_bytes, len(shards))
     placement = place(specs, [n.speed for n in shards])
     if resumed is not None and resumed.schema_hash == schema:
         order = {s.rank: i for i, s in enumerate(resumed.shards)}
         shards.sort(key=lambda n: order.get(n.rank, len(order)))
         specs, chunks, placement = resumed.tensors, resumed.chunks, resumed.placement
+        tables = resumed.tables
     plan = ClusterPlan(
         plan_id=1,
         algorithm=cfg.algorithm.name,
@@ -53,6 +57,7 @@ def first_plan(
         workers=[NodeEntry(n.node_id, n.rank) for n in workers],
         shards=[NodeEntry(n.node_id, n.rank, n.address) for n in shards],
         tensors=specs,
+        tables=tables,
         chunks=chunks,
         placement=placement,
         schema_hash=schema,

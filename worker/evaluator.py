@@ -32,7 +32,8 @@ from hetps.runtime.membership import Membership
 
 from .client import PSClient
 from .data import ArrayDataset, test_batches
-from .export import describe, state_copy, write_model, write_state
+from .export import describe, state_copy, write_state
+from .sparse import RowExchange, tables_of
 from .state import ModelState
 from .step import task_for
 from .task import Classification, Metric, Task, evaluate_task, watched_metric
@@ -146,6 +147,24 @@ class Evaluator:
         self.final_client = PSClient(
             plan, member.node_id, cfg.cluster, plans=plans, transport=member.transport
         )
+        # sparse tables: the latest rows, read as each test batch needs them (sparse.py)
+        self.rows = self.final_rows = None
+        if plan.tables:
+            self.rows, self.final_rows = (
+                RowExchange(
+                    plan,
+                    member.node_id,
+                    cfg.cluster,
+                    member.transport,
+                    abort,
+                    client.address_of if plans else None,
+                    read_only=True,
+                )
+                for client, abort in (
+                    (self.client, member.stop_requested.is_set),
+                    (self.final_client, None),
+                )
+            )
         self.evals = 0
         self.metrics: dict[str, float] = {}  # of the latest evaluation
         self.best: BestEvaluation | None = None  # with eval.keep_best
@@ -171,6 +190,9 @@ class Evaluator:
     def evaluate_once(self, client: PSClient, final: bool = False) -> None:
         started = time.perf_counter()
         self.state.load(client.pull(-1))
+        rows = self.final_rows if client is self.final_client else self.rows
+        if rows is not None:
+            rows.bind(self.state.model)
         metrics = measure(self.task, self.state.model, self.test, self.cfg, self.state.device)
         self.evals += 1
         self.metrics = metrics
@@ -179,7 +201,7 @@ class Evaluator:
             self.watched, value, self.best.metrics[self.watched.name] if self.best else None
         ):
             self.best = BestEvaluation(
-                metrics, list(client.versions), state_copy(self.state.model.state_dict())
+                metrics, list(client.versions), state_copy(self.full_state(rows))
             )
         self.member.report(
             "eval",
@@ -226,8 +248,10 @@ class Evaluator:
                 **more,
             )
 
-        path, _ = write_model(
-            self.state.model, folder / "model.safetensors", described(self.metrics, "final")
+        path, _ = write_state(
+            self.full_state(self.final_rows),
+            folder / "model.safetensors",
+            described(self.metrics, "final"),
         )
         log.info("model written to %s (%s)", path, self.metrics)
         b = self.best
@@ -248,6 +272,18 @@ class Evaluator:
         )
         log.info("best model written to %s (%s)", path, b.metrics)
 
+    def full_state(self, rows: RowExchange | None) -> dict[str, torch.Tensor]:
+        """The model's state_dict with every sparse table whole (read from the shards), so
+        the files load into the model as its factory builds it (`hetps.load_model`)."""
+        state = self.state.model.state_dict()
+        if rows is not None:
+            for name, table in tables_of(self.state.model).items():
+                state[name] = rows.full_table(table.spec)
+        return state
+
     def close(self) -> None:
         self.client.close()
         self.final_client.close()
+        for rows in (self.rows, self.final_rows):
+            if rows is not None:
+                rows.close()

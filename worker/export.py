@@ -148,9 +148,34 @@ def newest_tensors(shard_dirs: list[Path]) -> tuple[dict[str, torch.Tensor], dic
     for d in damaged:
         print(f"hetps export: passed over {d}", file=sys.stderr)
     tensors: dict[str, torch.Tensor] = {}
+    slices: dict[str, list] = {}  # sparse table -> [(shard, shards, slice)]
     for d in shard_dirs:
-        tensors.update(checkpoint.load(checkpoint.latest(d, versions[d.name]))["tensors"])
+        state = checkpoint.load(checkpoint.latest(d, versions[d.name]))
+        tensors.update(state["tensors"])
+        sparse = state.get("sparse")
+        for name, table in (sparse or {}).get("tables", {}).items():
+            slices.setdefault(name, []).append((sparse["shard"], sparse["shards"], table["weight"]))
+    tensors.update(whole_tables(slices))
     return tensors, versions
+
+
+def whole_tables(slices: dict[str, list]) -> dict[str, torch.Tensor]:
+    """Each sparse table from its shards' slices (row i on shard i % shards at i // shards,
+    proto/sparse.py). Raises ExportError when a shard's slice is missing."""
+    out = {}
+    for name, parts in slices.items():
+        shards = parts[0][1]
+        if sorted(s for s, _, _ in parts) != list(range(shards)):
+            raise ExportError(
+                f"sparse table {name!r}: the checkpoints hold the slices of shards "
+                f"{sorted(s for s, _, _ in parts)} of {shards}: is a shard's folder missing?"
+            )
+        rows = sum(w.shape[0] for _, _, w in parts)
+        full = torch.empty(rows, parts[0][2].shape[1], dtype=parts[0][2].dtype)
+        for shard, _, weight in parts:
+            full[shard::shards] = weight
+        out[name] = full
+    return out
 
 
 def assemble(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -112,7 +112,7 @@ def run_node(
             if not args.evaluator:
                 warn_emulated_bfloat16(cfg.model.autocast, device)
             # the model and data, and one dry step of them, before registering (preflight.py)
-            data, model = build_checked(cfg, device)
+            data, model = build_checked(cfg, device, sparse=True)
             specs = model_specs(model)
             if not args.evaluator and issubclass(trainer_class(cfg), LocalSgdTrainer):
                 # its first torch.optim optimizer imports torch._dynamo (~1 s): pay it before joining,

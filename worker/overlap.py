@@ -359,6 +359,10 @@ class OverlapTrainer(Trainer):
         return super().compute()
 
     def exchange(self) -> tuple[list[Ack], float]:
+        # the row gradients exist only once backward is done: pushed here, on their own
+        # connections; the next step's pulls of rows wait at the shards for their round
+        if self.rows is not None:
+            self.rows.push(self.work.step_samples)
         self.overlap.finish()
         return self.overlap.last_acks, self.overlap.last_push_s
 

@@ -38,6 +38,8 @@ from hetps.runtime.daemon import load_or_exit
 
 from .data import Datasets, DatasetUnavailable, load_datasets, test_batches
 from .models import ModelError, build_model
+from .sparse import SparseConfigError
+from .sparse import install as install_tables
 from .state import model_specs
 from .step import autocast, task_for
 from .task import Classification, Regression, Task, TaskError
@@ -316,7 +318,8 @@ def check_message_bytes(model: nn.Module, cfg: RunConfig) -> None:
     """Raises ConfigValueError naming cluster.max_message_bytes and the smallest
     value that can work when the model's messages cannot pass the sockets."""
     limit = cfg.cluster.max_message_bytes
-    needed = message_bytes_needed(model_specs(model), cfg)
+    dense = [s for s in model_specs(model) if s.kind != "table"]  # tables travel row by row
+    needed = message_bytes_needed(dense, cfg)
     if limit >= needed.need:
         return
     shards = len(cfg.cluster.shards)
@@ -332,9 +335,13 @@ def check_message_bytes(model: nn.Module, cfg: RunConfig) -> None:
     )
 
 
-def build_checked(cfg: RunConfig, device: torch.device | str = "cpu") -> tuple[Datasets, nn.Module]:
+def build_checked(
+    cfg: RunConfig, device: torch.device | str = "cpu", sparse: bool = False
+) -> tuple[Datasets, nn.Module]:
     """The datasets and the seeded model, checked by `dry_step` and
-    `check_message_bytes`. Raises PreflightError (ConfigValueError for a
+    `check_message_bytes`. `sparse`: the tables `sparse.tables` selects are
+    replaced by row-served ones first (worker/sparse.py; the dry step then
+    computes on stand-in rows). Raises PreflightError (ConfigValueError for a
     setting the model cannot work with)."""
     try:
         data = load_datasets(cfg.data, cfg.seed)
@@ -351,6 +358,11 @@ def build_checked(cfg: RunConfig, device: torch.device | str = "cpu") -> tuple[D
         raise PreflightError(str(exc)) from None
     except TypeError as exc:  # a factory called with keywords it does not take
         raise PreflightError(str(exc)) from None
+    if sparse:
+        try:
+            install_tables(model, cfg)
+        except SparseConfigError as exc:
+            raise ConfigValueError(str(exc)) from None
     dry_step(model, data, cfg, device, task)
     check_message_bytes(model, cfg)
     return data, model

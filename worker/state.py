@@ -17,6 +17,7 @@ from hetps.proto.codec import dtype_name
 from hetps.proto.plan import TensorSpec
 
 from .flat_model import FlatParams
+from .sparse import tables_of
 
 
 def model_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
@@ -34,10 +35,11 @@ def model_tensors(model: nn.Module) -> dict[str, tuple[torch.Tensor, str]]:
 
 
 def model_specs(model: nn.Module) -> list[TensorSpec]:
+    """The model's tensors, then its sparse tables (kind "table", sparse.py)."""
     return [
         TensorSpec(n, dtype_name(t.dtype), tuple(t.shape), kind)
         for n, (t, kind) in model_tensors(model).items()
-    ]
+    ] + list(m.spec for m in tables_of(model).values())
 
 
 class ModelState:

@@ -24,6 +24,7 @@ from hetps.runtime.membership import Membership
 
 from .client import PSClient
 from .data import Datasets, stream_share
+from .sparse import RowExchange
 from .state import ModelState
 from .step import GradientStep, autocast, batch_loss
 from .straggler import straggle
@@ -151,6 +152,21 @@ class Trainer:
             plans=member.newer_plan if cfg.cluster.replicas else None,
             transport=member.transport,
         )
+        # sparse tables: rows by id on connections of their own (sparse.py)
+        self.rows = (
+            RowExchange(
+                plan,
+                member.node_id,
+                cfg.cluster,
+                member.transport,
+                self.should_abort,
+                self.client.address_of if cfg.cluster.replicas else None,
+            )
+            if plan.tables
+            else None
+        )
+        if self.rows is not None:
+            self.rows.bind(state.model)
         self.timer = StepTimer()
         self.clock = 0
         self.staleness = 0  # the shards' staleness for our last push
@@ -165,16 +181,20 @@ class Trainer:
         """Switch to a newer `plan` between steps: the client's, and this worker's
         group, data share and batch (GradientStep.use_plan)."""
         self.client.adopt(plan)
+        if self.rows is not None:
+            self.rows.adopt(plan)
         factor = self.work.use_plan(plan)
         if factor != 1.0:
             self.timer.rescale(factor)
 
     def stats(self) -> dict:
         work = self.work
+        rows = self.rows
         return {
             "steps": self.clock,
-            "bytes_sent": self.client.bytes_sent,
-            "bytes_received": self.client.bytes_received,
+            "bytes_sent": self.client.bytes_sent + (rows.bytes_sent if rows else 0),
+            "bytes_received": self.client.bytes_received + (rows.bytes_received if rows else 0),
+            **(rows.stats() if rows else {}),
             "step_time_s": self.timer.step_s,
             "compute_s": self.timer.compute_s,
             "plan_id": self.client.plan.plan_id,
@@ -204,7 +224,11 @@ class Trainer:
 
     def exchange(self) -> tuple[list[Ack], float]:
         """Push this step's gradients and buffers, then load the values for the
-        next step (blocking). Returns the push ACKs and the seconds until they came."""
+        next step (blocking). Returns the push ACKs and the seconds until they came.
+        The step's row gradients go first: a shard that closes a round with them has them
+        before any member's dense values for the next step leave."""
+        if self.rows is not None:
+            self.rows.push(self.work.step_samples)
         acks, values = self.client.push_pull(
             self.state.outgoing(), self.clock, self.work.step_samples
         )
@@ -250,3 +274,5 @@ class Trainer:
 
     def close(self) -> None:
         self.client.close()
+        if self.rows is not None:
+            self.rows.close()

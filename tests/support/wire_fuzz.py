@@ -117,6 +117,10 @@ def sample_tensors() -> dict[str, torch.Tensor]:
     }
 
 
+def _ids():
+    return torch.tensor([0, 2], dtype=torch.int64)
+
+
 def sample_messages(tensors: dict, plan_id: int = 1, node_id: int = 1) -> dict[Op, m.Message]:
     out = {
         Op.REGISTER: m.Register(
@@ -175,6 +179,15 @@ def sample_messages(tensors: dict, plan_id: int = 1, node_id: int = 1) -> dict[O
             state={"d": [["version", 1], [0, {"t": "w"}]]},
             tensors=tensors,
         ),
+        # sparse tables' rows: a daemon without them must answer ERROR too
+        Op.PULL_ROWS: m.PullRows(plan_id=plan_id, clock=0, tensors={"w:ids": _ids()}),
+        Op.PUSH_ROWS: m.PushRows(
+            plan_id=plan_id,
+            clock=0,
+            n_samples=4,
+            tensors={"w:ids": _ids(), "w:rows": torch.ones(2, 4)},
+        ),
+        Op.ROWS: m.Rows(version=1, tensors={"w:rows": torch.ones(2, 4)}),
     }
     assert set(out) == set(MESSAGES), "a new message type needs a fuzz template"
     return out

@@ -84,6 +84,14 @@ SAMPLES: dict[Op, m.Message] = {
         state={"d": [["version", 3], [0, {"t": "w.f32"}]]},
         tensors=sample_tensors(),
     ),
+    Op.PULL_ROWS: m.PullRows(plan_id=5, clock=2, tensors={"emb:ids": torch.tensor([0, 4, 8])}),
+    Op.PUSH_ROWS: m.PushRows(
+        plan_id=5,
+        clock=2,
+        n_samples=32,
+        tensors={"emb:ids": torch.tensor([0, 4]), "emb:rows": torch.randn(2, 3)},
+    ),
+    Op.ROWS: m.Rows(version=7, tensors={"emb:rows": torch.randn(3, 3)}),
 }
 
 

@@ -1,0 +1,325 @@
+"""Sparse tables on the worker: embeddings whose rows come from the shards.
+
+`install(model, cfg)` replaces each `nn.Embedding` / `nn.EmbeddingBag` that
+`sparse.tables` selects (docs/sparse.md) by a `SparseEmbedding` of the same
+shape and options that holds no weight. Its forward takes the unique ids of
+its input, asks the shards for those rows only (`RowExchange.rows`: one
+request per shard holding any of them), and computes the module's output on
+that small matrix; backward leaves the gradient of exactly those rows. After
+the step, `RowExchange.push` sends each shard the row-sparse gradient of its
+rows (unique ids, each id's gradient summed over its uses in the step), so a
+worker's memory grows with the rows a step touches, never with the table.
+
+The table is built once by the model factory and freed at install (a table
+larger than the worker's memory cannot be built by an ordinary factory:
+build it on the meta device, `torch.device("meta")`, and install swaps it
+all the same). The dense parameters travel as before (client.py).
+
+Rows are pulled with the worker's count of row pushes (`clock`): a shard
+answers once the worker's previous push has been applied (under sync and
+grouping, once its group's round closed), so a step never sees rows without
+its own last update. The evaluator and `hetps export` read the latest rows
+(clock -1).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetps.proto.codec import ProtocolError, dtype_name
+from hetps.proto.messages import Ack, PullRows, PushRows, Rows, Status
+from hetps.proto.plan import ClusterPlan, TensorSpec
+from hetps.proto.rpc import RpcClient, wait_all
+from hetps.proto.sparse import ids_key, owner_of, rows_key
+from hetps.proto.transport import TransportOptions
+from hetps.runconfig.algorithms import algorithm
+from hetps.runconfig.schema import ClusterConfig, RunConfig
+
+log = logging.getLogger(__name__)
+EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+
+
+class SparseConfigError(ValueError):
+    """A `sparse:` setting this model or run cannot work with; the message starts with its key."""
+
+
+class SparseEmbedding(nn.Module):
+    """An `nn.Embedding` or `nn.EmbeddingBag` whose rows live on the shards.
+    Same call signature and result; holds no parameter. `spec`: the table
+    (a TensorSpec of kind "table", named after the weight it replaces)."""
+
+    def __init__(self, name: str, module: nn.Module):
+        super().__init__()
+        weight = module.weight
+        self.spec = TensorSpec(name, dtype_name(weight.dtype), tuple(weight.shape), "table")
+        self.bag = isinstance(module, nn.EmbeddingBag)
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.padding_idx = module.padding_idx
+        self.mode = getattr(module, "mode", "mean")
+        self.include_last_offset = getattr(module, "include_last_offset", False)
+        self.dtype = weight.dtype
+        self.exchange: RowExchange | None = None
+
+    def extra_repr(self) -> str:
+        kind = f"EmbeddingBag, mode={self.mode}" if self.bag else "Embedding"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {kind}, rows on the shards"
+
+    def forward(self, input, offsets=None, per_sample_weights=None):
+        unique, inverse = torch.unique(input.reshape(-1), return_inverse=True)
+        rows = self._rows(unique.cpu()).to(input.device, non_blocking=True)
+        if torch.is_grad_enabled() and self.training:
+            rows.requires_grad_(True)
+            if self.exchange is not None:
+                self.exchange.touched.append((self.spec.name, unique.cpu(), rows))
+        padding = None
+        if self.padding_idx is not None:
+            hit = (unique == self.padding_idx).nonzero()
+            padding = int(hit[0, 0]) if hit.numel() else None
+            if padding is not None and not self.bag:
+                # nn.Embedding's padding row is zero and never learns: so here, whatever the shard holds
+                rows = rows.index_fill(0, hit[0], 0.0)
+        local = inverse.view(input.shape)
+        if not self.bag:
+            return F.embedding(local, rows, padding_idx=padding)
+        return F.embedding_bag(
+            local,
+            rows,
+            offsets,
+            mode=self.mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
+            padding_idx=padding,
+        )
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(
+                f"{self.spec.name}: ids must lie in [0, {self.num_embeddings}), got "
+                f"{int(ids.min())}..{int(ids.max())}"
+            )
+        if self.exchange is None:
+            # before the cluster: the dry step and speed profiling compute on stand-in rows
+            return torch.zeros(ids.numel(), self.embedding_dim, dtype=self.dtype)
+        return self.exchange.rows(self.spec.name, ids, self.embedding_dim, self.dtype)
+
+
+def selected(model: nn.Module, cfg: RunConfig) -> list[tuple[str, nn.Module]]:
+    """The (module path, module) pairs `sparse.tables` selects. Raises
+    SparseConfigError naming the key for a name that is not an embedding of
+    the model, or an option the row-wise path cannot honour."""
+    embeddings = {n: m for n, m in model.named_modules() if isinstance(m, EMBEDDINGS)}
+    tables = cfg.sparse.tables
+    if tables == "auto":
+        chosen = [n for n, m in embeddings.items() if m.weight.shape[0] >= cfg.sparse.min_rows]
+    elif isinstance(tables, list) and all(isinstance(t, str) for t in tables):
+        chosen = [t.removesuffix(".weight") for t in tables]
+        unknown = [t for t in chosen if t not in embeddings]
+        if unknown:
+            raise SparseConfigError(
+                f"sparse.tables: {unknown[0]!r} is not an nn.Embedding or nn.EmbeddingBag of "
+                f"model {cfg.model.name!r}; its embeddings: {sorted(embeddings) or 'none'}"
+            )
+    else:
+        raise SparseConfigError(
+            f"sparse.tables: want 'auto' or a list of module names, got {tables!r:.80}"
+        )
+    for name in chosen:
+        m = embeddings[name]
+        if m.max_norm is not None or m.scale_grad_by_freq:
+            raise SparseConfigError(
+                f"sparse.tables: {name!r} sets max_norm or scale_grad_by_freq, which the shards' "
+                "row-wise update does not apply; drop the option or leave the table dense"
+            )
+    if chosen:
+        algo = algorithm(cfg.algorithm.name)
+        if algo.pushes != "gradients":
+            raise SparseConfigError(
+                f"sparse.tables: algorithm {cfg.algorithm.name!r} averages models, which sparse "
+                "tables do not support; use sync, async, ssp, grouping, eager or balanced, or "
+                "sparse.tables=[]"
+            )
+        if cfg.model.autocast == "float16":
+            raise SparseConfigError(
+                "sparse.tables: model.autocast float16 (loss scaling) is not supported with "
+                "sparse tables; use bfloat16 or none"
+            )
+    return [(n, embeddings[n]) for n in chosen]
+
+
+def install(model: nn.Module, cfg: RunConfig) -> list[TensorSpec]:
+    """Replace the selected embeddings of `model` by SparseEmbedding modules
+    (their weights freed); returns the tables' specs."""
+    specs = []
+    for path, module in selected(model, cfg):
+        parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
+        proxy = SparseEmbedding(f"{path}.weight", module)
+        setattr(parent, path.rpartition(".")[2], proxy)
+        specs.append(proxy.spec)
+        log.info("sparse table %s: %d x %d", proxy.spec.name, *proxy.spec.shape)
+    return specs
+
+
+def tables_of(model: nn.Module) -> dict[str, SparseEmbedding]:
+    """The model's sparse tables by name."""
+    return {m.spec.name: m for m in model.modules() if isinstance(m, SparseEmbedding)}
+
+
+class RowExchange:
+    """A worker's (or the evaluator's) traffic of rows with every shard, on
+    its own connections (the dense client's may be busy on other threads).
+    `clock` counts the row pushes made; None: read-only, the latest rows.
+    Not thread-safe."""
+
+    def __init__(
+        self,
+        plan: ClusterPlan,
+        node_id: int,
+        cluster: ClusterConfig,
+        transport: TransportOptions | None = None,
+        should_abort: Callable[[], bool] | None = None,
+        address_of: Callable[[int], str] | None = None,
+        read_only: bool = False,
+    ):
+        self.plan = plan
+        self.read_only = read_only
+        self.clock = 0
+        self.touched: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self.counts = {"rows_pulled": 0, "rows_pushed": 0}
+        self.shards = [
+            RpcClient(
+                s.address,
+                src=node_id,
+                timeout_s=cluster.request_timeout_s,
+                options=transport or TransportOptions(max_message_bytes=cluster.max_message_bytes),
+                should_abort=should_abort,
+                retry_s=cluster.retry_s,
+                redirect=functools.partial(address_of, i) if address_of else None,
+            )
+            for i, s in enumerate(plan.shards)
+        ]
+
+    def bind(self, model: nn.Module) -> None:
+        for table in tables_of(model).values():
+            table.exchange = self
+
+    def adopt(self, plan: ClusterPlan) -> None:
+        self.plan = plan
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes_sent for c in self.shards)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(c.bytes_received for c in self.shards)
+
+    def stats(self) -> dict:
+        return dict(self.counts)
+
+    def _by_shard(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """A permutation grouping `ids` by owning shard, and each shard's count."""
+        owner = owner_of(ids, len(self.shards))
+        order = torch.argsort(owner, stable=True)
+        return order, torch.bincount(owner, minlength=len(self.shards)).tolist()
+
+    def rows(self, table: str, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """The current rows `ids` (unique int64) of `table`, in that order, fetched with one
+        request to each shard that holds any of them."""
+        order, counts = self._by_shard(ids)
+        grouped = ids[order]
+        clock = -1 if self.read_only else self.clock
+        sent, start = [], 0
+        for i, n in enumerate(counts):
+            if n:
+                part = grouped[start : start + n]
+                msg = PullRows(
+                    plan_id=self.plan.plan_id, clock=clock, tensors={ids_key(table): part}
+                )
+                sent.append((i, self.shards[i].send(msg), n))
+            start += n
+        replies = wait_all([(self.shards[i], req) for i, req, _ in sent])
+        out = torch.empty(ids.numel(), dim, dtype=dtype)
+        parts = []
+        for (i, _, n), reply in zip(sent, replies):
+            values = reply.tensors.get(rows_key(table)) if isinstance(reply, Rows) else None
+            if values is None or tuple(values.shape) != (n, dim):
+                raise ProtocolError(
+                    Status.MALFORMED,
+                    f"shard {i} answered {type(reply).__name__} without {n} rows of {table}",
+                )
+            parts.append(values)
+        if parts:
+            out[order] = torch.cat(parts)
+        self.counts["rows_pulled"] += ids.numel()
+        return out
+
+    def gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """This step's row-sparse gradient per table: unique ids and each id's gradient summed
+        over the forward passes that used it."""
+        by_table: dict[str, list] = {}
+        for table, ids, rows in self.touched:
+            if rows.grad is not None:
+                by_table.setdefault(table, []).append((ids, rows.grad.detach().cpu()))
+        out = {}
+        for table, entries in by_table.items():
+            if len(entries) == 1:
+                out[table] = entries[0]
+                continue
+            ids = torch.cat([i for i, _ in entries])
+            grads = torch.cat([g for _, g in entries])
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            out[table] = (
+                unique,
+                torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype).index_add_(
+                    0, inverse, grads
+                ),
+            )
+        return out
+
+    def push(self, n_samples: int) -> list[Ack]:
+        """Send every shard its part of this step's row gradients (an empty push where the
+        step touched none of its rows: a synchronous round counts every member), await the
+        ACKs, and forget the step's rows."""
+        per_shard: list[dict] = [{} for _ in self.shards]
+        for table, (ids, grads) in self.gradients().items():
+            order, counts = self._by_shard(ids)
+            ids, grads = ids[order], grads[order]
+            start = 0
+            for i, n in enumerate(counts):
+                # every shard hears of every table the step touched, with no ids if none of its
+                # rows: lazy Adam counts the table's steps alike on every shard
+                per_shard[i][ids_key(table)] = ids[start : start + n]
+                per_shard[i][rows_key(table)] = grads[start : start + n]
+                start += n
+            self.counts["rows_pushed"] += ids.numel()
+        self.touched.clear()
+        sent = [
+            c.send(
+                PushRows(
+                    plan_id=self.plan.plan_id, clock=self.clock, n_samples=n_samples, tensors=part
+                )
+            )
+            for c, part in zip(self.shards, per_shard)
+        ]
+        acks = wait_all(list(zip(self.shards, sent)))
+        self.clock += 1
+        return acks
+
+    def full_table(self, spec: TensorSpec, batch: int = 1 << 16) -> torch.Tensor:
+        """The whole table, read in batches of `batch` ids (`hetps export`, the final model)."""
+        rows, dim = spec.shape
+        out = torch.empty(rows, dim, dtype=getattr(torch, spec.dtype))
+        for start in range(0, rows, batch):
+            ids = torch.arange(start, min(rows, start + batch))
+            out[start : start + ids.numel()] = self.rows(spec.name, ids, dim, out.dtype)
+        return out
+
+    def close(self) -> None:
+        for c in self.shards:
+            c.close()
