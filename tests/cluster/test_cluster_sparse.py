@@ -1,0 +1,81 @@
+"""Sparse tables in real processes: the byte-level language model
+(configs/charlm.yaml) with its token embedding served row by row
+(`sparse.tables=[tokens]`), on 2 shards, under sync (rounds per id) and
+async (per push). It must reach the perplexity target, the shards must have
+updated rows, and the run's model file must hold the whole table and give
+back the final evaluation in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from cluster_util import REPO, log_tails, records, run_hetps, summary
+
+TARGET = 14.0
+
+MEASURE = """
+import json, sys
+from pathlib import Path
+
+import hetps
+from hetps.runconfig.load import load_config
+from hetps.worker.data import load_datasets
+from hetps.worker.evaluator import measure
+from hetps.worker.task import load_task
+
+run_dir = Path(sys.argv[1])
+cfg = load_config(run_dir / "config.yaml", import_targets=True)
+model = hetps.load_model(run_dir)
+data = load_datasets(cfg.data, cfg.seed)
+print(json.dumps(measure(load_task(cfg, data.num_classes), model, data.test, cfg, "cpu")))
+"""
+
+
+@pytest.mark.parametrize("algorithm", ["sync", "async"])
+def test_a_sparse_embedding_trains_to_the_target(algorithm, run_dir, tmp_path):
+    done = run_hetps(
+        [
+            "run",
+            str(REPO / "configs" / "charlm.yaml"),
+            f"algorithm.name={algorithm}",
+            "sparse.tables=[tokens]",
+            "sparse.optimizer.name=adam",
+            "sparse.optimizer.lr=0.003",
+            "cluster.shards=2",
+            f"stop.target={{metric: perplexity, value: {TARGET}}}",
+            "stop.max_seconds=240",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=400,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr + log_tails(run_dir)
+    s = summary(run_dir)
+    assert s["status"] == "completed" and s["best"] <= TARGET, s
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert [t[0] for t in plan["tables"]] == ["tokens.weight"], plan["tables"]
+    assert "tokens.weight" not in plan["placement"]  # served row by row, not placed
+    shards = {n: st for n, st in s["per_node"].items() if n.startswith("ps")} or {
+        n: st for n, st in s.get("shard_stats", {}).items()
+    }
+    updated = [st.get("sparse_rows_updated", 0) for st in shards.values()]
+    assert len(updated) == 2 and all(u > 0 for u in updated), shards
+    evals = records(run_dir, "eval")
+    assert evals[0]["perplexity"] > 4 * TARGET, evals[0]
+    # the model file holds the whole table: loaded into the factory's model in a fresh process,
+    # it gives the final evaluation again
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(run_dir)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    again = json.loads(out.stdout)["perplexity"]
+    assert again == pytest.approx(s["final_metrics"]["perplexity"], rel=1e-5)
