@@ -131,17 +131,19 @@ def dense_reference(initial, optimizer):
     opt = {
         "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
         "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+        "adam": lambda p: torch.optim.SparseAdam(p, lr=0.1),
     }[optimizer](list(weights.values()))
     return weights, opt
 
 
 def dense_loss(weights, ids):
-    out = F.embedding_bag(ids, weights["emb.weight"], mode="sum").sum(1)
-    out = out + F.embedding(ids[:, 0], weights["tok.weight"]).sum(1)
+    # sparse gradients, as torch.optim.SparseAdam needs (SGD and Adagrad take them too)
+    out = F.embedding_bag(ids, weights["emb.weight"], mode="sum", sparse=True).sum(1)
+    out = out + F.embedding(ids[:, 0], weights["tok.weight"], sparse=True).sum(1)
     return (out**2).mean()
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 def test_sync_rounds_equal_dense_training(cluster_of, optimizer):
     """Two workers under sync: each step's row pushes are averaged per id and
     applied once per round, exactly the dense mean gradient's update."""
@@ -165,11 +167,12 @@ def test_sync_rounds_equal_dense_training(cluster_of, optimizer):
         torch.testing.assert_close(trained[name], w.detach(), rtol=1e-6, atol=1e-6)
 
 
-def test_async_pushes_apply_one_by_one(cluster_of):
-    cfg = config("async", "adagrad")
-    cluster = cluster_of("async", "adagrad")
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_async_pushes_apply_one_by_one(cluster_of, optimizer):
+    cfg = config("async", optimizer)
+    cluster = cluster_of("async", optimizer)
     initial = full_tables(cluster, cfg)
-    weights, opt = dense_reference(initial, "adagrad")
+    weights, opt = dense_reference(initial, optimizer)
     workers = [worker(cluster, w, cfg) for w in WORKERS]
     data = [batches(i + 5, 4) for i in range(2)]
     for step in range(4):
