@@ -442,7 +442,8 @@ class ReplicaHost:
 
     def stats(self) -> dict:
         """The backup's numbers, for the process's heartbeats: `backup` is
-        {of: shard node id, role, version, accepted, replicated} once one is held."""
+        {of: shard node id, role, version, accepted, pushes, retried, row_pushes,
+        sparse_updates} once one is held."""
         if self.shadow is None:
             return {}
         s = self.shadow
@@ -454,6 +455,10 @@ class ReplicaHost:
                 "accepted": s.policy.counts["accepted"] if s.policy else 0,
                 "pushes": s.counts["pushes"],
                 "retried": s.counts["retried"],
+                # sparse tables: row pushes taken and updates applied (one per push under the
+                # asynchronous families, one per round under the synchronous ones)
+                "row_pushes": s.counts["row_pushes"],
+                "sparse_updates": s.sparse.updates if s.sparse is not None else 0,
             }
         }
 

@@ -14,12 +14,18 @@ training does not stop for the copy.
 The wire form has no pickle: the state becomes msgpack-able plain data in
 which every map is `{"d": [[key, value], ...]}` (optimizer state has integer
 keys), every list `{"l": [...]}`, tuple `{"u": [...]}`, set `{"s": [...]}`
-and tensor `{"t": frame name}`; the tensors travel as frames.
+and tensor `{"t": frame name}`; the tensors travel as frames. A tensor larger
+than a frame may be (`cluster.max_message_bytes` bounds every frame a socket
+takes; a sparse table's slice is often larger) travels flattened, in pieces
+that each fit: `{"c": [shape, [frame names]]}`. The snapshot is encoded
+unpacked (one frame per piece), so that no pack frame of many small tensors
+(open rounds' rows) outgrows the bound either.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -33,17 +39,27 @@ _SCALARS = (type(None), bool, int, float, str)
 MAX_DEPTH = 32
 
 
-def to_wire(state: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+def to_wire(state: Any, max_frame_bytes: int | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
     """(plain data, tensors by frame name) for `state`. Every tensor is
-    copied, so the snapshot is of this moment however the shard goes on.
-    Raises TypeError for a value it cannot carry."""
+    copied, so the snapshot is of this moment however the shard goes on; one
+    over `max_frame_bytes` (None: no bound) is split into flat pieces that
+    each fit. Raises TypeError for a value it cannot carry."""
     tensors: dict[str, torch.Tensor] = {}
+
+    def frame(t: torch.Tensor) -> str:
+        name = f"s{len(tensors)}"
+        tensors[name] = t
+        return name
 
     def walk(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
-            name = f"s{len(tensors)}"
-            tensors[name] = v.detach().clone()
-            return {"t": name}
+            v = v.detach()
+            if max_frame_bytes is None or v.numel() * v.element_size() <= max_frame_bytes:
+                return {"t": frame(v.clone())}
+            per = max(1, max_frame_bytes // v.element_size())
+            flat = v.reshape(-1)
+            names = [frame(flat[i : i + per].clone()) for i in range(0, flat.numel(), per)]
+            return {"c": [list(v.shape), names]}
         if isinstance(v, _SCALARS):
             return v
         if isinstance(v, dict):
@@ -69,6 +85,8 @@ def from_wire(plain: Any, tensors: dict[str, torch.Tensor]) -> Any:
         ((tag, body),) = v.items()
         if tag == "t" and isinstance(body, str) and body in tensors:
             return tensors[body].clone()
+        if tag == "c":
+            return _joined(body, tensors)
         if (
             tag == "d"
             and isinstance(body, list)
@@ -82,6 +100,28 @@ def from_wire(plain: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return walk(plain, 0)
 
 
+def _joined(body: Any, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A tensor `to_wire` split into pieces: [shape, [frame names]]."""
+    ok = (
+        isinstance(body, list)
+        and len(body) == 2
+        and isinstance(body[0], list)
+        and all(type(n) is int and n >= 0 for n in body[0])
+        and isinstance(body[1], list)
+        and body[1]
+        and all(isinstance(n, str) and n in tensors for n in body[1])
+    )
+    pieces = [tensors[n] for n in body[1]] if ok else []
+    if not ok or any(p.dim() != 1 or p.dtype != pieces[0].dtype for p in pieces):
+        raise ProtocolError(Status.MALFORMED, f"SNAPSHOT: not a split tensor: {body!r:.60}")
+    flat = torch.cat(pieces)
+    if flat.numel() != math.prod(body[0]):
+        raise ProtocolError(
+            Status.MALFORMED, f"SNAPSHOT: pieces of {flat.numel()} values for shape {body[0]}"
+        )
+    return flat.reshape(body[0])
+
+
 def _key(k: Any) -> Any:
     if isinstance(k, (list, set, dict)):
         raise ProtocolError(Status.MALFORMED, f"SNAPSHOT: unhashable map key {k!r:.40}")
@@ -91,14 +131,15 @@ def _key(k: Any) -> Any:
 def snapshot_of(shard) -> Snapshot:
     """The SNAPSHOT message of `shard`'s state now (its open rounds included)."""
     shard.store.settle()
-    state, tensors = to_wire(shard.state_dict())
+    state, tensors = to_wire(shard.state_dict(), shard.max_tensor_bytes())
     return Snapshot(plan=shard.plan, state=state, tensors=tensors)
 
 
 def load_snapshot(shard, peer: bytes, msg: Snapshot) -> Ack:
     """Make backup `shard` an exact copy of the primary that sent `msg` (from
     `peer`): its plan, values, optimizer, policy (open rounds and all, unlike a
-    checkpoint restore, which realigns), last ACK per worker and counts.
+    checkpoint restore, which realigns), sparse tables (slices, row optimizer
+    state, open rounds of rows), last ACK and row ACK per worker and counts.
     Raises ProtocolError (BAD_STATE) unless `shard` is a backup and `peer` its
     primary's connection, (MALFORMED) when the state is not of this shard."""
     if shard.role == "backup" and shard.primary_peer is None:
@@ -119,6 +160,15 @@ def load_snapshot(shard, peer: bytes, msg: Snapshot) -> Ack:
         shard.policy.updater.load_state_dict(state["updater"])
         shard.policy.load_state_dict(state["policy"])
         shard.recent_acks = {w: (req, Ack(**ack)) for w, (req, ack) in state["recent_acks"].items()}
+        if shard.sparse is not None:
+            if state.get("sparse") is None:
+                raise ProtocolError(
+                    Status.BAD_STATE, "SNAPSHOT holds no sparse tables, this backup's plan has some"
+                )
+            shard.sparse.load_state_dict(state["sparse"])  # open rounds included
+        shard.recent_row_acks = {
+            w: (req, Ack(**ack)) for w, (req, ack) in state.get("recent_row_acks", {}).items()
+        }
         shard.counts.update(state["counts"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(
