@@ -339,6 +339,10 @@ class Shard(Service):
             if self.plan.groups
             else self.plan.worker_ids()
         )
+        if env.src not in members:
+            raise ProtocolError(
+                Status.BAD_STATE, f"node {env.src} is not a worker of plan {self.plan.plan_id}"
+            )
         started = work_clock()
         self.sparse.push(env.src, members, grads)
         self._stretch(work_clock() - started)

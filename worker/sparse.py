@@ -64,7 +64,7 @@ class SparseEmbedding(nn.Module):
         self.mode = getattr(module, "mode", "mean")
         self.include_last_offset = getattr(module, "include_last_offset", False)
         self.dtype = weight.dtype
-        self.exchange: RowExchange | None = None
+        self.exchange: TouchedRows | None = None
 
     def extra_repr(self) -> str:
         kind = f"EmbeddingBag, mode={self.mode}" if self.bag else "Embedding"
@@ -170,11 +170,69 @@ def tables_of(model: nn.Module) -> dict[str, SparseEmbedding]:
     return {m.spec.name: m for m in model.modules() if isinstance(m, SparseEmbedding)}
 
 
-class RowExchange:
+class TouchedRows:
+    """The rows a step's forward passes pulled (`touched`, appended by the
+    SparseEmbedding modules bound to it) and, after backward, their
+    row-sparse gradient, cut per shard. Subclasses fetch rows (`rows`)."""
+
+    def __init__(self, shards: int):
+        self.n_shards = shards
+        self.touched: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    def bind(self, model: nn.Module) -> None:
+        for table in tables_of(model).values():
+            table.exchange = self
+
+    def rows(self, table: str, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def by_shard(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """A permutation grouping `ids` by owning shard, and each shard's count."""
+        owner = owner_of(ids, self.n_shards)
+        order = torch.argsort(owner, stable=True)
+        return order, torch.bincount(owner, minlength=self.n_shards).tolist()
+
+    def gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """This step's row-sparse gradient per table: unique ids and each id's gradient summed
+        over the forward passes that used it."""
+        by_table: dict[str, list] = {}
+        for table, ids, rows in self.touched:
+            if rows.grad is not None:
+                by_table.setdefault(table, []).append((ids, rows.grad.detach().cpu()))
+        out = {}
+        for table, entries in by_table.items():
+            if len(entries) == 1:
+                out[table] = entries[0]
+                continue
+            ids = torch.cat([i for i, _ in entries])
+            grads = torch.cat([g for _, g in entries])
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype)
+            out[table] = (unique, summed.index_add_(0, inverse, grads))
+        return out
+
+    def take_pushes(self) -> list[dict]:
+        """Per shard, the frames of its PUSH_ROWS for this step (every table the step touched
+        named in each, with no ids where none of that shard's rows: lazy Adam counts the
+        table's steps alike on every shard); the step's rows are forgotten."""
+        per_shard: list[dict] = [{} for _ in range(self.n_shards)]
+        for table, (ids, grads) in self.gradients().items():
+            order, counts = self.by_shard(ids)
+            ids, grads = ids[order], grads[order]
+            start = 0
+            for i, n in enumerate(counts):
+                per_shard[i][ids_key(table)] = ids[start : start + n]
+                per_shard[i][rows_key(table)] = grads[start : start + n]
+                start += n
+        self.touched.clear()
+        return per_shard
+
+
+class RowExchange(TouchedRows):
     """A worker's (or the evaluator's) traffic of rows with every shard, on
     its own connections (the dense client's may be busy on other threads).
-    `clock` counts the row pushes made; None: read-only, the latest rows.
-    Not thread-safe."""
+    `clock` counts the row pushes made; `read_only`: the latest rows, never
+    parked (evaluator, export). Not thread-safe."""
 
     def __init__(
         self,
@@ -186,10 +244,10 @@ class RowExchange:
         address_of: Callable[[int], str] | None = None,
         read_only: bool = False,
     ):
+        super().__init__(len(plan.shards))
         self.plan = plan
         self.read_only = read_only
         self.clock = 0
-        self.touched: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self.counts = {"rows_pulled": 0, "rows_pushed": 0}
         self.shards = [
             RpcClient(
@@ -203,10 +261,6 @@ class RowExchange:
             )
             for i, s in enumerate(plan.shards)
         ]
-
-    def bind(self, model: nn.Module) -> None:
-        for table in tables_of(model).values():
-            table.exchange = self
 
     def adopt(self, plan: ClusterPlan) -> None:
         self.plan = plan
@@ -222,16 +276,10 @@ class RowExchange:
     def stats(self) -> dict:
         return dict(self.counts)
 
-    def _by_shard(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """A permutation grouping `ids` by owning shard, and each shard's count."""
-        owner = owner_of(ids, len(self.shards))
-        order = torch.argsort(owner, stable=True)
-        return order, torch.bincount(owner, minlength=len(self.shards)).tolist()
-
     def rows(self, table: str, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
         """The current rows `ids` (unique int64) of `table`, in that order, fetched with one
         request to each shard that holds any of them."""
-        order, counts = self._by_shard(ids)
+        order, counts = self.by_shard(ids)
         grouped = ids[order]
         clock = -1 if self.read_only else self.clock
         sent, start = [], 0
@@ -259,46 +307,14 @@ class RowExchange:
         self.counts["rows_pulled"] += ids.numel()
         return out
 
-    def gradients(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """This step's row-sparse gradient per table: unique ids and each id's gradient summed
-        over the forward passes that used it."""
-        by_table: dict[str, list] = {}
-        for table, ids, rows in self.touched:
-            if rows.grad is not None:
-                by_table.setdefault(table, []).append((ids, rows.grad.detach().cpu()))
-        out = {}
-        for table, entries in by_table.items():
-            if len(entries) == 1:
-                out[table] = entries[0]
-                continue
-            ids = torch.cat([i for i, _ in entries])
-            grads = torch.cat([g for _, g in entries])
-            unique, inverse = torch.unique(ids, return_inverse=True)
-            out[table] = (
-                unique,
-                torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype).index_add_(
-                    0, inverse, grads
-                ),
-            )
-        return out
-
     def push(self, n_samples: int) -> list[Ack]:
         """Send every shard its part of this step's row gradients (an empty push where the
         step touched none of its rows: a synchronous round counts every member), await the
         ACKs, and forget the step's rows."""
-        per_shard: list[dict] = [{} for _ in self.shards]
-        for table, (ids, grads) in self.gradients().items():
-            order, counts = self._by_shard(ids)
-            ids, grads = ids[order], grads[order]
-            start = 0
-            for i, n in enumerate(counts):
-                # every shard hears of every table the step touched, with no ids if none of its
-                # rows: lazy Adam counts the table's steps alike on every shard
-                per_shard[i][ids_key(table)] = ids[start : start + n]
-                per_shard[i][rows_key(table)] = grads[start : start + n]
-                start += n
-            self.counts["rows_pushed"] += ids.numel()
-        self.touched.clear()
+        per_shard = self.take_pushes()
+        self.counts["rows_pushed"] += sum(
+            part[k].numel() for part in per_shard for k in part if k.endswith(":ids")
+        )
         sent = [
             c.send(
                 PushRows(
