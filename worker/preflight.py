@@ -40,6 +40,7 @@ from .data import Datasets, DatasetUnavailable, load_datasets, test_batches
 from .models import ModelError, build_model
 from .sparse import SparseConfigError
 from .sparse import install as install_tables
+from .sparse import selected as selected_tables
 from .state import model_specs
 from .step import autocast, task_for
 from .task import Classification, Regression, Task, TaskError
@@ -314,11 +315,12 @@ def message_bytes_needed(specs: list[TensorSpec], cfg: RunConfig) -> MessageByte
     return MessageBytes(need, why, max(whole, need))
 
 
-def check_message_bytes(model: nn.Module, cfg: RunConfig) -> None:
+def check_message_bytes(model: nn.Module, cfg: RunConfig, tables: frozenset = frozenset()) -> None:
     """Raises ConfigValueError naming cluster.max_message_bytes and the smallest
-    value that can work when the model's messages cannot pass the sockets."""
+    value that can work when the model's messages cannot pass the sockets.
+    Sparse tables travel row by row: installed ones, and the weights named in `tables`."""
     limit = cfg.cluster.max_message_bytes
-    dense = [s for s in model_specs(model) if s.kind != "table"]  # tables travel row by row
+    dense = [s for s in model_specs(model) if s.kind != "table" and s.name not in tables]
     needed = message_bytes_needed(dense, cfg)
     if limit >= needed.need:
         return
@@ -358,13 +360,15 @@ def build_checked(
         raise PreflightError(str(exc)) from None
     except TypeError as exc:  # a factory called with keywords it does not take
         raise PreflightError(str(exc)) from None
-    if sparse:
-        try:
+    try:
+        # the whole model (`hetps export`, load_model) still sends its tables row by row
+        tables = frozenset(f"{n}.weight" for n, _ in selected_tables(model, cfg))
+        if sparse:
             install_tables(model, cfg)
-        except SparseConfigError as exc:
-            raise ConfigValueError(str(exc)) from None
+    except SparseConfigError as exc:
+        raise ConfigValueError(str(exc)) from None
     dry_step(model, data, cfg, device, task)
-    check_message_bytes(model, cfg)
+    check_message_bytes(model, cfg, tables)
     return data, model
 
 
