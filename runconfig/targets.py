@@ -15,8 +15,8 @@ a name that is not one of theirs is a config error before anything starts.
 (load.py): it is the only place that still sees which keys the user wrote.
 It makes the written config say what the run does, so the resolved config a
 run directory keeps (config.yaml) loads back to the same targets:
-`stop.target` set -> `stop.target_accuracy` null; a built-in task without an
-accuracy metric and no target written -> `stop.target_accuracy` null (the
+`stop.target` set -> `stop.target_accuracy` null; a built-in task other than
+classification and no target written -> `stop.target_accuracy` null (the
 0.95 default is classification's).
 """
 
@@ -31,6 +31,7 @@ from .build import Problems
 TASK_METRICS: dict[str, dict[str, bool]] = {
     "classification": {"accuracy": True, "loss": False},
     "regression": {"r2": True, "mse": False, "mae": False, "loss": False},
+    "binary": {"auc": True, "logloss": False, "accuracy": True, "loss": False},
     "language_model": {"perplexity": False, "token_accuracy": True, "loss": False},
 }
 DEFAULT_TASK = "classification"
@@ -74,7 +75,10 @@ def resolve_targets(raw: dict, problems: Problems) -> None:
         )
     elif target is not None:
         stop["target_accuracy"] = None
-    elif metrics is not None and "accuracy" not in metrics:
+    elif metrics is not None and (
+        "accuracy" not in metrics or (task != DEFAULT_TASK and "target_accuracy" not in stop)
+    ):
+        # binary has an accuracy, but its primary metric is auc: the default is not its target
         if accuracy is not None and "target_accuracy" in stop:
             problems.add(
                 "stop.target_accuracy",

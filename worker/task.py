@@ -10,6 +10,10 @@ batches are collated and moved to the device. The worker's step
   loss = cross-entropy(model(x), y); metrics accuracy (primary), loss.
 - `regression`: batches `(x, y)`, y float targets; loss = MSE; metrics r2
   (primary), mse, mae, loss (= mse).
+- `binary`: batches `(x, y)`, y float labels in {0, 1}, model(x) logits of
+  y's shape (a trailing dimension of 1 is dropped); loss = binary
+  cross-entropy with logits; metrics auc (primary), logloss, accuracy (at
+  probability 0.5), loss (= logloss).
 - `language_model`: batches `(x, y)` of int64 token ids, both (B, T), y the
   next tokens (-100: not counted, as torch and Hugging Face do); loss =
   next-token cross-entropy over every counted token; metrics perplexity
@@ -115,7 +119,8 @@ class Task:
         return len(t)
 
     def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, float]:
-        """Additive sums over one test batch (summed over every batch, then `reduce`d)."""
+        """Additive sums over one test batch (summed over every batch, then `reduce`d):
+        numbers, or tensors added element by element (e.g. histograms)."""
         n = self.batch_size(batch)
         return {"loss_sum": float(self.loss(model, batch)) * n, "n": n}
 
@@ -216,6 +221,82 @@ class Regression(Task):
         return {"r2": r2, "mse": mse, "mae": sums["sae"] / n, "loss": mse}
 
 
+AUC_BINS = 4096  # equal-width bins of predicted probability over [0, 1]
+
+
+def _auc(pos: torch.Tensor, neg: torch.Tensor) -> float:
+    """The area under the ROC curve from histograms (ascending bins) of the
+    positives' and the negatives' predicted probabilities: the chance that a
+    positive scores above a negative, a pair within one bin counting half (the
+    trapezoid rule). 0.5 when either class is absent."""
+    pos, neg = pos.double(), neg.double()
+    total_pos, total_neg = float(pos.sum()), float(neg.sum())
+    if total_pos <= 0 or total_neg <= 0:
+        return 0.5
+    neg_below = torch.cumsum(neg, 0) - neg
+    return float((pos * (neg_below + 0.5 * neg)).sum()) / (total_pos * total_neg)
+
+
+class Binary(Task):
+    """Binary classification from one logit per label (click-through rate and
+    the like): y float labels in {0, 1} of any shape, model(x) logits of the
+    same number of values (a trailing dimension of 1 is dropped); loss = binary
+    cross-entropy with logits, mean over the labels.
+
+    Metrics: `auc` (primary, higher is better), `logloss` (mean binary
+    cross-entropy, lower), `accuracy` (a probability of at least 0.5 predicts
+    1) and `loss` (= logloss). AUC is reduced from two histograms of the
+    predicted probabilities, of the positives and of the negatives, in 4096
+    equal bins over [0, 1], summed over the whole test set: it is exact up to
+    the bin width (pairs within one bin count half), as TensorFlow's streaming
+    AUC with num_thresholds. A test set with one class only has no AUC; it is
+    reported as 0.5 (chance), so that a check on one batch still gets a finite
+    value. Labels between 0 and 1 count as that fraction of a positive."""
+
+    name = "binary"
+    metrics = (Metric("auc", True), Metric("logloss", False), Metric("accuracy", True), LOSS)
+
+    def _logits(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = _pair(self, batch)
+        y = y.float()
+        logits = _predictions(model, x, y)
+        if logits.shape != y.shape:
+            if logits.numel() != y.numel():
+                raise TaskError(
+                    f"task {self.name!r}: the model gives {tuple(logits.shape)} logits for "
+                    f"labels of shape {tuple(y.shape)}; it must give one logit per label"
+                )
+            logits = logits.reshape(y.shape)
+        return logits, y
+
+    def loss(self, model, batch):
+        logits, y = self._logits(model, batch)
+        return F.binary_cross_entropy_with_logits(logits, y)
+
+    def eval_sums(self, model, batch):
+        logits, y = self._logits(model, batch)
+        logits, y = logits.reshape(-1).double(), y.reshape(-1).double()
+        bins = (torch.sigmoid(logits) * AUC_BINS).long().clamp_(0, AUC_BINS - 1)
+        return {
+            "n": y.numel(),
+            "bce_sum": float(F.binary_cross_entropy_with_logits(logits, y, reduction="sum")),
+            "correct": int(((logits >= 0) == (y >= 0.5)).sum()),
+            # tensors of counts: added bin by bin over the test set
+            "pos_hist": torch.bincount(bins, weights=y, minlength=AUC_BINS),
+            "neg_hist": torch.bincount(bins, weights=1 - y, minlength=AUC_BINS),
+        }
+
+    def reduce(self, sums):
+        n = max(sums["n"], 1)
+        logloss = sums["bce_sum"] / n
+        return {
+            "auc": _auc(sums["pos_hist"], sums["neg_hist"]),
+            "logloss": logloss,
+            "accuracy": sums["correct"] / n,
+            "loss": logloss,
+        }
+
+
 IGNORE = -100  # target id not counted (torch's and Hugging Face's ignore_index)
 
 
@@ -266,6 +347,7 @@ class LanguageModel(Task):
 BUILTIN = {
     "classification": Classification,
     "regression": Regression,
+    "binary": Binary,
     "language_model": LanguageModel,
 }
 
