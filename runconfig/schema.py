@@ -53,7 +53,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: str = "classification"  # classification | regression | language_model | pkg.module:factory (docs/own-model.md)
+    name: str = "classification"  # classification | regression | language_model | binary | pkg.module:factory (docs/own-model.md)
     kwargs: dict = field(default_factory=dict)  # pkg.module:factory tasks: passed to the factory
 
 
@@ -153,7 +153,7 @@ class TargetConfig:
 @dataclass(frozen=True)
 class StopConfig:
     target: TargetConfig | None = None     # stop at a value of any metric of the task, in its direction (>= accuracy, <= perplexity): {metric: perplexity, value: 3.0}; not with target_accuracy
-    target_accuracy: float | None = 0.95   # classification shorthand for target {metric: accuracy, value: X}; null = never; the default applies only to tasks with an accuracy metric
+    target_accuracy: float | None = 0.95   # classification shorthand for target {metric: accuracy, value: X}; null = never; the default applies to classification and pkg.module:factory tasks with an accuracy metric
     target_patience: int = 1               # stop at this many evaluations in a row at the target (1: the first)
     max_seconds: float = 300.0             # wall-clock limit of training (of a resumed run: of its new segment)
     max_steps: int = 0                     # limit on the sum of all workers' steps (a resumed run's included); 0 = none
@@ -236,8 +236,8 @@ class SimConfig:
 class SparseOptimizerConfig:
     """The row-wise optimizer the shards apply to sparse tables' touched rows (docs/sparse.md)."""
     name: str = "adagrad"      # sgd | adagrad | rowwise_adagrad | adam (lazy: moments of touched rows only, as torch.optim.SparseAdam)
-    lr: float = 0.05
-    eps: float | None = None   # null: the optimizer's torch default (adagrad 1e-10, adam 1e-8)
+    lr: float = 0.05           # the tables' learning rate (constant: optimizer.schedule acts on the dense parameters)
+    eps: float | None = None   # null: the optimizer's default (adagrad 1e-10 and adam 1e-8 as torch, rowwise_adagrad 1e-8 as FBGEMM)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adam
     initial_accumulator_value: float = 0.0  # adagrad, rowwise_adagrad
 
