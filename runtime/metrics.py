@@ -98,6 +98,27 @@ METRICS = {
         "Checkpoint writes that failed (a full or failing disk); training went on.",
     ),
     "lr": Spec("hetps_learning_rate", "gauge", "Learning rate of the shard's optimizer."),
+    # sparse tables (docs/sparse.md): shard
+    "sparse_rows_pulled": Spec(
+        "hetps_sparse_rows_pulled_total", "counter", "Rows of sparse tables this shard sent."
+    ),
+    "sparse_rows_updated": Spec(
+        "hetps_sparse_rows_updated_total", "counter", "Rows of sparse tables this shard updated."
+    ),
+    "sparse_updates": Spec(
+        "hetps_sparse_updates_total", "counter", "Updates applied to this shard's sparse rows."
+    ),
+    "sparse_open_rounds": Spec(
+        "hetps_sparse_open_rounds", "gauge", "Rounds of row pushes waiting for members."
+    ),
+    "sparse_bytes": Spec(
+        "hetps_sparse_bytes", "gauge", "Bytes of sparse-table slices and their optimizer state."
+    ),
+    # sparse tables: worker
+    "rows_pulled": Spec("hetps_rows_pulled_total", "counter", "Rows of sparse tables pulled."),
+    "rows_pushed": Spec(
+        "hetps_rows_pushed_total", "counter", "Gradient rows of sparse tables pushed."
+    ),
     # scheduler (and evaluator)
     "nodes": Spec(
         "hetps_nodes", "gauge", "Registered nodes by role and state.", ("node_role", "state")

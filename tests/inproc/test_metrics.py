@@ -203,3 +203,16 @@ def test_off_by_default_and_a_taken_port_is_not_fatal(monkeypatch):
     common_args(parser)
     assert parser.parse_args([]).metrics_port == 0
     assert parser.parse_args(["--metrics-port", "9100"]).metrics_port == 9100
+
+
+def test_sparse_table_stats_become_metrics(served):
+    shard = {"sparse_rows_updated": 12, "sparse_updates": 3, "sparse_bytes": 4096}
+    samples = scrape(served(lambda: shard, role="ps", rank=1))
+    me = {"role": "ps", "rank": "1"}
+    assert value(samples, "hetps_sparse_rows_updated_total", **me) == 12
+    assert value(samples, "hetps_sparse_updates_total", **me) == 3
+    assert value(samples, "hetps_sparse_bytes", **me) == 4096
+    worker = {"rows_pulled": 500, "rows_pushed": 480}
+    samples = scrape(served(lambda: worker))
+    assert value(samples, "hetps_rows_pulled_total", role="worker", rank="3") == 500
+    assert value(samples, "hetps_rows_pushed_total", role="worker", rank="3") == 480
