@@ -263,7 +263,9 @@ class ReplicatedShard(Shard):
         return None if self._early(peer, env) else super().on_pull_rows(peer, env)
 
     def on_push_rows(self, peer: bytes, env: Envelope):
-        if self.role == "backup" and self._early(peer, env):
+        if self.role == "primary":
+            return super().on_push_rows(peer, env)
+        if self._early(peer, env):
             return None
         return self._apply_row_push(env)  # a backup's ACK goes to its primary only
 

@@ -90,6 +90,7 @@ class Shard(Service):
         self.parked: list[ParkedPull] = []
         self.sparse_specs = {t.name: table_spec(t) for t in plan.tables}
         self.sparse = self._make_sparse(plan)
+        self.rows_plan_id = plan.plan_id  # the plan whose members the open rounds of rows follow
         self.parked_rows: list[ParkedRows] = []  # PULL_ROWS waiting for their worker's round
         # worker -> (request id, ACK) of its last PUSH_ROWS
         self.recent_row_acks: dict[int, tuple[int, Ack]] = {}
@@ -180,7 +181,8 @@ class Shard(Service):
 
     def _answer_parked_push(self, parked) -> None:
         try:
-            answer = self.handlers[Op.PUSH](parked.peer, parked.env)
+            # a PUSH or a PUSH_ROWS
+            answer = self.handlers[parked.env.msg.OP](parked.peer, parked.env)
         except ProtocolError as err:
             answer = Error(status=int(err.status), message=err.message)
         except Exception as exc:  # as in Service.serve_once: a bug must not kill the loop
@@ -319,6 +321,10 @@ class Shard(Service):
         )
 
     def on_push_rows(self, peer: bytes, env: Envelope):
+        if self.park_future_pushes and env.msg.plan_id > self.plan.plan_id:
+            # made under a plan this shard has not adopted yet: it joins that plan's rounds
+            self.future_pushes.park(peer, env, self.clock())
+            return None
         return self._apply_row_push(env)
 
     def _apply_row_push(self, env: Envelope) -> Ack:
@@ -339,7 +345,12 @@ class Shard(Service):
             if self.plan.groups
             else self.plan.worker_ids()
         )
-        if env.src not in members:
+        if push.plan_id < self.rows_plan_id:
+            # made under a plan whose rounds were closed since (a member left, groups changed):
+            # applied alone, as the dense policies do, so it does not open a round of the new plan
+            # that the others' pushes of the next step would join one step out of line
+            members = [env.src]
+        elif env.src not in members:
             raise ProtocolError(
                 Status.BAD_STATE, f"node {env.src} is not a worker of plan {self.plan.plan_id}"
             )
@@ -353,7 +364,9 @@ class Shard(Service):
         return ack
 
     def close_row_rounds(self) -> None:
-        """The workers or groups changed: open rounds of rows apply what they have."""
+        """The workers or groups changed: open rounds of rows apply what they have; a row
+        push made under an earlier plan is applied alone from now on."""
+        self.rows_plan_id = self.plan.plan_id
         if self.sparse is not None and self.sparse.close_rounds():
             self._serve_parked_rows()
 
@@ -445,6 +458,7 @@ class Shard(Service):
         self.restored_version = self.store.version
         if state["plan_id"] != self.plan.plan_id and not new_workers:
             self.policy.adopt(self.plan)
+            self.close_row_rounds()  # the checkpoint's rounds were of an earlier plan's members
         log.info(
             "restored version %d (plan %d) from a checkpoint", self.store.version, state["plan_id"]
         )

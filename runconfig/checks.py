@@ -46,6 +46,20 @@ NUMBER_RULES: dict[str, Rule] = {
     "optimizer.schedule.step_size": AT_LEAST_1,
     "optimizer.schedule.gamma": POSITIVE,
     "optimizer.schedule.total_steps": NON_NEGATIVE,
+    "sparse.tables": (
+        lambda v: v == "auto" or (isinstance(v, list) and all(isinstance(t, str) for t in v)),
+        "must be 'auto' or a list of module names",
+    ),
+    "sparse.min_rows": AT_LEAST_1,
+    "sparse.init_std": NON_NEGATIVE,
+    "sparse.max_ids": AT_LEAST_1,
+    "sparse.optimizer.lr": POSITIVE,
+    "sparse.optimizer.eps": (lambda v: v is None or v >= 0, "must be >= 0 or null"),
+    "sparse.optimizer.betas": (
+        lambda v: isinstance(v, list) and len(v) == 2 and all(0 <= b < 1 for b in v),
+        "must be two numbers in [0, 1)",
+    ),
+    "sparse.optimizer.initial_accumulator_value": NON_NEGATIVE,
     "cluster.heartbeat_s": POSITIVE,
     "cluster.dead_after_s": POSITIVE,
     "cluster.straggler": NON_NEGATIVE,
@@ -94,6 +108,8 @@ NUMBER_RULES: dict[str, Rule] = {
     "sim.sample_s": POSITIVE,
     "sim.shard_bytes_per_s": POSITIVE,
     "sim.shard_message_s": NON_NEGATIVE,
+    "sim.shard_apply_bytes_per_s": POSITIVE,
+    "sim.shard_apply_s": NON_NEGATIVE,
     "sim.eval_s": NON_NEGATIVE,
 }
 NODE_RULES: dict[str, Rule] = {

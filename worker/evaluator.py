@@ -159,6 +159,7 @@ class Evaluator:
                     abort,
                     client.address_of if plans else None,
                     read_only=True,
+                    max_ids=cfg.sparse.max_ids,
                 )
                 for client, abort in (
                     (self.client, member.stop_requested.is_set),
@@ -279,6 +280,9 @@ class Evaluator:
         if rows is not None:
             for name, table in tables_of(self.state.model).items():
                 state[name] = rows.full_table(table.spec)
+                if table.padding_idx is not None:
+                    # read as zeros in training (never learned): so in the file, as torch keeps it
+                    state[name][table.padding_idx] = 0.0
         return state
 
     def close(self) -> None:

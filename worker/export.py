@@ -31,6 +31,7 @@ from hetps.runconfig.schema import ConfigError, RunConfig
 from hetps.runtime import checkpoint
 
 from .preflight import PreflightError, build_checked, model_outputs
+from .sparse import selected as selected_tables
 from .state import model_tensors
 from .step import task_for
 from .task import Metric, Task, TaskError, watched_metric
@@ -213,6 +214,10 @@ def export(path: Path, out: Path, config: Path | None = None) -> dict:
     data, model = build_checked(cfg)
     tensors, versions = newest_tensors(shard_dirs)
     assemble(model, tensors)
+    with torch.no_grad():
+        for _, table in selected_tables(model, cfg):
+            if table.padding_idx is not None:  # read as zeros in training, never learned
+                table.weight[table.padding_idx] = 0.0
     from .evaluator import measure  # (evaluator.py imports this module)
 
     task = task_for(cfg, data.num_classes)

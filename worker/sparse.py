@@ -24,6 +24,7 @@ its own last update. The evaluator and `hetps export` read the latest rows
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from typing import Callable
@@ -71,7 +72,8 @@ class SparseEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {kind}, rows on the shards"
 
     def forward(self, input, offsets=None, per_sample_weights=None):
-        unique, inverse = torch.unique(input.reshape(-1), return_inverse=True)
+        # int64 on the wire whatever the input's integer type (torch takes int32 ids too)
+        unique, inverse = torch.unique(input.reshape(-1).long(), return_inverse=True)
         rows = self._rows(unique.cpu()).to(input.device, non_blocking=True)
         if torch.is_grad_enabled() and self.training:
             rows.requires_grad_(True)
@@ -129,8 +131,15 @@ def selected(model: nn.Module, cfg: RunConfig) -> list[tuple[str, nn.Module]]:
         raise SparseConfigError(
             f"sparse.tables: want 'auto' or a list of module names, got {tables!r:.80}"
         )
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for name in chosen:
         m = embeddings[name]
+        if uses[id(m.weight)] > 1:
+            raise SparseConfigError(
+                f"sparse.tables: {name!r} shares its weight with another module (tied "
+                "embeddings): a table served row by row cannot also be a dense weight; leave it "
+                "out of sparse.tables"
+            )
         if m.max_norm is not None or m.scale_grad_by_freq:
             raise SparseConfigError(
                 f"sparse.tables: {name!r} sets max_norm or scale_grad_by_freq, which the shards' "
@@ -138,11 +147,11 @@ def selected(model: nn.Module, cfg: RunConfig) -> list[tuple[str, nn.Module]]:
             )
     if chosen:
         algo = algorithm(cfg.algorithm.name)
-        if algo.pushes != "gradients":
+        if algo.worker_loop != "gradients":
             raise SparseConfigError(
-                f"sparse.tables: algorithm {cfg.algorithm.name!r} averages models, which sparse "
-                "tables do not support; use sync, async, ssp, grouping, eager or balanced, or "
-                "sparse.tables=[]"
+                f"sparse.tables: algorithm {cfg.algorithm.name!r} takes local steps (model "
+                "averaging, DiLoCo), which sparse tables do not support; use sync, async, ssp, "
+                "grouping, eager or balanced, or sparse.tables=[]"
             )
         if cfg.model.autocast == "float16":
             raise SparseConfigError(
@@ -243,8 +252,11 @@ class RowExchange(TouchedRows):
         should_abort: Callable[[], bool] | None = None,
         address_of: Callable[[int], str] | None = None,
         read_only: bool = False,
+        max_ids: int = 1 << 20,
     ):
         super().__init__(len(plan.shards))
+        self.max_ids = max_ids
+        self.max_message_bytes = cluster.max_message_bytes
         self.plan = plan
         self.read_only = read_only
         self.clock = 0
@@ -328,9 +340,14 @@ class RowExchange(TouchedRows):
         return acks
 
     def full_table(self, spec: TensorSpec, batch: int = 1 << 16) -> torch.Tensor:
-        """The whole table, read in batches of `batch` ids (`hetps export`, the final model)."""
+        """The whole table, read in batches of at most `batch` ids (the final and best model
+        files), each shard's part of a batch within `max_ids` and its reply within the
+        sockets' message size."""
         rows, dim = spec.shape
         out = torch.empty(rows, dim, dtype=getattr(torch, spec.dtype))
+        row_bytes = dim * out.element_size()
+        per_shard = min(self.max_ids, max(1, (self.max_message_bytes // 2) // row_bytes))
+        batch = max(1, min(batch, per_shard * len(self.shards)))
         for start in range(0, rows, batch):
             ids = torch.arange(start, min(rows, start + batch))
             out[start : start + ids.numel()] = self.rows(spec.name, ids, dim, out.dtype)

@@ -161,6 +161,7 @@ class Trainer:
                 member.transport,
                 self.should_abort,
                 self.client.address_of if cfg.cluster.replicas else None,
+                max_ids=cfg.sparse.max_ids,
             )
             if plan.tables
             else None

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import threading
 import uuid
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetps.proto.codec import Envelope
 from hetps.proto.messages import PullRows, PushRows, Status
 from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec
 from hetps.proto.rpc import RemoteError, RequestTimeout, RpcClient
@@ -257,3 +259,78 @@ def test_wrong_rows_shape_and_nonfinite_rows_are_refused(cluster_of):
         assert err.value.status == status
     assert cluster.shards[0].sparse.updates == 0
     client.close()
+
+
+# ---------------------------------------------------------------- rounds across plan changes
+
+
+def one_shard(plan_workers=(11, 12, 13), plan_id=1):
+    """A shard of a 10 x 2 table under sync, driven by direct handler calls."""
+    cfg = load_config(
+        None, ["algorithm.name=sync", "sparse.tables=[emb]", "sparse.optimizer.name=sgd"]
+    )
+    plan = ClusterPlan(
+        plan_id=plan_id,
+        algorithm="sync",
+        run_id="r",
+        workers=[NodeEntry(w, r) for r, w in enumerate(plan_workers)],
+        shards=[NodeEntry(21, 0, "")],
+        tensors=[TensorSpec("w", "float32", (2,))],
+        placement={"w": 0},
+        tables=[TensorSpec("emb.weight", "float32", (10, 2), "table")],
+        groups=[list(plan_workers)],
+    )
+    shard = Shard(make_server(f"mem://one-{uuid.uuid4().hex}"), 21, plan, cfg)
+    shard.store.initialize({"w": torch.zeros(2)})
+    shard._make_policy()
+    return shard, plan
+
+
+REQ = iter(range(1000, 10**9))
+
+
+def row_push(shard, worker, plan_id):
+    frames = {"emb.weight:ids": torch.tensor([0]), "emb.weight:rows": torch.ones(1, 2)}
+    env = Envelope(PushRows(plan_id=plan_id, clock=0, tensors=frames), next(REQ), worker)
+    return shard.on_push_rows(b"peer", env)
+
+
+def row_pull_waits(shard, worker) -> bool:
+    env = Envelope(
+        PullRows(plan_id=2, clock=1, tensors={"emb.weight:ids": torch.tensor([0])}),
+        next(REQ),
+        worker,
+    )
+    return shard.on_pull_rows(b"peer", env) is None
+
+
+def test_a_push_of_the_plan_before_a_member_left_is_applied_alone():
+    """Worker 13 dies mid-round: the round closes with 11's push; 12's push of that step,
+    made under the old plan, is applied alone instead of opening a round of the new plan
+    that every later step would join one step out of line (both members' pulls must then
+    wait for each other's push of the same step, as before)."""
+    shard, plan = one_shard()
+    row_push(shard, 11, 1)
+    shard.adopt(replace(plan, plan_id=2, workers=plan.workers[:2], groups=[[11, 12]]))
+    row_push(shard, 12, 1)
+    assert not shard.sparse.rounds, shard.sparse.rounds
+    for _ in range(3):
+        assert not row_pull_waits(shard, 11) and not row_pull_waits(shard, 12)
+        row_push(shard, 11, 2)
+        assert row_pull_waits(shard, 11)  # its round waits for 12
+        row_push(shard, 12, 2)
+        assert not shard.sparse.rounds and not shard.parked_rows
+
+
+def test_a_shard_restored_under_a_newer_plan_closes_the_checkpoints_rounds():
+    """A checkpoint taken with 11's push in round (11, 12, 13); the shard restarts under a
+    plan without 13: that round is applied, so nobody waits for the dead member."""
+    old, plan = one_shard()
+    row_push(old, 11, 1)
+    state = old.state_dict()
+    new, _ = one_shard((11, 12), plan_id=2)
+    new.restore(state)
+    assert not new.sparse.rounds and not row_pull_waits(new, 11)
+    row_push(new, 12, 2)
+    row_push(new, 11, 2)
+    assert not new.sparse.rounds
