@@ -337,6 +337,16 @@ def check_message_bytes(model: nn.Module, cfg: RunConfig, tables: frozenset = fr
     )
 
 
+def materialize(tables: list[tuple[str, nn.Module]]) -> None:
+    """Give a table the factory built on the meta device (too large to build whole) zeros
+    of its shape, for a whole model that loads its values afterwards (`hetps export`,
+    `hetps.load_model`)."""
+    for _, module in tables:
+        if module.weight.is_meta:
+            weight = torch.zeros(module.weight.shape, dtype=module.weight.dtype)
+            module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+
+
 def build_checked(
     cfg: RunConfig, device: torch.device | str = "cpu", sparse: bool = False
 ) -> tuple[Datasets, nn.Module]:
@@ -355,18 +365,22 @@ def build_checked(
                 "(or a list classes)"
             )
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, data.in_shape, model_outputs(task, data)).to(device)
+        model = build_model(cfg.model, data.in_shape, model_outputs(task, data))
     except (DatasetUnavailable, DatasetContractError, ModelError, TaskError) as exc:
         raise PreflightError(str(exc)) from None
     except TypeError as exc:  # a factory called with keywords it does not take
         raise PreflightError(str(exc)) from None
     try:
         # the whole model (`hetps export`, load_model) still sends its tables row by row
-        tables = frozenset(f"{n}.weight" for n, _ in selected_tables(model, cfg))
+        chosen = selected_tables(model, cfg)
+        tables = frozenset(f"{n}.weight" for n, _ in chosen)
         if sparse:
-            install_tables(model, cfg)
+            install_tables(model, cfg)  # before moving: a table may be on the meta device
+        else:
+            materialize(chosen)
     except SparseConfigError as exc:
         raise ConfigValueError(str(exc)) from None
+    model = model.to(device)
     dry_step(model, data, cfg, device, task)
     check_message_bytes(model, cfg, tables)
     return data, model
@@ -383,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_or_exit(args.config, args.overrides, import_targets=True)
     torch.set_num_threads(1)
     try:
-        data, _ = build_checked(cfg)
+        data, _ = build_checked(cfg, sparse=True)  # as a worker builds it: tables row by row
     except PreflightError as exc:
         # a setting reads like the config's own errors (runtime/daemon.py load_or_exit)
         kind = "config error" if isinstance(exc, ConfigValueError) else "check failed"
