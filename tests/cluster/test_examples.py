@@ -110,3 +110,51 @@ def test_a_builtin_model_trained_for_regression_loads_back_with_its_output_size(
     data = load_datasets(cfg.data, cfg.seed)
     again = measure(load_task(cfg, data.num_classes), model, data.test, cfg, "cpu")
     assert again["r2"] == pytest.approx(summary(run_dir)["final_metrics"]["r2"], abs=1e-6)
+
+
+def test_the_ctr_example_comes_within_001_auc_of_its_planted_model(run_dir, tmp_path):
+    """configs/ctr.yaml as shipped (sparse tables on, async, 2 shards, 2 workers): the
+    DLRM comes within 0.01 AUC of the planted model, the big tables' rows are updated on
+    the shards, and a step moves far less than the tables (the dense path would pull and
+    push every table whole each step)."""
+    import yaml
+
+    from hetps.examples import ctr
+
+    planted = ctr.planted_metrics()["auc"]  # the best any model can score on the test split
+    config = REPO / "configs" / "ctr.yaml"
+    shipped = yaml.safe_load(config.read_text())["stop"]["target"]
+    # the shipped target is planted - 0.01 rounded down to 3 decimals; the test asks for
+    # planted - 0.01 itself, so that the run stops only where the claim holds
+    assert planted - 0.011 < shipped["value"] <= planted - 0.01, (shipped, planted)
+    target = planted - 0.01
+    done = run_hetps(
+        [
+            "run",
+            str(config),
+            f"stop.target={{metric: auc, value: {target!r}}}",
+            "stop.max_seconds=240",
+            "--out",
+            str(run_dir),
+            "--quiet",
+        ],
+        timeout_s=400,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr + log_tails(run_dir)
+    s = summary(run_dir)
+    assert s["status"] == "completed" and s["metric"]["name"] == "auc", s
+    assert s["stop_reason"].startswith("target auc"), s
+    assert s["time_to_target_s"] is not None and s["best"] >= target, (s["best"], planted)
+    evals = records(run_dir, "eval")
+    assert evals[0]["auc"] < 0.8, evals[0]  # an untrained model is far from it
+    # the tables of at least 1,000 rows were served sparse: both shards updated rows
+    for shard in ("ps0", "ps1"):
+        assert s["shard_stats"][shard]["sparse_rows_updated"] > 0, s["shard_stats"][shard]
+    # bytes the workers moved per step, against the tables' size (float32)
+    model = ctr.dlrm(**yaml.safe_load(config.read_text())["model"]["kwargs"])
+    table_bytes = sum(t.weight.numel() * 4 for t in model.tables)  # about 12 MB
+    workers = [v for k, v in s["per_node"].items() if k.startswith("worker")]
+    assert len(workers) == 2 and all(w["steps"] > 0 for w in workers), s["per_node"]
+    per_step = sum(w["sent"] + w["received"] for w in workers) / s["global_steps"]
+    assert per_step < table_bytes / 20, (per_step, table_bytes)
