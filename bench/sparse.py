@@ -49,6 +49,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from sparse_model import status_kb  # bench/ is on sys.path when this script runs
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -70,16 +71,6 @@ checkpoint: {{every_s: 0, every_updates: 0}}
 
 
 # ------------------------------------------------------------ hetps runs
-
-
-def status_kb(pid: int, key: str) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 def worker_pids(run_dir: Path) -> list[int]:

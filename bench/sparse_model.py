@@ -19,6 +19,7 @@ the loss falls as the frequent rows train.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -79,3 +80,15 @@ def clicks(
     train, test = split(train_size, rows, bag, g), split(test_size, rows, bag, g)
     train.num_classes = test.num_classes = 2
     return train, test
+
+
+def status_kb(pid: int, key: str) -> int | None:
+    """`key` (VmRSS, VmHWM) of a live process in kB, from /proc; None once it is gone.
+    (bench/sparse.py and tests/cluster/test_cluster_sparse_big.py sample workers with it.)"""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None

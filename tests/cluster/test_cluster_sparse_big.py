@@ -18,6 +18,7 @@ cluster on a 2-core, 24 GB machine."""
 from __future__ import annotations
 
 import statistics
+import sys
 import threading
 from pathlib import Path
 
@@ -25,6 +26,9 @@ import pytest
 from cluster_util import REPO, background_run, log_tails, processes_mentioning, records
 
 SPARSE_MODEL = str(REPO / "bench")  # sparse_model.py: the daemons import it by name
+sys.path.insert(0, SPARSE_MODEL)
+from sparse_model import status_kb  # noqa: E402 (bench/ is not a package)
+
 GB = 1 << 30
 STEPS_PER_WORKER = 60
 CONFIG = """\
@@ -40,17 +44,6 @@ stop: {max_steps: MAX_STEPS, max_seconds: 300}
 eval: {enabled: false, keep_best: false}
 checkpoint: {every_s: 0, every_updates: 0}
 """
-
-
-def status_kb(pid: int, key: str) -> int | None:
-    """`key` (VmRSS, VmHWM) of a live process in kB; None once it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 def worker_pids(run_dir: Path) -> list[int]:
