@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from cluster_util import REPO, log_tails, records, run_hetps, summary
 
 TARGET = 14.0
@@ -79,3 +80,14 @@ def test_a_sparse_embedding_trains_to_the_target(algorithm, run_dir, tmp_path):
     assert out.returncode == 0, out.stderr
     again = json.loads(out.stdout)["perplexity"]
     assert again == pytest.approx(s["final_metrics"]["perplexity"], rel=1e-5)
+    if algorithm == "sync":
+        # `hetps export` joins the shards' checkpointed slices (written when they stopped,
+        # after the last update) into the same whole table
+        exported = tmp_path / "exported.safetensors"
+        done = run_hetps(["export", str(run_dir), "--out", str(exported)], timeout_s=180)
+        assert done.returncode == 0, done.stderr
+        from safetensors.torch import load_file
+
+        table = load_file(str(exported))["tokens.weight"]
+        assert table.shape == (256, 64)
+        assert torch.equal(table, load_file(str(run_dir / "model.safetensors"))["tokens.weight"])
