@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -33,12 +34,15 @@ from hetps.worker.data import Datasets, load_datasets
 from hetps.worker.evaluator import measure, report_values
 from hetps.worker.models import build_model
 from hetps.worker.preflight import model_outputs
+from hetps.worker.sparse import SparseConfigError
+from hetps.worker.sparse import install as install_tables
 from hetps.worker.state import ModelState, model_specs
 from hetps.worker.step import task_for
 from hetps.worker.task import watched_metric
 
 from .events import EventQueue, Link, ServiceQueue, nbytes_of, speed_factor, transfer
 from .local_workers import SimDilocoWorker, SimLocalWorker
+from .rows import SimRows
 from .wire import SimServer, call, dispatch, node_of, request, request_ids
 from .workers import SimMember, SimWorker, base_step_s
 
@@ -53,6 +57,15 @@ SIM_WORKERS = {
 
 class SimulationError(ConfigError):
     """The config asks for something the simulator does not model."""
+
+
+def sparse_tables(model, cfg: RunConfig) -> None:
+    """The tables `sparse.tables` selects, served row by row as in a real run; a setting
+    sparse tables cannot work with is a SimulationError naming it."""
+    try:
+        install_tables(model, cfg)
+    except SparseConfigError as exc:
+        raise SimulationError([str(exc)]) from None
 
 
 def check_simulable(cfg: RunConfig) -> None:
@@ -95,8 +108,10 @@ class Simulation:
         self.watched = watched_metric(cfg, self.task)
         outputs = model_outputs(self.task, self.data)
         model = build_model(cfg.model, self.data.in_shape, outputs)
+        sparse_tables(model, cfg)  # rows from the simulated shards (rows.py)
         self.state = ModelState(model, torch.device("cpu"))
         self.eval_model = build_model(cfg.model, self.data.in_shape, outputs)
+        sparse_tables(self.eval_model, cfg)
         self.coord = Coordinator(
             SimServer("sim://scheduler"), cfg, run_dir, run_id=f"sim{cfg.seed}", clock=self.q.clock
         )
@@ -106,6 +121,9 @@ class Simulation:
         self.shards: dict[int, Shard] = {}  # node id -> shard (ids from the coordinator)
         self.shard_links: dict[int, Link] = {}
         self.queues: dict[int, ServiceQueue] = {}
+        # node id -> requests arrived and not yet taken in (src, frames, bytes), in order
+        self.waiting: dict[int, deque] = {}
+        self.serving: set[int] = set()  # shards taking in a request or applying its step
         self.workers: dict[int, SimWorker] = {}  # node id -> worker
         self.evaluator_id = 0
         # (rank, virtual s)
@@ -147,13 +165,22 @@ class Simulation:
             self.shards[node_id] = shard
             self.shard_links[node_id] = Link.of(self.shard_nodes[rank])
             self.queues[node_id] = ServiceQueue(
-                self.cfg.sim.shard_bytes_per_s, self.cfg.sim.shard_message_s
+                self.cfg.sim.shard_bytes_per_s,
+                self.cfg.sim.shard_message_s,
+                self.cfg.sim.shard_apply_bytes_per_s,
+                self.cfg.sim.shard_apply_s,
             )
+            self.waiting[node_id] = deque()
         # chunked tensors as their parts (cluster.chunk_bytes), as a real worker's INIT
         parts = split_for_shards(plan, self.state.values(), part_sizes(plan), shard_names(plan))
         for entry, part in zip(plan.shards, parts):
             frames, _ = request(Init(plan_id=plan.plan_id, tensors=part), worker_ids[0], self.ids)
             self._expect_ok(dispatch(self.shards[entry.node_id], worker_ids[0], frames))
+        for node_id, shard in self.shards.items():
+            # what an optimizer step updates: the shard's parameters (its buffers are copied)
+            self.queues[node_id].apply_bytes = sum(
+                shard.store.tensors[n].nbytes for n in shard.store.param_names()
+            )
         make = SIM_WORKERS[algorithm(self.cfg.algorithm.name).worker_loop]
         extra = {} if make is SimWorker else {"clock": self.q.clock}
         for rank, node_id in enumerate(worker_ids):
@@ -166,6 +193,13 @@ class Simulation:
                 self.data,
                 **extra,
             )
+        if plan.tables:
+            in_order = [self.shards[e.node_id] for e in plan.shards]
+            rows = SimRows(in_order)
+            rows.bind(self.state.model)
+            SimRows(in_order).bind(self.eval_model)  # the evaluator's reads count on no worker
+            for w in self.workers.values():
+                w.rows = rows
         self.plan_sent = plan.plan_id
         for w in self.workers.values():
             for i, pull in w.first_pulls():
@@ -198,14 +232,41 @@ class Simulation:
         arrived = transfer(w.link, self.shard_links[sid], nbytes, self.q.now)
         self.q.at(arrived, self._arrive, sid, w.member.node_id, frames, nbytes)
 
+    # A shard takes its requests one at a time, in arrival order: receiving one costs its
+    # message and bytes; if handling it ran optimizer steps (the shard's version moved: a sync
+    # round closed, an async push applied, whatever the policy), the shard is held for them
+    # before the replies leave and the next request is taken in.
+    def _slowdown(self, sid: int) -> float:
+        return speed_factor(self.shard_nodes[self.shards[sid].node_rank()], self.q.now)
+
     def _arrive(self, sid: int, src: int, frames: list, nbytes: int) -> None:
-        slowdown = speed_factor(self.shard_nodes[self.shards[sid].node_rank()], self.q.now)
-        self.q.at(
-            self.queues[sid].finish(self.q.now, nbytes, slowdown), self._handle, sid, src, frames
-        )
+        self.waiting[sid].append((src, frames, nbytes))
+        if sid not in self.serving:
+            self._take_next(sid)
+
+    def _take_next(self, sid: int) -> None:
+        if not self.waiting[sid]:
+            self.serving.discard(sid)
+            return
+        self.serving.add(sid)
+        src, frames, nbytes = self.waiting[sid].popleft()
+        received = self.queues[sid].finish(self.q.now, nbytes, self._slowdown(sid))
+        self.q.at(received, self._handle, sid, src, frames)
 
     def _handle(self, sid: int, src: int, frames: list) -> None:
-        self._deliver_all(sid, dispatch(self.shards[sid], src, frames))
+        shard = self.shards[sid]
+        before = shard.store.version
+        replies = dispatch(shard, src, frames)
+        steps = max(0, shard.store.version - before)
+        if steps:
+            applied = self.queues[sid].apply(self.q.now, steps, self._slowdown(sid))
+            self.q.at(applied, self._answer, sid, replies)
+        else:
+            self._answer(sid, replies)
+
+    def _answer(self, sid: int, replies: list) -> None:
+        self._deliver_all(sid, replies)
+        self._take_next(sid)
 
     def _deliver_all(self, sid: int, replies) -> None:
         index = {e.node_id: i for i, e in enumerate(self.shards[sid].plan.shards)}[sid]

@@ -92,20 +92,34 @@ def transfer(src: Link, dst: Link, nbytes: int, now: float) -> float:
 @dataclass
 class ServiceQueue:
     """A shard's service: messages handled one at a time, each taking
-    (message_s + bytes / bytes_per_s) x slowdown seconds: a fixed cost per
-    message (receive, decode, dispatch, reply) and a cost per byte (copy,
-    check, optimizer step, encode); `busy_s` sums them."""
+    (message_s + bytes / bytes_per_s) x slowdown seconds to receive (a fixed
+    cost per message: receive, decode, dispatch, its reply; a cost per byte:
+    copy, check, add into the open round's sum), and each optimizer step the
+    message made the shard take holds it (apply_s + apply_bytes /
+    apply_bytes_per_s) x slowdown seconds more (`apply_bytes`: the shard's
+    parameter bytes, which the step updates). `busy_s` sums both."""
 
     bytes_per_s: float
     message_s: float = 0.0
+    apply_bytes_per_s: float = math.inf
+    apply_s: float = 0.0
+    apply_bytes: int = 0
     free_at: float = 0.0
     busy_s: float = 0.0
 
     def finish(self, arrived: float, nbytes: int, slowdown: float) -> float:
-        """When a message that arrived at `arrived` has been handled."""
+        """When a message that arrived at `arrived` has been received."""
         service = (self.message_s + nbytes / self.bytes_per_s) * slowdown
         self.busy_s += service
         self.free_at = max(arrived, self.free_at) + service
+        return self.free_at
+
+    def apply(self, now: float, steps: int, slowdown: float) -> float:
+        """When `steps` optimizer steps that began at `now` are done (`now`
+        itself for none): the shard is held until then."""
+        service = steps * (self.apply_s + self.apply_bytes / self.apply_bytes_per_s) * slowdown
+        self.busy_s += service
+        self.free_at = max(now, self.free_at) + service
         return self.free_at
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetps.proto.messages import Params, Pull, Push
+from hetps.proto.messages import Ack, Params, Pull, Push, PushRows
 from hetps.proto.plan import ClusterPlan
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.worker.client import ack_of, join_parts, part_sizes, shard_names, split_for_shards
@@ -98,6 +98,9 @@ class SimWorker:
         self.records: list[dict] = []
         self.replies: dict[int, Params] = {}
         self.outgoing: dict | None = None  # the gradient in flight
+        # sparse tables (rows.py SimRows, set by the engine): the step's row pushes
+        self.rows = None
+        self.row_pushes: list[dict] = []
         self.step_started = self.pushed_at = 0.0
         self.loss = 0.0
         self.compute_s = 0.0
@@ -132,9 +135,12 @@ class SimWorker:
             for i in range(len(self.client.plan.shards))
         ]
 
-    def take_reply(self, i: int, reply: Params, nbytes: int) -> bool:
-        """Keep shard `i`'s reply; True once every shard's has come."""
+    def take_reply(self, i: int, reply: Params | Ack, nbytes: int) -> bool:
+        """Keep shard `i`'s reply; True once every shard's values have come
+        (the ACK of a PUSH_ROWS only counts its bytes)."""
         self.client.bytes_received += nbytes
+        if isinstance(reply, Ack):
+            return False
         self.client.versions[i] = reply.version
         self.replies[i] = reply
         return len(self.replies) == len(self.client.plan.shards)
@@ -190,16 +196,32 @@ class SimWorker:
         if not self.follow_plan(newest):
             return None
         self.step_started = now
+        if self.rows is not None:
+            self.rows.client = self.client  # its pulls of rows count on this worker
         self.loss = self.work.compute()
         self.outgoing = {n: t.clone() for n, t in self.state.outgoing().items()}
+        if self.rows is not None:
+            self.row_pushes = self.rows.take_pushes()
         self.compute_s = self.step_compute_s(now)
         return self.compute_s
 
-    def pushes(self, now: float) -> list[tuple[int, Push]]:
-        """The step's fused PUSH+PULL to every shard."""
+    def pushes(self, now: float) -> list[tuple[int, Push | PushRows]]:
+        """The step's fused PUSH+PULL to every shard, after its PUSH_ROWS (sparse tables)."""
         self.pushed_at = now
         plan = self.client.plan
+        rows, self.row_pushes = self.row_pushes, []
         return [
+            (
+                i,
+                PushRows(
+                    plan_id=plan.plan_id,
+                    clock=self.clock,
+                    n_samples=self.work.step_samples,
+                    tensors=part,
+                ),
+            )
+            for i, part in enumerate(rows)
+        ] + [
             (
                 i,
                 Push(

@@ -74,6 +74,8 @@ def test_sync_rounds_take_the_slowest_worker_in_virtual_time(tmp_path, digits):
         "stop.max_seconds=0.96",
         "sim.shard_bytes_per_s=1e15",
         "sim.shard_message_s=0",
+        "sim.shard_apply_s=0",
+        "sim.shard_apply_bytes_per_s=1e15",
     )
     rounds = summary["shard_versions"]["ps0"]
     assert summary["wall_s"] == pytest.approx(1.0)  # the first heartbeat after the 0.96 s limit
@@ -101,6 +103,8 @@ def test_grouping_groups_update_at_their_own_pace(tmp_path, digits):
         "stop.max_seconds=0.96",
         "sim.shard_bytes_per_s=1e15",
         "sim.shard_message_s=0",
+        "sim.shard_apply_s=0",
+        "sim.shard_apply_bytes_per_s=1e15",
     )
     plan = json.loads((run_dir / "plan-1.json").read_text())
     assert len(plan["groups"]) == 2

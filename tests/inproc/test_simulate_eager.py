@@ -24,6 +24,8 @@ BASE = [
     "sim.sample_s=0.001",
     "sim.shard_bytes_per_s=1e15",
     "sim.shard_message_s=0",
+    "sim.shard_apply_s=0",
+    "sim.shard_apply_bytes_per_s=1e15",
     "stop.max_seconds=0.5",
     "cluster.workers=[{slowdown: 1}, {slowdown: 3}, {slowdown: 5}]",
 ]

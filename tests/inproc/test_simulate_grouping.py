@@ -28,6 +28,8 @@ REGROUP = [
     # the shard cost these 700 steps were sized with (bytes only): the test is about re-grouping
     "sim.shard_message_s=0",
     "sim.shard_bytes_per_s=1e9",
+    "sim.shard_apply_s=0",
+    "sim.shard_apply_bytes_per_s=1e15",
 ]
 
 

@@ -2,11 +2,14 @@
 (`cluster.chunk_bytes`, default auto) spread a push's bytes over the shards,
 so where the shards bound the run the busiest shard's service falls and the
 workers step more often in the same virtual time. The shard's cost is a
-fixed time per message plus a time per byte (sim/events.py ServiceQueue)."""
+fixed time per message plus a time per byte, and a time per optimizer step
+it applies plus a time per byte of its parameters (sim/events.py
+ServiceQueue): a sync round of N pushes costs N receives and one step."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -24,6 +27,8 @@ SLOW_SHARDS = [
     "sim.sample_s=0.0002",
     "sim.shard_bytes_per_s=2e8",
     "sim.shard_message_s=0",
+    "sim.shard_apply_s=0",  # the bytes received only: what placement spreads
+    "sim.shard_apply_bytes_per_s=1e15",
     "stop.target_accuracy=null",
     "stop.max_seconds=0.5",
     "eval.every_s=0.25",
@@ -68,3 +73,65 @@ def test_a_messages_service_is_its_fixed_cost_plus_its_bytes():
     # queued behind the first, at slowdown 2
     assert service.finish(0.0, 0, 2.0) == pytest.approx(0.004)
     assert service.busy_s == pytest.approx(0.004)
+
+
+def test_an_optimizer_step_holds_the_shard_for_its_fixed_cost_plus_its_parameter_bytes():
+    service = ServiceQueue(1e6, 0.001, apply_bytes_per_s=1e5, apply_s=0.002, apply_bytes=300)
+    assert service.finish(0.0, 1000, 1.0) == pytest.approx(0.002)
+    assert service.apply(0.002, 0, 1.0) == pytest.approx(0.002)  # no step: nothing held
+    # one step: 2 ms + 300 bytes at 1e5 bytes/s = 5 ms, at slowdown 2: 10 ms
+    assert service.apply(0.002, 1, 2.0) == pytest.approx(0.012)
+    assert service.finish(0.003, 0, 1.0) == pytest.approx(0.013)  # waits for the step
+    assert service.busy_s == pytest.approx(0.002 + 0.010 + 0.001)
+
+
+# a tiny model (one linear layer), one shard, costs in round numbers; bytes received cost nothing
+TINY = [
+    "model.name=mlp",
+    "model.kwargs={hidden: []}",
+    "cluster.workers={count: 3}",
+    "cluster.shards={count: 1}",
+    "data.batch_size=8",
+    "sim.sample_s=0.001",
+    "sim.shard_message_s=0.001",
+    "sim.shard_bytes_per_s=1e15",
+    "sim.shard_apply_s=0.004",
+    "sim.shard_apply_bytes_per_s=1e7",
+    "stop.target_accuracy=null",
+    "stop.max_seconds=0.5",
+    "eval.every_s=0.25",
+]
+
+
+def tiny_busy(tmp_path, digits, algorithm):
+    """(the shard's busy seconds, pushes, optimizer steps, the expected busy
+    seconds of one message and of one step) of a TINY run under `algorithm`."""
+    cfg = load_config(None, TINY + [f"algorithm.name={algorithm}"])
+    summary = simulate(cfg, tmp_path / algorithm, data=digits)
+    stats = summary["shard_stats"]["ps0"]
+    plan = json.loads((tmp_path / algorithm / "plan.json").read_text())
+    param_bytes = sum(4 * math.prod(shape) for _, _, shape, _ in plan["tensors"])
+    assert param_bytes == 4 * (784 * 10 + 10)  # 28x28 digits -> 10 logits
+    return stats["busy_s"], stats["pushes"], stats["version"], 0.001, 0.004 + param_bytes / 1e7
+
+
+def assert_busy(busy, messages, steps, message_s, step_s):
+    """busy == messages x message_s + steps x step_s, give or take the one
+    message a shard may have been receiving (charged, not yet handled) at the stop."""
+    expected = messages * message_s + steps * step_s
+    assert min(abs(busy - expected), abs(busy - expected - message_s)) < 1e-6, (busy, expected)
+
+
+def test_a_sync_round_of_n_pushes_costs_n_messages_and_one_optimizer_step(tmp_path, digits):
+    busy, pushes, steps, message_s, step_s = tiny_busy(tmp_path, digits, "sync")
+    assert pushes > 30
+    assert steps == pushes // 3  # one step per round of 3 pushes (the last may be open)
+    # the messages: each worker's first pull, then one fused push+pull per step
+    assert_busy(busy, pushes + 3, steps, message_s, step_s)
+
+
+def test_every_async_push_costs_a_message_and_an_optimizer_step(tmp_path, digits):
+    busy, pushes, steps, message_s, step_s = tiny_busy(tmp_path, digits, "async")
+    assert pushes > 30
+    assert steps == pushes
+    assert_busy(busy, pushes + 3, steps, message_s, step_s)

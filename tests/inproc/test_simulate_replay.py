@@ -23,6 +23,8 @@ BASE = [
     "stop.max_seconds=0.5",
     "sim.shard_bytes_per_s=1e15",
     "sim.shard_message_s=0",
+    "sim.shard_apply_s=0",
+    "sim.shard_apply_bytes_per_s=1e15",
 ]
 GIVEN = "cluster.workers=[{step_s: 0.004, latency_ms: 3}, {step_s: 0.012, latency_ms: 3}]"
 
