@@ -154,8 +154,16 @@ def test_the_ctr_example_comes_within_001_auc_of_its_planted_model(run_dir, tmp_
     assert s["status"] == "completed" and s["metric"]["name"] == "auc", s
     assert s["stop_reason"].startswith("target auc"), s
     assert s["time_to_target_s"] is not None and s["best"] >= target, (s["best"], planted)
-    evals = records(run_dir, "eval")
-    assert evals[0]["auc"] < 0.8, evals[0]  # an untrained model is far from it
+    # the model the run started from (the seeded factory's) is far from it; the run's first
+    # evaluation may already see some updates on a loaded machine
+    from hetps.runconfig.load import load_config
+    from hetps.worker.evaluator import measure
+    from hetps.worker.preflight import build_checked
+    from hetps.worker.task import load_task
+
+    cfg = load_config(run_dir / "config.yaml", import_targets=True)
+    data, untrained = build_checked(cfg)
+    assert measure(load_task(cfg, data.num_classes), untrained, data.test, cfg, "cpu")["auc"] < 0.7
     # the tables of at least 1,000 rows were served sparse: both shards updated rows
     for shard in ("ps0", "ps1"):
         assert s["shard_stats"][shard]["sparse_rows_updated"] > 0, s["shard_stats"][shard]
