@@ -36,7 +36,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -50,6 +49,7 @@ from pathlib import Path
 
 import torch
 from sparse_model import status_kb  # bench/ is on sys.path when this script runs
+from step import machine
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -505,19 +505,6 @@ def section_ddp(args, tmp: Path) -> None:
 # ------------------------------------------------------------ main
 
 
-def machine() -> str:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    versions = f"Python {platform.python_version()}, torch {torch.__version__}"
-    return f"{os.cpu_count()} cores ({cpu}), {versions}"
-
-
 def ints(text: str) -> list[int]:
     return [int(float(v)) for v in text.split(",")]
 
@@ -548,7 +535,7 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     # torch.optim.Adagrad builds its sparse tensors unchecked, and says so on each run
     warnings.filterwarnings("ignore", "Sparse invariant checks")
-    print(f"machine: {machine()}; 1 torch thread per process; batch {BATCH}")
+    print(f"machine: {machine()}; batch {BATCH}")
     sections = {
         "steps": section_steps,
         "memory": section_memory,
