@@ -268,6 +268,8 @@ class PushInfo:
             return value
         if type(value) is not dict:
             _bad("info", f"must be a map, got {type(value).__name__}")
+        if not value:  # a gradient push's (every step of most algorithms)
+            return _NO_PUSH_INFO
         allowed = [f.name for f in fields(cls)]
         unknown = [k for k in value if k not in allowed]
         if unknown:
@@ -292,6 +294,9 @@ class PushInfo:
         }
 
     to_wire = as_dict
+
+
+_NO_PUSH_INFO = PushInfo()
 
 
 # ---------------------------------------------------------------- shard -> worker: the ACK in a fused reply

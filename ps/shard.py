@@ -19,6 +19,7 @@ import torch
 from hetps.proto.codec import Envelope, ProtocolError, encode, nonfinite_names
 from hetps.proto.messages import Ack, Error, Op, Params, Rows, Status
 from hetps.proto.plan import ClusterPlan
+from hetps.proto.records import FusedAck
 from hetps.proto.rpc import Service
 from hetps.proto.sparse import read_rows_request, rows_key, table_spec
 from hetps.proto.transport import ServerTransport
@@ -58,6 +59,9 @@ class ParkedRows:
     ids: dict  # table -> ids, checked
 
 
+_UNSCANNED = object()  # no policy's release mark equals it
+
+
 @dataclass(frozen=True)
 class ParkedPull:
     peer: bytes
@@ -88,6 +92,9 @@ class Shard(Service):
         self.store = TensorStore(plan.owned(plan.shard_index(node_id)))
         self.policy: ConsistencyPolicy | None = None
         self.parked: list[ParkedPull] = []
+        self._parked_keys: set[tuple[int, int]] = set()  # (worker, request id) of each parked pull
+        # the policy's release mark at the last look at the parked pulls (a new policy: none yet)
+        self._scanned_mark: object = _UNSCANNED
         self.sparse_specs = {t.name: table_spec(t) for t in plan.tables}
         self.sparse = self._make_sparse(plan)
         self.rows_plan_id = plan.plan_id  # the plan whose members the open rounds of rows follow
@@ -206,6 +213,7 @@ class Shard(Service):
         updater = Updater(
             self.store.tensors, self.store.param_names(), self.cfg.optimizer, self.store.arena
         )
+        self._scanned_mark = _UNSCANNED
         self.policy = POLICIES[self.algorithm.policy](
             self.store, updater, self.plan, self.cfg.algorithm.params
         )
@@ -264,13 +272,13 @@ class Shard(Service):
             return self._params(pull)
         # a retried pull replaces its parked original (its peer id may be new after a reconnect);
         # it keeps the original's `since`, so `held_s` counts from the first arrival
-        original = next(
-            (p for p in self.parked if (p.worker, p.req_id) == (pull.worker, pull.req_id)), None
-        )
-        if original is not None:
+        key = (pull.worker, pull.req_id)
+        if key in self._parked_keys:
+            original = next(p for p in self.parked if (p.worker, p.req_id) == key)
             self.parked.remove(original)
             pull = replace(pull, since=original.since)
         self.parked.append(pull)
+        self._parked_keys.add(key)
         return None
 
     # ------------------------------------------------------------ sparse tables
@@ -512,16 +520,17 @@ class Shard(Service):
 
     def _params(self, pull: ParkedPull | None = None) -> Params:
         self.counts["pulls"] += 1
-        ack = {}
+        ack = None
         if pull is not None and pull.ack is not None:
             a = pull.ack
-            ack = {
-                "version": a.version,
-                "staleness": a.staleness,
-                "plan_id": a.plan_id,
-                "info": a.info,
-                "held_s": round(self.clock() - pull.since, 6),
-            }
+            # the record itself: this shard's own values need no reading from plain data
+            ack = FusedAck(
+                version=a.version,
+                staleness=a.staleness,
+                plan_id=a.plan_id,
+                info=a.info,
+                held_s=round(self.clock() - pull.since, 6),
+            )
         return Params(version=self.store.version, ack=ack, tensors=self.store.snapshot())
 
     def reply(self, peer: bytes, req_id: int, msg):
@@ -537,7 +546,14 @@ class Shard(Service):
 
     def _serve_parked(self, released_by: int | None = None) -> None:
         """Answer the parked pulls that became ready; `released_by`: the
-        worker whose push just made them so (it held their waiters up)."""
+        worker whose push just made them so (it held their waiters up). After
+        a push, nothing is looked at unless the policy's release mark moved
+        (a push into an open sync round frees no one: at 64 workers, looking
+        at every parked pull for each push cost more than the push)."""
+        mark = self.policy.release_mark() if self.policy is not None else None
+        if released_by is not None and mark == self._scanned_mark:
+            return
+        self._scanned_mark = mark
         waiting, ready = [], []
         for pull in self.parked:
             if self._ready(pull):
@@ -546,6 +562,8 @@ class Shard(Service):
             else:
                 waiting.append(pull)
         self.parked = waiting
+        if ready:
+            self._parked_keys = {(p.worker, p.req_id) for p in waiting}
         if released_by is not None:
             self.holds.released(released_by, ready)
 

@@ -5,8 +5,8 @@ A policy is driven by the shard's single loop (not thread-safe). `on_push`
 returns the staleness of the push (shard updates since the version the
 gradient was computed on). `pull_ready(worker, clock)` says whether a pull
 from a worker that has made `clock` pushes may be answered now; clock -1
-(the evaluator) is always ready. Parked pulls are re-checked after every push
-and after a plan change. `adopt(plan)` switches to a new plan at a round
+(the evaluator) is always ready. Parked pulls are re-checked after a push
+that moved `release_mark()` and after a plan change. `adopt(plan)` switches to a new plan at a round
 boundary: rounds still open are closed with the contributions they have, so
 no pushed gradient is lost or applied twice.
 
@@ -153,6 +153,13 @@ class ConsistencyPolicy(ABC):
                 since[node] = min(since.get(node, parked_at), parked_at)
                 waiters.setdefault(node, set()).add(worker)
         return [Waiting(n, since[n], frozenset(waiters[n])) for n in sorted(since)]
+
+    def release_mark(self):
+        """A value that changes whenever a parked pull may have become ready:
+        the shard re-checks its parked pulls after a push only when it moved.
+        Here any accepted push counts (the safe default); a policy whose pulls
+        wait only for the shard's version returns that."""
+        return (self.store.version, self.counts["accepted"])
 
     def reply_info(self, worker: int) -> dict:
         """Extras for the ACK of `worker`'s push (string keys), e.g. the next period."""

@@ -101,6 +101,11 @@ class GroupingPolicy(ConsistencyPolicy):
         for w in rnd.members:
             self.applied[w] = self.pushed[w]
 
+    def release_mark(self):
+        # a pull waits for its worker's pushes to be applied, and `applied` moves only where a round
+        # is applied (the version moves with it) or the plan changes (the shard re-checks then)
+        return self.store.version
+
     def weight_of(self, push: Push) -> float:
         """How much a push's gradient counts in its round's mean (1: plain mean)."""
         return 1.0
