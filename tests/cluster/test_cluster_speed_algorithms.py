@@ -53,7 +53,12 @@ def test_balanced_workers_train_on_the_plans_speed_proportional_batches(run_dir)
     rank_of = {str(w["node_id"]): w["rank"] for w in plan["workers"]}
     batches = {rank_of[w]: int(b) for w, b in plan["batches"].items()}
     assert sum(batches.values()) == 128
-    assert min(batches[0], batches[1]) > 2 * max(batches[2], batches[3]), batches  # slowdown 1 vs 3
+    # slowdown 1 against 3: the fast workers get the larger batches (equal batches would be 32
+    # each). The ratio follows the speeds profiled on a shared machine, 3 when quiet and as
+    # low as 1.86 seen while two cores ran four profiling workers, so only its direction and
+    # a clear margin are asserted (proportional_sizes: tests/inproc/test_balanced.py)
+    assert min(batches[0], batches[1]) > max(batches[2], batches[3]), batches
+    assert batches[0] + batches[1] > 1.3 * (batches[2] + batches[3]), batches
     for rank, batch in batches.items():
         node = s["per_node"][f"worker{rank}"]
         # a batch is counted when computed; the stop may leave its step unfinished
