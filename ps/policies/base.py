@@ -6,9 +6,9 @@ returns the staleness of the push (shard updates since the version the
 gradient was computed on). `pull_ready(worker, clock)` says whether a pull
 from a worker that has made `clock` pushes may be answered now; clock -1
 (the evaluator) is always ready. Parked pulls are re-checked after a push
-that moved `release_mark()` and after a plan change. `adopt(plan)` switches to a new plan at a round
-boundary: rounds still open are closed with the contributions they have, so
-no pushed gradient is lost or applied twice.
+that moved `release_mark()` and after a plan change. `adopt(plan)` switches
+to a new plan at a round boundary: rounds still open are closed with the
+contributions they have, so no pushed gradient is lost or applied twice.
 
 Buffers (BatchNorm statistics) are not gradients: each push carries the
 worker's current buffers and the shard keeps a running mean of them
