@@ -38,7 +38,7 @@ class HoldLedger:
         self.until[node] = now
         self.last_waiters[node] = len({p.worker for p in others})
 
-    def report(self, policy: ConsistencyPolicy | None, parked: list) -> dict:
+    def report(self, policy: ConsistencyPolicy | None, parked: Iterable) -> dict:
         """Stats entries `waiting` and `held` (wire form) for a heartbeat."""
         if policy is None:
             return {}

@@ -91,8 +91,8 @@ class Shard(Service):
         self.clock = time.monotonic
         self.store = TensorStore(plan.owned(plan.shard_index(node_id)))
         self.policy: ConsistencyPolicy | None = None
-        self.parked: list[ParkedPull] = []
-        self._parked_keys: set[tuple[int, int]] = set()  # (worker, request id) of each parked pull
+        # (worker, request id) -> the parked pull, in the order they were parked
+        self.parked: dict[tuple[int, int], ParkedPull] = {}
         # the policy's release mark at the last look at the parked pulls (a new policy: none yet)
         self._scanned_mark: object = _UNSCANNED
         self.sparse_specs = {t.name: table_spec(t) for t in plan.tables}
@@ -157,7 +157,7 @@ class Shard(Service):
             **(self.sparse.stats() if self.sparse else {}),
             **saved,
             **policy,
-            **self.holds.report(self.policy, self.parked),
+            **self.holds.report(self.policy, self.parked.values()),
         }
 
     def adopt(self, plan: ClusterPlan) -> None:
@@ -273,12 +273,10 @@ class Shard(Service):
         # a retried pull replaces its parked original (its peer id may be new after a reconnect);
         # it keeps the original's `since`, so `held_s` counts from the first arrival
         key = (pull.worker, pull.req_id)
-        if key in self._parked_keys:
-            original = next(p for p in self.parked if (p.worker, p.req_id) == key)
-            self.parked.remove(original)
+        original = self.parked.pop(key, None)
+        if original is not None:
             pull = replace(pull, since=original.since)
-        self.parked.append(pull)
-        self._parked_keys.add(key)
+        self.parked[key] = pull
         return None
 
     # ------------------------------------------------------------ sparse tables
@@ -554,16 +552,10 @@ class Shard(Service):
         if released_by is not None and mark == self._scanned_mark:
             return
         self._scanned_mark = mark
-        waiting, ready = [], []
-        for pull in self.parked:
-            if self._ready(pull):
-                self.reply(pull.peer, pull.req_id, self._params(pull))
-                ready.append(pull)
-            else:
-                waiting.append(pull)
-        self.parked = waiting
-        if ready:
-            self._parked_keys = {(p.worker, p.req_id) for p in waiting}
+        ready = [p for p in self.parked.values() if self._ready(p)]
+        for pull in ready:
+            del self.parked[(pull.worker, pull.req_id)]
+            self.reply(pull.peer, pull.req_id, self._params(pull))
         if released_by is not None:
             self.holds.released(released_by, ready)
 
