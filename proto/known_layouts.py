@@ -17,13 +17,13 @@ threads decode at once); at most MAX_LAYOUTS are kept, then all are dropped.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator, MutableMapping
 from typing import Any, NamedTuple, Sequence
 
 import msgpack
 
 from .layout import aligned, byte_view
 from .lazy import lazy_module
-from .runs import RunTensors
 
 torch = lazy_module("torch")
 
@@ -54,10 +54,13 @@ class PackedView(NamedTuple):
 class CheckedLayout:
     """The specs, payload sizes and packed indices of one tensor layout that
     passed every check that does not depend on the frames. When every
-    tensor is packed (one pack frame: a small model's message) it also
+    tensor is packed (one pack frame: a small model's message), or the one
+    tensor travels in a frame of its own (a shard's chunk of a large one), it also
     knows each tensor's place in the frame and the flat runs (runs.py) of
     the floating-point tensors, so a message is turned into views with no
-    per-spec work. Not to be changed once made."""
+    per-spec work. Not to be changed once made: every message of the layout
+    shares its runs' name lists (so a round sum knows a push of the same
+    layout by identity, ps/round_sums.py)."""
 
     def __init__(self, specs: list[Spec], sizes: list[int], packed: list[int]):
         self.specs, self.sizes, self.packed = specs, sizes, packed
@@ -65,8 +68,13 @@ class CheckedLayout:
         self.catalog: Any = None
         self.pack_nbytes = sum(aligned(sizes[i]) for i in packed)
         self.views: list[PackedView] | None = None
+        self.named: dict[str, PackedView] | None = None  # the views by name
         self.runs: list[tuple[torch.dtype, int, int, list[str]]] = []
         if packed and len(packed) == len(specs) and self.pack_nbytes:
+            self._place()
+        elif len(specs) == 1 and not packed and specs[0].numel:
+            # one tensor in a frame of its own, exactly its bytes: read like a pack of one
+            self.pack_nbytes = sizes[0]
             self._place()
 
     def _place(self) -> None:
@@ -99,35 +107,94 @@ class CheckedLayout:
                 last = (s.dtype, offset + aligned(nbytes))
             offset += aligned(nbytes)
         self.views = views
+        self.named = {v.name: v for v in views}
 
     def fits(self, frames: Sequence) -> bool:
-        """Whether `frames` (after the header) are the one pack frame of the right length."""
+        """Whether `frames` (after the header) are the one frame of the right length (the pack
+        frame, or the one tensor's own)."""
         return (
             self.views is not None
             and len(frames) == 1
             and byte_view(frames[0]).nbytes == self.pack_nbytes
         )
 
-    def tensors(self, frame: Any) -> RunTensors:
-        """Read-only views of a pack frame that `fits`, with their flat runs."""
-        base = torch.frombuffer(byte_view(frame), dtype=torch.uint8)
-        typed: dict = {}
-        views = []
-        for v in self.views:
-            if not v.numel:
-                views.append((v.name, torch.empty(v.shape, dtype=v.dtype)))
-                continue
-            as_dtype = typed.get(v.dtype)
-            if as_dtype is None:
-                # the frame's length is a multiple of ALIGN
-                as_dtype = typed[v.dtype] = base.view(v.dtype)
-            views.append((v.name, as_dtype.as_strided(v.shape, v.strides, v.offset)))
-        out = RunTensors(views)
+    def tensors(self, frame: Any) -> FrameTensors:
+        """Read-only views of a pack frame that `fits`, with their flat runs
+        (each run one 1-D tensor over the frame; the tensors' views are made
+        when first read)."""
+        out = FrameTensors(self.named, byte_view(frame))
+        # over the whole frame: the optimizer may read a run on into its padding (ps/updater.py)
         out.runs = [
-            (typed[dtype].as_strided((count,), (1,), start), list(names))
+            (out.as_dtype(dtype).as_strided((count,), (1,), start), names)
             for dtype, start, count, names in self.runs
         ]
         return out
+
+
+class FrameTensors(MutableMapping):
+    """The tensors of one pack frame by name, in the layout's order, each a
+    view of the frame made when it is first read: a shard that checks and
+    sums a push run by run (its `runs`, set by `CheckedLayout.tensors`)
+    never makes them. Like RunTensors, any change forgets the runs (and
+    makes every view first, so the order stays the layout's)."""
+
+    __slots__ = ("_layout", "_buf", "_typed", "_made", "runs")
+
+    def __init__(self, layout: dict[str, PackedView] | None, buf: memoryview):
+        self._layout = layout  # None once every view is made (`_made` is then the whole mapping)
+        self._buf = buf
+        self._typed: dict = {}  # dtype -> the whole frame as that dtype (a multiple of ALIGN long)
+        self._made: dict[str, torch.Tensor] = {}
+        self.runs: Any = None
+
+    def as_dtype(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole frame as a 1-D tensor of `dtype` (its length is a multiple of ALIGN)."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = torch.frombuffer(self._buf, dtype=dtype)
+        return typed
+
+    def _view(self, v: PackedView) -> torch.Tensor:
+        if not v.numel:
+            return torch.empty(v.shape, dtype=v.dtype)
+        return self.as_dtype(v.dtype).as_strided(v.shape, v.strides, v.offset)
+
+    def _all(self) -> dict[str, torch.Tensor]:
+        if self._layout is not None:
+            made = self._made
+            self._made = {
+                n: made[n] if n in made else self._view(v) for n, v in self._layout.items()
+            }
+            self._layout = None
+        return self._made
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._layout is None:
+            return self._made[name]
+        t = self._made.get(name)
+        if t is None:
+            t = self._made[name] = self._view(self._layout[name])
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._made if self._layout is None else self._layout)
+
+    def __len__(self) -> int:
+        return len(self._made if self._layout is None else self._layout)
+
+    def __contains__(self, name: object) -> bool:
+        return name in (self._made if self._layout is None else self._layout)
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self.runs = None
+        self._all()[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        self.runs = None
+        del self._all()[name]
+
+    def __repr__(self) -> str:
+        return f"FrameTensors({list(self)})"
 
 
 _known: dict[tuple, CheckedLayout] = {}

@@ -34,11 +34,11 @@ def copy_sum(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     placed, own_runs = {}, []
     for run, names in runs:
         copy = padded_copy(run)
-        start = run.storage_offset()  # the run's tensors are views of its storage, contiguous
+        start, size = run.data_ptr(), run.element_size()  # the run's tensors lie in its memory
         for n in names:
             t = tensors[n]
-            placed[n] = copy.as_strided(t.shape, t.stride(), t.storage_offset() - start)
-        own_runs.append((copy, list(names)))
+            placed[n] = copy.as_strided(t.shape, t.stride(), (t.data_ptr() - start) // size)
+        own_runs.append((copy, names))  # the same list: a later push of the layout is known by it
     out = RunTensors((n, placed[n] if n in placed else t.clone()) for n, t in tensors.items())
     out.runs = own_runs
     return out
@@ -59,32 +59,49 @@ def add_to_sum(total: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tenso
     """`total` += `tensors`, name by name (`total` holds every name of
     `tensors`): floating-point tensors added, integer ones (BatchNorm's
     num_batches_tracked) kept at the largest. Runs that match the sum's
-    (the same names, the same length) are added whole."""
-    done: set[str] = set()
+    (the same names, the same length) are added whole; a push decoded in the
+    layout the sum was copied from (its runs' very name lists,
+    known_layouts.py) is matched run for run with no search."""
     mine, theirs = _runs_of(total), _runs_of(tensors)
+    done: set[str] = set()
     if mine is not None and theirs is not None:
-        by_names = {tuple(names): run for run, names in mine}
-        for run, names in theirs:
-            target = by_names.get(tuple(names))
-            if (
-                target is not None
-                and target.dtype == run.dtype
-                and run.numel()
-                <= target.numel()
-                == aligned(run.numel() * run.element_size()) // run.element_size()
-            ):
-                # the same tensors at the same offsets; padding stays zero
-                target[: run.numel()].add_(run)
-                done.update(names)
-    for n, t in tensors.items():
+        if len(mine) == len(theirs) and all(m[1] is t[1] for m, t in zip(mine, theirs)):
+            for (target, _), (run, _) in zip(mine, theirs):
+                target[: run.numel()].add_(run)  # padding stays zero
+            if sum(len(names) for _, names in theirs) == len(tensors):
+                return  # every tensor was in a run
+            done = {n for _, names in theirs for n in names}
+        else:
+            done = _add_matching_runs(mine, theirs)
+    for n in tensors:
         if n in done:
             continue
+        t = tensors[n]
         if n not in total:  # an optional tensor the sum lacks so far
             total[n] = t.clone()
         elif t.is_floating_point():
             total[n].add_(t)
         else:
             torch.maximum(total[n], t, out=total[n])
+
+
+def _add_matching_runs(mine: list, theirs: list) -> set[str]:
+    """Add each of `theirs` runs whose names and length match one of `mine`; the names added."""
+    done: set[str] = set()
+    by_names = {tuple(names): run for run, names in mine}
+    for run, names in theirs:
+        target = by_names.get(tuple(names))
+        if (
+            target is not None
+            and target.dtype == run.dtype
+            and run.numel()
+            <= target.numel()
+            == aligned(run.numel() * run.element_size()) // run.element_size()
+        ):
+            # the same tensors at the same offsets; padding stays zero
+            target[: run.numel()].add_(run)
+            done.update(names)
+    return done
 
 
 def divide_sum(total: dict[str, torch.Tensor], k: float) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 class TensorStore:
     def __init__(self, specs: list[TensorSpec]):
         self.specs = {s.name: s for s in specs}
+        self.param_order = tuple(s.name for s in specs if s.kind == "param")  # in spec order
         self.catalog: TensorCatalog = {s.name: (s.dtype, s.shape) for s in specs}
         # views of `arena`, in its order, once initialized
         self.tensors: dict[str, torch.Tensor] = {}
@@ -55,7 +56,7 @@ class TensorStore:
         return bool(self.tensors) or not self.specs
 
     def param_names(self) -> list[str]:
-        return [n for n, s in self.specs.items() if s.kind == "param"]
+        return list(self.param_order)
 
     def buffer_names(self) -> list[str]:
         return [n for n, s in self.specs.items() if s.kind == "buffer"]

@@ -91,7 +91,7 @@ class ConsistencyPolicy(ABC):
     def split(self, push: Push) -> tuple[dict, dict]:
         """The push's gradients (all parameters required) and buffers (optional)."""
         # just the parameters, in order: the push's
-        if list(push.tensors) == self.store.param_names():
+        if tuple(push.tensors) == self.store.param_order:
             # own dict, with any runs its decoder found
             return push.tensors, {}
         grads = {n: push.tensors[n] for n in self.store.param_names() if n in push.tensors}

@@ -78,7 +78,9 @@ class GroupingPolicy(ConsistencyPolicy):
         if realigning and push.clock > open_round.clock:
             self._close(g)  # restored: this worker's push for the open round was lost
         rnd = self.rounds.setdefault(g, Round(clock=push.clock))
-        closes = rnd.members | {worker} >= set(self.groups[g])
+        group = self.groups[g]
+        # the set test only where the count says it may close (each push used to build two sets)
+        closes = len(rnd.members) + 1 >= len(group) and rnd.members | {worker} >= set(group)
         rnd.add(worker, got.tensors, got.buffers, self.weight_of(push), borrow=closes)
         if closes:
             self._close(g)

@@ -21,9 +21,10 @@ from hetps.proto.codec import (
     nonfinite_names,
     tensor_frame,
 )
+from hetps.proto.known_layouts import FrameTensors
 from hetps.proto.layout import PACK_ALL_BELOW, PACK_BELOW, build_pack
 from hetps.proto.messages import Push, Status
-from hetps.proto.runs import RunTensors, flat_runs
+from hetps.proto.runs import flat_runs
 
 
 def mixed() -> dict:
@@ -65,7 +66,7 @@ def test_a_repeated_layout_decodes_to_the_same_values_and_runs_as_a_fresh_check(
     again = [{n: t * (k + 2) for n, t in sent.items()} for k in range(2)]
     for k, values in enumerate(again):
         got = decode(push_frames(values, 2 + k), catalog_of(sent)).msg.tensors
-        assert isinstance(got, RunTensors) and got.runs is not None
+        assert isinstance(got, FrameTensors) and got.runs is not None
         assert list(got) == list(sent)
         for n, t in values.items():
             assert got[n].dtype == t.dtype and got[n].shape == t.shape and torch.equal(got[n], t)
@@ -100,6 +101,43 @@ def test_changing_decoded_tensors_forgets_their_runs():
         assert [names for _, names in flat_runs(got)] == [
             names for _, names in flat_runs(dict(got))
         ]
+
+
+def test_decoded_tensors_keep_the_layout_order_and_the_views_read_before_a_change():
+    sent = mixed()
+    frames = push_frames(sent)
+    decode(frames)  # the layout is remembered: the next decode makes views when read
+    got = decode(frames).msg.tensors
+    d = got["d"]
+    assert "e" in got and "zz" not in got and len(got) == len(sent)
+    got["a"] = torch.zeros(3, 5)
+    assert list(got) == list(sent) and got["d"] is d
+    assert torch.equal(got["a"], torch.zeros(3, 5))
+    for n in sent:
+        if n != "a":
+            assert torch.equal(got[n], sent[n]) and got[n].dtype == sent[n].dtype
+    del got["b"]
+    assert list(got) == [n for n in sent if n != "b"]
+    with pytest.raises(KeyError):
+        got["b"]
+
+
+def test_a_lone_tensor_in_its_own_frame_is_a_remembered_layout_too():
+    """A shard's push of one large tensor (a chunk: not packed) decodes through
+    the remembered layout: the same values and run, and a frame of another
+    length is still refused."""
+    known_layouts._known.clear()
+    sent = {"w": torch.randn(70_000)}  # over PACK_BELOW: a frame of its own
+    frames = push_frames(sent)
+    assert len(frames) == 2
+    decode(frames, catalog_of(sent))
+    got = decode(push_frames({"w": sent["w"] * 2}, 2), catalog_of(sent)).msg.tensors
+    assert isinstance(got, FrameTensors) and list(got) == ["w"]
+    assert torch.equal(got["w"], sent["w"] * 2)
+    ((run, names),) = got.runs
+    assert names == ["w"] and run.numel() == 70_000 and run.data_ptr() == got["w"].data_ptr()
+    short = push_frames(sent)
+    assert refused([short[0], short[1][:-4]], catalog_of(sent)).status == Status.MALFORMED
 
 
 def test_a_nonfinite_value_is_found_through_the_remembered_runs():
