@@ -20,6 +20,7 @@ their declared dtype and shape here (compression.py), so no caller sees either.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -230,6 +231,22 @@ def _check_type(name: str, value: Any, type_name: str, req_id: int) -> None:
         )
 
 
+@functools.cache  # per message class, on every decode
+def _field_checks(cls: type[Message]) -> tuple[tuple[str, str, Any, bool, bool], ...]:
+    """Each header field's (name, wire type, Python types, whether a bool is
+    refused, whether it is required), worked out once per message class."""
+    return tuple(
+        (
+            f.name,
+            str(f.type),
+            _TYPES[str(f.type)],
+            str(f.type) in ("int", "float"),
+            f.default is MISSING and f.default_factory is MISSING,
+        )
+        for f in header_fields(cls)
+    )
+
+
 def _read_op(header: dict) -> tuple[type[Message], int, int]:
     req_id = header.get("id", 0)
     req_id = req_id if isinstance(req_id, int) and not isinstance(req_id, bool) else 0
@@ -431,14 +448,14 @@ def decode(
     header = _unpack_header(frames[0])
     cls, req_id, src = _read_op(header)
     values: dict[str, Any] = {}
-    for f in header_fields(cls):
-        if f.name in header:
-            _check_type(f.name, header[f.name], str(f.type), req_id)
-            values[f.name] = header[f.name]
-        elif f.default is MISSING and f.default_factory is MISSING:
-            raise ProtocolError(
-                Status.MALFORMED, f"{cls.OP.name}: missing field {f.name!r}", req_id
-            )
+    for name, type_name, want, numeric, required in _field_checks(cls):
+        if name in header:
+            value = header[name]
+            if not isinstance(value, want) or (numeric and isinstance(value, bool)):
+                _check_type(name, value, type_name, req_id)  # raises, naming the field
+            values[name] = value
+        elif required:
+            raise ProtocolError(Status.MALFORMED, f"{cls.OP.name}: missing field {name!r}", req_id)
     if has_tensors(cls):
         values["tensors"] = _decode_tensors(
             header, frames[1:], catalog if cls.CATALOGUED else None, max_tensor_bytes, req_id
