@@ -14,7 +14,8 @@ reused (`--out` holds them). Prints one row per run: time to the target
 (virtual s; `-` when not reached), worker steps per virtual second, the
 busiest shard's busy fraction (its `busy_s` over the virtual seconds) and
 the real seconds of the simulation; then per worker and shard count the
-median over seeds and grouping's speed-up over sync.
+median over seeds and grouping's speed-up over sync, in time to the target
+and in worker steps per second.
 """
 
 from __future__ import annotations
@@ -128,10 +129,15 @@ def main() -> None:
                         for r in mine
                     ),
                     statistics.median(r["busiest"] for r in mine),
+                    statistics.median(r["steps_per_s"] for r in mine),
                 )
-            line = "  ".join(f"{a}: {t:.2f} s, busiest {b:.2f}" for a, (t, b) in med.items())
+            line = "  ".join(f"{a}: {t:.2f} s, busiest {b:.2f}" for a, (t, b, _) in med.items())
             if "sync" in med and "grouping" in med:
-                line += f"  grouping speed-up {med['sync'][0] / med['grouping'][0]:.2f}x"
+                # time to target moves with the training's course; steps/s with the shards' pace
+                line += (
+                    f"  grouping speed-up {med['sync'][0] / med['grouping'][0]:.2f}x"
+                    f" (steps/s {med['grouping'][2] / med['sync'][2]:.2f}x)"
+                )
             print(f"  {w} workers, {n} shards: {line}")
 
 

@@ -226,7 +226,7 @@ class SimConfig:
     """The cost model of `hetps simulate` (virtual time; docs/simulation.md)."""
     sample_s: float = 0.0002           # compute seconds per training sample of a slowdown-1 worker
     shard_bytes_per_s: float = 5e9     # bytes a slowdown-1 shard takes in per second (receive, check, add into the round's sum)
-    shard_message_s: float = 0.00014   # a slowdown-1 shard's service time per message (decode, dispatch, its reply), on top of its bytes
+    shard_message_s: float = 0.00013   # a slowdown-1 shard's service time per message (decode, dispatch, its reply), on top of its bytes
     shard_apply_bytes_per_s: float = 2.5e9  # parameter bytes a slowdown-1 shard's optimizer step updates per second
     shard_apply_s: float = 0.0001      # a slowdown-1 shard's time per optimizer step, on top of its parameter bytes
     eval_s: float = 0.0                # virtual seconds an evaluation takes (the evaluator's pull is free)
