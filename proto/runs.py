@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 class RunTensors(dict):
     """Tensors by name that may know their flat runs already (`runs`, set by
-    whoever laid them out: the decoder of a pack frame). Any change to the
-    dict forgets them, so they never describe other tensors."""
+    whoever laid them out: a round's sum, a worker's merged pull replies; a
+    decoded pack frame is a FrameTensors, known_layouts.py). Any change to
+    the dict forgets them, so they never describe other tensors."""
 
     runs: Any = None
 
