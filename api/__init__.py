@@ -13,7 +13,7 @@ another config, with changes; `run` (hetps.running) runs it exactly as
 when the run could not start or a process failed; `load_model`
 (hetps.models) gives back the trained torch module; a bad config raises
 `ConfigError` listing every problem. `Task` and `Metric` are
-the task contract (hetps.worker.task) for a task of your own.
+the task contract (hetps.training.task) for a task of your own.
 
 Every daemon imports this package (it is the parent of hetps.worker, ...):
 the names above are imported on first use, so that `import hetps.proto`
@@ -34,8 +34,8 @@ _EXPORTS = {
     "load_result": "hetps.running",
     "load_model": "hetps.models",
     "ConfigError": "hetps.proto.errors",
-    "Task": "hetps.worker.task",
-    "Metric": "hetps.worker.task",
+    "Task": "hetps.training.task",
+    "Metric": "hetps.training.task",
 }
 __all__ = list(_EXPORTS)
 

@@ -20,7 +20,7 @@ def load_model(path: str | Path, *, best: bool = False, device: str = "cpu"):
     from safetensors.torch import load_file
 
     from hetps.runconfig.load import load_config
-    from hetps.worker.models import build_model
+    from hetps.training.models import build_model
 
     path = Path(path)
     file = path / ("best.safetensors" if best else "model.safetensors") if path.is_dir() else path
@@ -40,7 +40,7 @@ def load_model(path: str | Path, *, best: bool = False, device: str = "cpu"):
             cfg.model, tuple(described["input_shape"]), described.get("num_classes")
         )
     else:  # no description: the shapes from the dataset, as the workers found them
-        from hetps.worker.preflight import build_checked
+        from hetps.training.preflight import build_checked
 
         model = build_checked(cfg)[1]
     model.load_state_dict(load_file(str(file)), strict=True)

@@ -28,9 +28,9 @@ import torch
 from hetps.proto.plan import ClusterPlan, NodeEntry, schema_hash
 from hetps.runconfig.load import load_config
 from hetps.scheduler.placement import place
+from hetps.training.models import MLP, LeNet5
+from hetps.training.state import model_specs, model_tensors
 from hetps.worker.client import PSClient
-from hetps.worker.models import MLP, LeNet5
-from hetps.worker.state import model_specs, model_tensors
 
 MODELS = {
     "lenet5": lambda: LeNet5((1, 28, 28), 10),

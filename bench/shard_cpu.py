@@ -30,8 +30,8 @@ def specs_of(name: str) -> list:
     from hetps.proto.plan import TensorSpec
 
     if name == "lenet":
-        from hetps.worker.models import LeNet5
-        from hetps.worker.state import model_specs
+        from hetps.training.models import LeNet5
+        from hetps.training.state import model_specs
 
         return model_specs(LeNet5((1, 28, 28), 10))
     return [TensorSpec("w", "float32", (int(name.rstrip("M")) << 18,))]

@@ -76,8 +76,8 @@ def ddp_rank(
 
     from hetps.runconfig.load import load_config
     from hetps.runtime.optim import build_optimizer
-    from hetps.worker.data import BatchStream, load_datasets, partition
-    from hetps.worker.models import build_model
+    from hetps.training.data import BatchStream, load_datasets, partition
+    from hetps.training.models import build_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

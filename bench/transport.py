@@ -61,8 +61,8 @@ def tensor_set(row: str) -> list:
     from hetps.proto.plan import TensorSpec
 
     if row == "lenet":
-        from hetps.worker.models import LeNet5
-        from hetps.worker.state import model_specs
+        from hetps.training.models import LeNet5
+        from hetps.training.state import model_specs
 
         return model_specs(LeNet5((1, 28, 28), 10))
     return [TensorSpec("w", "float32", (SIZES[row] // 4,))]
@@ -155,7 +155,7 @@ def worker_gradients(specs: list, parts: list[list[str]]) -> dict:
     buffer in the wire's layout (worker/flat_model.py), as ModelState.outgoing gives them."""
     from torch import nn
 
-    from hetps.worker.state import ModelState
+    from hetps.training.state import ModelState
 
     model = nn.Module()
     for s in specs:  # one parameter per spec, registered under its (dotted) name

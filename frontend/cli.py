@@ -30,7 +30,7 @@ from pathlib import Path
 
 from hetps.runtime.daemon import load_or_exit
 
-ROLE_MODULES = {"ps": "hetps.ps", "worker": "hetps.worker", "export": "hetps.worker.export"}
+ROLE_MODULES = {"ps": "hetps.ps", "worker": "hetps.worker", "export": "hetps.training.export"}
 
 
 def run_command(argv: list[str]) -> int:

@@ -190,7 +190,7 @@ def simulated_runner():
     """A run function for `--simulate`: each run simulated in this process,
     the datasets loaded once for all of them; returns 0 (or 3 when diverged)."""
     from hetps.sim.engine import simulate
-    from hetps.worker.data import load_datasets
+    from hetps.training.data import load_datasets
 
     from .plots import plot_simulated
 

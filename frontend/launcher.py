@@ -225,9 +225,9 @@ class LocalCluster:
         return ("--client-key", name.split("-")[0]) if self.own_keys and name != "scheduler" else ()
 
     def start_check(self) -> subprocess.Popen:
-        """Start the dry forward+backward of the model on one batch (hetps.worker.preflight)."""
+        """Start the dry forward+backward of the model on one batch (hetps.training.preflight)."""
         self.check = self._start(
-            "hetps.worker.preflight",
+            "hetps.training.preflight",
             ["--config", str(self.config_path)],
             self.run_dir / "logs" / "check.log",
             append=False,
@@ -578,7 +578,7 @@ def export_model(cluster: LocalCluster, quiet: bool) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "hetps.worker.export",
+        "hetps.training.export",
         str(cluster.checkpoint_root),
         "--out",
         str(out),

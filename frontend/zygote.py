@@ -38,7 +38,7 @@ PRELOAD = [
     "torch._dynamo",
     "hetps.ps.serving",
     "hetps.worker.lifecycle",
-    "hetps.worker.preflight",
+    "hetps.training.preflight",
 ]
 
 

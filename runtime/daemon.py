@@ -169,7 +169,7 @@ def check_and_exit(role: str, **resolved) -> None:
     print(
         f"hetps {role}: not checked without the model: that it fits the data and that "
         "cluster.max_message_bytes lets its tensors through (every worker checks both before it "
-        "registers; alone: python -m hetps.worker.preflight --config CONFIG)"
+        "registers; alone: python -m hetps.training.preflight --config CONFIG)"
     )
     raise SystemExit(0)
 

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from hetps.proto.messages import Ack, Params, Pull, Push
 from hetps.proto.plan import ClusterPlan
 from hetps.runconfig.schema import NodeConfig, RunConfig
+from hetps.training.data import Datasets
+from hetps.training.state import ModelState
+from hetps.training.step import DilocoRounds, LocalRounds
 from hetps.worker.client import ack_of
-from hetps.worker.data import Datasets
-from hetps.worker.state import ModelState
-from hetps.worker.step import DilocoRounds, LocalRounds
 
 from .workers import SimMember, SimWorker
 

@@ -20,7 +20,7 @@ import torch
 from hetps.proto.codec import ProtocolError
 from hetps.proto.messages import Status
 from hetps.ps.shard import Shard
-from hetps.worker.sparse import TouchedRows
+from hetps.training.sparse import TouchedRows
 
 ID_BYTES = 8  # an int64 id on the wire
 

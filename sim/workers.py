@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from hetps.proto.messages import Ack, Params, Pull, Push, PushRows
 from hetps.proto.plan import ClusterPlan
 from hetps.runconfig.schema import NodeConfig, RunConfig
+from hetps.training.data import Datasets
+from hetps.training.state import ModelState
+from hetps.training.step import GradientStep
+from hetps.training.straggler import straggler_of
 from hetps.worker.client import ack_of, join_parts, part_sizes, shard_names, split_for_shards
-from hetps.worker.data import Datasets
-from hetps.worker.state import ModelState
-from hetps.worker.step import GradientStep
-from hetps.worker.straggler import straggler_of
 from hetps.worker.trainer import StepTimer
 
 from .events import Link, speed_factor

@@ -24,9 +24,9 @@ import time
 
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted
+from hetps.training.step import DilocoRounds
 
 from .local import LocalSgdTrainer
-from .step import DilocoRounds
 
 log = logging.getLogger(__name__)
 

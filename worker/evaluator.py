@@ -29,14 +29,14 @@ from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted
 from hetps.runconfig.schema import RunConfig
 from hetps.runtime.membership import Membership
+from hetps.training.data import ArrayDataset, test_batches
+from hetps.training.export import describe, state_copy, write_state
+from hetps.training.sparse import RowExchange, tables_of
+from hetps.training.state import ModelState
+from hetps.training.step import task_for
+from hetps.training.task import Classification, Metric, Task, evaluate_task, watched_metric
 
 from .client import PSClient
-from .data import ArrayDataset, test_batches
-from .export import describe, state_copy, write_state
-from .sparse import RowExchange, tables_of
-from .state import ModelState
-from .step import task_for
-from .task import Classification, Metric, Task, evaluate_task, watched_metric
 
 log = logging.getLogger(__name__)
 

@@ -29,15 +29,15 @@ from hetps.runtime.membership import Membership, SchedulerUnreachable, describe_
 from hetps.runtime.metrics import serve_metrics
 from hetps.runtime.optim import build_optimizer
 from hetps.runtime.startup import Phases
+from hetps.training.data import DatasetUnavailable
+from hetps.training.preflight import PreflightError, build_checked, model_outputs
+from hetps.training.state import ModelState, model_specs
+from hetps.training.step import task_for
 
-from .data import DatasetUnavailable
 from .diloco import DilocoTrainer
 from .evaluator import Evaluator
 from .local import LocalSgdTrainer
 from .overlap import OverlapTrainer
-from .preflight import PreflightError, build_checked, model_outputs
-from .state import ModelState, model_specs
-from .step import task_for
 from .trainer import Trainer, profile_speed
 
 log = logging.getLogger("hetps.worker")

@@ -30,12 +30,12 @@ from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.runtime.emulation import work_clock
 from hetps.runtime.membership import Membership
+from hetps.training.data import Datasets
+from hetps.training.state import ModelState
+from hetps.training.step import LocalRounds
+from hetps.training.straggler import straggle
 
 from .client import PSClient
-from .data import Datasets
-from .state import ModelState
-from .step import LocalRounds
-from .straggler import straggle
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)

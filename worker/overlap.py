@@ -47,9 +47,9 @@ from torch import nn
 from hetps.proto.messages import Ack
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted, RequestTimeout
+from hetps.training.state import ModelState
 
 from .client import PSClient
-from .state import ModelState
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)

@@ -21,14 +21,14 @@ from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.runtime.emulation import Slowdown, work_clock
 from hetps.runtime.histogram import Histogram
 from hetps.runtime.membership import Membership
+from hetps.training.data import Datasets, stream_share
+from hetps.training.sparse import RowExchange
+from hetps.training.state import ModelState
+from hetps.training.step import GradientStep, autocast, batch_loss
+from hetps.training.straggler import straggle
+from hetps.training.task import Classification, Task
 
 from .client import PSClient
-from .data import Datasets, stream_share
-from .sparse import RowExchange
-from .state import ModelState
-from .step import GradientStep, autocast, batch_loss
-from .straggler import straggle
-from .task import Classification, Task
 
 log = logging.getLogger(__name__)
 

@@ -123,7 +123,7 @@ def test_a_model_factory_that_raises_ends_the_run_quoting_it(run_dir, tmp_path):
     (package / "brokenmodel.py").write_text(
         textwrap.dedent("""
         import sys
-        from hetps.worker.models import build_model
+        from hetps.training.models import build_model
         from hetps.runconfig.schema import ModelConfig
 
         def make(**kwargs):

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import hetps
 from hetps.runconfig.load import load_config
-from hetps.worker.data import load_datasets
+from hetps.training.data import load_datasets
 from hetps.worker.evaluator import measure
-from hetps.worker.task import load_task
+from hetps.training.task import load_task
 
 run_dir = Path(sys.argv[1])
 cfg = load_config(run_dir / "config.yaml", import_targets=True)

@@ -40,7 +40,7 @@ from hetps.proto.plan import schema_hash
 from hetps.proto.rpc import RemoteError, RpcClient
 from hetps.runconfig.load import load_config
 from hetps.runtime.membership import Membership
-from hetps.worker.state import model_specs, model_tensors
+from hetps.training.state import model_specs, model_tensors
 
 pytestmark = pytest.mark.cluster
 

@@ -223,7 +223,7 @@ def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
     from hetps.proto.rpc import RpcClient
     from hetps.runconfig.load import load_config
     from hetps.runtime.membership import Membership
-    from hetps.worker.state import model_specs, model_tensors
+    from hetps.training.state import model_specs, model_tensors
 
     started = time.monotonic()
     daemons = Daemons(tmp_path)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.own_fork_server  # the script forks its daemons as a us
 # (the tag) pickled by hetps.run
 TASK_MODULE = """
 from hetps import Metric
-from hetps.worker.task import Classification
+from hetps.training.task import Classification
 
 
 class Tagged(Classification):
@@ -47,8 +47,8 @@ class BadLoss(Classification):
 SCRIPT = """
 import json, sys
 import hetps
-from hetps.worker.data import load_datasets, test_batches
-from hetps.worker.task import evaluate_task, Classification
+from hetps.training.data import load_datasets, test_batches
+from hetps.training.task import evaluate_task, Classification
 from mytask import Tagged, bad_loss
 
 out = {}

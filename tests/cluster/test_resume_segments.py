@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 
 from hetps.runconfig.load import load_config
 from hetps.worker.evaluator import evaluate
-from hetps.worker.preflight import build_checked
+from hetps.training.preflight import build_checked
 
 run_dir = Path(sys.argv[1])
 cfg = load_config(run_dir / "config.yaml", import_targets=True)

@@ -30,7 +30,7 @@ from hetps.proto.rpc import RpcClient
 from hetps.runconfig.load import load_config
 from hetps.runtime import curve_setup
 from hetps.runtime.membership import Membership
-from hetps.worker.state import model_specs, model_tensors
+from hetps.training.state import model_specs, model_tensors
 
 EXIT_S = 30.0
 

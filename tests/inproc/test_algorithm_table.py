@@ -34,11 +34,11 @@ from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ConfigError
 from hetps.scheduler.coordinator import Coordinator
 from hetps.scheduler.formation import FORMATIONS
+from hetps.training.state import model_specs
+from hetps.training.step import PERIODS, Period
 from hetps.worker.lifecycle import WORKER_LOOPS, trainer_class
 from hetps.worker.local import LocalSgdTrainer
 from hetps.worker.overlap import OverlapTrainer
-from hetps.worker.state import model_specs
-from hetps.worker.step import PERIODS, Period
 
 A, B = 11, 12  # worker node ids
 

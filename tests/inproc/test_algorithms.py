@@ -18,8 +18,8 @@ from hetps.proto.errors import ProtocolError
 from hetps.proto.messages import Params, Status
 from hetps.proto.rpc import RemoteError, RequestTimeout, RpcClient
 from hetps.ps.averaging_rules import VariancePeriod, equal_weights, wpsgd_weights
-from hetps.worker.state import model_specs, model_tensors
-from hetps.worker.straggler import straggler_of
+from hetps.training.state import model_specs, model_tensors
+from hetps.training.straggler import straggler_of
 
 PLAN_ID = 1
 W = [11, 12, 13, 14, 15]  # worker node ids

@@ -13,7 +13,7 @@ from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ConfigError
 from hetps.scheduler.runlog import read_metrics
 from hetps.sim.engine import simulate
-from hetps.worker.data import load_datasets
+from hetps.training.data import load_datasets
 
 
 def first_step(harnesses, *overrides) -> tuple[float, dict[str, torch.Tensor]]:

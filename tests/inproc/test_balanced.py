@@ -19,7 +19,7 @@ from hetps.runconfig.schema import ConfigError
 from hetps.runtime.speed_shares import local_steps, proportional_sizes
 from hetps.scheduler.coordinator import Coordinator
 from hetps.scheduler.formation import FORMATIONS
-from hetps.worker.state import model_specs
+from hetps.training.state import model_specs
 
 A, B, C = 11, 12, 13
 

@@ -27,7 +27,7 @@ from hetps.proto.messages import Ack
 from hetps.ps.serving import setup_checkpoints
 from hetps.runtime import checkpoint
 from hetps.runtime.metrics import serve_metrics, stop_metrics
-from hetps.worker.state import model_specs
+from hetps.training.state import model_specs
 
 A = 11
 SUPPORT = Path(__file__).parents[1] / "support"
@@ -160,7 +160,7 @@ CHILD = textwrap.dedent(
     from shard_harness import ShardHarness, grads, values_of
     from torch import nn
     from hetps.ps.serving import setup_checkpoints
-    from hetps.worker.state import model_specs
+    from hetps.training.state import model_specs
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     torch.set_num_threads(1)

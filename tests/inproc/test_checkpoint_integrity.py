@@ -28,7 +28,7 @@ from hetps.runconfig.schema import ConfigError
 from hetps.runtime import checkpoint
 from hetps.runtime.membership import Membership
 from hetps.scheduler.coordinator import Coordinator
-from hetps.worker.state import model_specs
+from hetps.training.state import model_specs
 
 A, B = 11, 12
 BIG = 1e4  # what the overwritten bytes decode to: the "values near 1e4" of a served damaged file
@@ -340,7 +340,7 @@ def test_resume_without_a_common_valid_version_takes_each_shards_newest_valid(tm
 
 
 def test_export_reads_the_newest_version_every_shard_has_valid(tmp_path):
-    from hetps.worker.export import newest_tensors
+    from hetps.training.export import newest_tensors
 
     run_dir, folders = write_run(tmp_path, {0: [10, 20], 1: [10, 20]})
     overwrite_tensor_bytes(folders[0] / f"v{20:012d}.pt", torch.ones(3) * 20)

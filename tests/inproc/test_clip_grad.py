@@ -14,7 +14,7 @@ from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ConfigError
 from hetps.scheduler.runlog import read_metrics
 from hetps.sim.engine import simulate
-from hetps.worker.data import load_datasets
+from hetps.training.data import load_datasets
 
 # its shard parts are flat on the worker
 LENET = ("model.name=lenet5", "data.synthetic.shape=[1,28,28]")

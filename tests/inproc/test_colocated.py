@@ -34,8 +34,8 @@ from hetps.runconfig.schema import ConfigError
 from hetps.runtime import checkpoint, curve_setup
 from hetps.runtime.membership import Membership
 from hetps.scheduler.coordinator import Coordinator
+from hetps.training.state import model_specs, model_tensors
 from hetps.worker.client import PSClient
-from hetps.worker.state import model_specs, model_tensors
 
 JOIN_S = 30.0  # upper bound on any thread's end
 LR = 0.1

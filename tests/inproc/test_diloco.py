@@ -9,7 +9,7 @@ import torch
 from shard_harness import ShardHarness, grads, tiny_model, values_of
 
 from hetps.proto.messages import Params, Pull, Push
-from hetps.worker.state import model_specs
+from hetps.training.state import model_specs
 
 A, B = 11, 12
 

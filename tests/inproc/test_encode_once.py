@@ -12,7 +12,7 @@ from torch import nn
 import hetps.ps.store as store_module
 from hetps.proto.codec import decode, encode, encode_tensors
 from hetps.proto.messages import Params, Push
-from hetps.worker.state import model_specs
+from hetps.training.state import model_specs
 
 A, B = 11, 12
 

@@ -15,7 +15,7 @@ from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ConfigError
 from hetps.scheduler.failover import check_readmit, failover_plan, replaced, with_backups
 from hetps.scheduler.nodes import Node
-from hetps.worker.state import model_specs
+from hetps.training.state import model_specs
 
 
 def three_shards() -> tuple[ClusterPlan, dict]:

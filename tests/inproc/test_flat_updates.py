@@ -21,7 +21,7 @@ from hetps.ps.store import TensorStore
 from hetps.ps.updater import Updater
 from hetps.runconfig.load import load_config
 from hetps.runtime.optim import build_lr_scheduler, build_optimizer
-from hetps.worker.state import model_specs
+from hetps.training.state import model_specs
 
 # odd sizes (padding inside the float32 run), two parameter dtypes, buffers in between
 SPECS = [

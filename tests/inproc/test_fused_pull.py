@@ -28,8 +28,8 @@ from hetps.proto.transport import make_server
 from hetps.ps.shard import Shard
 from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ClusterConfig
+from hetps.training.state import model_specs
 from hetps.worker.client import PSClient
-from hetps.worker.state import model_specs
 
 A, B = 11, 12
 

@@ -22,7 +22,7 @@ from shard_harness import (
 
 from hetps.proto.codec import encode
 from hetps.proto.messages import Ack, Push
-from hetps.worker.state import model_specs
+from hetps.training.state import model_specs
 
 A, B = 11, 12
 

@@ -209,8 +209,8 @@ def test_every_project_exception_is_a_hetps_error():
     from hetps.proto.transport import TransportError
     from hetps.runconfig.schema import ConfigError
     from hetps.runtime.membership import SchedulerUnreachable
-    from hetps.worker.data import DatasetUnavailable
-    from hetps.worker.models import ModelError
+    from hetps.training.data import DatasetUnavailable
+    from hetps.training.models import ModelError
 
     for cls in (
         ConfigError,

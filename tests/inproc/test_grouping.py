@@ -23,7 +23,7 @@ from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec
 from hetps.runconfig.algorithm_params import GroupingParams
 from hetps.scheduler.grouping import calinski_harabasz, data_shares, drifted, form_groups, kmeans_1d
 from hetps.scheduler.placement import place
-from hetps.worker.data import partition
+from hetps.training.data import partition
 
 # ================================================================ form_groups
 

@@ -27,12 +27,12 @@ from hetps.proto.plan import NodeEntry, chunk_specs
 from hetps.proto.rpc import Aborted, RequestTimeout
 from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import NodeConfig
-from hetps.worker.data import load_datasets
+from hetps.training.data import load_datasets
+from hetps.training.models import build_model
+from hetps.training.state import ModelState, model_specs
 from hetps.worker.lifecycle import trainer_class
 from hetps.worker.local import LocalSgdTrainer
-from hetps.worker.models import build_model
 from hetps.worker.overlap import Overlap, OverlapTrainer
-from hetps.worker.state import ModelState, model_specs
 from hetps.worker.trainer import Trainer
 
 WORKERS = (1, 2)

@@ -30,8 +30,8 @@ from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import CheckpointConfig
 from hetps.runtime import checkpoint
 from hetps.runtime.emulation import wire_faults
+from hetps.training.state import model_specs, model_tensors
 from hetps.worker.client import PSClient
-from hetps.worker.state import model_specs, model_tensors
 
 A, B = 11, 12
 

@@ -24,8 +24,8 @@ from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ClusterConfig
 from hetps.scheduler.failover import failover_plan, with_backups
 from hetps.scheduler.nodes import Node
+from hetps.training.state import model_specs
 from hetps.worker.client import PSClient
-from hetps.worker.state import model_specs
 
 A, B, C = 11, 12, 13
 STEPS = 8

@@ -28,8 +28,8 @@ from hetps.ps.shard import Shard
 from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import CheckpointConfig, ClusterConfig
 from hetps.runtime import checkpoint
+from hetps.training.state import model_specs
 from hetps.worker.client import PSClient
-from hetps.worker.state import model_specs
 
 A, B = 11, 12
 KILL_ROUND = 5  # the round whose reply to B is lost

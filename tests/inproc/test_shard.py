@@ -19,7 +19,7 @@ from torch import nn
 
 from hetps.proto.messages import Ack, Init, Params, Pull, Push, Register, Status
 from hetps.proto.rpc import RemoteError
-from hetps.worker.state import model_specs, model_tensors
+from hetps.training.state import model_specs, model_tensors
 
 A, B = 11, 12  # worker node ids
 TIGHT = dict(rtol=1e-6, atol=1e-7)

@@ -16,7 +16,7 @@ from hetps.runconfig.schema import ConfigError
 from hetps.scheduler.runlog import read_metrics
 from hetps.sim.engine import SimulationError, simulate
 from hetps.sim.events import Link, ServiceQueue, transfer
-from hetps.worker.data import load_datasets
+from hetps.training.data import load_datasets
 
 BASE = [
     "data.batch_size=16",

@@ -11,7 +11,7 @@ import pytest
 from hetps.runconfig.load import load_config
 from hetps.scheduler.runlog import read_metrics
 from hetps.sim.engine import simulate
-from hetps.worker.data import load_datasets
+from hetps.training.data import load_datasets
 
 # 3 workers of 16 samples at 1 ms/sample and slowdowns 1, 3, 5: steps of 16, 48 and 80 ms;
 # no network or shard cost; limiter 0: no barrier rounds

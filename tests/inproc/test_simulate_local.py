@@ -13,7 +13,7 @@ from test_simulate import comparable
 from hetps.runconfig.load import load_config
 from hetps.scheduler.runlog import read_metrics
 from hetps.sim.engine import simulate
-from hetps.worker.data import load_datasets
+from hetps.training.data import load_datasets
 
 BASE = [
     "data.batch_size=16",

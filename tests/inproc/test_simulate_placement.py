@@ -16,7 +16,7 @@ import pytest
 from hetps.runconfig.load import load_config
 from hetps.sim.engine import simulate
 from hetps.sim.events import ServiceQueue
-from hetps.worker.data import load_datasets
+from hetps.training.data import load_datasets
 
 # 8 equal LeNet-5 workers, 4 equal shards, sync; shards slow enough to bound the run: a whole
 # push (246,824 bytes) takes 1.2 ms of shard service, 8 of them per 6.4 ms round of compute

@@ -16,7 +16,7 @@ from hetps.ps.spare import Spare
 from hetps.runconfig.load import load_config
 from hetps.scheduler.failover import failover_plan, with_backups, with_spares
 from hetps.scheduler.nodes import Node
-from hetps.worker.state import model_specs
+from hetps.training.state import model_specs
 
 A, B = 11, 12
 SPARE = 30

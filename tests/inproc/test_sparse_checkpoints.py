@@ -23,8 +23,8 @@ from hetps.ps.shard import Shard
 from hetps.runconfig.load import load_config
 from hetps.runtime import checkpoint
 from hetps.scheduler.placement import place
-from hetps.worker.export import newest_tensors
-from hetps.worker.state import model_specs
+from hetps.training.export import newest_tensors
+from hetps.training.state import model_specs
 
 A, B = 11, 12
 ROWS, DIM = 301, 3  # not a multiple of 3 shards: slices of 101, 100, 100 rows

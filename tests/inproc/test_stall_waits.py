@@ -13,7 +13,7 @@ from shard_harness import ShardHarness, closing_factory, grads, tiny_model
 from hetps.proto.errors import ProtocolError
 from hetps.proto.records import NodeStats
 from hetps.proto.waits import HeldUp, WaitingFor
-from hetps.worker.state import model_specs, model_tensors
+from hetps.training.state import model_specs, model_tensors
 
 W = [11, 12, 13]  # worker node ids
 

@@ -12,7 +12,7 @@ import os
 
 from torch import nn
 
-from hetps.worker.models import BUILTINS
+from hetps.training.models import BUILTINS
 
 NAN_AFTER = "HETPS_TEST_NAN_AFTER"
 

@@ -63,7 +63,7 @@ def small_cnn(input_shape, num_classes, out=None, channels=None):
 @pytest.fixture(scope="module")
 def user_pkg(tmp_path_factory) -> Path:
     """tmp/pkg/hetps_user_demo/{data,model}.py and tmp/digits/{train,test}/NNNNN.pt; returns tmp/pkg."""
-    from hetps.worker.data import load_datasets
+    from hetps.training.data import load_datasets
 
     root = tmp_path_factory.mktemp("own")
     pkg = root / "pkg" / PKG

@@ -23,7 +23,7 @@ from hetps.proto.transport import make_server
 from hetps.ps.shard import Shard
 from hetps.runconfig.load import load_config
 from hetps.scheduler.placement import place
-from hetps.worker.state import model_tensors
+from hetps.training.state import model_tensors
 
 SHARD_IDS = (21, 22)  # shard node ids
 PLAN_ID = 3

@@ -16,7 +16,7 @@ from hetps.configs import assignments
 from hetps.proto.errors import ConfigError
 from hetps.running import Callbacks, EvalRows, read_result, row_metrics
 from hetps.shipping import main_references, reference, task_setting, unpickled
-from hetps.worker.task import Classification
+from hetps.training.task import Classification
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ def factory():  # a module-level function: named by reference
 def test_classes_and_functions_are_named_by_reference():
     assert reference(factory, "the task") == f"{__name__}:factory"
     assert task_setting(Classification, Path("unused"))["name"] == (
-        "hetps.worker.task:Classification"
+        "hetps.training.task:Classification"
     )
     assert task_setting("language_model", Path("unused")) == {
         "name": "language_model",

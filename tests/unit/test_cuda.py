@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from hetps.runconfig.schema import ModelConfig
-from hetps.worker.models import build_model
-from hetps.worker.state import ModelState
+from hetps.training.models import build_model
+from hetps.training.state import ModelState
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),

@@ -13,7 +13,7 @@ import sys
 import torch
 
 from hetps.examples import ctr
-from hetps.worker.task import Binary, evaluate_task
+from hetps.training.task import Binary, evaluate_task
 
 SMALL = dict(train_size=20000, test_size=8000, vocab=(5000, 1000, 300, 50))
 

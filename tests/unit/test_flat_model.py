@@ -17,9 +17,9 @@ from torch import nn
 
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import Params, Push
+from hetps.training.models import LeNet5
+from hetps.training.state import ModelState, model_specs
 from hetps.worker.client import merged
-from hetps.worker.models import LeNet5
-from hetps.worker.state import ModelState, model_specs
 
 STEPS = 3
 

@@ -17,8 +17,8 @@ from hetps.runconfig.checks import MIN_MESSAGE_BYTES
 from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ConfigError
 from hetps.scheduler.placement import place
-from hetps.worker.models import build_model
-from hetps.worker.preflight import (
+from hetps.training.models import build_model
+from hetps.training.preflight import (
     CURVE_FRAME_BYTES,
     ConfigValueError,
     check_message_bytes,
@@ -26,7 +26,7 @@ from hetps.worker.preflight import (
     message_bytes_needed,
     one_frame_bytes,
 )
-from hetps.worker.state import model_specs
+from hetps.training.state import model_specs
 
 MNIST = (1, 28, 28)
 # 784 x 2048 float32 weights: 6,422,528 bytes in one tensor

@@ -235,7 +235,7 @@ def test_the_accuracy_default_is_classifications_only():
 def test_the_config_knows_the_built_in_tasks_metrics_as_the_tasks_name_them():
     """runconfig cannot import worker/ (a lower layer): its copy of the built-in tasks'
     metric names and directions must be theirs."""
-    tasks = pytest.importorskip("hetps.worker.task")
+    tasks = pytest.importorskip("hetps.training.task")
     built = {name: make() for name, make in tasks.BUILTIN.items()}
     assert {
         name: {m.name: m.higher_is_better for m in task.metrics} for name, task in built.items()

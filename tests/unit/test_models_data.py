@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 from hetps.runconfig.schema import DataConfig, ModelConfig, SyntheticConfig
-from hetps.worker import data as data_module
-from hetps.worker.data import (
+from hetps.training import data as data_module
+from hetps.training.data import (
     ArrayDataset,
     BatchStream,
     DatasetUnavailable,
     load_datasets,
     partition,
 )
-from hetps.worker.models import ModelError, build_model
+from hetps.training.models import ModelError, build_model
 
 torch.set_num_threads(1)
 

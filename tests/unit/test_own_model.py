@@ -17,7 +17,7 @@ from hetps.runconfig.load import load_config
 
 
 def test_workers_read_only_their_share(user_pkg, on_path, tmp_path):
-    from hetps.worker.data import BatchStream, load_datasets, partition
+    from hetps.training.data import BatchStream, load_datasets, partition
 
     cfg = load_config(write_config(tmp_path / "own.yaml", user_pkg), import_targets=True)
     data = load_datasets(cfg.data, cfg.seed)
@@ -76,7 +76,7 @@ def classes_list():
 
 
 def test_a_dataset_that_breaks_the_contract_says_how(tmp_path, monkeypatch):
-    from hetps.worker.user_data import DatasetContractError, load_factory_datasets
+    from hetps.training.user_data import DatasetContractError, load_factory_datasets
 
     (tmp_path / "tests_broken_data.py").write_text(BROKEN_PY)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -96,7 +96,7 @@ def test_a_dataset_that_breaks_the_contract_says_how(tmp_path, monkeypatch):
 
 
 def test_export_joins_chunked_tensors_and_names_a_missing_one():
-    from hetps.worker.export import ExportError, assemble
+    from hetps.training.export import ExportError, assemble
 
     torch.manual_seed(0)
     source = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))

@@ -30,6 +30,7 @@ LAYERS = [
     {"proto"},
     {"runconfig"},
     {"runtime"},
+    {"training"},
     {"ps", "worker", "scheduler"},
     {"sim"},
     {"frontend"},
@@ -40,7 +41,7 @@ TOP = "api"  # the folder of the `hetps` package itself
 
 
 def folder_of(module: str) -> str | None:
-    """The source folder of a hetps module (`hetps.worker.task` -> worker; `hetps` and its own
+    """The source folder of a hetps module (`hetps.worker.trainer` -> worker; `hetps` and its own
     modules, `hetps.running`, -> api), or None for a module of another distribution."""
     parts = module.split(".")
     if parts[0] != "hetps":

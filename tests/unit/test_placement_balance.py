@@ -10,8 +10,8 @@ import torch.nn as nn
 from hetps.proto.plan import AUTO_MIN_CHUNK_BYTES, TensorSpec, chunk_size, chunk_specs
 from hetps.runconfig.load import load_config
 from hetps.scheduler.placement import place
-from hetps.worker.models import LeNet5, ResNet20
-from hetps.worker.state import model_specs
+from hetps.training.models import LeNet5, ResNet20
+from hetps.training.state import model_specs
 
 
 class SmallTransformer(nn.Module):

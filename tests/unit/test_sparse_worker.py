@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from hetps.runconfig.load import load_config
-from hetps.worker.sparse import SparseConfigError, TouchedRows, install, selected, tables_of
-from hetps.worker.state import model_specs
+from hetps.training.sparse import SparseConfigError, TouchedRows, install, selected, tables_of
+from hetps.training.state import model_specs
 
 ROWS, DIM = 30, 4
 

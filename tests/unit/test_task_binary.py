@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetps.runconfig.load import load_config
-from hetps.worker.preflight import check_metrics
-from hetps.worker.task import Binary, TaskError, evaluate_task, load_task, watched_metric
+from hetps.training.preflight import check_metrics
+from hetps.training.task import Binary, TaskError, evaluate_task, load_task, watched_metric
 
 
 class Scores(nn.Module):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetps.runconfig.load import load_config
-from hetps.worker.task import (
+from hetps.training.task import (
     Classification,
     LanguageModel,
     Metric,
@@ -102,7 +102,7 @@ def test_move_keeps_nested_structure():
 FACTORIES = """
 import torch
 import torch.nn.functional as F
-from hetps.worker.task import Metric, Task
+from hetps.training.task import Metric, Task
 
 
 class DictTask(Task):
@@ -239,8 +239,8 @@ class Tiny(nn.Module):
 
 def gradient_of(cfg, data, model, plan_batch):
     from hetps.proto.plan import ClusterPlan, NodeEntry
-    from hetps.worker.state import ModelState
-    from hetps.worker.step import GradientStep
+    from hetps.training.state import ModelState
+    from hetps.training.step import GradientStep
 
     plan = ClusterPlan(
         plan_id=1, algorithm="sync", workers=[NodeEntry(5, 0)], shards=[], tensors=[], placement={}
@@ -252,7 +252,7 @@ def gradient_of(cfg, data, model, plan_batch):
 
 
 def array_data(n=24):
-    from hetps.worker.data import ArrayDataset, Datasets
+    from hetps.training.data import ArrayDataset, Datasets
 
     g = torch.Generator().manual_seed(3)
     train = ArrayDataset(torch.randn(n, 4, generator=g), torch.randint(3, (n,), generator=g))
@@ -277,7 +277,7 @@ def test_accumulation_equals_one_big_batch():
 
 
 def test_float16_loss_scaling_unscales_and_retries_on_overflow():
-    from hetps.worker.step import LossScale
+    from hetps.training.step import LossScale
 
     data = array_data()
     try:
@@ -361,7 +361,7 @@ def frozen(num_classes, input_shape):
     ],
 )
 def test_dry_step_refuses_in_one_line(tmp_path, monkeypatch, overrides, words):
-    from hetps.worker.preflight import PreflightError, build_checked
+    from hetps.training.preflight import PreflightError, build_checked
 
     (tmp_path / "tests_nan_task.py").write_text(
         NAN_FIRST
@@ -398,7 +398,7 @@ DICT_AND_STREAM = """
 import torch
 import torch.nn.functional as F
 from torch import nn
-from hetps.worker.task import Metric, Task
+from hetps.training.task import Metric, Task
 
 W = torch.tensor([1.5, -2.0, 0.5])
 
@@ -471,10 +471,10 @@ def stream_pkg(tmp_path, monkeypatch):
 def train_locally(cfg, steps=150):
     """`steps` of GradientStep + SGD in this process (one worker); the test metrics after."""
     from hetps.proto.plan import ClusterPlan, NodeEntry
+    from hetps.training.preflight import build_checked
+    from hetps.training.state import ModelState
+    from hetps.training.step import GradientStep, task_for
     from hetps.worker.evaluator import measure
-    from hetps.worker.preflight import build_checked
-    from hetps.worker.state import ModelState
-    from hetps.worker.step import GradientStep, task_for
 
     data, model = build_checked(cfg)
     task = task_for(cfg, data.num_classes)
@@ -516,7 +516,7 @@ def test_stream_shares_are_disjoint_cover_and_follow_weights(stream_pkg):
     import importlib
     from itertools import islice
 
-    from hetps.worker.user_data import StreamDataset, owner
+    from hetps.training.user_data import StreamDataset, owner
 
     mod = importlib.import_module(stream_pkg)
     stream = StreamDataset(mod.Stream(60, 0), "s", "train")
@@ -541,8 +541,8 @@ def test_loader_processes_give_the_same_batches(stream_pkg):
     worker's own process reads: the same batches for a map-style dataset;
     the same examples of the share for a stream (its loader processes split
     the share between them and batch their parts)."""
-    from hetps.worker.data import load_datasets, stream_share
-    from hetps.worker.task import Task
+    from hetps.training.data import load_datasets, stream_share
+    from hetps.training.task import Task
 
     for dataset in ("rows", "stream"):
         cfg = cfg_of(f"data.dataset={stream_pkg}:{dataset}")

@@ -9,7 +9,7 @@ For a run that died, build the same from the shards' checkpoints:
 
     hetps export RUN_DIR_OR_CHECKPOINT_DIR --out FILE.safetensors [--config CONFIG]
 
-(`python -m hetps.worker.export ...`, the same). It takes each shard's newest
+(`python -m hetps.training.export ...`, the same). It takes each shard's newest
 checkpoint (the newest version all shards have, when there is one), puts the
 model together, evaluates it on the test split and writes FILE and FILE's
 .json. Exit 0, or 2 with one line saying what is missing.
@@ -218,7 +218,7 @@ def export(path: Path, out: Path, config: Path | None = None) -> dict:
         for _, table in selected_tables(model, cfg):
             if table.padding_idx is not None:  # read as zeros in training, never learned
                 table.weight[table.padding_idx] = 0.0
-    from .evaluator import measure  # (evaluator.py imports this module)
+    from hetps.worker.evaluator import measure  # (evaluator.py imports this module)
 
     task = task_for(cfg, data.num_classes)
     metrics = measure(task, model, data.test, cfg, torch.device("cpu"))

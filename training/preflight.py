@@ -12,7 +12,7 @@ cluster.max_message_bytes lets the model's messages through
 Every worker and the evaluator run it before they register; `hetps run`
 runs it once while the shards and workers start (a failure stops them all):
 
-    python -m hetps.worker.preflight --config CONFIG [key=value ...]
+    python -m hetps.training.preflight --config CONFIG [key=value ...]
 
 exits 0 (printing what it checked) or 2 (printing the one line).
 """
@@ -388,7 +388,7 @@ def build_checked(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m hetps.worker.preflight",
+        prog="python -m hetps.training.preflight",
         description="check that the model fits the dataset (one dry step)",
     )
     parser.add_argument("--config", required=True)

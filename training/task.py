@@ -425,7 +425,7 @@ def as_task(made: Any, where: str = "task", default_name: str = "task") -> Task:
     if not callable(getattr(made, "loss", None)):
         raise TaskError(
             f"{where}: returned {type(made).__name__}, which has no loss(model, batch); return a "
-            "hetps.worker.task.Task or an object with loss(model, batch)"
+            "hetps.training.task.Task or an object with loss(model, batch)"
         )
     if isinstance(made, Task):
         if type(made).loss is Task.loss:
