@@ -30,15 +30,15 @@ from hetps.runconfig.load import dump_config
 from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
 from hetps.scheduler.coordinator import Coordinator
 from hetps.training.data import Datasets, load_datasets
+from hetps.training.measure import measure, report_values
 from hetps.training.models import build_model
+from hetps.training.parts import join_parts, part_sizes, shard_names, split_for_shards
 from hetps.training.preflight import model_outputs
 from hetps.training.sparse import SparseConfigError
 from hetps.training.sparse import install as install_tables
 from hetps.training.state import ModelState, model_specs
 from hetps.training.step import task_for
 from hetps.training.task import watched_metric
-from hetps.worker.client import join_parts, part_sizes, shard_names, split_for_shards
-from hetps.worker.evaluator import measure, report_values
 
 from .events import EventQueue, Link, ServiceQueue, nbytes_of, speed_factor, transfer
 from .local_workers import SimDilocoWorker, SimLocalWorker

@@ -20,9 +20,9 @@ from hetps.proto.messages import Ack, Params, Pull, Push
 from hetps.proto.plan import ClusterPlan
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.training.data import Datasets
+from hetps.training.parts import ack_of
 from hetps.training.state import ModelState
 from hetps.training.step import DilocoRounds, LocalRounds
-from hetps.worker.client import ack_of
 
 from .workers import SimMember, SimWorker
 

@@ -21,11 +21,11 @@ from hetps.proto.messages import Ack, Params, Pull, Push, PushRows
 from hetps.proto.plan import ClusterPlan
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.training.data import Datasets
+from hetps.training.parts import ack_of, join_parts, part_sizes, shard_names, split_for_shards
 from hetps.training.state import ModelState
 from hetps.training.step import GradientStep
 from hetps.training.straggler import straggler_of
-from hetps.worker.client import ack_of, join_parts, part_sizes, shard_names, split_for_shards
-from hetps.worker.trainer import StepTimer
+from hetps.training.timing import StepTimer
 
 from .events import Link, speed_factor
 

@@ -218,7 +218,7 @@ def export(path: Path, out: Path, config: Path | None = None) -> dict:
         for _, table in selected_tables(model, cfg):
             if table.padding_idx is not None:  # read as zeros in training, never learned
                 table.weight[table.padding_idx] = 0.0
-    from hetps.worker.evaluator import measure  # (evaluator.py imports this module)
+    from .measure import measure
 
     task = task_for(cfg, data.num_classes)
     metrics = measure(task, model, data.test, cfg, torch.device("cpu"))

@@ -29,43 +29,7 @@ from hetps.proto.runs import RunTensors
 from hetps.proto.transport import TransportOptions
 from hetps.runconfig.schema import ClusterConfig
 from hetps.runtime.emulation import wire_faults
-
-
-def part_sizes(plan: ClusterPlan) -> dict[str, list[int]]:
-    """Chunked tensor name -> its parts' element counts (parts are 1-D; scalars never cut)."""
-    sizes = {t.name: t.shape[0] for t in plan.tensors if t.shape}
-    return {n: [sizes[p] for p in c["parts"]] for n, c in plan.chunks.items()}
-
-
-def shard_names(plan: ClusterPlan) -> list[list[str]]:
-    """Per shard of `plan`, the names of the tensors (and parts) it owns, in forward order."""
-    return [[t.name for t in plan.owned(i)] for i in range(len(plan.shards))]
-
-
-def split_for_shards(
-    plan: ClusterPlan,
-    tensors: Mapping[str, torch.Tensor],
-    sizes: dict[str, list[int]],
-    names: list[list[str]],
-) -> list[dict]:
-    """Per shard of `plan`, the tensors of `tensors` it owns; chunked tensors
-    become views of their parts (`sizes`: `part_sizes(plan)`, `names`: `shard_names(plan)`)."""
-    flat: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        chunk = plan.chunks.get(name)
-        if chunk is None:
-            flat[name] = t
-        else:
-            flat.update(zip(chunk["parts"], t.reshape(-1).split(sizes[name])))
-    return [{n: flat[n] for n in mine if n in flat} for mine in names]
-
-
-def join_parts(plan: ClusterPlan, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Reassemble, in place in `values`, the chunked tensors whose parts it holds (one copy each)."""
-    for name, chunk in plan.chunks.items():
-        if chunk["parts"][0] in values:
-            values[name] = torch.cat([values.pop(p) for p in chunk["parts"]]).view(chunk["shape"])
-    return values
+from hetps.training.parts import ack_of, join_parts, part_sizes, shard_names, split_for_shards
 
 
 class PSClient:
@@ -334,8 +298,3 @@ def merged(parts: Iterable[Mapping[str, torch.Tensor]]) -> RunTensors:
         runs += getattr(part, "runs", None) or []
     values.runs = runs or None
     return values
-
-
-def ack_of(reply: Params) -> tuple[Ack, float]:
-    """The ACK a fused PUSH+PULL reply carries, and the seconds its values waited at the shard."""
-    return reply.ack.ack(), reply.ack.held_s  # typed and checked at decode (records.FusedAck)

@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -29,12 +28,14 @@ from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted
 from hetps.runconfig.schema import RunConfig
 from hetps.runtime.membership import Membership
-from hetps.training.data import ArrayDataset, test_batches
+from hetps.training.data import ArrayDataset
 from hetps.training.export import describe, state_copy, write_state
-from hetps.training.sparse import RowExchange, tables_of
+from hetps.training.measure import better, measure, report_values
+from hetps.training.sparse import tables_of
 from hetps.training.state import ModelState
 from hetps.training.step import task_for
-from hetps.training.task import Classification, Metric, Task, evaluate_task, watched_metric
+from hetps.training.task import Metric, Task, watched_metric
+from hetps.worker.row_exchange import RowExchange
 
 from .client import PSClient
 
@@ -48,47 +49,6 @@ class BestEvaluation:
     metrics: dict[str, float]
     versions: list[int]  # each shard's version the pull returned
     state: dict[str, torch.Tensor]
-
-
-def better(metric: Metric, value: float, than: float | None) -> bool:
-    """Whether `value` of `metric` beats `than` (None: nothing yet); NaN never does."""
-    if not math.isfinite(value) and not (value == math.inf and metric.higher_is_better):
-        return False
-    if than is None or math.isnan(than):
-        return True
-    return value > than if metric.higher_is_better else value < than
-
-
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, data: ArrayDataset, batch_size: int, device: torch.device
-) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy loss) of a classifier on all of `data`."""
-    metrics = evaluate_task(Classification(), model, test_batches(data, batch_size), device)
-    return metrics["accuracy"], metrics["loss"]
-
-
-def measure(task: Task, model: torch.nn.Module, test, cfg: RunConfig, device) -> dict[str, float]:
-    """Every metric of `task` on the whole test split (`data.eval_batch_size` batches)."""
-    batches = test_batches(test, cfg.data.eval_batch_size, task.collate, cfg.data.num_workers)
-    return evaluate_task(task, model, batches, device)
-
-
-def report_values(task: Task, watched: Metric, metrics: dict[str, float], **more) -> dict:
-    """An evaluation REPORT's values: every metric, their directions, the
-    watched one's name, the test loss, accuracy (when the task has it), the
-    class count (the divergence guard's chance level), and `more`."""
-    out = {
-        "metrics": metrics,
-        "higher_is_better": {m.name: m.higher_is_better for m in task.metrics},
-        "watch": watched.name,
-        "loss": metrics.get("loss"),
-        "num_classes": task.num_classes,
-        **more,
-    }
-    if "accuracy" in metrics:
-        out["accuracy"] = metrics["accuracy"]
-    return out
 
 
 def earlier_best(folder: Path | None, watched: Metric) -> float | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import hetps
 from hetps.runconfig.load import load_config
 from hetps.training.data import load_datasets
-from hetps.worker.evaluator import measure
+from hetps.training.measure import measure
 from hetps.training.task import load_task
 
 run_dir = Path(sys.argv[1])

@@ -23,7 +23,7 @@ from pathlib import Path
 import hetps
 from hetps.runconfig.load import load_config
 from hetps.training.data import load_datasets
-from hetps.worker.evaluator import measure
+from hetps.training.measure import measure
 from hetps.training.task import load_task
 
 run_dir = Path(sys.argv[1])
@@ -90,9 +90,9 @@ def test_the_regression_reaches_its_r2_target(run_dir, tmp_path):
     # the model the run started from (the seeded factory's, which worker 0 offered the shards)
     # is far from it; the run's first evaluation may already see a few updates of this tiny model
     from hetps.runconfig.load import load_config
+    from hetps.training.measure import measure
     from hetps.training.preflight import build_checked
     from hetps.training.task import load_task
-    from hetps.worker.evaluator import measure
 
     cfg = load_config(run_dir / "config.yaml", import_targets=True)
     data, untrained = build_checked(cfg)
@@ -105,8 +105,8 @@ def test_a_builtin_model_trained_for_regression_loads_back_with_its_output_size(
     import hetps
     from hetps.runconfig.load import load_config
     from hetps.training.data import load_datasets
+    from hetps.training.measure import measure
     from hetps.training.task import load_task
-    from hetps.worker.evaluator import measure
 
     config = REPO / "configs" / "regression.yaml"
     overrides = ["model.name=mlp", "model.kwargs={hidden: [32]}", "stop.max_steps=100"]
@@ -157,9 +157,9 @@ def test_the_ctr_example_comes_within_001_auc_of_its_planted_model(run_dir, tmp_
     # the model the run started from (the seeded factory's) is far from it; the run's first
     # evaluation may already see some updates on a loaded machine
     from hetps.runconfig.load import load_config
+    from hetps.training.measure import measure
     from hetps.training.preflight import build_checked
     from hetps.training.task import load_task
-    from hetps.worker.evaluator import measure
 
     cfg = load_config(run_dir / "config.yaml", import_targets=True)
     data, untrained = build_checked(cfg)

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from hetps.runconfig.load import load_config
-from hetps.worker.evaluator import evaluate
+from hetps.training.measure import evaluate
 from hetps.training.preflight import build_checked
 
 run_dir = Path(sys.argv[1])

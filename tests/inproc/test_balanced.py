@@ -233,7 +233,7 @@ def test_a_new_batch_rescales_the_step_timer():
     """After a re-size, the speed a worker reports is its new batch over a
     time scaled to it, not the old batch's time (which would overstate a
     grown batch's speed and ask for a bigger one still)."""
-    from hetps.worker.trainer import StepTimer
+    from hetps.training.timing import StepTimer
 
     timer = StepTimer()
     timer.update(compute_s=0.1, push_s=0.01, step_s=0.12)

@@ -29,8 +29,9 @@ from hetps.ps.state_copy import from_wire, snapshot_of, to_wire
 from hetps.runconfig.load import load_config
 from hetps.scheduler.failover import failover_plan, with_backups
 from hetps.scheduler.nodes import Node
-from hetps.training.sparse import RowExchange, install
+from hetps.training.sparse import install
 from hetps.training.state import model_specs
+from hetps.worker.row_exchange import RowExchange
 
 A, B = 11, 12
 ROWS, DIM = 300, 4

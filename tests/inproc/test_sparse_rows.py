@@ -23,7 +23,8 @@ from hetps.proto.rpc import RemoteError, RequestTimeout, RpcClient
 from hetps.proto.transport import make_server
 from hetps.ps.shard import Shard
 from hetps.runconfig.load import load_config
-from hetps.training.sparse import RowExchange, install, tables_of
+from hetps.training.sparse import install, tables_of
+from hetps.worker.row_exchange import RowExchange
 
 ROWS, DIM = 500, 6
 SHARDS = (21, 22)

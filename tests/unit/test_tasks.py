@@ -471,10 +471,10 @@ def stream_pkg(tmp_path, monkeypatch):
 def train_locally(cfg, steps=150):
     """`steps` of GradientStep + SGD in this process (one worker); the test metrics after."""
     from hetps.proto.plan import ClusterPlan, NodeEntry
+    from hetps.training.measure import measure
     from hetps.training.preflight import build_checked
     from hetps.training.state import ModelState
     from hetps.training.step import GradientStep, task_for
-    from hetps.worker.evaluator import measure
 
     data, model = build_checked(cfg)
     task = task_for(cfg, data.num_classes)
