@@ -7,7 +7,7 @@
     print(result.status, result.metrics, result.time_to_target_s)
     model = hetps.load_model(result.run_dir)
 
-`config` (hetps.configs) builds a checked RunConfig from a YAML file, a dict or
+`config` (hetps.make_config) builds a checked RunConfig from a YAML file, a dict or
 another config, with changes; `run` (hetps.running) runs it exactly as
 `hetps run` does and returns a `Result`, raising `RunFailed` naming the cause
 when the run could not start or a process failed; `load_model`
@@ -27,7 +27,7 @@ from typing import Any
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "config": "hetps.configs",
+    "config": "hetps.make_config",
     "run": "hetps.running",
     "Result": "hetps.running",
     "RunFailed": "hetps.running",

@@ -27,7 +27,7 @@ from hetps.runconfig.schema import RunConfig
 from hetps.scheduler.outcome import EXIT_CODES
 from hetps.scheduler.runlog import parse_record, read_summary
 
-from .configs import config
+from .make_config import config
 from .shipping import as_name, import_roots, task_setting, with_pythonpath
 
 EvalCallback = Callable[[dict], Any]

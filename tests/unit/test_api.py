@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import hetps
-from hetps.configs import assignments
+from hetps.make_config import assignments
 from hetps.proto.errors import ConfigError
 from hetps.running import Callbacks, EvalRows, read_result, row_metrics
 from hetps.shipping import main_references, reference, task_setting, unpickled
