@@ -160,14 +160,10 @@ class Coordinator(Service):
 
     # ------------------------------------------------------------ registration
     def on_register(self, peer: bytes, env: Envelope):
-        """REGISTER: a new node gets the next id; a node coming back (a
-        restarted shard, a node registering again after a scheduler restart)
-        gets its own back; `--rank auto` nodes a free rank. A node whose agreed
-        settings differ from the scheduler's, whose rank the configuration does
-        not have, or (a worker) whose model schema is not the cluster's (the
-        first worker's) is refused, and named while the cluster forms
-        (`_refuse`). The first plan goes out once every expected node
-        registered."""
+        """REGISTER: admit a node into the node table and reply with its id (a
+        returning node keeps its own), or refuse one that cannot join this cluster.
+        Raises ProtocolError (the refusal's status and reason, also shown while the
+        cluster forms)."""
         msg = env.msg
         if msg.role not in status.ROLES:
             raise ProtocolError(Status.MALFORMED, f"role {msg.role!r} not in {status.ROLES}")
