@@ -10,7 +10,6 @@ imported by another process: it is refused, naming the fix (move it into a modul
 
 from __future__ import annotations
 
-import importlib
 import os
 import pickle
 import pickletools
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hetps.proto.errors import ConfigError
+from hetps.runconfig.factories import FactoryError, load_factory
 
 TASK_FILE = "task.pkl"
 
@@ -49,9 +49,11 @@ def reference(obj: Any, what: str) -> str:
             "define it there so that the worker processes can import it"
         )
     try:
-        found = getattr(importlib.import_module(module), qualname)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"hetps.run: {what} {module}:{qualname} cannot be imported ({exc})")
+        found = load_factory(f"{module}:{qualname}", what)
+    except FactoryError as exc:
+        raise ConfigError(
+            f"hetps.run: {what} {module}:{qualname} cannot be imported ({exc.reason})"
+        ) from None
     if found is not obj:
         raise ConfigError(
             f"hetps.run: {what} {module}:{qualname} names another object than the one passed "

@@ -6,15 +6,14 @@ problems as `key: what is wrong` lines, so that all are reported at once.
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from typing import Any, Callable
 
 from .algorithms import ALGORITHMS
+from .factories import FACTORY, FactoryError, load_factory
 from .schema import BUILTIN_MODELS, CHOICES, DATASETS, SCHEDULES, TASKS, RunConfig
 
-FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:factory
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # as runtime/devices.py
 # one path component, not hidden, not `..`
 RUN_NAME = re.compile(r"([A-Za-z0-9_-][A-Za-z0-9._-]*)?")
@@ -337,29 +336,15 @@ def _check_shard_processes(cluster) -> list[str]:
 
 
 def check_targets(cfg: RunConfig) -> list[str]:
-    """Import every `package.module:factory` model and dataset name; a module
-    that does not import, or has no such callable, is a problem here rather
-    than in a process started later."""
+    """Import every `package.module:factory` model, dataset, task and schedule name; a
+    module that does not import, or has no such callable, is a problem here rather than
+    in a process started later."""
     out = []
     for path in ("model.name", "data.dataset", "task.name", "optimizer.schedule.name"):
         spec = value_at(cfg, path)
         if FACTORY.fullmatch(spec):
-            problem = import_problem(spec)
-            if problem:
-                out.append(f"{path}: {problem}")
+            try:
+                load_factory(spec, path)
+            except FactoryError as exc:
+                out.append(str(exc))
     return out
-
-
-def import_problem(spec: str) -> str | None:
-    """Why `package.module:factory` cannot be used, or None when it can."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # the user's module may raise anything while importing
-        return (
-            f"cannot import {module_name!r} ({type(exc).__name__}: {exc}); the module must be importable "
-            "on every host that builds it (PYTHONPATH or an installed package)"
-        )
-    if not callable(getattr(module, attr, None)):
-        return f"module {module_name!r} has no callable {attr!r}"
-    return None

@@ -5,12 +5,12 @@ the multiplier of its lr under the configured schedule.
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Callable
 
 import torch
 
+from hetps.runconfig.factories import FactoryError, load_factory
 from hetps.runconfig.schema import OptimizerConfig, ScheduleConfig
 
 
@@ -72,13 +72,15 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig):
     keys do not apply). Raises ValueError naming optimizer.schedule.name."""
     if ":" not in cfg.name:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
-    module_name, _, attr = cfg.name.partition(":")
     where = f"optimizer.schedule.name {cfg.name!r}"
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        factory = load_factory(cfg.name, "optimizer.schedule.name")
+    except FactoryError as exc:
+        raise ValueError(f"{where}: {exc.reason}") from None
+    try:
         scheduler = factory(optimizer, **cfg.kwargs)
-    except (ImportError, AttributeError, TypeError) as exc:
-        raise ValueError(f"{where}: {type(exc).__name__}: {exc}") from None
+    except TypeError as exc:
+        raise ValueError(f"{where}: TypeError: {exc}") from None
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError(
             f"{where}: ReduceLROnPlateau steps on a metric, but the shards step the schedule "

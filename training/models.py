@@ -21,7 +21,6 @@ raise `ModelError`.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from typing import Callable, Sequence
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetps.proto.errors import HetpsError
+from hetps.runconfig.factories import FactoryError, load_factory
 from hetps.runconfig.schema import ModelConfig
 
 
@@ -214,14 +214,10 @@ def _offered(factory: Callable, offers: dict) -> dict:
 def _build_from_factory(
     spec: str, in_shape: tuple[int, ...], num_classes: int, kwargs: dict
 ) -> nn.Module:
-    module_name, _, attr = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ModelError(f"model {spec!r}: cannot import {module_name!r} ({exc})") from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ModelError(f"model {spec!r}: module {module_name!r} has no callable {attr!r}")
+        factory = load_factory(spec, "model.name")
+    except FactoryError as exc:
+        raise ModelError(f"model {spec!r}: {exc.reason}") from exc
     try:
         offers = _offered(factory, {"num_classes": num_classes, "input_shape": in_shape})
         model = factory(**{**offers, **kwargs})

@@ -28,7 +28,6 @@ Metrics are reduced from additive sums over the whole test set
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetps.runconfig.factories import FactoryError, load_factory
 from hetps.runconfig.schema import RunConfig
 
 
@@ -405,16 +405,15 @@ def load_task(cfg: RunConfig, num_classes: int | None = None) -> Task:
             return Classification(cfg.data.num_classes or num_classes)
         return BUILTIN[name]()
     where = f"task.name {name!r}"
-    module_name, _, attr = name.partition(":")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise TaskError(f"{where}: cannot load the factory ({type(exc).__name__}: {exc})") from None
+        factory = load_factory(name, "task.name")
+    except FactoryError as exc:
+        raise TaskError(f"{where}: cannot load the factory ({exc.reason})") from None
     try:
         made = factory(**kwargs)
     except TypeError as exc:
         raise TaskError(f"{where}: calling it with task.kwargs {kwargs} fails ({exc})") from None
-    return as_task(made, where, attr)
+    return as_task(made, where, name.partition(":")[2])
 
 
 def as_task(made: Any, where: str = "task", default_name: str = "task") -> Task:

@@ -24,12 +24,15 @@ The contract (docs/own-model.md says the same to users):
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
+
+from hetps.runconfig.factories import FactoryError, load_factory
+
+from .datasets import Datasets
 
 
 class DatasetContractError(ValueError):
@@ -142,24 +145,24 @@ def num_classes_of(train: Dataset, spec: str) -> int | None:
     return count
 
 
-_LOADED: dict[tuple[str, str], object] = {}  # (spec, kwargs as JSON) -> Datasets
+_LOADED: dict[tuple[str, str], Datasets] = {}  # (spec, kwargs as JSON) -> Datasets
 
 
-def load_factory_datasets(spec: str, kwargs: dict):
+def load_factory_datasets(spec: str, kwargs: dict) -> Datasets:
     """`Datasets` from `package.module:factory` called with `kwargs`; cached
     per process (a worker's check and its training share one dataset).
-    Raises DatasetContractError (a contract broken) or ImportError."""
+    Raises DatasetContractError (a factory that does not load, or a contract broken)."""
     key = (spec, json.dumps(kwargs, sort_keys=True, default=str))
     if key not in _LOADED:
         _LOADED[key] = _load(spec, kwargs)
     return _LOADED[key]
 
 
-def _load(spec: str, kwargs: dict):
-    from .data import Datasets  # data.py dispatches here: import at call time
-
-    module_name, _, attr = spec.partition(":")
-    factory = getattr(importlib.import_module(module_name), attr)
+def _load(spec: str, kwargs: dict) -> Datasets:
+    try:
+        factory = load_factory(spec, "data.dataset")
+    except FactoryError as exc:
+        raise DatasetContractError(f"dataset {spec!r}: {exc.reason}") from None
     made = factory(**kwargs)
     if not isinstance(made, (tuple, list)) or len(made) != 2:
         raise DatasetContractError(
