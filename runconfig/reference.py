@@ -4,9 +4,9 @@ config dataclasses themselves, so the two cannot drift apart:
     python -m hetps.runconfig.reference > docs/configuration.md
 
 Keys, types and defaults come from the dataclasses in schema.py and
-algorithm_params.py; each description is the comment at the end of the
-field's line in the source (or, for the few fields without one, `HELP`
-below); allowed values come from `config.CHOICES` and the algorithm table.
+algorithm_params.py; each description is the `help` in the field's metadata
+(`setting(default, help=...)`, setting.py); allowed values come from
+`config.CHOICES` and the algorithm table.
 tests/unit/test_config_docs.py fails when the file is out of date.
 """
 
@@ -15,70 +15,27 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import re
 import sys
 import typing
-from functools import cache
 
 from . import schema as config
 from .algorithms import ALGORITHM_PARAMS
+from .setting import HELP
 
 REGENERATE = "python -m hetps.runconfig.reference > docs/configuration.md"
 
-# Descriptions of fields whose source line carries no comment.
-HELP = {
-    "name": "run name: names the run directory",
-    "seed": "seeds model initialization, data order and emulated faults",
-    "out_dir": "where `hetps run` puts run directories",
-    "data.synthetic.shape": "shape of one synthetic sample",
-    "data.synthetic.classes": "number of synthetic classes",
-    "data.synthetic.train_size": "synthetic training samples",
-    "data.synthetic.test_size": "synthetic test samples",
-    "data.dataset": "what to train on (`mnist-5k` is offline: real digits installed with the package)",
-    "data.eval_batch_size": "the evaluator's batch size",
-    "data.download": "let torchvision download `mnist`, `cifar10` or `cifar100` into `data.root`",
-    "optimizer.schedule.gamma": "`step`: the factor applied every `step_size` updates",
-    "optimizer.lr": "learning rate of the shards' optimizer",
-    "optimizer.momentum": "SGD momentum",
-    "optimizer.nesterov": "SGD with Nesterov momentum",
-    "optimizer.weight_decay": "L2 weight decay",
-    "optimizer.betas": "Adam's betas",
-    "algorithm.name": "the training algorithm; its parameters sit beside the name (see below)",
-    "cluster.shards": "the shards: a count, or a list of nodes (keys below)",
-    "cluster.workers": "the workers: a count, or a list of nodes (keys below)",
-    "cluster.heartbeat_s": "seconds between a node's heartbeats",
-    "cluster.faults": "fault injection on the wire (keys below)",
-    "eval.enabled": "run the evaluator (`hetps run`)",
-    "eval.every_s": "seconds between evaluations",
-    "eval.keep_best": "keep a copy of the parameters of the best evaluation and write them as best.safetensors",
-    "slowdown": "the new slowdown from then on",
-    "algorithm.regroup_every_s": "seconds between the scheduler's checks for drifted speeds",
-}
 SECTION_TITLES = {"": "Top level"}
 
 
-@cache
-def _comments(cls: type) -> dict[str, str]:
-    """Field name -> the comment at the end of its line in `cls`'s source,
-    with the comment-only lines right below it that continue it."""
-    out: dict[str, str] = {}
-    name, columns = None, ()
-    for line in inspect.getsource(cls).splitlines():
-        found = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.+)$", line)
-        more = re.match(r"\s+#\s*(.+)$", line)
-        if found:
-            name, columns = found.group(1), (line.index("#"), found.start(2))
-            out[name] = found.group(2).strip()
-        elif (
-            more
-            and name is not None
-            and (line.index("#") == columns[0] or more.start(1) == columns[1])
-        ):
-            # a comment-only line right under it, its '#' or its text lined up with the field's comment
-            out[name] += " " + more.group(1).strip()
-        else:
-            name = None
-    return out
+def _help(cls: type, name: str) -> str:
+    """The field's help text (`setting(..., help=...)`); a subclass's field
+    without one, such as a changed default, keeps its base's."""
+    for klass in cls.__mro__:
+        if dataclasses.is_dataclass(klass):
+            for f in dataclasses.fields(klass):
+                if f.name == name and HELP in f.metadata:
+                    return f.metadata[HELP]
+    return ""
 
 
 def _default(f: dataclasses.Field):
@@ -107,7 +64,7 @@ def _element(cls: type, f: dataclasses.Field):
 
 
 def _row(key: str, f: dataclasses.Field, cls: type) -> str:
-    help_text = _comments(cls).get(f.name) or HELP.get(key) or HELP.get(f.name, "")
+    help_text = _help(cls, f.name)
     choices = config.CHOICES.get(key) or (
         tuple(ALGORITHM_PARAMS) if key == "algorithm.name" else None
     )
@@ -149,18 +106,9 @@ def _algorithms() -> list[str]:
             out += [inspect.getdoc(cls) or "No parameters.", ""]
             continue
         out += ["| key | type | default | meaning |", "|---|---|---|---|"]
-        comments = (
-            {**_comments(ALGORITHM_PARAMS["wpsgd"]), **_comments(cls)}
-            if issubclass(
-                # a subclass inherits its base's comments
-                cls,
-                ALGORITHM_PARAMS["wpsgd"],
-            )
-            else _comments(cls)
-        )
         out += [
             f"| `algorithm.{f.name}` | `{f.type}` | {_show(_default(f))} | "
-            f"{(comments.get(f.name) or HELP.get(f'algorithm.{f.name}', '')).replace('|', '/')} |"
+            f"{_help(cls, f.name).replace('|', '/')} |"
             for f in params
         ]
         out.append("")

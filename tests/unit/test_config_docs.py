@@ -42,7 +42,7 @@ def test_every_key_is_listed_with_a_description():
             assert f"algorithm.{f.name}" in rows, (name, f.name)
     undocumented = [k for k, meaning in rows.items() if not meaning]
     assert not undocumented, (
-        f"add a comment on the field's line in runconfig/schema.py: {undocumented}"
+        f"give the field a help text, setting(default, help=...), in runconfig/schema.py: {undocumented}"
     )
     assert rows["comm.compression"].endswith("(one of: `none`, `fp16`, `topk`)")
     assert f"`{config.ClusterConfig().retry_s}`" in next(
