@@ -24,6 +24,9 @@ from torch.utils.data import DataLoader, default_collate
 from hetps.proto.errors import HetpsError
 from hetps.runconfig.schema import DataConfig
 
+from .datasets import Datasets  # re-exported: hetps.training.data.Datasets
+from .user_data import load_factory_datasets
+
 
 class DatasetUnavailable(HetpsError, RuntimeError):
     """The dataset's files or the package that provides them are not available."""
@@ -81,22 +84,6 @@ def ready(batch):
     return batch
 
 
-@dataclass(frozen=True, eq=False)
-class Datasets:
-    """What a worker or the evaluator needs: both splits, the input shape, the
-    class count (None: the dataset does not say), the size of one target
-    (`y`'s values per example: a regression model's outputs). A split is an
-    ArrayDataset or, for a package.module:factory dataset, a
-    user_data.MapDataset (`len`, `__getitem__`) or user_data.StreamDataset
-    (an iterable dataset: no `len`)."""
-
-    train: ArrayDataset
-    test: ArrayDataset
-    in_shape: tuple[int, ...]
-    num_classes: int | None
-    target_size: int = 1
-
-
 def load_datasets(cfg: DataConfig, seed: int) -> Datasets:
     """Load `cfg.dataset`. Only "synthetic" depends on `seed`; the others have fixed splits.
 
@@ -105,8 +92,6 @@ def load_datasets(cfg: DataConfig, seed: int) -> Datasets:
     """
     name = cfg.dataset
     if ":" in name:  # package.module:factory, read lazily by index (user_data.py)
-        from .user_data import load_factory_datasets
-
         return load_factory_datasets(name, cfg.kwargs)
     if name == "mnist-5k":
         return _mnist_5k()
