@@ -33,8 +33,8 @@ from hetps.runtime.curve_setup import check_run_keys, keys_for_run
 from hetps.runtime.daemon import security_problem
 from hetps.runtime.devices import assign_devices, local_gpu_count
 from hetps.runtime.startup import process_age_s
-from hetps.scheduler.outcome import EXIT_CODES, INTERRUPTED
-from hetps.scheduler.runlog import mark_failed, read_summary, write_json_atomic
+from hetps.scheduler.outcome import EXIT_CODES
+from hetps.scheduler.runlog import SummaryFile
 from hetps.scheduler.state import STATE_FILE
 
 from .faults import FaultInjector
@@ -405,7 +405,8 @@ class LocalCluster:
         # (kill_all), it would leave none
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.children[0].popen.wait(timeout=SCHEDULER_STOP_S)
-        summary = read_summary(self.run_dir) or {}
+        summary_file = SummaryFile(self.run_dir)
+        summary = summary_file.read() or {}
         node = summary.get("failed_node") or name
         # the scheduler's own words when it failed the run (a node's report, or the cluster never formed)
         detail = (
@@ -415,7 +416,7 @@ class LocalCluster:
         )
         child = next((c for c in self.children if c.name == node), None)
         self.failed_as = (node, detail)
-        mark_failed(self.run_dir, summary, node, detail)
+        summary_file.mark_failed(node, detail)
         tail = f"; last log lines of {node}:\n{child.tail()}" if child else ""
         return f"{node} failed: {detail}{tail}"
 
@@ -531,21 +532,21 @@ def run_local(
             signal.signal(signal.SIGTERM, previous_term)
     if refused is not None:
         # once the stopped scheduler wrote its summary (`interrupted`): the check's line instead
-        mark_failed(run_dir, read_summary(run_dir) or {}, "check", str(refused))
+        SummaryFile(run_dir).mark_failed("check", str(refused))
         print(refused, file=sys.stderr)
         return 2
     if error is not None and not cluster.interrupted:
         # again: a scheduler stopped late may have written its own summary since
         if cluster.failed_as:
-            mark_failed(run_dir, read_summary(run_dir) or {}, *cluster.failed_as)
+            SummaryFile(run_dir).mark_failed(*cluster.failed_as)
         print(f"hetps run: {error}\nrun directory: {run_dir}", file=sys.stderr)
         return EXIT_CODES["failed"]
-    summary = read_summary(run_dir) or {}
+    summary_file = SummaryFile(run_dir)
+    summary = summary_file.read() or {}
     if summary:
-        summary["startup"] = startup_section(run_dir, cluster.timeline)
-        write_json_atomic(run_dir / "summary.json", summary)
+        summary = summary_file.update(startup=startup_section(run_dir, cluster.timeline))
     if cluster.interrupted and summary.get("status") != "failed":
-        mark_interrupted(run_dir, summary)
+        summary_file.mark_interrupted()
     status = "interrupted" if cluster.interrupted else summary.get("status", "completed")
     if summary.get("evals") or summary.get("global_steps"):
         plot_run(run_dir, title=f"{cfg.name}: {cfg.algorithm.name}")
@@ -560,14 +561,6 @@ def run_local(
     if status == "diverged":
         print(f"hetps run: training diverged: {summary.get('detail')}", file=sys.stderr)
     return EXIT_CODES.get(status, EXIT_CODES["failed"])
-
-
-def mark_interrupted(run_dir: Path, summary: dict) -> None:
-    """Ctrl-C: the summary says so, even if the scheduler saw the stop another way."""
-    if summary.get("stop_reason") != INTERRUPTED or summary.get("status") != INTERRUPTED:
-        write_json_atomic(
-            run_dir / "summary.json", {**summary, "status": INTERRUPTED, "stop_reason": INTERRUPTED}
-        )
 
 
 def export_model(cluster: LocalCluster, quiet: bool) -> None:

@@ -33,6 +33,7 @@ from hetps.runconfig.agreement import agreed_values
 from hetps.runconfig.algorithms import algorithm
 from hetps.runconfig.schema import RunConfig
 from hetps.runconfig.targets import reached, stop_target
+from hetps.runtime.failures import Failure
 
 from . import failover, planning, registration, segments, state, status
 from .formation import FORMATIONS
@@ -103,9 +104,9 @@ class Coordinator(Service):
             cfg.stop.target_patience,
             target_metric=target[0] if target else "accuracy",
         )
-        self.failures: list[dict] = []
+        self.failures: list[Failure] = []
         self.timer_errors: dict[str, int] = {}  # timer name -> failures (see `_guarded`)
-        self.failed: dict | None = None  # the node failure that ended the run: node, error, host
+        self.failed: Failure | None = None  # the failure that ended the run
         self.guard = DivergenceGuard(
             cfg.stop.diverged_after,
             cfg.stop.diverge_warmup_s,
@@ -219,12 +220,12 @@ class Coordinator(Service):
         registration.check_return(self.plan, node, msg)
         if node.role == "ps":
             self.failures.append(
-                {
-                    "kind": "shard_restarted",
-                    "node": f"ps{node.rank}",
-                    "t": round(self.elapsed(), 3),
-                    "was_dead": node.dead,
-                }
+                Failure(
+                    "shard_restarted",
+                    node=f"ps{node.rank}",
+                    t=round(self.elapsed(), 3),
+                    was_dead=node.dead,
+                )
             )
         node.dead = node.left = False
         node.last_seen = self.clock()
@@ -350,10 +351,10 @@ class Coordinator(Service):
         for failure in checkpoint_failures(node, self.failures, round(self.elapsed(), 3)):
             log.warning(
                 "%s passed over damaged checkpoint %s (%s); restored version %s",
-                failure["node"],
-                failure["file"],
-                failure["error"],
-                failure["restored_version"],
+                failure.node,
+                failure.file,
+                failure.error,
+                failure.restored_version,
             )
             self.failures.append(failure)
 
@@ -377,10 +378,10 @@ class Coordinator(Service):
         if env.msg.node_id:
             self.node(env.msg.node_id)  # a registered node names itself by id
         failure = startup_failure(env.msg, round(self.elapsed(), 3))
-        log.error("%s failed at start-up: %s", failure["node"], failure["error"])
+        log.error("%s failed at start-up: %s", failure.node, failure.error)
         self.failures.append(failure)
         self.failed = self.failed or failure
-        self.begin_stop(failure["reason"])
+        self.begin_stop(failure.reason)
         return Ack(stop=True)
 
     def on_stop(self, peer: bytes, env: Envelope):
@@ -518,15 +519,15 @@ class Coordinator(Service):
         plan = failover.after_shard_dead(self.plan, node, self.nodes)
         if plan is not None:
             self.failures.append(
-                {
-                    "kind": "shard_failover",
-                    "node": f"{node.role}{node.rank}",
-                    "node_id": node.node_id,
-                    "t": round(self.elapsed(), 3),
-                    "plan_id": plan.plan_id,
-                    "served_by": dict(plan.served_by),
-                    "backups": dict(plan.backups),
-                }
+                Failure(
+                    "shard_failover",
+                    node=f"{node.role}{node.rank}",
+                    node_id=node.node_id,
+                    t=round(self.elapsed(), 3),
+                    plan_id=plan.plan_id,
+                    served_by=dict(plan.served_by),
+                    backups=dict(plan.backups),
+                )
             )
             self._publish(plan)
 
@@ -749,7 +750,7 @@ class Coordinator(Service):
             f"(its metrics: {names}); the run cannot reach its target"
         )
         log.error("%s", error)
-        failure = {"kind": "config", "node": None, "t": round(self.elapsed(), 3), "error": error}
+        failure = Failure("config", t=round(self.elapsed(), 3), error=error)
         self.failures.append(failure)
         self.failed = self.failed or failure
         self.begin_stop(error)
@@ -810,19 +811,16 @@ class Coordinator(Service):
                 log.exception("timer %s failed (%d times so far)", name, count)
             if count == 1:
                 self.failures.append(
-                    {
-                        "kind": "timer_error",
-                        "timer": name,
-                        "error": repr(exc)[:200],
-                        "t": round(self.elapsed(), 3),
-                    }
+                    Failure(
+                        "timer_error", timer=name, error=repr(exc)[:200], t=round(self.elapsed(), 3)
+                    )
                 )
 
     def _check_startup(self) -> None:
         if self.elapsed() > self.cfg.cluster.startup_timeout_s:
             missing = {r: self.expected[r] - len(self.members(r)) for r in self.expected}
             self.failures.append(
-                {"kind": "startup", "missing": missing, "refused": list(self.refused.values())}
+                Failure("startup", missing=missing, refused_nodes=list(self.refused.values()))
             )
             self.begin_stop(
                 f"cluster did not form within {self.cfg.cluster.startup_timeout_s}s: "

@@ -8,6 +8,9 @@ import math
 from dataclasses import dataclass, field
 
 from hetps.proto.records import NodeStats
+from hetps.runtime.failures import Failure
+
+ROLES = ("ps", "spare", "worker", "evaluator")  # what a node registers as
 
 
 @dataclass
@@ -33,16 +36,9 @@ class Node:
     def gone(self) -> bool:
         return self.left or self.dead
 
-    def failure(self, what: str, t: float, **more) -> dict:
-        """A `failures` entry for this node, e.g. kind `worker_dead`, `shard_error`."""
-        kind = "shard" if self.role == "ps" else self.role
-        return {
-            "kind": f"{kind}_{what}",
-            "node": f"{self.role}{self.rank}",
-            "node_id": self.node_id,
-            "t": t,
-            **more,
-        }
+    def failure(self, what: str, t: float, **more) -> Failure:
+        """A failure of this node, e.g. kind `worker_dead`, `shard_error`."""
+        return Failure.of_node(self.role, self.rank, self.node_id, what, t, **more)
 
     @property
     def speed(self) -> float:

@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from hetps.runtime.failures import Failure
+
+from .nodes import ROLES
+
 EXIT_CODES = {"completed": 0, "failed": 1, "diverged": 3, "interrupted": 130}
 INTERRUPTED = "interrupted"
 DIVERGED = "diverged"
@@ -169,28 +173,27 @@ class DivergenceGuard:
         )
 
 
-def startup_failure(msg, t: float) -> dict:
-    """The failures entry for a FAILED message (raises ProtocolError MALFORMED for an unknown role)."""
+def startup_failure(msg, t: float) -> Failure:
+    """The `startup_failed` failure of a FAILED message (raises ProtocolError MALFORMED for
+    an unknown role)."""
     from hetps.proto.codec import ProtocolError
     from hetps.proto.messages import Status
-
-    from .status import ROLES
 
     if msg.role not in ROLES:
         raise ProtocolError(Status.MALFORMED, f"role {msg.role!r} not in {ROLES}")
     name = f"{msg.role}{msg.rank}"
     last_line = (msg.error.strip().splitlines() or [""])[-1]
-    return {
-        "kind": "startup_failed",
-        "node": name,
-        "host": msg.host,
-        "error": msg.error,
-        "t": t,
-        "reason": f"{name}{f' on {msg.host}' if msg.host else ''} failed at start-up: {last_line}",
-    }
+    return Failure(
+        "startup_failed",
+        node=name,
+        host=msg.host,
+        error=msg.error,
+        t=t,
+        reason=f"{name}{f' on {msg.host}' if msg.host else ''} failed at start-up: {last_line}",
+    )
 
 
-def checkpoint_failures(node, failures: list[dict], t: float) -> list[dict]:
+def checkpoint_failures(node, failures: list[Failure], t: float) -> list[Failure]:
     """`checkpoint_damaged` failures for the damaged checkpoints `node`'s
     stats name (`checkpoints_damaged`: files a starting shard passed over, see
     ps/serving.py) that `failures` does not hold yet. Not a failed run: the
@@ -199,7 +202,7 @@ def checkpoint_failures(node, failures: list[dict], t: float) -> list[dict]:
     if not isinstance(reported, list):
         return []
     name = f"{node.role}{node.rank}"
-    known = {(f.get("node"), f.get("file")) for f in failures if f["kind"] == "checkpoint_damaged"}
+    known = {(f.node, f.file) for f in failures if f.kind == "checkpoint_damaged"}
     new = []
     for entry in reported:
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
@@ -208,15 +211,15 @@ def checkpoint_failures(node, failures: list[dict], t: float) -> list[dict]:
             continue
         known.add((name, entry["file"]))
         new.append(
-            {
-                "kind": "checkpoint_damaged",
-                "node": name,
-                "node_id": node.node_id,
-                "t": t,
-                "file": entry["file"],
-                "error": str(entry.get("error", "")),
-                "restored_version": entry.get("restored_version"),
-            }
+            Failure(
+                "checkpoint_damaged",
+                node=name,
+                node_id=node.node_id,
+                t=t,
+                file=entry["file"],
+                error=str(entry.get("error", "")),
+                restored_version=entry.get("restored_version"),
+            )
         )
     return new
 

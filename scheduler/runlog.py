@@ -8,8 +8,11 @@ record that marks where it began.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +52,9 @@ class RunLog:
             write_json_atomic(self.run_dir / f"plan-{plan['plan_id']}.json", plan)
 
     def write_summary(self, summary: dict) -> None:
+        """The scheduler's summary.json, whole (SummaryFile.write)."""
         if self.run_dir:
-            write_json_atomic(self.run_dir / "summary.json", summary)
+            SummaryFile(self.run_dir).write(summary)
 
     def close(self) -> None:
         if self._metrics:
@@ -110,25 +114,77 @@ def plan_fits(rec: dict) -> bool:
 
 
 def read_summary(run_dir: Path) -> dict | None:
-    try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
+    """RUN_DIR/summary.json; None when there is none (or it is no JSON)."""
+    return SummaryFile(run_dir).read()
 
 
-def mark_failed(run_dir: Path, summary: dict, node: str, detail: str) -> None:
-    """Write summary.json as a failed run's: the scheduler's own summary, if any, kept (what it
-    counted and measured, its failures), with the node that failed and why. Its stop reason is
-    kept, unless it is the stop the launcher asked for after the failure (`interrupted`): then
-    the run stopped for `detail`."""
-    reason = summary.get("stop_reason")
-    write_json_atomic(
-        run_dir / "summary.json",
-        {
-            **summary,
-            "status": "failed",
-            "failed_node": node,
-            "detail": detail,
-            "stop_reason": detail if reason in (None, "", INTERRUPTED) else reason,
-        },
-    )
+class SummaryFile:
+    """RUN_DIR/summary.json, and the one writer of it. The scheduler writes its summary whole
+    when the run stops (`write`); the launcher, and the simulator, then add to it (`update`,
+    `mark_failed`, `mark_interrupted`). Every change reads, merges and writes under an
+    exclusive lock on the run directory (flock: processes of one host) through a temporary
+    file and a rename: a reader never sees half a document, and a writer never loses
+    another's change. Blocking (briefly); raises OSError."""
+
+    NAME = "summary.json"
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.path = run_dir / self.NAME
+
+    def read(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def write(self, summary: dict) -> None:
+        """Replace the summary with `summary` (the scheduler's, at the end of a run)."""
+        with self._locked():
+            write_json_atomic(self.path, summary)
+
+    def update(self, **fields: Any) -> dict:
+        """Set top-level `fields` in the summary (none yet: an empty one); returns the result."""
+        return self._change(lambda summary: {**summary, **fields})
+
+    def mark_failed(self, node: str, detail: str) -> dict:
+        """Mark the run failed: the scheduler's own summary, if any, kept (what it counted and
+        measured, its failures), with the node that failed and why. Its stop reason is kept,
+        unless it is the stop the launcher asked for after the failure (`interrupted`): then
+        the run stopped for `detail`. Returns the result."""
+
+        def failed(summary: dict) -> dict:
+            reason = summary.get("stop_reason")
+            return {
+                **summary,
+                "status": "failed",
+                "failed_node": node,
+                "detail": detail,
+                "stop_reason": detail if reason in (None, "", INTERRUPTED) else reason,
+            }
+
+        return self._change(failed)
+
+    def mark_interrupted(self) -> dict:
+        """Ctrl-C: the summary says so, even if the scheduler saw the stop another way."""
+        return self._change(
+            lambda summary: {**summary, "status": INTERRUPTED, "stop_reason": INTERRUPTED}
+        )
+
+    def _change(self, change: Callable[[dict], dict]) -> dict:
+        """Read, `change` and write back (unless unchanged) under the lock."""
+        with self._locked():
+            summary = self.read() or {}
+            changed = change(summary)
+            if changed != summary or not self.path.exists():
+                write_json_atomic(self.path, changed)
+            return changed
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.run_dir, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when closed
+            yield
+        finally:
+            os.close(fd)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetps.proto.plan import ClusterPlan, TensorSpec
+from hetps.runtime.failures import Failure
 
 from .nodes import EvalTrack, Node
 from .runlog import write_json_atomic
@@ -63,7 +64,7 @@ def write(
     schema: str,
     nodes: Iterable[Node],
     evals: EvalTrack,
-    failures: list[dict],
+    failures: list[Failure],
     stop: dict | None = None,
     guard: dict | None = None,
     earlier: dict | None = None,
@@ -71,7 +72,7 @@ def write(
     """Write a scheduler's state into `run_dir` (Coordinator.save_state).
     `finished`: the run ended, a later scheduler must not carry it on;
     `elapsed`: seconds since training began, None before the first plan;
-    `stop`: the stop decided, {"reason", "failed"} (None: training goes on);
+    `stop`: the stop decided, {"reason", "failed": a Failure or None} (None: training goes on);
     `guard`: the divergence guard's counts and verdict (DivergenceGuard.saved);
     `earlier`: a resumed run's earlier segments (Earlier.to_dict)."""
     write_json_atomic(
@@ -96,8 +97,8 @@ def write(
                 for n in nodes
             ],
             "evals": dataclasses.asdict(evals),
-            "failures": failures,
-            "stop": stop,
+            "failures": [f.to_json() for f in failures],
+            "stop": {**stop, "failed": _json(stop.get("failed"))} if stop else None,
             "guard": guard or {},
             "earlier": earlier or {},
         },
@@ -124,8 +125,8 @@ class Saved:
     nodes: dict[int, Node]  # alive from now on (`last_seen`)
     started: float | None  # training began (this process's monotonic clock); None: not yet
     measured: dict  # the evaluation track's measured fields (not target and patience)
-    failures: list[dict]
-    stop: dict | None  # the stop decided: {"reason", "failed"}; None: training goes on
+    failures: list[Failure]
+    stop: dict | None  # the stop decided: {"reason", "failed": a Failure or None}; None: going on
     guard: dict  # the divergence guard's counts and verdict (DivergenceGuard.restore)
     earlier: Earlier  # a resumed run's earlier segments (segments.py)
 
@@ -147,9 +148,21 @@ def load(data: dict, now: float | None = None) -> Saved:
         nodes={n["node_id"]: Node(**n, last_seen=now) for n in data["nodes"]},
         started=started,
         measured={k: v for k, v in data["evals"].items() if k not in ("target", "patience")},
-        failures=list(data["failures"]),
+        failures=[Failure.from_json(f) for f in data["failures"]],
         # absent from the files of older schedulers
-        stop=data.get("stop"),
+        stop=_stop(data.get("stop")),
         guard=data.get("guard") or {},
         earlier=Earlier.from_dict(data.get("earlier")),
     )
+
+
+def _json(failure: Failure | None) -> dict | None:
+    return failure.to_json() if failure is not None else None
+
+
+def _stop(saved: dict | None) -> dict | None:
+    """The saved stop with its failure (`failed`) read back as a Failure."""
+    if not saved:
+        return saved
+    failed = saved.get("failed")
+    return {**saved, "failed": Failure.from_json(failed) if failed else None}

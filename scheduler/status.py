@@ -10,6 +10,7 @@ import math
 from typing import TYPE_CHECKING
 
 from .efficiency import run_efficiency
+from .nodes import ROLES
 from .outcome import environment, run_status
 from .placement import placement_shares
 from .segments import COUNTED, segment_summary
@@ -17,8 +18,6 @@ from .segments import COUNTED, segment_summary
 if TYPE_CHECKING:
     from .coordinator import Coordinator
     from .nodes import EvalTrack
-
-ROLES = ("ps", "spare", "worker", "evaluator")
 
 
 def count(stats: dict, key: str) -> int:
@@ -49,12 +48,12 @@ def run_summary(coord: Coordinator) -> dict:
     own_evals = coord.evals.count - int(earlier.evals.get("count", 0))
     stragglers = [f"{n.role}{n.rank}" for n in coord.nodes.values() if not n.gone]
     failed = coord.failed or next(
-        (f for f in coord.failures if f["kind"] in ("startup", "startup_failed")), None
+        (f for f in coord.failures if f.kind in ("startup", "startup_failed")), None
     )
     return {
         "status": run_status(coord.stop_reason, failed is not None),
-        "failed_node": failed.get("node") if failed else None,
-        "detail": failed.get("error") or coord.stop_reason if failed else coord.guard.verdict,
+        "failed_node": failed.node if failed else None,
+        "detail": failed.error or coord.stop_reason if failed else coord.guard.verdict,
         "name": coord.cfg.name,
         "algorithm": coord.cfg.algorithm.name,
         **metric_summary(coord.evals),
@@ -99,7 +98,7 @@ def run_summary(coord: Coordinator) -> dict:
         ],
         # worker -> its non-finite training losses (under cluster.nonfinite skip/clip: no verdict)
         "nonfinite_losses": dict(sorted(coord.guard.nonfinite_losses.items())),
-        "failures": coord.failures,
+        "failures": [f.to_json() for f in coord.failures],
         "not_left": stragglers,
         "hosts": {
             f"{n.role}{n.rank}": n.host

@@ -13,7 +13,6 @@ Blocking; deterministic for a config and seed on one machine (one torch thread).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
@@ -29,6 +28,7 @@ from hetps.runconfig.algorithms import algorithm
 from hetps.runconfig.load import dump_config
 from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
 from hetps.scheduler.coordinator import Coordinator
+from hetps.scheduler.runlog import SummaryFile
 from hetps.training.data import Datasets, load_datasets
 from hetps.training.measure import measure, report_values
 from hetps.training.models import build_model
@@ -426,13 +426,12 @@ def simulate(cfg: RunConfig, run_dir: Path, data: Datasets | None = None) -> dic
     started = time.perf_counter()
     sim = Simulation(cfg, run_dir, data)
     sim.run()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    summary["mode"] = "simulated"
-    summary["simulation"] = {
-        "virtual_s": round(sim.q.now, 6),
-        "events": sim.q.processed,
-        "stalled": sim.stalled,
-        "real_wall_s": round(time.perf_counter() - started, 3),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return SummaryFile(run_dir).update(
+        mode="simulated",
+        simulation={
+            "virtual_s": round(sim.q.now, 6),
+            "events": sim.q.processed,
+            "stalled": sim.stalled,
+            "real_wall_s": round(time.perf_counter() - started, 3),
+        },
+    )

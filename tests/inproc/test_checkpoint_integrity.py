@@ -233,13 +233,13 @@ def test_the_scheduler_records_each_damaged_checkpoint_once_in_the_failures(tmp_
         )
         for req in (3, 4):  # every heartbeat repeats it: one entry
             coord.on_heartbeat(b"p", Envelope(Heartbeat(node_id=ps, stats=stats), req, ps))
-        entries = [f for f in coord.failures if f["kind"] == "checkpoint_damaged"]
-        assert len(entries) == 1
-        assert {k: entries[0][k] for k in ("node", "file", "error", "restored_version")} == {
-            "node": "ps0",
-            **damaged,
-            "restored_version": 20,
-        }
+        (entry,) = [f for f in coord.failures if f.kind == "checkpoint_damaged"]
+        assert (entry.node, entry.file, entry.error, entry.restored_version) == (
+            "ps0",
+            damaged["file"],
+            damaged["error"],
+            20,
+        )
         coord.begin_stop("test over")
         coord.close()
         summary = json.loads((tmp_path / "summary.json").read_text())

@@ -53,7 +53,7 @@ def test_nodes_that_registered_long_before_the_plan_are_not_declared_dead(tmp_pa
         # silence after the plan is still detected: nobody heartbeats here
         time.sleep(2 * DEAD_AFTER_S)
         coord.tick()
-        assert sorted(f["node"] for f in coord.failures) == ["ps0", "worker0", "worker1"]
+        assert sorted(f.node for f in coord.failures) == ["ps0", "worker0", "worker1"]
     finally:
         server.close()
 
@@ -330,15 +330,15 @@ def test_a_worker_leaving_on_an_error_is_re_planned_at_once_and_nonfinite_everyw
         assert coord.plan.plan_id == 2 and [w.node_id for w in coord.plan.workers] == workers[1:]
         assert coord.stop_reason is None
         (failure,) = coord.failures
-        assert failure["kind"] == "worker_error" and failure["node"] == "worker0"
-        assert "illegal memory access" in failure["error"] and failure["refused"] == 0
+        assert failure.kind == "worker_error" and failure.node == "worker0"
+        assert "illegal memory access" in failure.error and failure.refused == 0
         nan = "ipc://ps0 refused PUSH: NONFINITE: tensor 'fc.weight' holds NaN or Inf"
         leave(workers[1], nan, Status.NONFINITE)  # one worker's NaN: the others go on
         assert coord.plan.plan_id == 3 and coord.stop_reason is None
         leave(workers[2], nan, Status.NONFINITE)  # the last one's too: the run diverged
         assert coord.stop_reason == "diverged" and coord.plan.plan_id == 3
         assert "worker2" in coord.guard.verdict and "optimizer.lr (now 7)" in coord.guard.verdict
-        assert [f["refused"] for f in coord.failures] == [0, Status.NONFINITE, Status.NONFINITE]
+        assert [f.refused for f in coord.failures] == [0, Status.NONFINITE, Status.NONFINITE]
         assert (
             coord.summary()["status"] == "diverged"
             and coord.summary()["detail"] == coord.guard.verdict

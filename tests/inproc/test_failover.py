@@ -160,7 +160,7 @@ def test_the_scheduler_fails_over_a_silent_shard_and_a_restarted_scheduler_knows
         plan = coord.plan
         assert plan.plan_id == first.plan_id + 1 and plan.served_by == {str(ps[1]): ps[0]}
         assert plan.shards[plan.shard_index(ps[1])].address == "mem://ps0-backup"
-        assert [f["kind"] for f in coord.failures] == ["shard_dead", "shard_failover"]
+        assert [f.kind for f in coord.failures] == ["shard_dead", "shard_failover"]
     finally:
         server.close()
     again_server = MemServer("mem://coordinator-failover-2")

@@ -508,9 +508,9 @@ def test_a_failing_timer_is_logged_and_counted_and_the_others_still_run(tmp_path
         # the step limit is passed
         wire.call(m.Heartbeat(node_id=nodes["worker0"], stats={"steps": 60}))
         assert coord.timer_errors == {"save_when_due": 1}
-        assert [f["kind"] for f in coord.failures] == [
+        assert [f.kind for f in coord.failures] == [
             "timer_error"
-        ] and "FileNotFoundError" in coord.failures[0]["error"]
+        ] and "FileNotFoundError" in coord.failures[0].error
         assert coord.stop_reason == "step limit 50"  # the timer after the failing one ran
         assert "timer save_when_due failed" in caplog.text
         coord.state_saved = -1e9
