@@ -46,7 +46,7 @@ from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
 from hetps.runtime.metrics import serve_metrics
 from hetps.runtime.startup import Phases
 
-from .serving import PlanFollower, setup_checkpoints
+from .serving import PlanFollower, open_checkpoints, restore_checkpoint
 from .shard import Shard, profile_update_speed
 
 log = logging.getLogger("hetps.ps")
@@ -188,12 +188,21 @@ class ColocatedRanks:
         member, rank = self.members[i], self.ranks[i]
         slowdown.start()
         with member.starting({AlgorithmMismatch: 2}):
-            shard = Shard(self.servers[i], member.node_id, plan, self.cfg, slowdown)
-            version = args.restore_version[i] if args.restore_version else None
-            setup_checkpoints(
-                shard, args.checkpoint_dir or self.cfg.checkpoint.dir, rank, version, args.resume
+            checkpointer = open_checkpoints(
+                self.cfg, args.checkpoint_dir or self.cfg.checkpoint.dir, plan.run_id, rank
             )
-        shard.park_future_pushes = True  # the rank's PlanFollower fetches the plans they wait for
+            # pushes of a plan not adopted yet wait for it: the rank's PlanFollower fetches it
+            shard = Shard(
+                self.servers[i],
+                member.node_id,
+                plan,
+                self.cfg,
+                slowdown,
+                checkpointer=checkpointer,
+                park_future_pushes=True,
+            )
+            version = args.restore_version[i] if args.restore_version else None
+            restore_checkpoint(shard, rank, version, args.resume)
         log.info(
             "shard %d (node %d) serving %d tensors at %s",
             rank,

@@ -281,27 +281,33 @@ class ReplicatedShard(Shard):
 
     def on_plan(self, peer: bytes, env: Envelope):
         """A backup follows its primary's plan switches where they happened in the push order."""
-        if self.role == "backup" and self.primary_peer is None:
-            self.primary_peer = peer
-        if self.role != "backup" or peer != self.primary_peer:
-            raise ProtocolError(
-                Status.BAD_STATE, "PLAN is only forwarded to a backup, by its primary"
-            )
+        self._from_primary(peer, "PLAN is only forwarded to a backup, by its primary")
         self.adopt(env.msg.plan)
         return Ack(plan_id=self.plan.plan_id)
 
     def on_snapshot(self, peer: bytes, env: Envelope):
-        # a backup made after training began (state_copy.py)
-        return load_snapshot(self, peer, env.msg)
+        """A backup made after training began becomes a copy of its primary (state_copy.py)."""
+        self._from_primary(peer, "SNAPSHOT is only sent to a backup, by its primary")
+        return load_snapshot(self, env.msg)
+
+    def _from_primary(self, peer: bytes, refusal: str) -> None:
+        """ProtocolError (BAD_STATE, `refusal`) unless this is a backup and `peer` its
+        primary's connection (the first peer that sends a backup anything is)."""
+        if self.role == "backup" and self.primary_peer is None:
+            self.primary_peer = peer
+        if self.role != "backup" or peer != self.primary_peer:
+            raise ProtocolError(Status.BAD_STATE, refusal)
 
     def _apply_push(self, env: Envelope) -> Ack:
         if self.role != "primary":
             return super()._apply_push(env)
-        retried = self.counts["retried"]
         with self._forwarding():
-            ack = super()._apply_push(env)  # raises, with nothing applied, for a refused push
-            if self.counts["retried"] == retried:
-                self._forward(env)
+            return super()._apply_push(env)  # raises, with nothing applied, for a refused push
+
+    def _take_push(self, env: Envelope) -> Ack:
+        ack = super()._take_push(env)
+        if self.role == "primary":  # a new push, applied: forwarded as applied (NaN/Inf mended)
+            self._forward(env)
         return ack
 
     # ------------------------------------------------------------ plans
@@ -431,7 +437,7 @@ class ReplicaHost:
             return
         shadow = self.shadow
         folder = checkpoint.shard_dir(self.checkpoint_root, shadow.plan.run_id, shadow.node_rank())
-        shadow.checkpointer = checkpoint.Checkpointer(self.cfg.checkpoint, folder)
+        shadow.checkpoint_to(checkpoint.Checkpointer(self.cfg.checkpoint, folder))
         shadow.maybe_checkpoint(force=True)
 
     def final_checkpoint(self) -> None:

@@ -86,21 +86,30 @@ def run_shard(
         slowdown.start()
         # a mismatching algorithm block is a config error
         with member.starting({AlgorithmMismatch: 2}):
-            if host is None:
-                shard = Shard(server, member.node_id, plan, cfg, slowdown)
-            else:
-                shard = ReplicatedShard(server, member.node_id, plan, cfg, slowdown)
+            checkpointer = open_checkpoints(
+                cfg, args.checkpoint_dir or cfg.checkpoint.dir, plan.run_id, args.rank
+            )
+            # pushes of a plan not adopted yet wait for it: PlanFollower fetches it
+            kind = Shard if host is None else ReplicatedShard
+            shard = kind(
+                server,
+                member.node_id,
+                plan,
+                cfg,
+                slowdown,
+                checkpointer=checkpointer,
+                park_future_pushes=True,
+            )
+            if host is not None:
                 host.node_id = member.node_id
                 host.follow(plan)
-            setup_checkpoints(
+            restore_checkpoint(
                 shard,
-                args.checkpoint_dir or cfg.checkpoint.dir,
                 args.rank,
                 args.restore_version[0] if args.restore_version else None,
                 args.resume,
             )
 
-        shard.park_future_pushes = True  # PlanFollower fetches the plans they wait for
         log.info(
             "shard %d (node %d) serving %d tensors at %s",
             args.rank,
@@ -194,7 +203,7 @@ class PlanFollower:
         except Aborted:
             raise
         except Exception:
-            shard.counts["timer_errors"] += 1
+            shard.count_timer_error()
             self.gave_up = max(self.gave_up, wanted)
             log.exception("could not adopt a newer plan; serving plan %d on", shard.plan.plan_id)
         if shard.future_pushes.parked and shard.future_pushes.wanted() <= max(
@@ -212,22 +221,31 @@ class PlanFollower:
             raise
 
 
-def setup_checkpoints(
-    shard: Shard, root: str | None, rank: int, version: int | None, resume: bool = False
-) -> None:
-    """Turn checkpoints on (when a directory is given) and continue from this
-    run's newest valid checkpoint (or `version`) if there is one; `resume`: new
-    workers. A damaged checkpoint is passed over for the next older valid one:
-    logged naming its file, set aside as *.damaged and named in the shard's
-    stats (`checkpoints_damaged`, which the scheduler records as
-    `checkpoint_damaged` failures). Raises checkpoint.NoValidCheckpoint (naming
-    the folder) when every checkpoint is damaged, CheckpointDamaged when
-    `version`'s is: a start-up failure the scheduler ends the run with."""
+def open_checkpoints(
+    cfg: RunConfig, root: str | None, run_id: str, rank: int
+) -> checkpoint.Checkpointer | None:
+    """The checkpointer of shard `rank`'s folder under `root` (None when no directory is
+    given: checkpoints off), with the temporary files of writes that never finished removed."""
     if not root:
-        return
-    folder = checkpoint.shard_dir(root, shard.plan.run_id, rank)
+        return None
+    folder = checkpoint.shard_dir(root, run_id, rank)
     for tmp in checkpoint.remove_leftovers(folder):
         log.info("removed %s, left behind by a write that never finished", tmp)
+    return checkpoint.Checkpointer(cfg.checkpoint, folder)
+
+
+def restore_checkpoint(shard: Shard, rank: int, version: int | None, resume: bool = False) -> None:
+    """Continue from the newest valid checkpoint in the shard's checkpoint folder (or
+    `version`'s) if there is one, then start its checkpoints; `resume`: new workers.
+    Nothing when the shard has no checkpointer. A damaged checkpoint is passed over for
+    the next older valid one: logged naming its file, set aside as *.damaged and named
+    in the shard's stats (`checkpoints_damaged`, which the scheduler records as
+    `checkpoint_damaged` failures). Raises checkpoint.NoValidCheckpoint (naming the
+    folder) when every checkpoint is damaged, CheckpointDamaged when `version`'s is: a
+    start-up failure the scheduler ends the run with."""
+    if shard.checkpointer is None:
+        return
+    folder = shard.checkpointer.folder
     point = checkpoint.restore_point(folder, version)
     if version is not None and point.path is None:
         raise SystemExit(f"hetps ps {rank}: no checkpoint of version {version} in {folder}")
@@ -236,10 +254,21 @@ def setup_checkpoints(
     if point.path is not None:
         shard.restore(point.state, new_workers=resume)
         checkpoint.abandon_after(folder, shard.store.version, {d.path for d in point.damaged})
-    shard.checkpointer = checkpoint.Checkpointer(shard.cfg.checkpoint, folder)
-    shard.checkpointer.last_version = shard.store.version if point.path is not None else -1
     # (a damaged one implies a restored one: with none valid, restore_point raised)
-    shard.checkpointer.damaged = [
-        {**d.report(), "restored_version": shard.store.version} for d in point.damaged
-    ]
+    shard.checkpointer.start(
+        shard.store.version if point.path is not None else -1,
+        [{**d.report(), "restored_version": shard.store.version} for d in point.damaged],
+    )
     log.info("checkpoints in %s%s", folder, f"; restored {point.path.name}" if point.path else "")
+
+
+def setup_checkpoints(
+    shard: Shard, root: str | None, rank: int, version: int | None, resume: bool = False
+) -> None:
+    """Turn checkpoints on for a shard made without them (when a directory is given) and
+    continue from this run's newest valid checkpoint (or `version`): `restore_checkpoint`,
+    which says what is raised."""
+    checkpointer = open_checkpoints(shard.cfg, root, shard.plan.run_id, rank)
+    if checkpointer is not None:
+        shard.checkpoint_to(checkpointer)
+        restore_checkpoint(shard, rank, version, resume)

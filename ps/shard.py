@@ -1,5 +1,6 @@
 """The parameter-server shard: a Service that holds the tensors the plan
-assigned to it and applies pushes through the algorithm's consistency policy.
+assigned to it and applies pushes through the algorithm's consistency policy;
+its rows of the sparse tables are served by its RowService (row_service.py).
 
 One loop, one thread; a pull that may not be answered yet is parked and
 answered after a later push makes it ready. The shard never imports model
@@ -9,19 +10,18 @@ values from the first INIT.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from hetps.proto.codec import Envelope, ProtocolError, encode, nonfinite_names
-from hetps.proto.messages import Ack, Error, Op, Params, Rows, Status
+from hetps.proto.messages import Ack, Error, Op, Params, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.records import FusedAck
 from hetps.proto.rpc import Service
-from hetps.proto.sparse import read_rows_request, rows_key, table_spec
 from hetps.proto.transport import ServerTransport
 from hetps.runconfig.algorithms import algorithm, check_plan_algorithm
 from hetps.runconfig.schema import NodeConfig, RunConfig
@@ -30,7 +30,10 @@ from hetps.runtime.emulation import Slowdown, work_clock
 
 from .future_pushes import FuturePushes
 from .hold_ledger import HoldLedger
+from .nonfinite import NonfiniteScreen
 from .policies import POLICIES, ConsistencyPolicy
+from .retry_cache import RetryCache
+from .row_service import RowService
 from .sparse_tables import SparseTables
 from .store import TensorStore
 from .updater import Updater
@@ -45,25 +48,13 @@ NEUTRAL_PUSH = {
 log = logging.getLogger(__name__)
 
 
-# policies whose rounds sum a group's pushes: their sparse rows are summed per round alike
-ROUND_POLICIES = ("sync", "grouping", "balanced")
-
-
-@dataclass(frozen=True)
-class ParkedRows:
-    """A PULL_ROWS waiting for its worker's open round of rows to close."""
-
-    peer: bytes
-    req_id: int
-    worker: int
-    ids: dict  # table -> ids, checked
-
-
 _UNSCANNED = object()  # no policy's release mark equals it
 
 
 @dataclass(frozen=True)
 class ParkedPull:
+    """A PULL (or a PUSH with `pull`) waiting until the policy lets its worker's clock read."""
+
     peer: bytes
     req_id: int
     worker: int
@@ -73,6 +64,13 @@ class ParkedPull:
 
 
 class Shard(Service):
+    """The dense tensors the plan placed on this shard, updated by the algorithm's policy,
+    and (through `rows`) this shard's rows of the sparse tables. `clock`: seconds for
+    parked requests' `held_s` (virtual under `hetps simulate`); `checkpointer`: where and
+    when it checkpoints (None: not at all, until `checkpoint_to`); `park_future_pushes`:
+    a push made under a plan not adopted yet waits for it (a daemon, which fetches plans).
+    Not thread-safe: one loop serves it."""
+
     def __init__(
         self,
         server: ServerTransport,
@@ -80,6 +78,10 @@ class Shard(Service):
         plan: ClusterPlan,
         cfg: RunConfig,
         slowdown: Slowdown | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        checkpointer: Checkpointer | None = None,
+        park_future_pushes: bool = False,
     ):
         check_plan_algorithm(cfg.algorithm, plan)  # raises AlgorithmMismatch naming both
         super().__init__(server, node_id)
@@ -87,29 +89,19 @@ class Shard(Service):
         self.plan = plan
         self.algorithm = algorithm(plan.algorithm)
         self.slowdown = slowdown or Slowdown(NodeConfig())
-        # seconds for parked requests' `held_s`; virtual under `hetps simulate`
-        self.clock = time.monotonic
+        self.clock = clock
         self.store = TensorStore(plan.owned(plan.shard_index(node_id)))
         self.policy: ConsistencyPolicy | None = None
         # (worker, request id) -> the parked pull, in the order they were parked
         self.parked: dict[tuple[int, int], ParkedPull] = {}
         # the policy's release mark at the last look at the parked pulls (a new policy: none yet)
         self._scanned_mark: object = _UNSCANNED
-        self.sparse_specs = {t.name: table_spec(t) for t in plan.tables}
-        self.sparse = self._make_sparse(plan)
-        self.rows_plan_id = plan.plan_id  # the plan whose members the open rounds of rows follow
-        self.parked_rows: list[ParkedRows] = []  # PULL_ROWS waiting for their worker's round
-        # worker -> (request id, ACK) of its last PUSH_ROWS
-        self.recent_row_acks: dict[int, tuple[int, Ack]] = {}
-        # pushes made under a plan not adopted yet wait for it (the daemon turns this on: it fetches plans)
-        self.park_future_pushes = False
+        self.park_future_pushes = park_future_pushes
         self.future_pushes = FuturePushes()
-        self.checkpointer: Checkpointer | None = None  # set by the daemon when checkpoints are on
-        # worker -> (request id, ACK) of its last push
-        self.recent_acks: dict[int, tuple[int, Ack]] = {}
+        self.checkpointer = checkpointer
         self.restored_version: int | None = None
         # whom parked pulls wait for, and who held them up (stall attribution); on the shard's clock
-        self.holds = HoldLedger(lambda: self.clock())
+        self.holds = HoldLedger(clock)
         self.counts = {
             "pushes": 0,
             "pulls": 0,
@@ -121,10 +113,20 @@ class Shard(Service):
             "row_pushes": 0,
             "row_pulls": 0,
         }
+        self.screen = NonfiniteScreen(cfg.cluster, self.counts)  # dense pushes and row pushes
+        self.recent_acks = RetryCache(self.counts)  # the ACK of each worker's last push
+        self.rows = RowService(
+            plan, node_id, cfg, self.algorithm.policy, self.screen, self.slowdown, self.counts
+        )
         # pull replies leave zero-copy from the live tensors: whatever else may write them settles first
         self.handlers = {
             op: h if op == Op.PULL else self._settled(h) for op, h in self.handlers.items()
         }
+
+    @property
+    def sparse(self) -> SparseTables | None:
+        """This shard's slices of the sparse tables (read them: the row service writes them)."""
+        return self.rows.tables
 
     def _settled(self, handler):
         def settle_then_handle(peer: bytes, env: Envelope):
@@ -241,12 +243,17 @@ class Shard(Service):
         )
 
     def _apply_push(self, env: Envelope) -> Ack:
+        """A PUSH through the policy; a retry is answered with its first ACK. ProtocolError,
+        with nothing applied, for a refused push (NaN/Inf under reject, the policy's)."""
+        retried = self.recent_acks.answer(env.src, env.req_id)  # a push already applied
+        if retried is not None:
+            return retried
+        push = self._screen_nonfinite(env.msg)
+        return self._take_push(env if push is env.msg else replace(env, msg=push))
+
+    def _take_push(self, env: Envelope) -> Ack:
+        """Apply a new push, NaN/Inf already handled, and remember its ACK."""
         push = env.msg
-        last = self.recent_acks.get(env.src)
-        if last is not None and last[0] == env.req_id:  # a retry of a push already applied
-            self.counts["retried"] += 1
-            return last[1]
-        self._screen_nonfinite(push)
         started = work_clock()
         staleness = self.policy.on_push(env.src, push)
         self._stretch(work_clock() - started)
@@ -258,7 +265,7 @@ class Shard(Service):
             plan_id=self.plan.plan_id,
             info=self.policy.reply_info(env.src),
         )
-        self.recent_acks[env.src] = (env.req_id, ack)
+        self.recent_acks.remember(env.src, env.req_id, ack)
         self.maybe_checkpoint()
         return ack
 
@@ -280,51 +287,9 @@ class Shard(Service):
         return None
 
     # ------------------------------------------------------------ sparse tables
-    def _make_sparse(self, plan: ClusterPlan) -> SparseTables | None:
-        """This shard's slices of the plan's sparse tables (proto/sparse.py), drawn from the
-        run's seed: a backup or a restarted shard of the same plan draws the same rows."""
-        if not plan.tables:
-            return None
-        mode = "round" if self.algorithm.policy in ROUND_POLICIES else "each"
-        index = plan.shard_index(self.node_id)
-        return SparseTables(
-            [table_spec(t) for t in plan.tables],
-            index,
-            len(plan.shards),
-            self.cfg.sparse,
-            self.cfg.seed,
-            mode,
-        )
-
-    def _rows_request(self, env: Envelope, with_rows: bool) -> dict:
-        if self.sparse is None:
-            raise ProtocolError(Status.UNKNOWN_TENSOR, "this cluster has no sparse tables")
-        return read_rows_request(
-            env.msg.tensors,
-            self.sparse_specs,
-            self.plan.shard_index(self.node_id),
-            len(self.plan.shards),
-            self.cfg.sparse.max_ids,
-            with_rows,
-        )
-
     def on_pull_rows(self, peer: bytes, env: Envelope):
-        """Rows by id; a worker's pull (clock >= 0) waits while its last row push is in an
-        open round (its group's other members have not pushed theirs yet)."""
-        ids = self._rows_request(env, with_rows=False)  # refused now, not when it is answered
-        if env.msg.clock >= 0 and self.sparse.waiting(env.src):
-            # a retried pull replaces its parked original
-            self.parked_rows = [p for p in self.parked_rows if p.worker != env.src]
-            self.parked_rows.append(ParkedRows(peer, env.req_id, env.src, ids))
-            return None
-        return self._rows_reply(ids)
-
-    def _rows_reply(self, ids: dict) -> Rows:
-        self.counts["row_pulls"] += 1
-        return Rows(
-            version=self.sparse.updates,
-            tensors={rows_key(t): self.sparse.rows(t, i) for t, i in ids.items()},
-        )
+        """Rows by id, from the row service (parked while the worker's round of rows is open)."""
+        return self.rows.pull(self.plan, peer, env)
 
     def on_push_rows(self, peer: bytes, env: Envelope):
         if self.park_future_pushes and env.msg.plan_id > self.plan.plan_id:
@@ -334,77 +299,19 @@ class Shard(Service):
         return self._apply_row_push(env)
 
     def _apply_row_push(self, env: Envelope) -> Ack:
-        push = env.msg
-        last = self.recent_row_acks.get(env.src)
-        if last is not None and last[0] == env.req_id:  # a retry of a push already applied
-            self.counts["retried"] += 1
-            return last[1]
-        grads = self._rows_request(env, with_rows=True)
-        if push.plan_id < self.plan.placement_id:
-            raise ProtocolError(
-                Status.STALE_PLAN,
-                f"plan {push.plan_id} predates placement of plan {self.plan.placement_id}",
-            )
-        grads = self._screen_nonfinite_rows(grads)
-        members = (
-            self.plan.groups[self.plan.group_of(env.src)]
-            if self.plan.groups
-            else self.plan.worker_ids()
-        )
-        if push.plan_id < self.rows_plan_id:
-            # made under a plan whose rounds were closed since (a member left, groups changed):
-            # applied alone, as the dense policies do, so it does not open a round of the new plan
-            # that the others' pushes of the next step would join one step out of line
-            members = [env.src]
-        elif env.src not in members:
-            raise ProtocolError(
-                Status.BAD_STATE, f"node {env.src} is not a worker of plan {self.plan.plan_id}"
-            )
-        started = work_clock()
-        self.sparse.push(env.src, members, grads)
-        self._stretch(work_clock() - started)
-        self.counts["row_pushes"] += 1
+        ack = self.rows.push(self.plan, env)
         self._serve_parked_rows()
-        ack = Ack(version=self.sparse.updates, plan_id=self.plan.plan_id)
-        self.recent_row_acks[env.src] = (env.req_id, ack)
         return ack
 
     def close_row_rounds(self) -> None:
         """The workers or groups changed: open rounds of rows apply what they have; a row
         push made under an earlier plan is applied alone from now on."""
-        self.rows_plan_id = self.plan.plan_id
-        if self.sparse is not None and self.sparse.close_rounds():
+        if self.rows.close_rounds(self.plan.plan_id):
             self._serve_parked_rows()
 
     def _serve_parked_rows(self) -> None:
-        waiting = []
-        for pull in self.parked_rows:
-            if self.sparse.waiting(pull.worker):
-                waiting.append(pull)
-            else:
-                self.reply(pull.peer, pull.req_id, self._rows_reply(pull.ids))
-        self.parked_rows = waiting
-
-    def _screen_nonfinite_rows(self, grads: dict) -> dict:
-        """NaN/Inf in pushed rows, per `cluster.nonfinite` as for dense pushes: reject refuses
-        the push, skip pushes zeros (the round still closes), clip replaces them."""
-        bad = [t for t, (_, rows) in grads.items() if not bool(torch.isfinite(rows).all())]
-        if not bad:
-            return grads
-        self.counts["nonfinite"] += 1
-        mode = self.cfg.cluster.nonfinite
-        if mode == "reject":
-            raise ProtocolError(Status.NONFINITE, f"rows of table {bad[0]!r} hold NaN or Inf")
-        clip = self.cfg.cluster.clip_value
-        for t in bad:
-            ids, rows = grads[t]
-            fixed = (
-                torch.zeros_like(rows)
-                if mode == "skip"
-                else torch.nan_to_num(rows, nan=0.0, posinf=clip, neginf=-clip)
-            )
-            grads[t] = (ids, fixed)
-        return grads
+        for peer, req_id, rows in self.rows.take_answered():
+            self.reply(peer, req_id, rows)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -417,14 +324,9 @@ class Shard(Service):
             **self.store.state_dict(),
             "updater": self.policy.updater.state_dict(),
             "policy": self.policy.state_dict(),
-            "recent_acks": {
-                w: (req, dataclasses.asdict(ack)) for w, (req, ack) in self.recent_acks.items()
-            },
+            "recent_acks": self.recent_acks.state_dict(),
             "counts": self.counts,
-            "sparse": self.sparse.state_dict() if self.sparse else None,
-            "recent_row_acks": {
-                w: (req, dataclasses.asdict(ack)) for w, (req, ack) in self.recent_row_acks.items()
-            },
+            **self.rows.state_dict(),  # "sparse", "recent_row_acks"
         }
 
     def node_rank(self) -> int:
@@ -445,22 +347,12 @@ class Shard(Service):
         self.store.load_state_dict(state)
         self._make_policy()
         self.policy.updater.load_state_dict(state["updater"])
-        if self.sparse is not None:
-            if state.get("sparse") is None:
-                raise ValueError("checkpoint holds no sparse tables, this shard's plan has some")
-            self.sparse.load_state_dict(state["sparse"])
-            if new_workers:
-                self.sparse.close_rounds()  # the old workers' open round is applied, not kept
+        self.rows.restore(state, new_workers)
         if not new_workers:
             self.policy.load_state_dict(state["policy"])
             self.policy.restored = True
-            self.recent_acks = {
-                w: (req, Ack(**ack)) for w, (req, ack) in state["recent_acks"].items()
-            }
+            self.recent_acks.load_state_dict(state["recent_acks"])
             self.counts.update(state["counts"])
-            self.recent_row_acks = {
-                w: (req, Ack(**ack)) for w, (req, ack) in state.get("recent_row_acks", {}).items()
-            }
         self.restored_version = self.store.version
         if state["plan_id"] != self.plan.plan_id and not new_workers:
             self.policy.adopt(self.plan)
@@ -469,6 +361,31 @@ class Shard(Service):
             "restored version %d (plan %d) from a checkpoint", self.store.version, state["plan_id"]
         )
         self._serve_parked()
+
+    def load_copy(self, plan: ClusterPlan, state: dict) -> None:
+        """Become an exact copy, under `plan`, of the shard whose `state_dict()` `state` is
+        (a backup made after training began, state_copy.py): unlike `restore`, which
+        realigns, the policy's and the rows' open rounds are kept. KeyError, TypeError or
+        ValueError for a state of another kind of shard; ProtocolError (BAD_STATE) for one
+        without the sparse tables this plan has."""
+        self.store.settle()
+        self.plan = plan
+        self.store.load_state_dict(state)
+        self._make_policy()
+        self.policy.updater.load_state_dict(state["updater"])
+        self.policy.load_state_dict(state["policy"])
+        self.recent_acks.load_state_dict(state["recent_acks"])
+        self.rows.load_copy(state)
+        self.counts.update(state["counts"])
+
+    def checkpoint_to(self, checkpointer: Checkpointer) -> None:
+        """Write checkpoints through `checkpointer` from now on (a shard restored before its
+        checkpoints start; a backup promoted to serve a dead shard's tensors)."""
+        self.checkpointer = checkpointer
+
+    def count_timer_error(self) -> None:
+        """A plan timer of the serving loop failed (counted in `timer_errors`)."""
+        self.counts["timer_errors"] += 1
 
     def maybe_checkpoint(self, force: bool = False) -> None:
         if self.checkpointer is None or self.policy is None:
@@ -484,30 +401,29 @@ class Shard(Service):
                 self.checkpointer.failed(self.store.version, exc)
 
     # ------------------------------------------------------------ internals
-    def _screen_nonfinite(self, push) -> None:
-        """NaN/Inf in a push, per `cluster.nonfinite`: `reject` refuses the push
+    def _screen_nonfinite(self, push):
+        """`push`, or a copy mended per `cluster.nonfinite` when it holds NaN/Inf
+        (its tensors are read-only: proto/tensors.py): `reject` refuses the push
         (NONFINITE; nothing of it is recorded); `skip` accepts it as a neutral
         contribution (gradients -> zeros, a pushed model -> the shard's values,
         buffers dropped), so the rounds it belongs to still close; `clip`
         replaces NaN by 0 and +-Inf by +-clip_value. Counted in `nonfinite`."""
         bad = nonfinite_names(push.tensors)  # one sum per tensor; entry-wise only if not finite
-        if not bad:
-            return
-        self.counts["nonfinite"] += 1
-        mode, tensors = self.cfg.cluster.nonfinite, push.tensors
-        if mode == "reject":
-            raise ProtocolError(Status.NONFINITE, f"tensor {bad[0]!r} holds NaN or Inf")
+        mode = self.screen.verdict(bad, "tensor {} holds NaN or Inf")
+        if mode is None:
+            return push
+        tensors = dict(push.tensors)
         if mode == "clip":
-            clip = self.cfg.cluster.clip_value
             for n in bad:
-                tensors[n] = torch.nan_to_num(tensors[n], nan=0.0, posinf=clip, neginf=-clip)
-            return
+                tensors[n] = self.screen.clipped(tensors[n])
+            return replace(push, tensors=tensors)
         neutral = NEUTRAL_PUSH[self.algorithm.pushes]
         for n in list(tensors):
             if n in self.store.buffer_names():
                 del tensors[n]
             else:
                 tensors[n] = neutral(self.store, n, tensors[n])
+        return replace(push, tensors=tensors)
 
     def _stretch(self, busy_s: float) -> None:
         """Emulate a slower server: make this update take slowdown x its time."""

@@ -135,17 +135,13 @@ def snapshot_of(shard) -> Snapshot:
     return Snapshot(plan=shard.plan, state=state, tensors=tensors)
 
 
-def load_snapshot(shard, peer: bytes, msg: Snapshot) -> Ack:
-    """Make backup `shard` an exact copy of the primary that sent `msg` (from
-    `peer`): its plan, values, optimizer, policy (open rounds and all, unlike a
-    checkpoint restore, which realigns), sparse tables (slices, row optimizer
-    state, open rounds of rows), last ACK and row ACK per worker and counts.
-    Raises ProtocolError (BAD_STATE) unless `shard` is a backup and `peer` its
-    primary's connection, (MALFORMED) when the state is not of this shard."""
-    if shard.role == "backup" and shard.primary_peer is None:
-        shard.primary_peer = peer  # the first message a backup gets is from its primary
-    if shard.role != "backup" or peer != shard.primary_peer:
-        raise ProtocolError(Status.BAD_STATE, "SNAPSHOT is only sent to a backup, by its primary")
+def load_snapshot(shard, msg: Snapshot) -> Ack:
+    """Make backup `shard` an exact copy of the primary that sent `msg` (the caller checked
+    that its primary did): its plan, values, optimizer, policy (open rounds and all, unlike
+    a checkpoint restore, which realigns), sparse tables (slices, row optimizer state, open
+    rounds of rows), last ACK and row ACK per worker and counts (Shard.load_copy). Raises
+    ProtocolError (BAD_STATE) when the state is of another run or algorithm, or lacks the
+    sparse tables this backup's plan has, (MALFORMED) when it is not a shard's state."""
     state = from_wire(msg.state, msg.tensors)
     try:
         for key, mine in (("algorithm", shard.plan.algorithm), ("run_id", shard.plan.run_id)):
@@ -153,23 +149,7 @@ def load_snapshot(shard, peer: bytes, msg: Snapshot) -> Ack:
                 raise ProtocolError(
                     Status.BAD_STATE, f"SNAPSHOT of {key} {state[key]!r}, this backup's is {mine!r}"
                 )
-        shard.store.settle()
-        shard.plan = msg.plan
-        shard.store.load_state_dict(state)
-        shard._make_policy()
-        shard.policy.updater.load_state_dict(state["updater"])
-        shard.policy.load_state_dict(state["policy"])
-        shard.recent_acks = {w: (req, Ack(**ack)) for w, (req, ack) in state["recent_acks"].items()}
-        if shard.sparse is not None:
-            if state.get("sparse") is None:
-                raise ProtocolError(
-                    Status.BAD_STATE, "SNAPSHOT holds no sparse tables, this backup's plan has some"
-                )
-            shard.sparse.load_state_dict(state["sparse"])  # open rounds included
-        shard.recent_row_acks = {
-            w: (req, Ack(**ack)) for w, (req, ack) in state.get("recent_row_acks", {}).items()
-        }
-        shard.counts.update(state["counts"])
+        shard.load_copy(msg.plan, state)
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(
             Status.MALFORMED, f"SNAPSHOT: {type(exc).__name__}: {exc}"[:200]

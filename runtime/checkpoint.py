@@ -373,6 +373,14 @@ class Checkpointer:
         # checkpoints of this folder found damaged when the shard started (CheckpointDamaged.report)
         self.damaged: list[dict] = []
 
+    def start(self, last_version: int, damaged: list[dict]) -> None:
+        """Checkpoints start now, after the shard restored (or did not): the newest one in
+        the folder is of `last_version` (-1: none), `damaged` those found damaged at start
+        (reported in `stats`); `every_s` counts from now, not from the restore's start."""
+        self.last_version = last_version
+        self.damaged = list(damaged)
+        self.last_time = time.monotonic()
+
     def due(self, version: int) -> bool:
         last = max(self.last_version, self.attempted)
         if version == last:

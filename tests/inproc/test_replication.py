@@ -100,9 +100,13 @@ class Cluster:
         self.processes = []
         for i, host in enumerate(hosts):
             shard = KillableShard(
-                make_server(self.plan.shards[i].address), SHARD_IDS[i], self.plan, self.cfg
+                make_server(self.plan.shards[i].address),
+                SHARD_IDS[i],
+                self.plan,
+                self.cfg,
+                cluster=self,
+                index=i,
             )
-            shard.cluster, shard.index = self, i
             host.follow(self.plan)
             self.processes.append(Process(shard, host))
         self.kill_at = kill_at  # (process index, worker, clock, "before" | "after" forwarding)
@@ -181,6 +185,10 @@ class KillableShard(ReplicatedShard):
     """A primary that dies when the push named by `cluster.kill_at` arrives:
     before forwarding it to its backup (applied here only, never answered)
     or right after (the backup has it; the held ACK never leaves)."""
+
+    def __init__(self, *args, cluster: Cluster, index: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cluster, self.index = cluster, index
 
     def _forward(self, env):
         at = self.cluster.kill_at
@@ -376,8 +384,8 @@ def test_the_backup_holds_the_primarys_state_and_acks_wait_for_it():
         assert not primary.replicator.held and not primary.replicator.pending
         assert backup.store.version == primary.store.version == STEPS
         assert backup.policy.state_dict() == primary.policy.state_dict()
-        assert {w: r for w, (r, _) in backup.recent_acks.items()} == {
-            w: r for w, (r, _) in primary.recent_acks.items()
+        assert {w: r for w, (r, _) in backup.recent_acks.by_worker.items()} == {
+            w: r for w, (r, _) in primary.recent_acks.by_worker.items()
         }
         for name, t in primary.store.tensors.items():
             assert torch.equal(backup.store.tensors[name], t), name

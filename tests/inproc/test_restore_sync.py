@@ -49,8 +49,8 @@ class DyingShard(Shard):
     """S1: every reply to B from B's round-5 push on is lost; right after it
     took A's clock-6 push, `die()` replaces it."""
 
-    def __init__(self, *args, die):
-        super().__init__(*args)
+    def __init__(self, *args, die, **kwargs):
+        super().__init__(*args, **kwargs)
         self.die = die
         self.lost_peers: set[bytes] = set()
 
@@ -84,11 +84,17 @@ class Cluster:
         self.restore_version = KILL_ROUND + 1 - behind
         self.shards = [
             Shard(make_server(addresses[0]), SHARD_IDS[0], self.plan, self.cfg),
-            DyingShard(make_server(addresses[1]), SHARD_IDS[1], self.plan, self.cfg, die=self.die),
+            DyingShard(
+                make_server(addresses[1]),
+                SHARD_IDS[1],
+                self.plan,
+                self.cfg,
+                die=self.die,
+                checkpointer=checkpoint.Checkpointer(
+                    CheckpointConfig(every_updates=1, keep=20), self.folder
+                ),
+            ),
         ]
-        self.shards[1].checkpointer = checkpoint.Checkpointer(
-            CheckpointConfig(every_updates=1, keep=20), self.folder
-        )
         self.died = threading.Event()
         self.stop = threading.Event()
         self.server = threading.Thread(target=self._serve, daemon=True)

@@ -326,8 +326,8 @@ def test_a_copy_holds_the_primarys_state_bit_for_bit():
         assert copy.store.version == primary.store.version == 2
         assert copy.policy.state_dict().keys() == primary.policy.state_dict().keys()
         assert copy.policy.pushed == primary.policy.pushed == {A: 3, B: 2}
-        assert {w: r for w, (r, _) in copy.recent_acks.items()} == {
-            w: r for w, (r, _) in primary.recent_acks.items()
+        assert {w: r for w, (r, _) in copy.recent_acks.by_worker.items()} == {
+            w: r for w, (r, _) in primary.recent_acks.by_worker.items()
         }
         assert_same_state(primary, copy)
         push = client_b.shards[0].send(

@@ -137,7 +137,7 @@ def test_a_restored_shard_holds_its_slices_and_dedupes_a_resent_push(tmp_path):
             shards.shards[i] = restored
             same(restored.sparse.state_dict(), before.sparse.state_dict())
             assert restored.sparse.rounds and restored.sparse.waiting(A)
-            assert restored.recent_row_acks == before.recent_row_acks
+            assert restored.rows.recent_acks.by_worker == before.rows.recent_acks.by_worker
         updates = [s.sparse.updates for s in shards.shards]
         assert updates == [1, 1, 1]
         shards.push(A, 1, [1, 2, 6], req_id=9)  # re-sent after the restart: answered only
@@ -161,7 +161,7 @@ def test_a_resumed_run_applies_the_old_workers_open_round(tmp_path):
         resumed.restore(checkpoint.load(path), new_workers=True)
         shards.shards[0] = resumed
         assert not resumed.sparse.rounds and resumed.sparse.updates == 1
-        assert resumed.recent_row_acks == {}
+        assert resumed.rows.recent_acks.by_worker == {}
         # A's push alone was applied (a round of one): its rows 0 (and only those) moved
         changed = (resumed.sparse.table(TABLE).weight != initial).any(dim=1).nonzero().flatten()
         assert changed.tolist() == [0]  # global row 0 is shard 0's local row 0

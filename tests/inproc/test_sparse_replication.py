@@ -187,7 +187,7 @@ def sparse_state(shard: ReplicatedShard) -> dict:
     rounds, rows updated, updates and the last row ACK per worker."""
     state = shard.sparse.state_dict()
     state["counters"] = state["counters"][1:]  # rows pulled: pulls are not replicated
-    return {"sparse": state, "acks": shard.recent_row_acks}
+    return {"sparse": state, "acks": shard.rows.recent_acks.by_worker}
 
 
 def assert_same(a, b, where: str = "") -> None:

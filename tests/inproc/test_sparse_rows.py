@@ -320,7 +320,7 @@ def test_a_push_of_the_plan_before_a_member_left_is_applied_alone():
         row_push(shard, 11, 2)
         assert row_pull_waits(shard, 11)  # its round waits for 12
         row_push(shard, 12, 2)
-        assert not shard.sparse.rounds and not shard.parked_rows
+        assert not shard.sparse.rounds and not shard.rows.parked
 
 
 def test_a_shard_restored_under_a_newer_plan_closes_the_checkpoints_rounds():
