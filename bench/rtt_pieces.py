@@ -117,7 +117,6 @@ def main() -> None:
             clock=clock,
             base_version=clock,
             n_samples=1,
-            info={},
             pull=True,
             tensors=grads,
         )

@@ -20,12 +20,11 @@ their declared dtype and shape here (compression.py), so no caller sees either.
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import warnings
 from dataclasses import MISSING, dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import msgpack
 import numpy
@@ -52,14 +51,19 @@ from .messages import (
     Message,
     Op,
     Status,
+    carries_tensors,
     has_tensors,
     header_fields,
+    wire_form,
+    wire_type,
 )
 from .pack_templates import packed_fields_and_frame
-from .records import READERS, to_wire
 from .runs import flat_runs
 
-torch = lazy_module("torch")  # the scheduler decodes headers only and never loads it
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")  # the scheduler decodes headers only and never loads it
 
 
 def __getattr__(name: str):
@@ -82,7 +86,14 @@ if sys.byteorder != BYTE_ORDER:
     )
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30
 MAX_HEADER_BYTES = 1 << 20
-_TYPES = {"int": int, "str": str, "list": list, "dict": dict, "bool": bool, "float": (int, float)}
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "int": int,
+    "str": str,
+    "list": list,
+    "dict": dict,
+    "bool": bool,
+    "float": (int, float),
+}
 
 
 @dataclass(frozen=True)
@@ -109,11 +120,11 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
     t = t.detach()
     # common case, fewer calls
     if t.dtype in _dt.NUMPY_DTYPES and t.numel() and t.dim() and t.is_contiguous():
-        return memoryview(t.numpy()).cast("B")
+        return t.numpy().data.cast("B")
     flat = t.reshape(-1)
     if flat.stride() != (1,):  # a strided 1-D view (e.g. every other entry): copy it
         flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy())  # bool, like every dtype, views as bytes
+    return flat.view(torch.uint8).numpy().data  # bool, like every dtype, views as bytes
 
 
 @dataclass(frozen=True)
@@ -144,8 +155,8 @@ def encode_tensors(
         )
     template = packed_fields_and_frame(tensors, pack_below)  # a repeated tensor list of one dtype
     if template is not None:
-        fields, frame = template
-        return EncodedTensors(fields, [frame])
+        packed_fields, frame = template
+        return EncodedTensors(packed_fields, [frame])
     specs, payloads, encodings = [], [], []
     names = _dt.DTYPE_NAMES
     for i, (name, t) in enumerate(tensors.items()):
@@ -193,11 +204,10 @@ def encode(
     """Frames for `msg`: [header bytes, tensor payloads ...] (see `encode_tensors`).
     `encoded`: `msg.tensors` encoded already (`encode_tensors`), sent as they are."""
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "op": int(msg.OP), "id": req_id, "src": src}
-    for f in header_fields(type(msg)):
-        header[f.name] = getattr(msg, f.name)
-    for name in READERS.get(type(msg), ()):  # typed records travel in their wire form
-        header[name] = to_wire(header[name])
-    if not has_tensors(type(msg)):
+    for name, write in _schema(type(msg)).writes:  # records travel in their wire form
+        value = getattr(msg, name)
+        header[name] = value if write is None else write(value)
+    if not carries_tensors(msg):
         return [msgpack.packb(header, use_bin_type=True)]
     if encoded is None:
         encoded = encode_tensors(msg.tensors, pack_below)
@@ -231,20 +241,41 @@ def _check_type(name: str, value: Any, type_name: str, req_id: int) -> None:
         )
 
 
-@functools.cache  # per message class, on every decode
-def _field_checks(cls: type[Message]) -> tuple[tuple[str, str, Any, bool, bool], ...]:
-    """Each header field's (name, wire type, Python types, whether a bool is
-    refused, whether it is required), worked out once per message class."""
-    return tuple(
-        (
-            f.name,
-            str(f.type),
-            _TYPES[str(f.type)],
-            str(f.type) in ("int", "float"),
-            f.default is MISSING and f.default_factory is MISSING,
-        )
-        for f in header_fields(cls)
+class _Schema(NamedTuple):
+    """A message class's header fields as the codec writes, checks and reads them."""
+
+    # (name, writer): the writer gives a record's wire form (None: the value travels as it is)
+    writes: tuple[tuple[str, Callable[[Any], Any] | None], ...]
+    # (name, wire type, Python types, whether a bool is refused, whether it is required)
+    checks: tuple[tuple[str, str, Any, bool, bool], ...]
+    # (name, reader): the fields that hold more than their wire value, in field order
+    reads: tuple[tuple[str, Callable[[Any], Any]], ...]
+
+
+_schemas: dict[type[Message], _Schema] = {}
+
+
+def _schema(cls: type[Message]) -> _Schema:
+    """`cls`'s _Schema, worked out once per message class (on every encode and decode)."""
+    schema = _schemas.get(cls)
+    if schema is not None:
+        return schema
+    forms = [(f, wire_form(f), wire_type(f)) for f in header_fields(cls)]
+    schema = _schemas[cls] = _Schema(
+        writes=tuple((f.name, form.write if form else None) for f, form, _ in forms),
+        checks=tuple(
+            (
+                f.name,
+                wire,
+                _TYPES[wire],
+                wire in ("int", "float"),
+                f.default is MISSING and f.default_factory is MISSING,
+            )
+            for f, _, wire in forms
+        ),
+        reads=tuple((f.name, form.read) for f, form, _ in forms if form is not None),
     )
+    return schema
 
 
 def _read_op(header: dict) -> tuple[type[Message], int, int]:
@@ -448,7 +479,8 @@ def decode(
     header = _unpack_header(frames[0])
     cls, req_id, src = _read_op(header)
     values: dict[str, Any] = {}
-    for name, type_name, want, numeric, required in _field_checks(cls):
+    schema = _schema(cls)
+    for name, type_name, want, numeric, required in schema.checks:
         if name in header:
             value = header[name]
             if not isinstance(value, want) or (numeric and isinstance(value, bool)):
@@ -465,7 +497,10 @@ def decode(
             Status.MALFORMED, f"{len(frames) - 1} tensor frames for 0 tensor specs", req_id
         )
     try:
-        msg = cls(**values)  # reads the free-form fields into typed records (records.py)
+        for name, read in schema.reads:  # the typed records (records.py); absent: the default's
+            if name in values:
+                values[name] = read(values[name])
+        msg = cls(**values)
     except ProtocolError as err:
         raise ProtocolError(err.status, f"{cls.OP.name}: {err.message}", req_id) from None
     return Envelope(msg, req_id, src)

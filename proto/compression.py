@@ -33,15 +33,18 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Container, Mapping
+from typing import TYPE_CHECKING, ClassVar, Container, Mapping
 
 from .errors import ProtocolError
 from .layout import aligned
 from .lazy import lazy_module
-from .messages import Status
+from .ops import Status
 
 # the scheduler imports this module (through codec) and never loads torch
-torch = lazy_module("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 _FLOATS: tuple = ()  # (torch.float32, torch.float64): dense dtypes that may travel compressed
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .messages import Status
+    from .ops import Status
 
 
 class HetpsError(Exception):

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .errors import ProtocolError
-from .messages import Status
+from .ops import Status
 
 ALIGN = 8
 # Packing copies a payload once more (into the pack, which ZeroMQ then copies

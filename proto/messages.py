@@ -5,16 +5,38 @@ header fields that travel as msgpack; a field named ``tensors`` (an ordered
 ``dict[str, torch.Tensor]``) travels as one raw frame per tensor, described in
 the header by ``tensors: [[name, dtype, shape], ...]``.
 
+Each field is annotated with what it holds. A field that holds more than its
+wire value (a record, or a checked plain value) says how it travels in its
+metadata (`read_as`): the codec checks the wire type, runs the reader at decode
+(records.py) and the writer at encode. A sender builds the records itself.
+
 Compatibility rule: a new protocol revision only ever *adds* optional fields
 (fields with defaults). Decoders ignore header keys they do not know.
 """
 
 from __future__ import annotations
 
-import enum
-import functools
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, Callable, ClassVar, Mapping, Protocol, TypeGuard
+
+from .ops import Op as Op  # re-exported: `from hetps.proto.messages import Op, Status`
+from .ops import Status as Status
+from .plan import ClusterPlan, TensorSpec
+from .records import (
+    FusedAck,
+    NodeStats,
+    PushInfo,
+    read_agreed,
+    read_hold_s,
+    read_plan,
+    read_spare_slots,
+    read_speed,
+    read_startup,
+    read_step_records,
+    read_tensor_specs,
+    write_ack,
+    write_tensor_specs,
+)
 
 # 2: PUSH gained `pull` (answer with PARAMS carrying the ACK) and PARAMS `ack`.
 # A version-1 peer would ignore `pull` and never answer with values, so the
@@ -27,75 +49,37 @@ PROTOCOL_VERSION = 2
 ZERO_COPY_BYTES = 256 * 1024
 
 
-class Op(enum.IntEnum):
-    REGISTER = 1  # node -> scheduler: join the cluster
-    WELCOME = 2  # scheduler -> node: your node id
-    GET_PLAN = 3  # node -> scheduler: wait for a plan newer than `after`
-    PLAN = 4  # scheduler -> node: the versioned cluster plan
-    HEARTBEAT = 5  # node -> scheduler: alive, with stats and step records
-    INIT = 6  # worker -> shard: initial tensor values (first one wins)
-    PUSH = 7  # worker -> shard: gradients (and buffers) of one step
-    PULL = 8  # worker -> shard: ask for current values
-    PARAMS = 9  # shard -> worker: tensor values
-    ACK = 10  # generic success reply
-    BARRIER = 11  # node -> scheduler: wait until `count` nodes reach `name`
-    STOP = 12  # anyone -> scheduler: stop the run
-    ERROR = 13  # reply: a Status and a message
-    REPORT = 14  # evaluator -> scheduler: one evaluation result
-    BYE = 15  # node -> scheduler: leaving cleanly
-    FAILED = 16  # node -> scheduler: it cannot start (the run ends at once, naming it)
-    # primary shard -> its new backup: the primary's whole state at one point of its push order
-    SNAPSHOT = 17
-    # sparse tables (proto/sparse.py): rows by id; a peer without them answers UNKNOWN_OP
-    PULL_ROWS = 18  # worker -> shard: the current values of some rows of its sparse tables
-    PUSH_ROWS = 19  # worker -> shard: row-sparse gradients of one step
-    ROWS = 20  # shard -> worker: row values
+@dataclass(frozen=True)
+class WireForm:
+    """How a field travels when it holds more than its wire value: the wire
+    type the codec checks, the reader the codec runs on a peer's value at
+    decode (checks it, makes the record; raises ProtocolError) and the writer
+    that gives the value's wire form at encode (None: it travels as it is)."""
+
+    type: str  # "int" | "float" | "str" | "bool" | "list" | "dict"
+    read: Callable[[Any], Any]
+    write: Callable[[Any], Any] | None = None
 
 
-class Status(enum.IntEnum):
-    UNSET = 0  # no status given
-    BAD_VERSION = 1  # header `v` is not this protocol version
-    MALFORMED = 2  # undecodable, missing/ill-typed field, wrong frame count or byte length
-    UNKNOWN_OP = 3  # `op` is not an Op this peer handles
-    UNKNOWN_TENSOR = 4  # tensor name not owned by this shard
-    SHAPE_MISMATCH = 5  # tensor shape differs from the registered one
-    DTYPE_NOT_ALLOWED = 6  # dtype outside the allow-list, or not the registered one
-    NONFINITE = 7  # NaN or Inf in a pushed tensor
-    STALE_PLAN = 8  # request made under an older plan
-    UNAUTHORIZED = 9  # peer not allowed
-    TOO_LARGE = 10  # declared sizes exceed the configured limit
-    INTERNAL = 11  # handler failed; the daemon keeps serving
-    NOT_READY = 12  # e.g. push before any INIT reached the shard
-    BAD_STATE = 13  # request not valid now (e.g. unknown node id)
-    CONFIG_MISMATCH = 14  # REGISTER: the node's agreed settings differ from the scheduler's
+def read_as(
+    wire_type: str, read: Callable[[Any], Any], write: Callable[[Any], Any] | None = None
+) -> dict[str, WireForm]:
+    """A field's `metadata`: it travels as `wire_type`, read by `read`, written by `write`."""
+    return {"wire": WireForm(wire_type, read, write)}
+
+
+_STATS = read_as("dict", NodeStats.read, NodeStats.to_wire)
+_PLAN = read_as("dict", read_plan, ClusterPlan.to_dict)
 
 
 @dataclass(frozen=True)
 class Message:
-    """Base: subclasses set OP and declare header fields, each with its wire
-    type. Free-form fields (stats, info, ack, plan, tensor specs) are read
-    into typed records when the message is made (records.py); a bad value
-    raises ProtocolError there, in the sender as in the decoder."""
+    """Base: subclasses set OP and declare header fields, each annotated with
+    what it holds; one that holds a record says how it travels (`read_as`)."""
 
     OP: ClassVar[Op]
     # its tensors must be ones the receiving shard holds (codec.decode)
     CATALOGUED: ClassVar[bool] = True
-
-    def __post_init__(self):
-        records = _records or _import_records()
-        if type(self) in records.READERS:
-            records.read_fields(self)
-
-
-_records = None  # records.py, once imported: it imports this module's classes, so not at the top
-
-
-def _import_records():
-    global _records
-    from . import records
-
-    _records = records
-    return records
 
 
 @dataclass(frozen=True)
@@ -104,20 +88,23 @@ class Register(Message):
     role: str  # "ps" | "worker" | "evaluator"
     rank: int
     address: str = ""  # advertised server address (shards)
-    # [[name, dtype, shape, kind]] forward order -> [TensorSpec]
-    tensor_specs: list = field(default_factory=list)
+    # forward order; on the wire [[name, dtype, shape, kind]]
+    tensor_specs: list[TensorSpec] = field(
+        default_factory=list, metadata=read_as("list", read_tensor_specs, write_tensor_specs)
+    )
     schema_hash: str = ""
-    speed: float = 0.0  # profiled speed: samples/s (workers), bytes/s updated (shards)
+    # profiled speed: samples/s (workers), bytes/s updated (shards)
+    speed: float = field(default=0.0, metadata=read_as("float", read_speed))
     node_id: int = 0  # the id this node already had, when it registers again
     host: str = ""  # the node's host name (recorded in the run directory)
     # {phase: seconds} before registering (runtime/startup.py)
-    startup: dict = field(default_factory=dict)
+    startup: dict[str, float] = field(default_factory=dict, metadata=read_as("dict", read_startup))
     # shards with cluster.replicas > 0: where it serves the backup it holds
     replica_address: str = ""
     # a spare (cluster.spare_shards): its backup sockets' addresses
-    spare_slots: list = field(default_factory=list)
+    spare_slots: list[str] = field(default_factory=list, metadata=read_as("list", read_spare_slots))
     # {config key path: value} of the settings every host must agree on (runconfig/agreement.py)
-    agreed: dict = field(default_factory=dict)
+    agreed: dict[str, Any] = field(default_factory=dict, metadata=read_as("dict", read_agreed))
 
 
 @dataclass(frozen=True)
@@ -138,18 +125,21 @@ class GetPlan(Message):
 class Plan(Message):
     OP: ClassVar[Op] = Op.PLAN
     plan_id: int
-    plan: dict  # read into a checked ClusterPlan
+    plan: ClusterPlan = field(metadata=_PLAN)  # checked for consistency at decode
 
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
     OP: ClassVar[Op] = Op.HEARTBEAT
     node_id: int
-    stats: dict = field(default_factory=dict)  # read into records.NodeStats
-    records: list = field(default_factory=list)  # step records, each with `ago` seconds
+    stats: NodeStats = field(default_factory=NodeStats, metadata=_STATS)
+    # step records (records.STEP_RECORD_FIELDS), each with `ago` seconds
+    records: list[dict[str, Any]] = field(
+        default_factory=list, metadata=read_as("list", read_step_records)
+    )
     # long poll: the scheduler may hold the ACK up to this many seconds (at most cluster.heartbeat_s)
     # and answers at once when it has news for the node (a newer plan, stop); 0 = answer now
-    hold_s: float = 0.0
+    hold_s: float = field(default=0.0, metadata=read_as("float", read_hold_s))
 
 
 @dataclass(frozen=True)
@@ -166,8 +156,10 @@ class Push(Message):
     clock: int  # pushes this worker made before this one
     base_version: int  # shard version the gradient was computed on
     n_samples: int = 0
-    # algorithm extras (e.g. local steps): records.PushInfo
-    info: dict = field(default_factory=dict)
+    # algorithm extras (e.g. local steps); on the wire a map of the fields set
+    info: PushInfo = field(
+        default_factory=PushInfo, metadata=read_as("dict", PushInfo.read, PushInfo.to_wire)
+    )
     # True: the reply is the PARAMS that a PULL with clock + 1 sent right behind this push
     # would get (parked alike), carrying this push's ACK in `ack`: one round trip, two messages
     pull: bool = False
@@ -186,9 +178,9 @@ class Params(Message):
     OP: ClassVar[Op] = Op.PARAMS
     version: int
     # a reply to a PUSH with `pull`: that push's ACK fields (version, staleness, plan_id, info),
-    # plus `held_s`, the seconds the values waited at the shard after the push was applied
-    # records.FusedAck, None when empty (a plain pull's reply)
-    ack: dict = field(default_factory=dict)
+    # plus `held_s`, the seconds the values waited at the shard after the push was applied;
+    # None (on the wire an empty map) in a plain pull's reply
+    ack: FusedAck | None = field(default=None, metadata=read_as("dict", FusedAck.read, write_ack))
     tensors: dict = field(default_factory=dict)
 
 
@@ -200,6 +192,13 @@ class Ack(Message):
     plan_id: int = 0
     stop: bool = False
     info: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, fused: FusedAck) -> Ack:
+        """The ACK a fused PARAMS reply carries (`Params.ack`), as the ACK of its push."""
+        return cls(
+            version=fused.version, staleness=fused.staleness, plan_id=fused.plan_id, info=fused.info
+        )
 
 
 @dataclass(frozen=True)
@@ -234,7 +233,7 @@ class Report(Message):
 class Bye(Message):
     OP: ClassVar[Op] = Op.BYE
     node_id: int
-    stats: dict = field(default_factory=dict)  # read into records.NodeStats
+    stats: NodeStats = field(default_factory=NodeStats, metadata=_STATS)
     error: str = ""  # why the node leaves before the run stopped ("" = it was told to stop)
     # the Status a peer's ERROR carried, when that error made it leave (0: none)
     refused: int = 0
@@ -258,7 +257,7 @@ class Snapshot(Message):
 
     OP: ClassVar[Op] = Op.SNAPSHOT
     CATALOGUED: ClassVar[bool] = False  # optimizer moments and open rounds, not the plan's tensors
-    plan: dict  # the primary's plan at the snapshot (read into a ClusterPlan)
+    plan: ClusterPlan = field(metadata=_PLAN)  # the primary's plan at the snapshot
     # the shard's state_dict, tensors replaced by references (ps/state_copy.py)
     state: dict
     tensors: dict = field(default_factory=dict)
@@ -333,15 +332,43 @@ MESSAGES: dict[Op, type[Message]] = {
 }
 
 
-@functools.cache  # per message class, on every encode and decode
-def header_fields(cls: type[Message]) -> tuple:
-    """The dataclass fields that travel in the msgpack header (not `tensors`)."""
-    return tuple(f for f in fields(cls) if f.name != "tensors")
+_header_fields: dict[type[Message], tuple[Field[Any], ...]] = {}
 
 
-@functools.cache
+def header_fields(cls: type[Message]) -> tuple[Field[Any], ...]:
+    """The dataclass fields that travel in the msgpack header (not `tensors`),
+    worked out once per message class (on every encode and decode)."""
+    out = _header_fields.get(cls)
+    if out is None:
+        out = _header_fields[cls] = tuple(f for f in fields(cls) if f.name != "tensors")
+    return out
+
+
 def has_tensors(cls: type[Message]) -> bool:
-    return any(f.name == "tensors" for f in fields(cls))
+    return "tensors" in cls.__dataclass_fields__
+
+
+class WithTensors(Protocol):
+    """A message that carries tensors, which travel as raw frames."""
+
+    @property
+    def tensors(self) -> Mapping[str, Any]: ...
+
+
+def carries_tensors(msg: Message) -> TypeGuard[WithTensors]:
+    """Whether `msg`'s class has a `tensors` field (has_tensors)."""
+    return has_tensors(type(msg))
+
+
+def wire_form(f: Field[Any]) -> WireForm | None:
+    """How header field `f` travels, when it holds more than its wire value (`read_as`)."""
+    return f.metadata.get("wire")
+
+
+def wire_type(f: Field[Any]) -> str:
+    """Header field `f`'s type on the wire: "int", "float", "str", "bool", "list" or "dict"."""
+    form = wire_form(f)
+    return form.type if form is not None else str(f.type)
 
 
 def describe(msg: Any) -> str:

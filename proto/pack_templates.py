@@ -58,7 +58,7 @@ class PackTemplate:
             parts.append(t.reshape(-1))
             if pad is not None:
                 parts.append(pad)
-        return memoryview(torch.cat(parts).detach().view(torch.uint8).numpy())
+        return torch.cat(parts).detach().view(torch.uint8).numpy().data
 
     def laid_out(self, tensors: list[torch.Tensor]) -> memoryview | None:
         """The bytes of the one CPU buffer `tensors` lie in, at this layout's
@@ -77,7 +77,7 @@ class PackTemplate:
         if at + self.nbytes > storage.nbytes():
             return None
         span = torch.empty(0, dtype=torch.uint8).set_(storage, at, (self.nbytes,), (1,))
-        return memoryview(span.numpy())
+        return span.numpy().data
 
 
 _templates: dict[tuple, PackTemplate | None] = {}  # None: a tensor list no template fits

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from .dtypes import ITEMSIZES
 from .errors import ProtocolError
-from .messages import Status
+from .ops import Status
 
 # "table": a sparse table (proto/sparse.py), shape (rows, dim); served row by row by every shard
 TENSOR_KINDS = ("param", "buffer", "table")

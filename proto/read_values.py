@@ -5,10 +5,10 @@ Each raises ProtocolError(MALFORMED) naming the field."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import ProtocolError
-from .messages import Status
+from .ops import Status
 
 MAX_COUNT = 2**62  # steps, bytes, versions: far above any run, far below int64 overflow
 # samples/s or bytes/s: far above any machine, far below float overflow in sums
@@ -18,7 +18,7 @@ MAX_DEPTH = 4  # nesting of plain values (lists and maps) in extras and step rec
 MAX_TEXT = 4096  # characters of a string in a plain value
 
 
-def bad(where: str, message: str, status: Status = Status.MALFORMED):
+def bad(where: str, message: str, status: Status = Status.MALFORMED) -> NoReturn:
     raise ProtocolError(status, f"{where}: {message}")
 
 

@@ -1,10 +1,10 @@
-"""Typed records for the free-form fields of messages.
+"""Typed records for the free-form fields of messages, and their readers.
 
-TRUST BOUNDARY. A message's header fields are declared with their wire types
-(`dict`, `list`, ...) in messages.py and checked by the codec; the fields
-below carry structure of their own, which is read here into typed records
-whenever a message is made -- by `decode` from a peer's bytes, or by a sender
-in this process -- so both ends see the same checked types:
+TRUST BOUNDARY. A message's header fields are annotated with what they hold
+(messages.py); the fields below carry structure of their own, which the codec
+reads here from a peer's plain value at decode, after checking its wire type
+(each field names its reader: messages.read_as). A sender builds the records
+itself (or reads its own plain values with the same readers):
 
     HEARTBEAT.stats, BYE.stats  -> NodeStats (counts and speed: finite, bounded;
                                    whom a shard waits for: waits.py)
@@ -13,9 +13,10 @@ in this process -- so both ends see the same checked types:
     HEARTBEAT.hold_s            -> a finite, bounded float
     REGISTER.tensor_specs       -> list[TensorSpec] (dtype allow-list, unique names)
     REGISTER.speed              -> a finite, bounded float
+    REGISTER.startup, .spare_slots, .agreed -> bounded maps and lists of plain values
     PUSH.info                   -> PushInfo (known keys only)
     PARAMS.ack                  -> FusedAck, or None when the reply carries no ACK
-    PLAN.plan                   -> ClusterPlan (placement and groups consistent)
+    PLAN.plan, SNAPSHOT.plan    -> ClusterPlan (placement and groups consistent)
 
 A bad value raises ProtocolError(MALFORMED, or DTYPE_NOT_ALLOWED) naming the
 field; the codec adds the request id. Numbers the scheduler computes with are
@@ -29,7 +30,6 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
-from . import messages as m
 from .plan import ClusterPlan, NodeEntry, TensorSpec
 from .read_values import (
     MAX_RATE,
@@ -95,10 +95,13 @@ class NodeStats:
 
     @classmethod
     def read(cls, value: Any) -> "NodeStats":
+        """From the wire's map (a NodeStats passes as it is: a restored scheduler state)."""
         if isinstance(value, cls):
             return value
         stats = read_map("stats", value)
-        typed = {k: read_count(f"stats.{k}", stats.pop(k)) for k in _STAT_COUNTS if k in stats}
+        typed: dict[str, Any] = {
+            k: read_count(f"stats.{k}", stats.pop(k)) for k in _STAT_COUNTS if k in stats
+        }
         if "speed" in stats:
             typed["speed"] = read_number("stats.speed", stats.pop("speed"), MAX_RATE)
         for key, read in _STAT_WAITS.items():
@@ -264,8 +267,6 @@ class PushInfo:
 
     @classmethod
     def read(cls, value: Any) -> "PushInfo":
-        if isinstance(value, cls):
-            return value
         if type(value) is not dict:
             _bad("info", f"must be a map, got {type(value).__name__}")
         if not value:  # a gradient push's (every step of most algorithms)
@@ -317,8 +318,6 @@ class FusedAck:
 
     @classmethod
     def read(cls, value: Any) -> "FusedAck | None":
-        if value is None or isinstance(value, cls):
-            return value
         if type(value) is not dict:
             _bad("ack", f"must be a map, got {type(value).__name__}")
         if not value:
@@ -349,10 +348,10 @@ class FusedAck:
             "held_s": self.held_s,
         }
 
-    def ack(self) -> m.Ack:
-        return m.Ack(
-            version=self.version, staleness=self.staleness, plan_id=self.plan_id, info=self.info
-        )
+
+def write_ack(ack: FusedAck | None) -> dict:
+    """PARAMS.ack's wire form: an empty map for a plain pull's reply."""
+    return {} if ack is None else ack.to_wire()
 
 
 # ---------------------------------------------------------------- registration and plan
@@ -361,14 +360,23 @@ class FusedAck:
 def read_tensor_specs(value: Any) -> list[TensorSpec]:
     if type(value) not in (list, tuple):
         _bad("tensor_specs", f"must be a list, got {type(value).__name__}")
-    specs = [s if isinstance(s, TensorSpec) else TensorSpec.from_wire(s) for s in value]
+    specs = [TensorSpec.from_wire(s) for s in value]
     if len({s.name for s in specs}) != len(specs):
         _bad("tensor_specs", "duplicate tensor names")
     return specs
 
 
+def write_tensor_specs(specs: list[TensorSpec]) -> list[list]:
+    return [s.to_wire() for s in specs]
+
+
 def read_speed(value: Any) -> float:
     return read_number("speed", value, MAX_RATE)
+
+
+def read_hold_s(value: Any) -> float:
+    """HEARTBEAT's `hold_s`: seconds the scheduler may hold its ACK."""
+    return read_number("hold_s", value, MAX_SECONDS)
 
 
 def read_startup(value: Any) -> dict[str, float]:
@@ -429,12 +437,14 @@ def read_addresses(where: str, value: Any) -> list[str]:
     _bad(where, f"must be a list of at most 64 addresses, got {value!r:.60}")
 
 
+def read_spare_slots(value: Any) -> list[str]:
+    return read_addresses("spare_slots", value)
+
+
 def read_plan(value: Any) -> ClusterPlan:
     """A plan as the scheduler sends it, checked for consistency: every tensor
     placed on an existing shard, groups made of the plan's workers, finite
     speeds and shares."""
-    if isinstance(value, ClusterPlan):
-        return value
     d = read_map("plan", value)
     for key in ("plan_id", "algorithm", "workers", "shards", "tensors", "placement"):
         if key not in d:
@@ -519,45 +529,3 @@ def _batches(value: Any, workers: set[int]) -> dict[str, float]:
     ):
         _bad("plan.batches", "must map the plan's worker ids to whole batch sizes >= 1")
     return batches
-
-
-# ---------------------------------------------------------------- which field is read how
-
-READERS: dict[type, dict[str, Callable[[Any], Any]]] = {
-    m.Heartbeat: {
-        "stats": NodeStats.read,
-        "records": read_step_records,
-        "hold_s": lambda v: read_number("hold_s", v, MAX_SECONDS),
-    },
-    m.Bye: {"stats": NodeStats.read},
-    m.Register: {
-        "tensor_specs": read_tensor_specs,
-        "speed": read_speed,
-        "startup": read_startup,
-        "spare_slots": lambda v: read_addresses("spare_slots", v),
-        "agreed": read_agreed,
-    },
-    m.Push: {"info": PushInfo.read},
-    m.Params: {"ack": FusedAck.read},
-    m.Plan: {"plan": read_plan},
-    m.Snapshot: {"plan": read_plan},
-}
-
-
-def read_fields(msg: m.Message) -> None:
-    """Replace `msg`'s free-form fields by their typed records, in place
-    (called once, when the message is made). Raises ProtocolError."""
-    for name, read in READERS.get(type(msg), {}).items():
-        object.__setattr__(msg, name, read(getattr(msg, name)))
-
-
-def to_wire(value: Any) -> Any:
-    """A field's value as it travels: records by their wire form."""
-    if isinstance(value, list) and value and isinstance(value[0], TensorSpec):
-        return [s.to_wire() for s in value]
-    if isinstance(value, ClusterPlan):
-        return value.to_dict()
-    if value is None:  # Params.ack without an ACK
-        return {}
-    wire = getattr(value, "to_wire", None)
-    return wire() if wire is not None else value

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from . import dtypes
 from .dtypes import ITEMSIZES
 from .errors import ProtocolError
-from .messages import Status
+from .ops import Status
 
 # a table's frames in PULL_ROWS / PUSH_ROWS / ROWS messages: "<table>:ids" and "<table>:rows"
 IDS_SUFFIX = ":ids"

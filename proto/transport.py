@@ -130,7 +130,7 @@ class ClientTransport(ABC):
 
 
 def _zmq_socket(kind: int, max_message_bytes: int | None) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(kind)
+    sock: zmq.Socket = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.copy_threshold = ZERO_COPY_BYTES
     if max_message_bytes:
@@ -316,6 +316,7 @@ class ZmqClient(ClientTransport):
         self.sock.close(0)
         if self.shm is not None:
             self.shm.close()
+        if self.shm_replies is not None:
             self.shm_replies.close()
 
 
@@ -402,10 +403,11 @@ class ServerPoll:
     def __init__(self, servers: Sequence[ServerTransport]):
         self.servers = list(servers)
         self.poller = None
-        if all(isinstance(s, ZmqServer) for s in self.servers):
+        socks = [s.sock for s in self.servers if isinstance(s, ZmqServer)]
+        if len(socks) == len(self.servers):
             self.poller = zmq.Poller()
-            for server in self.servers:
-                self.poller.register(server.sock, zmq.POLLIN)
+            for sock in socks:
+                self.poller.register(sock, zmq.POLLIN)
 
     def wait(self, timeout_s: float) -> None:
         """Block until one server has a request queued, at most `timeout_s` seconds."""
@@ -420,7 +422,9 @@ class ServerPoll:
     def _queued(server: ServerTransport) -> bool:
         if isinstance(server, MemServer):
             return not server.inbox.empty()
-        return bool(server.sock.poll(0))
+        if isinstance(server, ZmqServer):
+            return bool(server.sock.poll(0))
+        raise TypeError(f"ServerPoll waits on ZeroMQ and in-process servers, not {type(server)}")
 
 
 def make_server(address: str, options: TransportOptions | None = None) -> ServerTransport:

@@ -38,7 +38,8 @@ from hetps.proto.messages import (
     Status,
     Welcome,
 )
-from hetps.proto.plan import ClusterPlan
+from hetps.proto.plan import ClusterPlan, TensorSpec
+from hetps.proto.records import NodeStats, read_step_records
 from hetps.proto.rpc import RemoteError, RequestTimeout, RpcClient
 from hetps.proto.transport import TransportOptions
 from hetps.runconfig.schema import ClusterConfig
@@ -125,7 +126,7 @@ class Membership:
     def join(
         self,
         address: str = "",
-        tensor_specs: list | None = None,
+        tensor_specs: list[TensorSpec] | None = None,
         schema_hash: str = "",
         speed: float = 0.0,
         startup: dict | None = None,
@@ -249,8 +250,8 @@ class Membership:
                     ack = rpc.call(
                         Heartbeat(
                             node_id=self.node_id,
-                            stats=stats(),
-                            records=self._outgoing(records),
+                            stats=NodeStats.read(stats()),
+                            records=read_step_records(self._outgoing(records)),
                             hold_s=0.0 if self._closing.is_set() else hold_s,
                         )
                     )
@@ -367,14 +368,20 @@ class Membership:
             return
         try:
             # this last heartbeat also has the scheduler answer the beat it may hold for the thread
-            records = self._outgoing(self._take_records())
+            records = read_step_records(self._outgoing(self._take_records()))
             self.rpc.call(
-                Heartbeat(node_id=self.node_id, stats=stats, records=records), timeout_s=timeout_s
+                Heartbeat(node_id=self.node_id, stats=NodeStats.read(stats), records=records),
+                timeout_s=timeout_s,
             )
             if self._beat_thread is not None:
                 self._beat_thread.join(timeout=self.cluster.heartbeat_s * 5 + 1)
             self.rpc.call(
-                Bye(node_id=self.node_id, stats=stats, error=error, refused=int(refused)),
+                Bye(
+                    node_id=self.node_id,
+                    stats=NodeStats.read(stats),
+                    error=error,
+                    refused=int(refused),
+                ),
                 timeout_s=timeout_s,
             )
         except Exception as exc:

@@ -23,6 +23,7 @@ import torch
 from hetps.proto.codec import decode
 from hetps.proto.messages import Bye, Error, Heartbeat, Init, Pull, Register, Report
 from hetps.proto.plan import schema_hash
+from hetps.proto.records import NodeStats, read_step_records
 from hetps.ps.shard import Shard
 from hetps.runconfig.algorithms import algorithm
 from hetps.runconfig.load import dump_config
@@ -133,7 +134,7 @@ class Simulation:
     # ------------------------------------------------------------ start-up: register, plan, INIT
     def start(self) -> None:
         specs = model_specs(self.state.model)
-        wire_specs, schema = [s.to_wire() for s in specs], schema_hash(specs)
+        schema = schema_hash(specs)
         shard_ids = [
             self._register(
                 "ps",
@@ -148,7 +149,7 @@ class Simulation:
             self._register(
                 "worker",
                 rank,
-                tensor_specs=wire_specs,
+                tensor_specs=specs,
                 schema_hash=schema,
                 speed=self.cfg.data.batch_size / (base_step_s(self.cfg, node) * node.slowdown),
             )
@@ -312,7 +313,11 @@ class Simulation:
         for w in self.workers.values():
             if not w.alive:
                 continue
-            beat = Heartbeat(node_id=w.member.node_id, stats=w.stats(), records=w.take_records(now))
+            beat = Heartbeat(
+                node_id=w.member.node_id,
+                stats=NodeStats.read(w.stats()),
+                records=read_step_records(w.take_records(now)),
+            )
             ack = call(self.coord, w.member.node_id, self.ids, beat)
             if ack.stop:
                 w.alive = False
@@ -333,9 +338,11 @@ class Simulation:
         sent, shard.server.inbox.sent = shard.server.inbox.sent, []
         return [(node_of(peer), frames, nbytes_of(frames)) for peer, frames in sent]
 
-    def _shard_stats(self, sid: int) -> dict:
+    def _shard_stats(self, sid: int) -> NodeStats:
         # busy_s: the cost model's service seconds (the real handler's CPU time is not virtual time)
-        return {**self.shards[sid].stats(), "busy_s": round(self.queues[sid].busy_s, 6)}
+        return NodeStats.read(
+            {**self.shards[sid].stats(), "busy_s": round(self.queues[sid].busy_s, 6)}
+        )
 
     def _evaluate(self, final: bool = False) -> None:
         if not final and self.coord.stop_reason is not None:
@@ -398,14 +405,16 @@ class Simulation:
             self._evaluate(final=True)
         for w in self.workers.values():
             beat = Heartbeat(
-                node_id=w.member.node_id, stats=w.stats(), records=w.take_records(self.q.now)
+                node_id=w.member.node_id,
+                stats=NodeStats.read(w.stats()),
+                records=read_step_records(w.take_records(self.q.now)),
             )
             call(self.coord, w.member.node_id, self.ids, beat)
             call(
                 self.coord,
                 w.member.node_id,
                 self.ids,
-                Bye(node_id=w.member.node_id, stats=w.stats()),
+                Bye(node_id=w.member.node_id, stats=NodeStats.read(w.stats())),
             )
         if self.evaluator_id:
             call(self.coord, self.evaluator_id, self.ids, Bye(node_id=self.evaluator_id))

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from hetps.proto.messages import Ack, Params, Pull, Push
 from hetps.proto.plan import ClusterPlan
+from hetps.proto.records import PushInfo
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.training.data import Datasets
 from hetps.training.parts import ack_of
@@ -106,7 +107,7 @@ class SimLocalWorker(SimWorker):
                         clock=clock,
                         base_version=self.client.versions[i],
                         n_samples=n_samples,
-                        info=info,
+                        info=PushInfo.read(info),
                         pull=self.fused and not final,
                         tensors=part,
                     ),

@@ -52,4 +52,5 @@ def join_parts(plan: ClusterPlan, values: dict[str, torch.Tensor]) -> dict[str, 
 
 def ack_of(reply: Params) -> tuple[Ack, float]:
     """The ACK a fused PUSH+PULL reply carries, and the seconds its values waited at the shard."""
-    return reply.ack.ack(), reply.ack.held_s  # typed and checked at decode (records.FusedAck)
+    # typed and checked at decode (records.FusedAck); callers take only replies that carry one
+    return Ack.of(reply.ack), reply.ack.held_s

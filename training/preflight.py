@@ -304,7 +304,7 @@ def message_bytes_needed(specs: list[TensorSpec], cfg: RunConfig) -> MessageByte
     register = Register(
         role="worker",
         rank=0,
-        tensor_specs=[s.to_wire() for s in specs],
+        tensor_specs=list(specs),
         schema_hash=schema_hash(specs),
     )
     header = max(len(encode(Plan(plan_id=1, plan=plan))[0]), len(encode(register)[0]))

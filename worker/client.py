@@ -24,6 +24,7 @@ from hetps.proto.codec import DTYPE_NAMES, ProtocolError
 from hetps.proto.compression import FLOATS, Compressor
 from hetps.proto.messages import Ack, Init, Params, Pull, Push, Status
 from hetps.proto.plan import ClusterPlan
+from hetps.proto.records import PushInfo
 from hetps.proto.rpc import RpcClient, wait_all
 from hetps.proto.runs import RunTensors
 from hetps.proto.transport import TransportOptions
@@ -168,7 +169,7 @@ class PSClient:
             clock=clock,
             base_version=self.versions[i],
             n_samples=n_samples,
-            info=info or {},
+            info=PushInfo.read(info or {}),
             pull=pull,
             tensors=part,
         )

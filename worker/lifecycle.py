@@ -136,7 +136,7 @@ def run_node(
             )
             phases.mark("profile")
         member.join(
-            tensor_specs=[s.to_wire() for s in specs],
+            tensor_specs=list(specs),
             schema_hash=schema_hash(specs),
             speed=speed,
             startup=phases.as_dict(),

@@ -18,6 +18,7 @@ from cluster_util import background_run, log_tails, records, run_hetps, summary,
 from hetps.proto import messages as m
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import PROTOCOL_VERSION, Op, Status
+from hetps.proto.records import read_tensor_specs
 
 pytestmark = pytest.mark.cluster
 
@@ -99,7 +100,7 @@ def test_a_peers_odd_step_records_are_refused_and_the_run_completes(run_dir):
                 m.Register(
                     role="worker",
                     rank=-1,  # the scheduler picks a free rank
-                    tensor_specs=plan["tensors"],
+                    tensor_specs=read_tensor_specs(plan["tensors"]),
                     schema_hash=plan["schema_hash"],
                     host="wire-client",
                 )

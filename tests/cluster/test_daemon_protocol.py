@@ -37,6 +37,7 @@ from hetps.proto.messages import (
     Stop,
 )
 from hetps.proto.plan import schema_hash
+from hetps.proto.records import NodeStats
 from hetps.proto.rpc import RemoteError, RpcClient
 from hetps.runconfig.load import load_config
 from hetps.runtime.membership import Membership
@@ -398,9 +399,7 @@ def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
     member = Membership(sched_addr, "worker", 0, cfg.cluster)
     closers = [member.close]
     try:
-        node_id = member.join(
-            tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs)
-        )
+        node_id = member.join(tensor_specs=specs, schema_hash=schema_hash(specs))
         plan = member.wait_plan()
         assert plan.worker_ids() == [node_id] and len(plan.shards) == 1
         daemons.alive_or_fail()
@@ -471,7 +470,9 @@ def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
                 f"scheduler, {name}: {Status(err.status).name}: {err.message}"
             )
             assert got_id == req_id, f"scheduler, {name}: reply id {got_id}"
-            ack = member.rpc.call(Heartbeat(node_id=node_id, stats={"steps": 1}), timeout_s=REPLY_S)
+            ack = member.rpc.call(
+                Heartbeat(node_id=node_id, stats=NodeStats(steps=1)), timeout_s=REPLY_S
+            )
             assert isinstance(ack, Ack) and ack.stop is False and ack.plan_id == plan.plan_id, name
         # stats that are not counts are refused at decode (records.NodeStats), naming the field
         evaluator = Membership(sched_addr, "evaluator", 0, cfg.cluster)
@@ -489,7 +490,9 @@ def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
             assert Status(err.status) == Status.MALFORMED and f"stats.{key}" in err.message, (
                 err.message
             )
-        ack = evaluator.rpc.call(Heartbeat(node_id=eval_id, stats={"evals": 1}), timeout_s=REPLY_S)
+        ack = evaluator.rpc.call(
+            Heartbeat(node_id=eval_id, stats=NodeStats(extra={"evals": 1})), timeout_s=REPLY_S
+        )
         assert isinstance(ack, Ack)
         daemons.alive_or_fail()
 

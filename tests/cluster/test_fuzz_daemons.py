@@ -52,6 +52,7 @@ from wire_fuzz import (
 from hetps.proto import messages as m
 from hetps.proto.codec import decode
 from hetps.proto.messages import PROTOCOL_VERSION, Op, Status
+from hetps.proto.records import NodeStats
 
 # Messages sent to the live daemons.
 N_SHARD = 700  # the decoder's fuzz tests send many more of each kind
@@ -261,7 +262,7 @@ def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
         schema = schema_hash(specs)
         member = Membership(sched_addr, "worker", 0, cfg.cluster)
         closers.append(member.close)
-        node_id = member.join(tensor_specs=[s.to_wire() for s in specs], schema_hash=schema)
+        node_id = member.join(tensor_specs=specs, schema_hash=schema)
         plan = member.wait_plan()
         shard_node = plan.shards[0].node_id
         shard = RpcClient(plan.shards[0].address, src=node_id, timeout_s=REPLY_S)
@@ -348,7 +349,9 @@ def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
             assert after.tensors[n].dtype == t.dtype and torch.equal(after.tensors[n], t), (
                 f"{n} changed"
             )
-        ack = member.rpc.call(m.Heartbeat(node_id=node_id, stats={"steps": 1}), timeout_s=REPLY_S)
+        ack = member.rpc.call(
+            m.Heartbeat(node_id=node_id, stats=NodeStats(steps=1)), timeout_s=REPLY_S
+        )
         assert isinstance(ack, m.Ack) and ack.stop is False and ack.plan_id == plan.plan_id
         plan_now = member.wait_plan()
         assert plan_now.plan_id == plan.plan_id and plan_now.worker_ids() == [node_id]

@@ -26,6 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import Ack, Heartbeat, Init, Params, Pull, Push, Stop
 from hetps.proto.plan import schema_hash
+from hetps.proto.records import NodeStats
 from hetps.proto.rpc import RpcClient
 from hetps.runconfig.load import load_config
 from hetps.runtime import curve_setup
@@ -124,9 +125,7 @@ def test_unknown_and_plaintext_clients_get_nothing_and_change_nothing(keys_dir, 
         specs = model_specs(model)
         member = Membership(sched, "worker", 0, cfg.cluster)
         closers.append(member.close)
-        node = member.join(
-            tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs)
-        )
+        node = member.join(tensor_specs=specs, schema_hash=schema_hash(specs))
         plan = member.wait_plan()
         shard_addr = plan.shards[0].address
         shard = RpcClient(shard_addr, src=node, timeout_s=REPLY_S)
@@ -159,7 +158,9 @@ def test_unknown_and_plaintext_clients_get_nothing_and_change_nothing(keys_dir, 
             assert isinstance(current, Params) and current.version == 0, who
             for n, t in values.items():
                 assert torch.equal(current.tensors[n], t), f"{who}: {n} changed"
-            ack = member.rpc.call(Heartbeat(node_id=node, stats={"steps": 1}), timeout_s=REPLY_S)
+            ack = member.rpc.call(
+                Heartbeat(node_id=node, stats=NodeStats(steps=1)), timeout_s=REPLY_S
+            )
             assert isinstance(ack, Ack) and ack.stop is False and ack.plan_id == plan.plan_id, who
 
         ack = shard.call(push)  # an allowed push is still served and applied

@@ -115,9 +115,7 @@ def test_the_plan_carries_the_resolved_parameters(tmp_path):
                 rank=0,
                 address="mem://ps0" if role == "ps" else "",
                 speed=1.0,
-                tensor_specs=[TensorSpec("w", "float32", (2,)).to_wire()]
-                if role == "worker"
-                else [],
+                tensor_specs=[TensorSpec("w", "float32", (2,))] if role == "worker" else [],
             )
             coord.on_register(b"peer", Envelope(msg, req_id=1, src=0))
         plan = coord.plan
@@ -141,7 +139,7 @@ def test_the_plans_parameters_survive_the_wire():
     from hetps.proto.messages import Plan
 
     plan = plan_for(["algorithm.name=ssp", "algorithm.staleness=2"])
-    received = decode(encode(Plan(plan_id=plan.plan_id, plan=plan.to_dict()))).msg.plan
+    received = decode(encode(Plan(plan_id=plan.plan_id, plan=plan))).msg.plan
     assert (
         received.algorithm_params == plan.algorithm_params
         and received.algorithm_params["staleness"] == 2

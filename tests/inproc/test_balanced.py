@@ -120,7 +120,7 @@ def coordinator(tmp_path, speeds: dict[int, float], overrides=()):
             role="worker",
             rank=rank,
             speed=speed,
-            tensor_specs=[TensorSpec("w", "float32", (2,)).to_wire()],
+            tensor_specs=[TensorSpec("w", "float32", (2,))],
         )
         coord.on_register(b"p", Envelope(msg, req_id=1, src=0))
     return coord, server
@@ -166,7 +166,6 @@ def push(h: ShardHarness, node: int, tensors: dict, n_samples: int):
             clock=0,
             base_version=0,
             n_samples=n_samples,
-            info={},
             tensors=tensors,
         )
     )

@@ -215,7 +215,7 @@ def test_restoring_a_given_version_names_damaged_newer_ones_and_refuses_a_damage
 
 # ---------------------------------------------------------------- what the scheduler makes of it
 
-SPECS = [TensorSpec("w", "float32", (2, 3)).to_wire()]
+SPECS = [TensorSpec("w", "float32", (2, 3))]
 
 
 def test_the_scheduler_records_each_damaged_checkpoint_once_in_the_failures(tmp_path):

@@ -243,9 +243,7 @@ def test_two_ranks_in_one_process_register_apart_and_both_apply_pushes(tmp_path:
     try:
         model = tiny_model()
         specs = model_specs(model)
-        member.join(
-            tensor_specs=[s.to_wire() for s in specs], schema_hash=schema_hash(specs), speed=1.0
-        )
+        member.join(tensor_specs=specs, schema_hash=schema_hash(specs), speed=1.0)
         member.start_heartbeats(dict)  # a silent worker would be declared dead on a slow machine
         plan = member.wait_plan()
         assert sorted(s.rank for s in plan.shards) == [0, 1]

@@ -9,11 +9,12 @@ import time
 from hetps.proto.codec import Envelope
 from hetps.proto.messages import Register, Report
 from hetps.proto.plan import TensorSpec
+from hetps.proto.records import NodeStats
 from hetps.proto.transport import MemServer
 from hetps.runconfig.load import load_config
 from hetps.scheduler.coordinator import Coordinator
 
-SPECS = [TensorSpec("w", "float32", (2, 3)).to_wire()]
+SPECS = [TensorSpec("w", "float32", (2, 3))]
 DEAD_AFTER_S = 0.2
 
 
@@ -276,7 +277,8 @@ def test_groups_re_form_only_once_every_worker_measured_its_speed(tmp_path):
 
         def beat(node: int, stats: dict) -> None:
             coord.on_heartbeat(
-                b"n%d" % node, Envelope(Heartbeat(node_id=node, stats=stats), req_id=3, src=node)
+                b"n%d" % node,
+                Envelope(Heartbeat(node_id=node, stats=NodeStats.read(stats)), req_id=3, src=node),
             )
 
         def beats(third: dict) -> None:

@@ -12,12 +12,13 @@ import math
 from hetps.proto.codec import Envelope
 from hetps.proto.messages import Ack, Bye, Heartbeat, Register, Report
 from hetps.proto.plan import TensorSpec
+from hetps.proto.records import NodeStats, read_step_records
 from hetps.proto.transport import MemServer
 from hetps.runconfig.load import load_config
 from hetps.scheduler import state
 from hetps.scheduler.coordinator import Coordinator
 
-SPECS = [TensorSpec("w", "float32", (2, 3)).to_wire()]
+SPECS = [TensorSpec("w", "float32", (2, 3))]
 
 
 class Cluster:
@@ -42,7 +43,11 @@ class Cluster:
     def beat(self, name: str, stats: dict | None = None, records: list[dict] = ()) -> Ack:
         """A heartbeat without a hold (answered at once), as a node's last one before BYE."""
         node = self.ids[name]
-        msg = Heartbeat(node_id=node, stats=stats or {}, records=list(records))
+        msg = Heartbeat(
+            node_id=node,
+            stats=NodeStats.read(stats or {}),
+            records=read_step_records(list(records)),
+        )
         return self.coord.on_heartbeat(name.encode(), Envelope(msg, req_id=3, src=node))
 
     def bye(self, name: str) -> None:

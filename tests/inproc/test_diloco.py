@@ -22,7 +22,6 @@ def push(h: ShardHarness, node: int, clock: int, tensors: dict, base_version: in
             clock=clock,
             base_version=base_version,
             n_samples=32,
-            info={},
             tensors=tensors,
         )
     )

@@ -24,7 +24,7 @@ def test_a_pre_encoded_message_is_the_same_bytes():
         "c": torch.arange(7),
         "m": torch.ones(2, 2),
     }
-    msg = Params(version=4, ack={}, tensors=tensors)
+    msg = Params(version=4, tensors=tensors)
     direct = encode(msg, req_id=9, src=2)
     shared = encode(msg, req_id=9, src=2, encoded=encode_tensors(tensors))
     assert [bytes(f) for f in direct] == [bytes(f) for f in shared]

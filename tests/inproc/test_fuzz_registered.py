@@ -35,7 +35,7 @@ from hetps.proto.errors import HetpsError, ProtocolError
 from hetps.proto.messages import PROTOCOL_VERSION, Op, Status
 from hetps.proto.plan import TensorSpec
 from hetps.proto.read_values import MAX_COUNT, MAX_RATE
-from hetps.proto.records import FusedAck, NodeStats, PushInfo
+from hetps.proto.records import FusedAck, NodeStats, PushInfo, read_plan, read_tensor_specs
 from hetps.proto.transport import MemClient, MemServer
 from hetps.runconfig.load import load_config
 from hetps.scheduler.coordinator import Coordinator
@@ -43,7 +43,7 @@ from hetps.scheduler.coordinator import Coordinator
 M, DTYPE = Status.MALFORMED, Status.DTYPE_NOT_ALLOWED
 # the typed counts (`waiting` and `held`, whom a shard waits for, have their own tests in test_stall_waits.py)
 COUNTS = [f.name for f in fields(NodeStats) if f.name not in ("speed", "extra", "waiting", "held")]
-SPECS = [["w", "float32", [4, 3], "param"], ["b", "float32", [3], "param"]]
+SPECS = [["w", "float32", [4, 3], "param"], ["b", "float32", [3], "param"]]  # as on the wire
 N_EXAMPLES = 300
 
 
@@ -78,7 +78,9 @@ def test_statistics_decode_into_typed_fields_and_extras():
     frames = encode(
         m.Heartbeat(
             node_id=2,
-            stats={"steps": 5, "speed": 12, "loss": float("nan"), "group_updates": {"0": 3}},
+            stats=NodeStats(
+                steps=5, speed=12, extra={"loss": float("nan"), "group_updates": {"0": 3}}
+            ),
             records=[{"step": 5, "ago": 1}],
         )
     )
@@ -179,23 +181,23 @@ def test_inconsistent_plans_are_refused_at_decode(changes):
 
 
 def test_plan_decodes_into_a_checked_cluster_plan():
-    plan = decode(encode(m.Plan(plan_id=2, plan=plan_dict()))).msg.plan
+    plan = decode(encode(m.Plan(plan_id=2, plan=read_plan(plan_dict())))).msg.plan
     assert plan.owned(0)[0] == TensorSpec("w", "float32", (4, 3)) and plan.speeds == {"1": 3.5}
 
 
 def test_push_info_and_fused_ack_are_typed_records():
     push = decode(
-        encode(m.Push(plan_id=1, clock=0, base_version=0, info={"steps": 4, "lr": 0.1}))
+        encode(m.Push(plan_id=1, clock=0, base_version=0, info=PushInfo(steps=4, lr=0.1)))
     ).msg
     assert push.info == PushInfo(steps=4, lr=0.1) and push.info.as_dict() == {"steps": 4, "lr": 0.1}
     assert (
         refused(header(Op.PUSH, 3, 1, plan_id=1, clock=0, base_version=0, info={"bogus": 1})).status
         == M
     )
-    ack = {"version": 7, "staleness": 1, "plan_id": 2, "info": {"period": 4}, "held_s": 0.25}
+    ack = FusedAck(version=7, staleness=1, plan_id=2, info={"period": 4}, held_s=0.25)
     params = decode(encode(m.Params(version=7, ack=ack))).msg
-    assert params.ack == FusedAck(7, 1, 2, {"period": 4}, 0.25)
-    assert params.ack.ack() == m.Ack(version=7, staleness=1, plan_id=2, info={"period": 4})
+    assert params.ack == ack
+    assert m.Ack.of(params.ack) == m.Ack(version=7, staleness=1, plan_id=2, info={"period": 4})
     assert decode(encode(m.Params(version=7))).msg.ack is None  # a plain pull's reply
     for bad in ({"version": "x"}, {"staleness": 1}, {"version": 1, "held_s": float("inf")}):
         assert refused(header(Op.PARAMS, 3, 1, version=7, ack=bad)).status == M
@@ -282,7 +284,13 @@ def registered_cluster(
     }
     for r, speed in enumerate((100.0, 110.0, 400.0)):
         welcome = wire.call(
-            m.Register(role="worker", rank=r, tensor_specs=SPECS, schema_hash="s", speed=speed)
+            m.Register(
+                role="worker",
+                rank=r,
+                tensor_specs=read_tensor_specs(SPECS),
+                schema_hash="s",
+                speed=speed,
+            )
         )
         assert isinstance(welcome, m.Welcome), welcome
         nodes[f"worker{r}"] = welcome.node_id
@@ -476,11 +484,19 @@ def test_registered_nodes_sending_bad_values_never_stop_the_scheduler_planning(t
         assert all(math.isfinite(s) for s in coord.plan.speeds.values())
 
         # still answering, and still planning: a fourth worker joins and gets a new plan
-        ack = wire.call(m.Heartbeat(node_id=nodes["worker0"], stats={"steps": 3, "speed": 120.0}))
+        ack = wire.call(
+            m.Heartbeat(node_id=nodes["worker0"], stats=NodeStats(steps=3, speed=120.0))
+        )
         assert isinstance(ack, m.Ack) and ack.stop is False
         before = coord.plan.plan_id
         welcome = wire.call(
-            m.Register(role="worker", rank=3, tensor_specs=SPECS, schema_hash="s", speed=90.0)
+            m.Register(
+                role="worker",
+                rank=3,
+                tensor_specs=read_tensor_specs(SPECS),
+                schema_hash="s",
+                speed=90.0,
+            )
         )
         assert isinstance(welcome, m.Welcome)
         plan = wire.call(m.GetPlan(after=before))
@@ -506,7 +522,7 @@ def test_a_failing_timer_is_logged_and_counted_and_the_others_still_run(tmp_path
         shutil.rmtree(run)
         coord.state_saved = -1e9  # a save is due
         # the step limit is passed
-        wire.call(m.Heartbeat(node_id=nodes["worker0"], stats={"steps": 60}))
+        wire.call(m.Heartbeat(node_id=nodes["worker0"], stats=NodeStats(steps=60)))
         assert coord.timer_errors == {"save_when_due": 1}
         assert [f.kind for f in coord.failures] == [
             "timer_error"
@@ -517,7 +533,7 @@ def test_a_failing_timer_is_logged_and_counted_and_the_others_still_run(tmp_path
         coord.tick()
         # counted, recorded once
         assert coord.timer_errors == {"save_when_due": 2} and len(coord.failures) == 1
-        ack = wire.call(m.Heartbeat(node_id=nodes["worker1"], stats={"steps": 1}))
+        ack = wire.call(m.Heartbeat(node_id=nodes["worker1"], stats=NodeStats(steps=1)))
         # still answering: now telling workers to stop
         assert isinstance(ack, m.Ack) and ack.stop is True
     finally:

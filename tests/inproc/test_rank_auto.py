@@ -18,7 +18,7 @@ from hetps.runtime.daemon import AUTO_RANK, common_args, rank_arg
 from hetps.runtime.membership import Membership
 from hetps.scheduler.coordinator import Coordinator
 
-SPECS = [TensorSpec("w", "float32", (2, 3)).to_wire()]
+SPECS = [TensorSpec("w", "float32", (2, 3))]
 
 
 def register(coord: Coordinator, role: str, rank: int, address: str = "") -> tuple[int, int]:

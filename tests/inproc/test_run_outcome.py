@@ -25,7 +25,7 @@ from hetps.runtime.membership import Membership
 from hetps.scheduler.coordinator import Coordinator
 from hetps.scheduler.outcome import EXIT_CODES, DivergenceGuard, run_status
 
-SPECS = [TensorSpec("w", "float32", (2, 3)).to_wire()]
+SPECS = [TensorSpec("w", "float32", (2, 3))]
 
 
 # ---------------------------------------------------------------- divergence guard

@@ -288,9 +288,7 @@ def test_the_coordinator_writes_stall_records_metrics_and_the_summary(tmp_path):
                 rank=rank,
                 address="mem://ps0" if role == "ps" else "",
                 speed=1.0,
-                tensor_specs=[TensorSpec("w", "float32", (2,)).to_wire()]
-                if role == "worker"
-                else [],
+                tensor_specs=[TensorSpec("w", "float32", (2,))] if role == "worker" else [],
             )
             ids[f"{role}{rank}"] = coord.on_register(
                 b"peer", Envelope(msg, req_id=1, src=0)
@@ -300,7 +298,11 @@ def test_the_coordinator_writes_stall_records_metrics_and_the_summary(tmp_path):
         def heartbeat(name, **stats):
             coord.on_heartbeat(
                 b"peer",
-                Envelope(Heartbeat(node_id=ids[name], stats=stats), req_id=2, src=ids[name]),
+                Envelope(
+                    Heartbeat(node_id=ids[name], stats=NodeStats.read(stats)),
+                    req_id=2,
+                    src=ids[name],
+                ),
             )
 
         heartbeat("worker0", compute_s=0.01, push_s=0.001)

@@ -18,6 +18,7 @@ from torch import nn
 
 from hetps.proto.messages import Ack, Init, Pull, Push
 from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, schema_hash
+from hetps.proto.records import PushInfo
 from hetps.proto.rpc import RequestTimeout, RpcClient
 from hetps.proto.transport import make_server
 from hetps.ps.shard import Shard
@@ -149,7 +150,7 @@ class ShardHarness:
                     plan_id=self.plan_id,
                     clock=clock,
                     base_version=base_version,
-                    info=info or {},
+                    info=PushInfo.read(info or {}),  # raises ProtocolError, as a worker's would
                     tensors=self.part(tensors, i),
                 ),
                 i,

@@ -29,7 +29,17 @@ from hetps.proto.compression import (
     payload_nbytes,
 )
 from hetps.proto.layout import PACK_BELOW, aligned
-from hetps.proto.messages import MESSAGES, PROTOCOL_VERSION, Op, Status, has_tensors, header_fields
+from hetps.proto.messages import (
+    MESSAGES,
+    PROTOCOL_VERSION,
+    Op,
+    Status,
+    has_tensors,
+    header_fields,
+    wire_type,
+)
+from hetps.proto.plan import TensorSpec
+from hetps.proto.records import NodeStats, PushInfo, read_plan
 
 # ---------------------------------------------------------------- settings
 
@@ -127,7 +137,7 @@ def sample_messages(tensors: dict, plan_id: int = 1, node_id: int = 1) -> dict[O
             role="worker",
             rank=0,
             address="tcp://127.0.0.1:1",
-            tensor_specs=[["w", "float32", [3, 4], "param"]],
+            tensor_specs=[TensorSpec("w", "float32", (3, 4), "param")],
             schema_hash="abc",
             speed=2.5,
         ),
@@ -135,17 +145,19 @@ def sample_messages(tensors: dict, plan_id: int = 1, node_id: int = 1) -> dict[O
         Op.GET_PLAN: m.GetPlan(after=plan_id),
         Op.PLAN: m.Plan(
             plan_id=plan_id,
-            plan={
-                "plan_id": plan_id,
-                "algorithm": "sync",
-                "workers": [],
-                "shards": [],
-                "tensors": [],
-                "placement": {},
-            },
+            plan=read_plan(
+                {
+                    "plan_id": plan_id,
+                    "algorithm": "sync",
+                    "workers": [],
+                    "shards": [],
+                    "tensors": [],
+                    "placement": {},
+                }
+            ),
         ),
         Op.HEARTBEAT: m.Heartbeat(
-            node_id=node_id, stats={"steps": 1}, records=[{"step": 1, "ago": 0.5}]
+            node_id=node_id, stats=NodeStats(steps=1), records=[{"step": 1, "ago": 0.5}]
         ),
         Op.INIT: m.Init(plan_id=plan_id, tensors=tensors),
         Op.PUSH: m.Push(
@@ -153,7 +165,7 @@ def sample_messages(tensors: dict, plan_id: int = 1, node_id: int = 1) -> dict[O
             clock=0,
             base_version=0,
             n_samples=4,
-            info={"steps": 1},
+            info=PushInfo(steps=1),
             tensors=tensors,
         ),
         Op.PULL: m.Pull(plan_id=plan_id, clock=-1),
@@ -163,19 +175,21 @@ def sample_messages(tensors: dict, plan_id: int = 1, node_id: int = 1) -> dict[O
         Op.STOP: m.Stop(reason="fuzz"),
         Op.ERROR: m.Error(status=int(Status.MALFORMED), message="x"),
         Op.REPORT: m.Report(node_id=node_id, kind="eval", values={"accuracy": 0.5}),
-        Op.BYE: m.Bye(node_id=node_id, stats={}),
+        Op.BYE: m.Bye(node_id=node_id, stats=NodeStats()),
         Op.FAILED: m.Failed(
             role="worker", rank=0, error="RuntimeError: x", host="h", node_id=node_id
         ),
         Op.SNAPSHOT: m.Snapshot(
-            plan={
-                "plan_id": plan_id,
-                "algorithm": "sync",
-                "workers": [],
-                "shards": [],
-                "tensors": [],
-                "placement": {},
-            },
+            plan=read_plan(
+                {
+                    "plan_id": plan_id,
+                    "algorithm": "sync",
+                    "workers": [],
+                    "shards": [],
+                    "tensors": [],
+                    "placement": {},
+                }
+            ),
             state={"d": [["version", 1], [0, {"t": "w"}]]},
             tensors=tensors,
         ),
@@ -206,7 +220,7 @@ class Template:
             "op": "int",
             "id": "int",
             "src": "int",
-            **{f.name: str(f.type) for f in header_fields(self.cls)},
+            **{f.name: wire_type(f) for f in header_fields(self.cls)},
         }
         if has_tensors(self.cls):
             # `packed`, `enc`: optional

@@ -10,6 +10,8 @@ from hetps.proto import messages as m
 from hetps.proto.codec import ProtocolError, decode, encode, error_frames
 from hetps.proto.layout import PACK_ALL_BELOW, PACK_BELOW, aligned
 from hetps.proto.messages import MESSAGES, PROTOCOL_VERSION, Op, Status
+from hetps.proto.plan import TensorSpec
+from hetps.proto.records import NodeStats, read_plan
 
 
 def sample_tensors() -> dict:
@@ -33,8 +35,8 @@ SAMPLES: dict[Op, m.Message] = {
         rank=3,
         address="tcp://10.0.0.1:5555",
         tensor_specs=[
-            ["fc.weight", "float32", [10, 20], "param"],
-            ["bn.running_mean", "float32", [20], "buffer"],
+            TensorSpec("fc.weight", "float32", (10, 20), "param"),
+            TensorSpec("bn.running_mean", "float32", (20,), "buffer"),
         ],
         schema_hash="abc123",
     ),
@@ -42,20 +44,22 @@ SAMPLES: dict[Op, m.Message] = {
     Op.GET_PLAN: m.GetPlan(after=41),
     Op.PLAN: m.Plan(
         plan_id=5,
-        plan={
-            "plan_id": 5,
-            "algorithm": "ssp",
-            "workers": [{"node_id": 2, "rank": 0, "address": ""}],
-            "shards": [{"node_id": 1, "rank": 0, "address": "tcp://h:1"}],
-            "tensors": [["a", "float32", [2, 3], "param"], ["b", "int64", [], "buffer"]],
-            "placement": {"a": 0, "b": 0},
-            "groups": [[2]],
-            "info": {"staleness": 3, "stop": False},
-        },
+        plan=read_plan(
+            {
+                "plan_id": 5,
+                "algorithm": "ssp",
+                "workers": [{"node_id": 2, "rank": 0, "address": ""}],
+                "shards": [{"node_id": 1, "rank": 0, "address": "tcp://h:1"}],
+                "tensors": [["a", "float32", [2, 3], "param"], ["b", "int64", [], "buffer"]],
+                "placement": {"a": 0, "b": 0},
+                "groups": [[2]],
+                "info": {"staleness": 3, "stop": False},
+            }
+        ),
     ),
     Op.HEARTBEAT: m.Heartbeat(
         node_id=4,
-        stats={"steps": 10, "loss": 0.5},
+        stats=NodeStats(steps=10, extra={"loss": 0.5}),
         records=[{"step": 1, "ago": 0.25}, {"step": 2, "ago": 0.0}],
     ),
     Op.INIT: m.Init(plan_id=2, tensors=sample_tensors()),
@@ -67,20 +71,22 @@ SAMPLES: dict[Op, m.Message] = {
     Op.STOP: m.Stop(reason="target accuracy reached"),
     Op.ERROR: m.Error(status=int(Status.NOT_READY), message="no INIT yet"),
     Op.REPORT: m.Report(node_id=9, kind="eval", values={"accuracy": 0.93, "loss": 0.2}),
-    Op.BYE: m.Bye(node_id=11, stats={"pushes": 100}),
+    Op.BYE: m.Bye(node_id=11, stats=NodeStats(extra={"pushes": 100})),
     Op.FAILED: m.Failed(
         role="worker", rank=3, error="ValueError: no data (at data.py:12 in load)", host="h1"
     ),
     Op.SNAPSHOT: m.Snapshot(
-        plan={
-            "plan_id": 5,
-            "algorithm": "sync",
-            "workers": [{"node_id": 2, "rank": 0, "address": ""}],
-            "shards": [{"node_id": 1, "rank": 0, "address": "tcp://h:1"}],
-            "tensors": [["a", "float32", [2, 3], "param"]],
-            "placement": {"a": 0},
-            "groups": [[2]],
-        },
+        plan=read_plan(
+            {
+                "plan_id": 5,
+                "algorithm": "sync",
+                "workers": [{"node_id": 2, "rank": 0, "address": ""}],
+                "shards": [{"node_id": 1, "rank": 0, "address": "tcp://h:1"}],
+                "tensors": [["a", "float32", [2, 3], "param"]],
+                "placement": {"a": 0},
+                "groups": [[2]],
+            }
+        ),
         state={"d": [["version", 3], [0, {"t": "w.f32"}]]},
         tensors=sample_tensors(),
     ),

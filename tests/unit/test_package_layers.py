@@ -59,9 +59,6 @@ BEYOND = "(beyond hetps)"  # what a relative import above the `hetps` package re
 # Cycles being removed by work in progress: per package, the files that may still import each
 # other round; a cycle all of whose files are listed is not reported. To be emptied.
 KNOWN_CYCLES: dict[str, set[str]] = {
-    # messages.py imports records.py (at call time), which imports messages, plan, read_values
-    # and waits, which import messages (plan, read_values) or read_values (waits).
-    "proto": {"messages.py", "records.py", "plan.py", "read_values.py", "waits.py"},
     # outcome.startup_failure imports status.ROLES at call time; status imports outcome.
     "scheduler": {"outcome.py", "status.py"},
 }

@@ -51,7 +51,7 @@ def test_status_codes_are_the_status_enum_each_with_a_meaning():
 
 
 def wire_type(field: dataclasses.Field) -> str:
-    return "tensors" if field.name == "tensors" else str(field.type)
+    return "tensors" if field.name == "tensors" else messages.wire_type(field)
 
 
 @pytest.mark.parametrize("op", list(messages.Op), ids=lambda op: op.name)

@@ -17,7 +17,7 @@ from hetps.proto.codec import decode, encode
 from hetps.proto.errors import ProtocolError
 from hetps.proto.messages import PROTOCOL_VERSION, Op, Status
 from hetps.proto.read_values import MAX_COUNT, MAX_SECONDS
-from hetps.proto.records import MAX_RECORD_AGE_S, STEP_RECORD_FIELDS
+from hetps.proto.records import MAX_RECORD_AGE_S, STEP_RECORD_FIELDS, read_step_records
 
 
 def beat(*records) -> list:
@@ -144,11 +144,14 @@ def test_ago_is_bounded_by_what_it_means():
     assert "records[0].ago" in refused({"step": 1, "ago": 1e9}).message
 
 
-def test_a_sender_cannot_make_a_heartbeat_with_a_bad_record():
+def test_a_sender_reads_its_records_as_the_scheduler_does():
+    """A node reads its step records before they leave (runtime/membership.py), with the
+    decoder's reader: a bad one is refused in the sender."""
     with pytest.raises(ProtocolError, match=r"records\[0\]\.step"):
-        m.Heartbeat(node_id=1, records=[{"ago": 0.1}])
-    good = m.Heartbeat(node_id=1, records=[{"step": 4, "ago": 0.5, "loss": 1}])
-    assert decode(encode(good, req_id=5)).msg.records == [{"step": 4, "ago": 0.5, "loss": 1.0}]
+        read_step_records([{"ago": 0.1}])
+    good = m.Heartbeat(node_id=1, records=read_step_records([{"step": 4, "ago": 0.5, "loss": 1}]))
+    assert good.records == [{"step": 4, "ago": 0.5, "loss": 1.0}]
+    assert decode(encode(good, req_id=5)).msg.records == good.records
 
 
 def test_the_protocol_docs_step_record_table_is_the_decoders():
