@@ -1,8 +1,8 @@
 # `make run`: create .venv, install, train the default experiment offline.
-# `make test`: create .venv if needed, install, run the whole suite: `ruff check` (lint), the
-# unit and inproc tiers (tests/unit, tests/inproc) on $(WORKERS) pytest-xdist processes, then the
-# cluster tier (tests/cluster: real processes) on $(WORKERS) too, then the cluster tests marked
-# `exclusive` (they compare timings or measured speeds) alone.
+# `make test`: create .venv if needed, install, run the whole suite: `ruff check` and mypy over
+# proto/ (lint), the unit and inproc tiers (tests/unit, tests/inproc) on $(WORKERS) pytest-xdist
+# processes, then the cluster tier (tests/cluster: real processes) on $(WORKERS) too, then the
+# cluster tests marked `exclusive` (they compare timings or measured speeds) alone.
 # `make format`: format the tree and apply ruff's safe fixes (imports sorted, ...).
 PYTHON ?= python3
 VENV   := .venv
@@ -31,6 +31,7 @@ run: $(VENV)/.installed-data
 test: $(VENV)/.installed-test
 	@status=0; \
 	$(VENV)/bin/ruff check --quiet . || status=1; \
+	$(VENV)/bin/mypy proto || status=1; \
 	$(PY) -m pytest -q -n $(WORKERS) -m "not cluster" $(ARGS) || [ $$? -eq 5 ] || status=1; \
 	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "cluster and not exclusive" $(ARGS) || [ $$? -eq 5 ] || status=1; \
 	$(PY) -m pytest -q -m exclusive $(ARGS) || [ $$? -eq 5 ] || status=1; \
@@ -38,6 +39,7 @@ test: $(VENV)/.installed-test
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy proto
 
 format: $(VENV)/.installed-test
 	$(VENV)/bin/ruff format .
