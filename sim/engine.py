@@ -161,8 +161,7 @@ class Simulation:
         if plan is None:
             raise RuntimeError("the coordinator made no plan from the simulated registrations")
         for rank, node_id in enumerate(shard_ids):
-            shard = Shard(SimServer(f"sim://ps{rank}"), node_id, plan, self.cfg)
-            shard.clock = self.q.clock
+            shard = Shard(SimServer(f"sim://ps{rank}"), node_id, plan, self.cfg, clock=self.q.clock)
             self.shards[node_id] = shard
             self.shard_links[node_id] = Link.of(self.shard_nodes[rank])
             self.queues[node_id] = ServiceQueue(
