@@ -58,10 +58,7 @@ BEYOND = "(beyond hetps)"  # what a relative import above the `hetps` package re
 
 # Cycles being removed by work in progress: per package, the files that may still import each
 # other round; a cycle all of whose files are listed is not reported. To be emptied.
-KNOWN_CYCLES: dict[str, set[str]] = {
-    # outcome.startup_failure imports status.ROLES at call time; status imports outcome.
-    "scheduler": {"outcome.py", "status.py"},
-}
+KNOWN_CYCLES: dict[str, set[str]] = {}
 
 
 def folder_of(module: str) -> str | None:
