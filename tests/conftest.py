@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))  # cluster_util, shar
 import pytest
 import torch
 from cluster_util import kill_leftovers, wait_for
+from shard_harness import ShardHarness, closing_factory
 
 # One intra-op thread in the test process: `make test` runs the unit and inproc tiers on two
 # pytest-xdist processes on a 2-core machine, and torch's default (one thread per core) would
@@ -67,3 +68,10 @@ def run_dir(tmp_path):
     yield path
     leftovers = kill_leftovers(str(path))
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+@pytest.fixture
+def harnesses():
+    """`harnesses(model_or_specs, overrides, workers, n_shards, algorithm, ...)`: a
+    ShardHarness (support/shard_harness.py); each one made is closed after the test."""
+    yield from closing_factory(ShardHarness)

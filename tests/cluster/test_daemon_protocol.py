@@ -20,7 +20,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from torch import nn
+from shard_harness import tiny_model
 
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import (
@@ -163,11 +163,6 @@ def header(frames: list) -> dict:
 
 def with_header(h: dict, data: list) -> list:
     return [msgpack.packb(h, use_bin_type=True), *data]
-
-
-def tiny_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
 
 
 def shard_cases(plan_id: int, node_id: int, grads: dict) -> list[tuple[str, list, Status, int]]:
@@ -394,7 +389,7 @@ def test_daemons_refuse_malformed_requests_and_keep_serving(daemons, tmp_path):
         None,
         [*CLUSTER, f"cluster.startup_timeout_s={START_S}", f"cluster.request_timeout_s={REPLY_S}"],
     )
-    model = tiny_model()
+    model = tiny_model(batchnorm=False)
     specs = model_specs(model)
     member = Membership(sched_addr, "worker", 0, cfg.cluster)
     closers = [member.close]

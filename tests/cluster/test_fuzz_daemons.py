@@ -23,13 +23,13 @@ import torch
 import zmq
 from hypothesis import given
 from hypothesis import strategies as st
+from shard_harness import tiny_model
 from test_daemon_protocol import (
     CLUSTER,
     EXIT_S,
     REPLY_S,
     START_S,
     Daemons,
-    tiny_model,
     wait_for_file,
 )
 from wire_fuzz import (
@@ -257,7 +257,7 @@ def test_live_shard_and_scheduler_survive_fuzzing(tmp_path):
                 f"cluster.request_timeout_s={REPLY_S}",
             ],
         )
-        model = tiny_model()
+        model = tiny_model(batchnorm=False)
         specs = model_specs(model)
         schema = schema_hash(specs)
         member = Membership(sched_addr, "worker", 0, cfg.cluster)

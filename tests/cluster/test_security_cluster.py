@@ -20,7 +20,7 @@ import zmq
 import zmq.auth
 from cluster_util import Daemons, log_tails, run_hetps, summary
 from security_util import CONFIG, HANDSHAKE_S, REPLY_S, SILENCE_S, curve_keys, curve_overrides
-from torch import nn
+from shard_harness import tiny_model
 from zmq.utils.monitor import recv_monitor_message
 
 from hetps.proto.codec import decode, encode
@@ -95,11 +95,6 @@ def probe(address: str, keys: Path, pair: tuple[bytes, bytes] | None, msg, src: 
         peer.close()
 
 
-def tiny_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
-
-
 @pytest.mark.cluster
 def test_unknown_and_plaintext_clients_get_nothing_and_change_nothing(keys_dir, run_dir, tmp_path):
     overrides = [
@@ -121,7 +116,7 @@ def test_unknown_and_plaintext_clients_get_nothing_and_change_nothing(keys_dir, 
         )
         cfg = load_config(CONFIG, overrides)
         curve_setup.configure(cfg, "worker", "client-0")  # this test is the one allowed worker
-        model = tiny_model()
+        model = tiny_model(batchnorm=False)
         specs = model_specs(model)
         member = Membership(sched, "worker", 0, cfg.cluster)
         closers.append(member.close)

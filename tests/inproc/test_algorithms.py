@@ -11,8 +11,7 @@ import random
 
 import pytest
 import torch
-from shard_harness import ShardHarness, closing_factory
-from torch import nn
+from shard_harness import ShardHarness, closing_factory, tiny_model
 
 from hetps.proto.errors import ProtocolError
 from hetps.proto.messages import Params, Status
@@ -30,15 +29,6 @@ PLAIN_SGD = [
     "optimizer.momentum=0",
     "optimizer.weight_decay=0",
 ]
-
-
-def tiny_model() -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2))
-    with torch.no_grad():
-        model[1].running_mean.uniform_(-1, 1)
-        model[1].num_batches_tracked.fill_(5)
-    return model
 
 
 class Cluster(ShardHarness):

@@ -18,16 +18,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from metrics_scrape import scrape, value
-from shard_harness import ShardHarness, closing_factory, grads, values_of
+from shard_harness import grads, tiny_model, values_of
 from torch import nn
 
 from hetps.proto.messages import Ack
 from hetps.ps.serving import setup_checkpoints
 from hetps.runtime import checkpoint
 from hetps.runtime.metrics import serve_metrics, stop_metrics
-from hetps.training.state import model_specs
 
 A = 11
 SUPPORT = Path(__file__).parents[1] / "support"
@@ -36,18 +34,7 @@ SUPPORT = Path(__file__).parents[1] / "support"
 def model() -> nn.Module:
     """About 40 KB of checkpoint (weights and momentum): more than a file's
     write buffer, so a full disk fails a write inside torch.save."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
-class Harness(ShardHarness):
-    def __init__(self, m: nn.Module, overrides=()):
-        super().__init__(model_specs(m), list(overrides), (A,), algorithm="async")
-
-
-@pytest.fixture
-def harnesses():
-    yield from closing_factory(Harness)
+    return tiny_model(widths=(64, 64, 10), batchnorm=False)
 
 
 @pytest.fixture
@@ -90,7 +77,12 @@ def test_a_full_disk_costs_no_update_nor_answer_and_each_error_kind_is_logged_on
     harnesses, tiny_disk, caplog
 ):
     m = model()
-    h = harnesses(m, ["checkpoint.every_updates=2", "checkpoint.keep=2", "optimizer.momentum=0.9"])
+    h = harnesses(
+        m,
+        ["checkpoint.every_updates=2", "checkpoint.keep=2", "optimizer.momentum=0.9"],
+        workers=(A,),
+        algorithm="async",
+    )
     shard = h.shards[0]
     setup_checkpoints(shard, str(tiny_disk), 0, None)
     folder = shard.checkpointer.folder
@@ -134,7 +126,7 @@ def test_write_errors_are_counted_on_the_metrics_endpoint_and_in_the_stats(harne
     """The checkpoint folder turns into a file (a disk that fails differently):
     every push is answered, and `checkpoint_errors` reaches /metrics."""
     m = model()
-    h = harnesses(m, ["checkpoint.every_updates=1"])
+    h = harnesses(m, ["checkpoint.every_updates=1"], workers=(A,), algorithm="async")
     shard = h.shards[0]
     setup_checkpoints(shard, str(tmp_path / "ckpt"), 0, None)
     h.init(values_of(m))
@@ -157,17 +149,14 @@ CHILD = textwrap.dedent(
     import json, logging, resource, signal, sys
     sys.path.insert(0, sys.argv[2])
     import torch
-    from shard_harness import ShardHarness, grads, values_of
-    from torch import nn
+    from shard_harness import ShardHarness, grads, tiny_model, values_of
     from hetps.ps.serving import setup_checkpoints
-    from hetps.training.state import model_specs
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    m = tiny_model(widths=(64, 64, 10), batchnorm=False)  # the test module's model()
     h = ShardHarness(
-        model_specs(m), ["checkpoint.every_updates=1", "optimizer.momentum=0.9"], (11,), 1, "async"
+        m, ["checkpoint.every_updates=1", "optimizer.momentum=0.9"], (11,), 1, "async"
     )
     shard = h.shards[0]
     setup_checkpoints(shard, sys.argv[1], 0, None)

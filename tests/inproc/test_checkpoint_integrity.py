@@ -14,7 +14,7 @@ import zipfile
 
 import pytest
 import torch
-from shard_harness import ShardHarness, closing_factory, grads, values_of
+from shard_harness import A, B, grads, tiny_model, values_of
 from torch import nn
 
 from hetps.proto.codec import Envelope
@@ -28,32 +28,23 @@ from hetps.runconfig.schema import ConfigError
 from hetps.runtime import checkpoint
 from hetps.runtime.membership import Membership
 from hetps.scheduler.coordinator import Coordinator
-from hetps.training.state import model_specs
 
-A, B = 11, 12
+MOMENTUM = "optimizer.momentum=0.9"  # a momentum buffer in every checkpoint
 BIG = 1e4  # what the overwritten bytes decode to: the "values near 1e4" of a served damaged file
 
 
 def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2))
-
-
-class Harness(ShardHarness):
-    def __init__(self, m: nn.Module, overrides=()):
-        super().__init__(model_specs(m), ["optimizer.momentum=0.9", *overrides], (A, B))
-
-
-@pytest.fixture
-def harnesses():
-    yield from closing_factory(Harness)
+    """A model whose "0.weight" holds the 16 floats `overwrite_tensor_bytes` replaces."""
+    return tiny_model(widths=(16, 8, 2), batchnorm=False)
 
 
 def trained_with_checkpoints(harnesses, root, rounds: int = 4):
     """A shard that wrote a checkpoint after INIT and after each of `rounds`
     sync rounds (keep=10): versions 0..rounds in its folder."""
     m = model()
-    h = harnesses(m, [f"checkpoint.dir={root}", "checkpoint.every_updates=1", "checkpoint.keep=10"])
+    h = harnesses(
+        m, [MOMENTUM, f"checkpoint.dir={root}", "checkpoint.every_updates=1", "checkpoint.keep=10"]
+    )
     setup_checkpoints(h.shards[0], str(root), 0, None)
     h.init(values_of(m))
     for clock in range(rounds):
@@ -144,7 +135,7 @@ def test_a_starting_shard_falls_back_to_its_newest_valid_checkpoint_and_reports_
     expected = checkpoint.load(checkpoint.latest(folder, 2))["tensors"]
 
     # the shard's process, started again
-    twin = harnesses(m, [f"checkpoint.dir={root}", "checkpoint.every_updates=1"])
+    twin = harnesses(m, [MOMENTUM, f"checkpoint.dir={root}", "checkpoint.every_updates=1"])
     caplog.set_level(logging.INFO, logger="hetps.ps")
     setup_checkpoints(twin.shards[0], str(root), 0, None)
     shard = twin.shards[0]
@@ -179,7 +170,7 @@ def test_with_no_valid_checkpoint_the_shard_refuses_to_start_naming_the_folder(h
     for _, path in checkpoint.checkpoints(folder):
         truncate(path)
     before = sorted(p.name for p in folder.iterdir())
-    twin = harnesses(m, [f"checkpoint.dir={root}"])
+    twin = harnesses(m, [MOMENTUM, f"checkpoint.dir={root}"])
     with pytest.raises(checkpoint.NoValidCheckpoint) as info:
         setup_checkpoints(twin.shards[0], str(root), 0, None)
     message = str(info.value)
@@ -197,7 +188,7 @@ def test_restoring_a_given_version_names_damaged_newer_ones_and_refuses_a_damage
     root = tmp_path / "ckpt"
     m, h, folder = trained_with_checkpoints(harnesses, root, rounds=3)
     truncate(checkpoint.latest(folder, 3))
-    twin = harnesses(m, [f"checkpoint.dir={root}"])
+    twin = harnesses(m, [MOMENTUM, f"checkpoint.dir={root}"])
     setup_checkpoints(twin.shards[0], str(root), 0, 1, resume=True)
     assert twin.shards[0].store.version == 1
     assert [d["file"] for d in twin.shards[0].stats()["checkpoints_damaged"]] == [
@@ -208,7 +199,7 @@ def test_restoring_a_given_version_names_damaged_newer_ones_and_refuses_a_damage
         "v000000000003.pt.damaged",
     ]
     truncate(checkpoint.latest(folder, 1))
-    third = harnesses(m, [f"checkpoint.dir={root}"])
+    third = harnesses(m, [MOMENTUM, f"checkpoint.dir={root}"])
     with pytest.raises(checkpoint.CheckpointDamaged, match="v000000000001.pt is damaged"):
         setup_checkpoints(third.shards[0], str(root), 0, 1, resume=True)
 
@@ -270,7 +261,7 @@ def test_a_shard_without_a_valid_checkpoint_fails_the_run_naming_the_folder(harn
             target=lambda: [coord.serve_once(0.02) for _ in iter(done.is_set, True)]
         )
         loop.start()  # the scheduler's loop, as in its daemon
-        twin = harnesses(m, [f"checkpoint.dir={root}"])
+        twin = harnesses(m, [MOMENTUM, f"checkpoint.dir={root}"])
         try:
             with pytest.raises(SystemExit) as exit_info:
                 with member.starting():  # as ps/serving.py wraps it

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_overlap import harnesses, make_trainers, one_thread, setup  # noqa: F401  (fixtures: one_thread autouse)
+from test_overlap import make_trainers, one_thread, setup  # noqa: F401  (one_thread: an autouse fixture)
 
 from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ConfigError

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from cluster_util import REPO
-from torch import nn
+from shard_harness import tiny_model
 
 from hetps.frontend.local_sockets import (
     UNIX_PATH_MAX,
@@ -176,11 +176,6 @@ def test_curve_and_its_allow_list_hold_over_ipc(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- two ranks, one process
 
 
-def tiny_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
 class Thread(threading.Thread):
     """A thread that keeps its target's result or exception."""
 
@@ -241,7 +236,7 @@ def test_two_ranks_in_one_process_register_apart_and_both_apply_pushes(tmp_path:
     scheduler.start()
     shards.start()
     try:
-        model = tiny_model()
+        model = tiny_model(widths=(8, 16, 4), batchnorm=False)  # no buffers: SGD moves every tensor
         specs = model_specs(model)
         member.join(tensor_specs=specs, schema_hash=schema_hash(specs), speed=1.0)
         member.start_heartbeats(dict)  # a silent worker would be declared dead on a slow machine

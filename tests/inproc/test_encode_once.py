@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shard_harness import PLAN_ID, ShardHarness, closing_factory, grads, tiny_model, values_of
-from torch import nn
+from shard_harness import PLAN_ID, A, B, grads, tiny_model, values_of
 
 import hetps.ps.store as store_module
 from hetps.proto.codec import decode, encode, encode_tensors
 from hetps.proto.messages import Params, Push
-from hetps.training.state import model_specs
-
-A, B = 11, 12
 
 
 def test_a_pre_encoded_message_is_the_same_bytes():
@@ -31,18 +27,6 @@ def test_a_pre_encoded_message_is_the_same_bytes():
     got = decode(shared).msg
     for name, t in tensors.items():
         assert torch.equal(got.tensors[name], t)
-
-
-class Harness(ShardHarness):
-    def __init__(
-        self, model: nn.Module, overrides: list[str], algorithm: str = "sync", workers=(A, B)
-    ):
-        super().__init__(model_specs(model), overrides, workers, 1, algorithm)
-
-
-@pytest.fixture
-def harnesses():
-    yield from closing_factory(Harness)
 
 
 @pytest.fixture

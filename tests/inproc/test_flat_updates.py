@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from shard_harness import ShardHarness, closing_factory, values_of
+from shard_harness import values_of
 
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import Push
@@ -286,11 +286,6 @@ def test_direct_sgd_steps_are_bit_equal_to_torch_optim(case):
         for key, value in entry.items():
             assert torch.equal(mine["state"][i][key], value), (i, key)
     assert direct.updates == reference.updates == STEPS
-
-
-@pytest.fixture
-def harnesses():
-    yield from closing_factory(ShardHarness)
 
 
 @pytest.mark.parametrize(

@@ -12,14 +12,13 @@ import pytest
 import torch
 from shard_harness import (
     PLAN_ID,
-    ShardHarness,
-    closing_factory,
+    A,
+    B,
     grads,
     not_answered,
     tiny_model,
     values_of,
 )
-from torch import nn
 
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import Ack, Params, Pull, Push
@@ -30,20 +29,6 @@ from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ClusterConfig
 from hetps.training.state import model_specs
 from hetps.worker.client import PSClient
-
-A, B = 11, 12
-
-
-class Harness(ShardHarness):
-    def __init__(
-        self, model: nn.Module, overrides: list[str], algorithm: str = "sync", workers=(A, B)
-    ):
-        super().__init__(model_specs(model), overrides, workers, 1, algorithm)
-
-
-@pytest.fixture
-def harnesses():
-    yield from closing_factory(Harness)
 
 
 def fused(clock: int, tensors: dict, base_version: int = 0) -> Push:
@@ -77,7 +62,7 @@ def test_fused_and_separate_push_pull_give_the_same_values(harnesses, algorithm)
     model = tiny_model()
     runs = []
     for fuse in (True, False):
-        h = harnesses(model, ["optimizer.momentum=0.9"], algorithm)
+        h = harnesses(model, ["optimizer.momentum=0.9"], algorithm=algorithm)
         h.init(values_of(model))
         replies = []
         for clock in range(3):
@@ -110,7 +95,7 @@ def test_fused_and_separate_push_pull_give_the_same_values(harnesses, algorithm)
 
 def test_a_resent_fused_push_is_applied_once_and_answered_with_values(harnesses):
     model = tiny_model()
-    h = harnesses(model, [], "async", workers=(A,))
+    h = harnesses(model, [], workers=(A,), algorithm="async")
     h.init(values_of(model))
     client = h.client(A)
     frames = encode(fused(0, grads(model, 1)), 778, A)
@@ -147,7 +132,7 @@ def test_a_resent_parked_fused_push_is_answered_once_and_keeps_its_wait(harnesse
 
 def test_a_refused_fused_push_gets_an_error_and_no_values(harnesses):
     model = tiny_model()
-    h = harnesses(model, [], "async", workers=(A,))
+    h = harnesses(model, [], workers=(A,), algorithm="async")
     h.init(values_of(model))
     bad = grads(model, 1)
     bad["0.weight"][0, 0] = float("nan")

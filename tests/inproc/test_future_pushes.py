@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 from shard_harness import (
     PLAN_ID,
-    ShardHarness,
-    closing_factory,
     grads,
     not_answered,
     tiny_model,
@@ -27,14 +24,9 @@ from hetps.training.state import model_specs
 A, B = 11, 12
 
 
-@pytest.fixture
-def harness():
-    yield from closing_factory(ShardHarness)
-
-
-def sync_shard(harness):
+def sync_shard(harnesses):
     model = tiny_model()
-    h = harness(model_specs(model), ["optimizer.momentum=0"], workers=[A, B])
+    h = harnesses(model_specs(model), ["optimizer.momentum=0"], workers=[A, B])
     shard = h.shards[0]
     shard.park_future_pushes = True  # as the daemon sets it
     values = values_of(model)
@@ -42,8 +34,8 @@ def sync_shard(harness):
     return h, shard, values, grads(model, seed=1)
 
 
-def test_a_push_of_a_newer_plan_waits_for_it_and_joins_its_round(harness):
-    h, shard, values, g = sync_shard(harness)
+def test_a_push_of_a_newer_plan_waits_for_it_and_joins_its_round(harnesses):
+    h, shard, values, g = sync_shard(harnesses)
     client = h.client(A)
     push = Push(plan_id=PLAN_ID + 1, clock=0, base_version=0, tensors=g)
     req = client.send(push)
@@ -65,8 +57,8 @@ def test_a_push_of_a_newer_plan_waits_for_it_and_joins_its_round(harness):
     assert shard.future_pushes.parked == [] and shard.stats()["pushes_awaiting_plan"] == 1
 
 
-def test_a_push_whose_plan_never_comes_is_taken_under_the_plan_the_shard_has(harness):
-    h, shard, values, g = sync_shard(harness)
+def test_a_push_whose_plan_never_comes_is_taken_under_the_plan_the_shard_has(harnesses):
+    h, shard, values, g = sync_shard(harnesses)
     client = h.client(A)
     req = client.send(Push(plan_id=PLAN_ID + 1000, clock=0, base_version=0, tensors=g))
     h.serve()

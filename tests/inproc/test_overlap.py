@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 from cluster_util import wait_for
-from shard_harness import SHARD_IDS, ShardHarness, closing_factory
+from shard_harness import SHARD_IDS, ShardHarness
 
 from hetps.proto.plan import NodeEntry, chunk_specs
 from hetps.proto.rpc import Aborted, RequestTimeout
@@ -58,11 +58,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture
-def harnesses():
-    yield from closing_factory(ShardHarness)
 
 
 class StandInMember:

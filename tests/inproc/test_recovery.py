@@ -14,8 +14,9 @@ import pytest
 import torch
 from shard_harness import (
     PLAN_ID,
+    A,
+    B,
     ShardHarness,
-    closing_factory,
     grads,
     make_plan,
     tiny_model,
@@ -33,20 +34,8 @@ from hetps.runtime.emulation import wire_faults
 from hetps.training.state import model_specs, model_tensors
 from hetps.worker.client import PSClient
 
-A, B = 11, 12
 
-
-class Harness(ShardHarness):
-    def __init__(self, model, overrides=(), algorithm="sync", workers=(A, B), n_shards=1):
-        super().__init__(model_specs(model), list(overrides), workers, n_shards, algorithm)
-
-
-@pytest.fixture
-def harnesses():
-    yield from closing_factory(Harness)
-
-
-def sync_round(h: Harness, model, clock: int) -> None:
+def sync_round(h: ShardHarness, model, clock: int) -> None:
     for node in (A, B):
         h.push(node, clock, grads(model, 10 * clock + node))
 
@@ -93,9 +82,9 @@ def test_not_a_checkpoint_is_refused(tmp_path):
 
 
 def restored_twin(
-    h: Harness, model, state: dict, overrides=(), algorithm="sync", new_workers=False
+    h: ShardHarness, model, state: dict, overrides=(), algorithm="sync", new_workers=False
 ):
-    twin = Harness(model, overrides, algorithm)
+    twin = ShardHarness(model, overrides, algorithm=algorithm)
     twin.shards[0].restore(state, new_workers=new_workers)
     return twin
 
@@ -134,7 +123,7 @@ def test_every_policy_serves_workers_that_are_ahead_of_its_restored_checkpoint(
     carry on from where they are. Their next round must close and their pulls
     must be answered (no round waits for pushes the shard lost)."""
     model = tiny_model()
-    h = harnesses(model, [], algorithm)
+    h = harnesses(model, [], algorithm=algorithm)
     h.init(values_of(model))
     path, base = tmp_path / "ckpt.pt", 0
     for clock in range(6):
@@ -206,7 +195,7 @@ def test_resumed_shard_keeps_values_but_starts_worker_clocks_afresh(harnesses, t
 
 def test_a_resent_push_is_applied_once_and_answered_like_the_first(harnesses):
     model = tiny_model()
-    h = harnesses(model, [], "async", workers=(A,))
+    h = harnesses(model, [], workers=(A,), algorithm="async")
     h.init(values_of(model))
     client = h.client(A)
     push = Push(plan_id=PLAN_ID, clock=0, base_version=0, tensors=grads(model, 1))
@@ -242,7 +231,7 @@ def test_retries_with_dropped_messages_complete_every_request(harnesses):
     import threading
 
     model = tiny_model()
-    h = harnesses(model, [], "async", workers=(A,))
+    h = harnesses(model, [], workers=(A,), algorithm="async")
     h.init(values_of(model))
     cfg = load_config(None, ["cluster.faults.drop=0.5"])
     client = RpcClient(
@@ -345,8 +334,8 @@ def test_nonfinite_clip_replaces_nan_and_inf(harnesses):
     h = harnesses(
         model,
         ["cluster.nonfinite=clip", "cluster.clip_value=0.5", "optimizer.momentum=0"],
-        "async",
         workers=(A,),
+        algorithm="async",
     )
     h.init(values_of(model))
     before = h.values()
@@ -398,7 +387,7 @@ def test_a_resent_request_carries_its_own_copy_of_the_sender_memory(harnesses):
     once a request is re-sent, a copy of it may still be queued after the
     first reply, when the next backward rewrites that buffer: so a re-send
     carries frames of its own, equal to what was first sent."""
-    h = harnesses(tiny_model(), [], "async", workers=(A,))
+    h = harnesses(tiny_model(), [], workers=(A,), algorithm="async")
     flat = torch.arange(6, dtype=torch.float32)  # two tensors back to back in the pack layout
     views = {"w": flat[:4].view(2, 2), "b": flat[4:]}
     client = RpcClient(h.addresses[0], src=A, timeout_s=5.0, retry_s=0.01)

@@ -14,48 +14,17 @@ import math
 
 import pytest
 import torch
-from shard_harness import PLAN_ID, ShardHarness, closing_factory, not_answered
+from shard_harness import PLAN_ID, A, B, ShardHarness, not_answered, tiny_model
 from torch import nn
 
 from hetps.proto.messages import Ack, Init, Params, Pull, Push, Register, Status
 from hetps.proto.rpc import RemoteError
-from hetps.training.state import model_specs, model_tensors
+from hetps.training.state import model_tensors
 
-A, B = 11, 12  # worker node ids
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------- fixtures and helpers
-
-
-def tiny_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2))
-    with torch.no_grad():  # non-trivial buffers so that "unchanged" and "mean" mean something
-        model[1].running_mean.uniform_(-1, 1)
-        model[1].running_var.uniform_(0.5, 2)
-        model[1].num_batches_tracked.fill_(5)
-    return model
-
-
-class Harness(ShardHarness):
-    """The shards of a plan over `model`'s tensors, workers A and B by default."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        overrides: list[str],
-        n_shards: int = 1,
-        algorithm: str = "sync",
-        workers=(A, B),
-    ):
-        super().__init__(model_specs(model), overrides, workers, n_shards, algorithm)
-        self.model = model
-
-
-@pytest.fixture
-def harnesses():
-    yield from closing_factory(Harness)
 
 
 def init_values(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -299,13 +268,13 @@ def test_async_applies_every_push_and_never_parks(harnesses):
 # ---------------------------------------------------------------- refusals
 
 
-def refused(h: Harness, node: int, msg, status: Status) -> None:
+def refused(h: ShardHarness, node: int, msg, status: Status) -> None:
     with pytest.raises(RemoteError) as info:
         h.call(node, msg)
     assert info.value.status == status, info.value
 
 
-def good_pull(h: Harness, node: int = A) -> Params:
+def good_pull(h: ShardHarness, node: int = A) -> Params:
     reply = h.call(node, Pull(plan_id=PLAN_ID, clock=-1))
     assert isinstance(reply, Params)
     return reply
@@ -412,7 +381,7 @@ def test_sync_buffer_mean_counts_only_the_pushes_that_carried_it(harnesses):
 # ---------------------------------------------------------------- learning-rate schedule
 
 
-def run_rounds(h: Harness, model: nn.Module, k: int) -> list[tuple[float, dict, dict]]:
+def run_rounds(h: ShardHarness, model: nn.Module, k: int) -> list[tuple[float, dict, dict]]:
     """k single-worker updates; per update: (lr reported before it, values before, grad)."""
     out = []
     for clock in range(k):
@@ -434,7 +403,7 @@ def plain_sgd(lr: float) -> list[str]:
     ]
 
 
-def check_steps(h: Harness, steps, expected_lrs) -> None:
+def check_steps(h: ShardHarness, steps, expected_lrs) -> None:
     values = [s[1] for s in steps[1:]] + [h.values()]
     for (lr, before, g), after, want in zip(steps, values, expected_lrs):
         assert lr == pytest.approx(want, rel=1e-12)

@@ -6,6 +6,9 @@ transports and talks to them with RpcClients, one per (worker node id, shard).
 A request is `send`, then the harness runs `serve_once` on every shard until
 its inbox is empty, then the client `wait`s; a reply that must NOT have come
 yet (a parked pull) is checked with a short `wait` that times out.
+
+`tiny_model` is the small torch model every tier's tests use; the `harnesses`
+fixture (tests/conftest.py) makes ShardHarnesses and closes them after the test.
 """
 
 from __future__ import annotations
@@ -24,16 +27,35 @@ from hetps.proto.transport import make_server
 from hetps.ps.shard import Shard
 from hetps.runconfig.load import load_config
 from hetps.scheduler.placement import place
-from hetps.training.state import model_tensors
+from hetps.training.state import model_specs, model_tensors
 
 SHARD_IDS = (21, 22)  # shard node ids
 PLAN_ID = 3
+A, B = 11, 12  # the node ids of a harness's workers by default
 
 
-def tiny_model() -> nn.Module:
-    """A model with parameters and BatchNorm buffers (float and integer), seeded."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.ReLU(), nn.Linear(3, 2))
+def tiny_model(
+    seed: int = 0, widths: Sequence[int] = (4, 3, 2), batchnorm: bool = True
+) -> nn.Module:
+    """Linear layers of `widths` with ReLUs between them, initialised from torch's global
+    generator seeded with `seed`. With `batchnorm`, a BatchNorm1d after each hidden Linear
+    gives the model float and integer buffers, set away from their defaults (running mean
+    and variance drawn, 5 batches tracked) so that "unchanged" and "mean" mean something."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for n_in, n_out in zip(widths[:-2], widths[1:-1]):
+        layers += [
+            nn.Linear(n_in, n_out),
+            *([nn.BatchNorm1d(n_out)] if batchnorm else []),
+            nn.ReLU(),
+        ]
+    model = nn.Sequential(*layers, nn.Linear(widths[-2], widths[-1]))
+    with torch.no_grad():
+        for bn in (m for m in model if isinstance(m, nn.BatchNorm1d)):
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+            bn.num_batches_tracked.fill_(5)
+    return model
 
 
 def values_of(model: nn.Module) -> dict:
@@ -82,19 +104,21 @@ def not_answered(client: RpcClient, req: int, timeout_s: float = 0.05) -> bool:
 
 
 class ShardHarness:
-    """Shards of one plan on mem:// transports, and one RpcClient per (worker, shard)."""
+    """Shards of one plan on mem:// transports, and one RpcClient per (worker, shard).
+    `tensors`: the plan's tensor specs, or a model whose tensors they are."""
 
     def __init__(
         self,
-        specs: list[TensorSpec],
-        overrides: list[str],
-        workers: Sequence[int],
+        tensors: nn.Module | list[TensorSpec],
+        overrides: Sequence[str] = (),
+        workers: Sequence[int] = (A, B),
         n_shards: int = 1,
         algorithm: str = "sync",
         plan_id: int = PLAN_ID,
         groups: Sequence[Sequence[int]] = (),
     ):
         self.cfg = load_config(None, [f"algorithm.name={algorithm}", *overrides])
+        specs = model_specs(tensors) if isinstance(tensors, nn.Module) else tensors
         self.plan = make_plan(specs, workers, n_shards, algorithm, plan_id, groups)
         self.plan_id = plan_id
         self.addresses = [f"mem://test-shard-{uuid.uuid4().hex[:12]}" for _ in range(n_shards)]
