@@ -11,6 +11,7 @@ import dataclasses
 import torch
 from shard_harness import (
     PLAN_ID,
+    SHARD_IDS,
     grads,
     not_answered,
     tiny_model,
@@ -19,6 +20,8 @@ from shard_harness import (
 
 from hetps.proto.codec import encode
 from hetps.proto.messages import Ack, Push
+from hetps.proto.transport import MemServer
+from hetps.ps.shard import Shard
 from hetps.training.state import model_specs
 
 A, B = 11, 12
@@ -27,8 +30,16 @@ A, B = 11, 12
 def sync_shard(harnesses):
     model = tiny_model()
     h = harnesses(model_specs(model), ["optimizer.momentum=0"], workers=[A, B])
-    shard = h.shards[0]
-    shard.park_future_pushes = True  # as the daemon sets it
+    # as the daemon makes it: a push of a plan not adopted yet waits for that plan
+    old = h.shards[0]
+    shard = h.shards[0] = Shard(
+        MemServer(h.addresses[0], take_over=True),
+        SHARD_IDS[0],
+        h.plan,
+        h.cfg,
+        park_future_pushes=True,
+    )
+    old.server.close()
     values = values_of(model)
     h.init(values)
     return h, shard, values, grads(model, seed=1)

@@ -117,7 +117,7 @@ def setup(make, overrides: list[str], n_shards: int, chunk_bytes: int = 0):
         shards=[NodeEntry(SHARD_IDS[i], i, a) for i, a in enumerate(harness.addresses)],
     )
     for shard in harness.shards:
-        shard.plan = plan
+        shard.adopt(plan)
     return cfg, data, harness, plan
 
 
