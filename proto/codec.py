@@ -59,6 +59,7 @@ from .messages import (
 )
 from .pack_templates import packed_fields_and_frame
 from .runs import flat_runs
+from .tensors import Tensors
 
 if TYPE_CHECKING:
     import torch
@@ -391,9 +392,10 @@ def check_catalog(specs: Sequence[Spec], catalog: TensorCatalog, req_id: int = 0
 
 def _decode_tensors(
     header: dict, frames: Sequence, catalog: TensorCatalog | None, max_bytes: int, req_id: int
-) -> dict[str, torch.Tensor]:
+) -> Tensors:
     """Field types, then specs, then encodings, then frame layout and lengths, then the catalog;
-    only then are tensors made (views of the frames, or decompressed)."""
+    only then are tensors made (views of the frames, or decompressed). A layout seen before in
+    one pack frame gives its runs with the tensors (known_layouts.py); others none."""
     for key in ("tensors", "enc", "packed"):  # field types first, like every header field
         if not isinstance(header.get(key, []), list):
             raise ProtocolError(Status.MALFORMED, f"field {key!r} must be a list", req_id)
@@ -408,14 +410,17 @@ def _decode_tensors(
     if catalog is not None:
         check_catalog(specs, catalog, req_id)
     in_pack = _pack_views(frames, specs, sizes, header.get("packed", []), encodings)
-    return {
-        s.name: in_pack[i]
-        if i in in_pack
-        else _dense_view(s, p)
-        if i not in encodings
-        else decompress(*encodings[i], s.dtype, s.shape, p, s.name, req_id)
+    return Tensors(
+        (
+            s.name,
+            in_pack[i]
+            if i in in_pack
+            else _dense_view(s, p)
+            if i not in encodings
+            else decompress(*encodings[i], s.dtype, s.shape, p, s.name, req_id),
+        )
         for i, (s, p) in enumerate(zip(specs, payloads))
-    }
+    )
 
 
 def _checked_layout(

@@ -17,15 +17,19 @@ threads decode at once); at most MAX_LAYOUTS are kept, then all are dropped.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, MutableMapping
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import msgpack
 
 from .layout import aligned, byte_view
 from .lazy import lazy_module
+from .tensors import Run, RunSpec, Tensors
 
-torch = lazy_module("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 # a process sees one layout per peer and message kind; a flood of others just re-checks
 MAX_LAYOUTS = 256
@@ -59,8 +63,8 @@ class CheckedLayout:
     knows each tensor's place in the frame and the flat runs (runs.py) of
     the floating-point tensors, so a message is turned into views with no
     per-spec work. Not to be changed once made: every message of the layout
-    shares its runs' name lists (so a round sum knows a push of the same
-    layout by identity, ps/round_sums.py)."""
+    shares its runs' specs (`run_layout`: a round's sum compares them with
+    its own, ps/round_sums.py)."""
 
     def __init__(self, specs: list[Spec], sizes: list[int], packed: list[int]):
         self.specs, self.sizes, self.packed = specs, sizes, packed
@@ -69,7 +73,9 @@ class CheckedLayout:
         self.pack_nbytes = sum(aligned(sizes[i]) for i in packed)
         self.views: list[PackedView] | None = None
         self.named: dict[str, PackedView] | None = None  # the views by name
-        self.runs: list[tuple[torch.dtype, int, int, list[str]]] = []
+        # each run as (dtype, start and length in entries of that dtype, names)
+        self.runs: tuple[tuple[torch.dtype, int, int, tuple[str, ...]], ...] = ()
+        self.run_layout: tuple[RunSpec, ...] = ()
         if packed and len(packed) == len(specs) and self.pack_nbytes:
             self._place()
         elif len(specs) == 1 and not packed and specs[0].numel:
@@ -80,6 +86,7 @@ class CheckedLayout:
     def _place(self) -> None:
         """Each tensor's view of the pack frame, and the runs flat_runs would find in them."""
         views, offset = [], 0
+        runs: list[tuple[torch.dtype, int, int, list[str]]] = []
         last = None  # (dtype, end in bytes) of the last non-empty floating tensor
         for s, nbytes in zip(self.specs, self.sizes):
             views.append(
@@ -94,20 +101,26 @@ class CheckedLayout:
             )
             if s.numel and s.dtype.is_floating_point:
                 if last is not None and last == (s.dtype, offset):
-                    dtype, start, _, names = self.runs[-1]
+                    dtype, start, _, names = runs[-1]
                     names.append(s.name)
-                    self.runs[-1] = (
+                    runs[-1] = (
                         dtype,
                         start,
                         (offset + nbytes - start * dtype.itemsize) // dtype.itemsize,
                         names,
                     )
                 else:
-                    self.runs.append((s.dtype, offset // s.dtype.itemsize, s.numel, [s.name]))
+                    runs.append((s.dtype, offset // s.dtype.itemsize, s.numel, [s.name]))
                 last = (s.dtype, offset + aligned(nbytes))
             offset += aligned(nbytes)
         self.views = views
         self.named = {v.name: v for v in views}
+        self.runs = tuple(
+            (dtype, start, count, tuple(names)) for dtype, start, count, names in runs
+        )
+        self.run_layout = tuple(
+            RunSpec(dtype, count, names) for dtype, _, count, names in self.runs
+        )
 
     def fits(self, frames: Sequence) -> bool:
         """Whether `frames` (after the header) are the one frame of the right length (the pack
@@ -122,30 +135,33 @@ class CheckedLayout:
         """Read-only views of a pack frame that `fits`, with their flat runs
         (each run one 1-D tensor over the frame; the tensors' views are made
         when first read)."""
-        out = FrameTensors(self.named, byte_view(frame))
-        # over the whole frame: the optimizer may read a run on into its padding (ps/updater.py)
-        out.runs = [
-            (out.as_dtype(dtype).as_strided((count,), (1,), start), names)
-            for dtype, start, count, names in self.runs
-        ]
-        return out
+        return FrameTensors(self, byte_view(frame))
 
 
-class FrameTensors(MutableMapping):
+class FrameTensors(Tensors):
     """The tensors of one pack frame by name, in the layout's order, each a
     view of the frame made when it is first read: a shard that checks and
-    sums a push run by run (its `runs`, set by `CheckedLayout.tensors`)
-    never makes them. Like RunTensors, any change forgets the runs (and
-    makes every view first, so the order stays the layout's)."""
+    sums a push run by run (its `runs`) never makes them."""
 
-    __slots__ = ("_layout", "_buf", "_typed", "_made", "runs")
+    __slots__ = ("_views", "_buf", "_typed", "_whole")
 
-    def __init__(self, layout: dict[str, PackedView] | None, buf: memoryview):
-        self._layout = layout  # None once every view is made (`_made` is then the whole mapping)
-        self._buf = buf
-        self._typed: dict = {}  # dtype -> the whole frame as that dtype (a multiple of ALIGN long)
-        self._made: dict[str, torch.Tensor] = {}
-        self.runs: Any = None
+    _views: dict[str, PackedView]
+    _buf: memoryview
+    _typed: dict[torch.dtype, torch.Tensor]
+    _whole: dict[str, torch.Tensor] | None  # every view, in order, once all were asked for
+
+    def __init__(self, layout: CheckedLayout, buf: memoryview):
+        assert layout.named is not None  # a layout that `fits`
+        object.__setattr__(self, "_views", layout.named)
+        object.__setattr__(self, "_buf", buf)
+        object.__setattr__(self, "_typed", {})  # dtype -> the whole frame as that dtype
+        object.__setattr__(self, "_whole", None)
+        # over the whole frame: the optimizer may read a run on into its padding (ps/updater.py)
+        runs = tuple(
+            Run(self.as_dtype(dtype).as_strided((count,), (1,), start), names)
+            for dtype, start, count, names in layout.runs
+        )
+        self._set({}, runs, layout.run_layout)  # `_tensors`: the views made so far
 
     def as_dtype(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole frame as a 1-D tensor of `dtype` (its length is a multiple of ALIGN)."""
@@ -154,47 +170,34 @@ class FrameTensors(MutableMapping):
             typed = self._typed[dtype] = torch.frombuffer(self._buf, dtype=dtype)
         return typed
 
-    def _view(self, v: PackedView) -> torch.Tensor:
-        if not v.numel:
-            return torch.empty(v.shape, dtype=v.dtype)
-        return self.as_dtype(v.dtype).as_strided(v.shape, v.strides, v.offset)
-
-    def _all(self) -> dict[str, torch.Tensor]:
-        if self._layout is not None:
-            made = self._made
-            self._made = {
-                n: made[n] if n in made else self._view(v) for n, v in self._layout.items()
-            }
-            self._layout = None
-        return self._made
-
     def __getitem__(self, name: str) -> torch.Tensor:
-        if self._layout is None:
-            return self._made[name]
-        t = self._made.get(name)
+        t = self._tensors.get(name)
         if t is None:
-            t = self._made[name] = self._view(self._layout[name])
+            v = self._views[name]
+            t = self._tensors[name] = (
+                self.as_dtype(v.dtype).as_strided(v.shape, v.strides, v.offset)
+                if v.numel
+                else torch.empty(v.shape, dtype=v.dtype)
+            )
         return t
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._made if self._layout is None else self._layout)
+        return iter(self._views)
 
     def __len__(self) -> int:
-        return len(self._made if self._layout is None else self._layout)
+        return len(self._views)
 
     def __contains__(self, name: object) -> bool:
-        return name in (self._made if self._layout is None else self._layout)
+        return name in self._views
 
-    def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        self.runs = None
-        self._all()[name] = value
-
-    def __delitem__(self, name: str) -> None:
-        self.runs = None
-        del self._all()[name]
-
-    def __repr__(self) -> str:
-        return f"FrameTensors({list(self)})"
+    def _all(self) -> dict[str, torch.Tensor]:
+        whole = self._whole
+        if whole is None:
+            whole = {
+                n: self[n] for n in self._views
+            }  # in the layout's order, whatever was read first
+            object.__setattr__(self, "_whole", whole)
+        return whole
 
 
 _known: dict[tuple, CheckedLayout] = {}

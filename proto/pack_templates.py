@@ -14,13 +14,16 @@ all are dropped.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from . import dtypes as _dt
 from .layout import aligned, choose_packed
 from .lazy import lazy_module
 
-torch = lazy_module("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 MAX_TEMPLATES = 64  # one per shard a worker pushes to, and per message kind
 
@@ -91,18 +94,20 @@ def packed_fields_and_frame(tensors: Mapping, pack_below: int) -> tuple[dict, me
     if pack_below <= 0 or len(tensors) < 2:
         return None
     values = list(tensors.values())
-    key = []
+    specs = []
     for name, t in zip(tensors, values):
         if type(t) is not torch.Tensor:  # Compressed payloads, subclasses: the general way
             return None
-        key.append((name, t.dtype, t.shape))
-    key = tuple(key)
-    template = _templates.get(key, _UNSEEN)  # one read: another thread may clear the dict meanwhile
-    if template is _UNSEEN:
+        specs.append((name, t.dtype, t.shape))
+    key = tuple(specs)
+    found = _templates.get(key, _UNSEEN)  # one read: another thread may clear the dict meanwhile
+    if found is _UNSEEN:
         template = _template(key, pack_below)
         if len(_templates) >= MAX_TEMPLATES:
             _templates.clear()
         _templates[key] = template
+    else:
+        template = found if isinstance(found, PackTemplate) else None
     if template is None:
         return None
     try:

@@ -4,65 +4,32 @@ A decoded pack frame (layout.py) or a shard's arena holds its tensors at
 aligned offsets one after the other; tensors of one dtype that follow each
 other there can be checked or updated as one 1-D tensor over that memory
 (the padding between them included), one kernel instead of one per tensor.
+Whoever lays tensors out says so with a Tensors value (tensors.py) that
+carries its runs; `flat_runs` finds them in any other mapping's memory.
 Read-only: nothing here writes or copies a tensor.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from .layout import aligned
+from .tensors import Run, Tensors
 
 if TYPE_CHECKING:
     import torch
 
 
-class RunTensors(dict):
-    """Tensors by name that may know their flat runs already (`runs`, set by
-    whoever laid them out: a round's sum, a worker's merged pull replies; a
-    decoded pack frame is a FrameTensors, known_layouts.py). Any change to
-    the dict forgets them, so they never describe other tensors."""
-
-    runs: Any = None
-
-    def __setitem__(self, key, value):
-        self.runs = None
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key):
-        self.runs = None
-        super().__delitem__(key)
-
-    def __ior__(self, other):
-        self.runs = None
-        return super().__ior__(other)
-
-
-def _forgetting(name: str):
-    method = getattr(dict, name)
-
-    def changed(self, *args, **kwargs):
-        self.runs = None
-        return method(self, *args, **kwargs)
-
-    changed.__name__ = name
-    return changed
-
-
-for _name in ("pop", "popitem", "clear", "update", "setdefault"):
-    setattr(RunTensors, _name, _forgetting(_name))
-
-
-def flat_runs(tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, list[str]]]:
-    """The non-empty floating-point tensors grouped into runs: consecutive
-    (in order) contiguous tensors of one dtype in one storage, each starting
-    at the previous one's aligned end (layout.py). Each run as one 1-D tensor
-    over that memory (padding included), with its tensors' names."""
-    known = getattr(tensors, "runs", None)
-    if known is not None:
-        return known
-    runs: list[tuple[torch.Tensor, list[str]]] = []
-    first = last = None
+def flat_runs(tensors: Mapping[str, torch.Tensor]) -> tuple[Run, ...]:
+    """The runs of `tensors`: those a Tensors value knows (tensors.py), else
+    its non-empty floating-point tensors grouped into runs as they lie in
+    memory: consecutive (in order) contiguous tensors of one dtype in one
+    storage, each starting at the previous one's aligned end (layout.py)."""
+    if isinstance(tensors, Tensors) and tensors.runs:
+        return tensors.runs
+    runs: list[Run] = []
+    first: torch.Tensor | None = None
+    last: torch.Tensor | None = None
     names: list[str] = []
     for name, t in tensors.items():
         if not (t.is_floating_point() and t.numel()):
@@ -77,13 +44,13 @@ def flat_runs(tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, l
         ):
             names.append(name)
         else:
-            if first is not None:
-                runs.append((_span(first, last), names))
+            if first is not None and last is not None:
+                runs.append(Run(_span(first, last), tuple(names)))
             first, names = t, [name]
         last = t
-    if first is not None:
-        runs.append((_span(first, last), names))
-    return runs
+    if first is not None and last is not None:
+        runs.append(Run(_span(first, last), tuple(names)))
+    return tuple(runs)
 
 
 def _span(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from hetps.proto.tensors import Tensors
+
 STATE_CLASSES: dict[str, type] = {}
 _TAG = "__state__"
 _RANDOM = "__random_state__"
@@ -28,7 +30,7 @@ def to_plain(value: Any) -> Any:
         return {_RANDOM: value.getstate()}
     if STATE_CLASSES.get(type(value).__name__) is type(value):
         return {_TAG: type(value).__name__, "vars": to_plain(vars(value))}
-    if isinstance(value, dict):
+    if isinstance(value, (dict, Tensors)):  # a round's sum is a Tensors: stored as a plain dict
         return {k: to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set)):
         return type(value)(to_plain(v) for v in value)

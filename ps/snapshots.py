@@ -23,16 +23,19 @@ do the same. Not thread-safe: the shard's loop owns it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
+
+from hetps.proto.codec import EncodedTensors
+from hetps.proto.tensors import Tensors
 
 KEEP = 2  # older memory remembered for reuse; more is left to the garbage collector
 
 
 @dataclass
 class _Lend:
-    aliases: dict[str, torch.Tensor]  # views of one generation of the live memory
+    aliases: Tensors  # views of one generation of the live memory
     untracked: int = 0  # handed out, no tracker heard of yet
     trackers: list = field(default_factory=list)
     memory: torch.Tensor | None = None  # the arena memory they view, if any
@@ -54,18 +57,25 @@ class Snapshots:
         self.moves = 0  # settles that had to copy the live tensors
         self.reused = 0  # of which into older memory
 
-    def lend(self, live: Mapping[str, torch.Tensor], arena=None) -> dict[str, torch.Tensor]:
+    def lend(
+        self,
+        live: Mapping[str, torch.Tensor],
+        arena=None,
+        encode: Callable[[dict[str, torch.Tensor], torch.Tensor | None], EncodedTensors]
+        | None = None,
+    ) -> Tensors:
         """Aliases of `live` (views of `arena`, if given) for a reply (the same
-        dict until the next settle); counted as in flight until `track` hears of it."""
+        value until the next settle), carrying `encode(aliases, arena memory)`
+        when given; counted as in flight until `track` hears of it."""
         if self.current is None:
-            self.current = _Lend(
-                {n: t.detach() for n, t in live.items()},
-                memory=arena.memory.detach() if arena is not None else None,
-            )
+            aliases = {n: t.detach() for n, t in live.items()}
+            memory = arena.memory.detach() if arena is not None else None
+            encoded = encode(aliases, memory) if encode is not None else None
+            self.current = _Lend(Tensors(aliases, encoded=encoded), memory=memory)
         self.current.untracked += 1
         return self.current.aliases
 
-    def track(self, aliases: dict, tracker: Any) -> None:
+    def track(self, aliases: Mapping[str, torch.Tensor], tracker: Any) -> None:
         """`aliases` (lent) went out in a reply; `tracker.done` says when the
         transport is done with their memory (None: done already)."""
         for lend in (self.current, *self.older):
@@ -74,13 +84,6 @@ class Snapshots:
                 if tracker is not None:
                     lend.trackers.append(tracker)
                 return
-
-    def lent_memory(self, aliases: dict) -> torch.Tensor | None:
-        """The arena memory that `aliases` (lent) view, or None."""
-        for lend in (self.current, *self.older):
-            if lend is not None and lend.aliases is aliases:
-                return lend.memory
-        return None
 
     def settle(self, live: Mapping[str, torch.Tensor], arena=None) -> None:
         """Call before writing `live` (views of `arena`, if given) in place:

@@ -28,6 +28,7 @@ from hetps.proto.codec import (
 from hetps.proto.layout import PACK_BELOW
 from hetps.proto.messages import Status
 from hetps.proto.plan import TensorSpec
+from hetps.proto.tensors import Tensors
 
 from .arena import Arena
 from .snapshots import Snapshots
@@ -45,10 +46,9 @@ class TensorStore:
         self.arena: Arena | None = None
         self.versions: dict[str, int] = {s.name: 0 for s in specs}
         self.version = 0
-        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._encoded: tuple[dict, EncodedTensors] | None = None  # (snapshot, its encoding)
-        # (arena, header fields of its snapshots)
-        self._pack_fields: tuple[Arena, dict] | None = None
+        self._snapshot: Tensors | None = None  # lent since the last write
+        # the header fields of the arena's snapshots, once one proved to be its pack
+        self._pack_fields: dict | None = None
         self.snapshots = Snapshots()
 
     @property
@@ -80,6 +80,7 @@ class TensorStore:
         views = arena.views
         torch._foreach_copy_([views[n] for n in arena.order], [values[n] for n in arena.order])
         self.arena, self.tensors = arena, dict(views)
+        self._pack_fields = None  # found again for the new arena
 
     def state_dict(self) -> dict:
         # each tensor on its own memory: torch.save refuses views of one storage as several dtypes
@@ -120,39 +121,41 @@ class TensorStore:
                 torch.maximum(current, value, out=current)
         self._snapshot = None
 
-    def snapshot(self) -> dict[str, torch.Tensor]:
+    def snapshot(self) -> Tensors:
         """The tensors as they are now, for a pull reply, shared by every pull
-        until the next write. Replies leave zero-copy, so these are aliases
-        that no later write will reach: writers call `settle` first (see
-        snapshots.py). Hand the dict to `track` once it was sent."""
+        until the next write, with their wire encoding made once (`encoded`).
+        Replies leave zero-copy, so these are aliases that no later write will
+        reach: writers call `settle` first (see snapshots.py). Hand the value
+        to `track` once it was sent."""
         if self._snapshot is None and self.snapshots.current is not None:
             log.error(
                 "shard tensors were written without settle(): a reply in flight may have seen it"
             )
-        self._snapshot = (self.version, self.snapshots.lend(self.tensors, self.arena))
-        return self._snapshot[1]
+        self._snapshot = self.snapshots.lend(self.tensors, self.arena, self._encode)
+        return self._snapshot
 
-    def encoded(self, snapshot: dict) -> EncodedTensors:
-        """`snapshot` (from `snapshot()`) encoded for the wire, once for every
-        reply that carries it: a new write makes a new snapshot dict, so the
-        identity of the dict is the key (the cache holds it: no id is reused)."""
-        if self._encoded is None or self._encoded[0] is not snapshot:
-            self._encoded = (snapshot, self._encode(snapshot, self.snapshots.lent_memory(snapshot)))
-        return self._encoded[1]
+    def encoded(self, snapshot: Mapping[str, torch.Tensor]) -> EncodedTensors:
+        """`snapshot` encoded for the wire: the encoding it carries (from
+        `snapshot()`: made once for every reply of a version), else a new one."""
+        if isinstance(snapshot, Tensors) and snapshot.encoded is not None:
+            return snapshot.encoded
+        return encode_tensors(snapshot)
 
-    def _encode(self, snapshot: dict, memory: torch.Tensor | None) -> EncodedTensors:
+    def _encode(
+        self, snapshot: Mapping[str, torch.Tensor], memory: torch.Tensor | None
+    ) -> EncodedTensors:
         if memory is None:
             return encode_tensors(snapshot)
         # a snapshot is the arena's views in its order, each time at the same offsets: once one
         # proved to be the pack of its memory, every later one is, with the same header fields
-        if self._pack_fields is not None and self._pack_fields[0] is self.arena:
-            return EncodedTensors(self._pack_fields[1], [tensor_frame(memory)])
+        if self._pack_fields is not None:
+            return EncodedTensors(self._pack_fields, [tensor_frame(memory)])
         encoded = encode_tensors(snapshot, PACK_BELOW, memory)
         if is_pack_of(snapshot, memory):
-            self._pack_fields = (self.arena, encoded.fields)
+            self._pack_fields = encoded.fields
         return encoded
 
-    def track(self, snapshot: dict, tracker) -> None:
+    def track(self, snapshot: Tensors, tracker) -> None:
         """`snapshot` went out in a reply; the transport is done with its memory
         once `tracker.done` (None: already)."""
         self.snapshots.track(snapshot, tracker)

@@ -16,6 +16,7 @@ from typing import Mapping
 import torch
 
 from hetps.proto.runs import flat_runs
+from hetps.proto.tensors import Tensors
 from hetps.runconfig.schema import OptimizerConfig
 from hetps.runtime.optim import build_lr_scheduler, build_optimizer
 
@@ -42,7 +43,9 @@ class Updater:
             targets = list(self.arena.flat.values())
             self.flat_grads = [torch.zeros_like(f) for f in targets]  # padding entries stay zero
             self._grad_views = {}
-            self._run_names = {dtype: self.arena.run_names(dtype) for dtype in self.arena.flat}
+            self._run_names = {
+                dtype: tuple(self.arena.run_names(dtype)) for dtype in self.arena.flat
+            }
             for dtype, grad in zip(self.arena.flat, self.flat_grads):
                 for n in self._run_names[dtype]:
                     start, view = self.arena.offset_in_run(n), self.arena.views[n]
@@ -125,18 +128,15 @@ class Updater:
         """Each flat run's gradient: the pushed memory itself when it already
         lies in the run's layout (a packed push, layout.py), else one foreach
         copy into the run's own gradient buffer."""
-        # runs a decoder found already (a repeated pack layout, codec.decode) are looked up, not searched
-        known = (
-            {tuple(names): run for run, names in flat_runs(grads)}
-            if getattr(grads, "runs", None)
-            else {}
-        )
+        # runs known already (a decoded pack frame, a round's sum: proto/tensors.py) are looked up,
+        # not searched
+        known = {names: run for run, names in grads.runs} if isinstance(grads, Tensors) else {}
         for (dtype, flat), own in zip(self.arena.flat.items(), self.flat_grads):
             names = self._run_names[dtype]
-            run = known.get(tuple(names))
+            run = known.get(names)
             if run is None:
                 runs = flat_runs({n: grads[n] for n in names})
-                run = runs[0][0] if len(runs) == 1 and runs[0][1] == names else None
+                run = runs[0].flat if len(runs) == 1 and runs[0].names == names else None
             if run is not None and run.dtype == dtype:
                 pushed = _widened(run, flat.numel())
                 if pushed is not None:

@@ -28,6 +28,7 @@ from typing import Mapping
 import torch
 
 from hetps.proto.layout import aligned
+from hetps.proto.tensors import Tensors
 
 
 class FlatPart:
@@ -84,11 +85,11 @@ class FlatParams:
             part.grads.zero_()
 
     def load(self, values: Mapping[str, torch.Tensor]) -> set[str]:
-        """Copy the runs of `values` (a decoded reply's, runs.py) that are exactly
-        one part's tensors into that part, one copy each; the names loaded."""
+        """Copy the runs `values` knows (a Tensors: its decoders' runs, proto/tensors.py)
+        that are exactly one part's tensors into that part, one copy each; the names loaded."""
         loaded: set[str] = set()
-        for run, names in getattr(values, "runs", None) or ():
-            part = self.by_names.get(tuple(names))
+        for run, names in values.runs if isinstance(values, Tensors) else ():
+            part = self.by_names.get(names)
             if (
                 part is not None
                 and run.dtype == part.span.dtype

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import threading
 import time
-from typing import Callable, ContextManager, Iterable, Mapping
+from typing import Callable, ContextManager, Mapping
 
 import torch
 
@@ -26,7 +26,7 @@ from hetps.proto.messages import Ack, Init, Params, Pull, Push, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.records import PushInfo
 from hetps.proto.rpc import RpcClient, wait_all
-from hetps.proto.runs import RunTensors
+from hetps.proto.tensors import Tensors
 from hetps.proto.transport import TransportOptions
 from hetps.runconfig.schema import ClusterConfig
 from hetps.runtime.emulation import wire_faults
@@ -129,21 +129,16 @@ class PSClient:
         """Per shard, the tensors it owns; chunked tensors become views of their parts."""
         return split_for_shards(self.plan, tensors, self.part_sizes, self.names)
 
-    def _join(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _join(self, values: Tensors) -> Tensors:
         """Reassemble chunked tensors from their parts (one copy each); the runs
-        `values` knows (`merged`) that hold no part are kept."""
+        of `values` (`Tensors.merge`) that hold no part are kept."""
         if not self.plan.chunks:
             return values
         parts = {p for chunk in self.plan.chunks.values() for p in chunk["parts"]}
-        runs = [
-            (run, names)
-            for run, names in getattr(values, "runs", None) or ()
-            if parts.isdisjoint(names)
-        ]
-        join_parts(self.plan, values)
-        if isinstance(values, RunTensors):
-            values.runs = runs or None
-        return values
+        return Tensors(
+            join_parts(self.plan, dict(values)),
+            [run for run in values.runs if parts.isdisjoint(run.names)],
+        )
 
     def init(self, values: Mapping[str, torch.Tensor]) -> None:
         """Offer initial values to every shard; the first offer a shard gets wins."""
@@ -153,7 +148,7 @@ class PSClient:
         ]
         wait_all(list(zip(self.shards, ids)))
 
-    def pull(self, clock: int) -> dict[str, torch.Tensor]:
+    def pull(self, clock: int) -> Tensors:
         """Current values from every shard (may wait, per the algorithm).
         Returned tensors are read-only views of received frames."""
         ids = [c.send(Pull(plan_id=self.plan.plan_id, clock=clock)) for c in self.shards]
@@ -199,7 +194,7 @@ class PSClient:
         clock: int,
         n_samples: int,
         info: dict | None = None,
-    ) -> tuple[list[Ack], dict[str, torch.Tensor]]:
+    ) -> tuple[list[Ack], Tensors]:
         """Push this step's tensors (gradients and buffers; a model for the
         averaging algorithms; `info`: algorithm extras) made after `clock`
         pushes, then pull the values for the next step. Returns the push ACKs
@@ -211,7 +206,8 @@ class PSClient:
         ]
         # all ACKs first, then values; while one shard is awaited the others' requests are tended
         acked = [self.await_ack(i, step, self._others(i)) for i, step in enumerate(steps)]
-        values = merged(
+        # one value that keeps the runs the decoders found, so a flat model loads each with one copy
+        values = Tensors.merge(
             self.await_values(i, step, reply, self._others(i)).tensors
             for i, (step, (_, _, reply)) in enumerate(zip(steps, acked))
         )
@@ -267,9 +263,9 @@ class PSClient:
             else self._params_reply(i, self.shards[i].wait(step[1], tend=tend))
         )
 
-    def _gather_params(self, ids: list[int]) -> dict[str, torch.Tensor]:
+    def _gather_params(self, ids: list[int]) -> Tensors:
         return self._join(
-            merged(
+            Tensors.merge(
                 self._params_reply(i, reply).tensors
                 for i, reply in enumerate(wait_all(list(zip(self.shards, ids))))
             )
@@ -288,14 +284,3 @@ class PSClient:
     def close(self) -> None:
         for c in self.shards:
             c.close()
-
-
-def merged(parts: Iterable[Mapping[str, torch.Tensor]]) -> RunTensors:
-    """The shards' values in one dict that keeps the flat runs their decoders
-    found (runs.py), so a flat model loads each with one copy (flat_model.py)."""
-    values, runs = RunTensors(), []
-    for part in parts:
-        dict.update(values, part)  # RunTensors.update would forget the runs: they are set below
-        runs += getattr(part, "runs", None) or []
-    values.runs = runs or None
-    return values

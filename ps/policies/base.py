@@ -19,7 +19,7 @@ with weight (members in the round) / P; async and ssp with weight 1/P.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
@@ -177,7 +177,8 @@ class ConsistencyPolicy(ABC):
 class Round:
     """Running sums of one round of gradient pushes."""
 
-    grads: dict = field(default_factory=dict)
+    # the gradients' sum (round_sums.py): a Tensors with its runs, or a plain dict once restored
+    grads: Mapping[str, torch.Tensor] = field(default_factory=dict)
     buffers: dict = field(default_factory=dict)
     members: set = field(default_factory=set)
     buffer_counts: dict = field(default_factory=dict)  # buffers are optional: count who sent each
@@ -199,7 +200,7 @@ class Round:
         if self.borrowed:
             self.grads, self.borrowed = copy_sum(self.grads), False
         if self.members:
-            add_to_sum(self.grads, grads)
+            self.grads = add_to_sum(self.grads, grads)
         elif borrow:
             self.grads, self.borrowed = grads, True
         else:  # the first push: copied run by run when it came as runs (round_sums.py)

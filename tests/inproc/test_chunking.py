@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, chunk_specs
+from hetps.proto.tensors import Tensors
 from hetps.runconfig.schema import ClusterConfig
 from hetps.scheduler.placement import place
 from hetps.worker.client import PSClient
@@ -53,7 +54,9 @@ def test_client_split_and_join_round_trip():
     assert sorted(n for part in per_shard for n in part) == sorted(s.name for s in specs)
     for i, part in enumerate(per_shard):
         assert all(placement[n] == i for n in part)
-    joined = client._join({n: t.clone() for part in per_shard for n, t in part.items()})
+    joined = client._join(
+        Tensors.merge({n: t.clone() for n, t in part.items()} for part in per_shard)
+    )
     assert set(joined) == set(values)
     for name, t in values.items():
         assert torch.equal(joined[name], t)

@@ -17,6 +17,7 @@ from shard_harness import values_of
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import Push
 from hetps.proto.plan import TensorSpec
+from hetps.proto.tensors import Tensors
 from hetps.ps.store import TensorStore
 from hetps.ps.updater import Updater
 from hetps.runconfig.load import load_config
@@ -295,7 +296,7 @@ def test_a_shard_hands_the_decoded_push_and_its_runs_to_the_optimizer(
     monkeypatch, harnesses, algorithm, workers
 ):
     """Through a real shard (mem:// transport): a push of exactly the
-    parameters reaches the updater as a dict whose flat runs are known (the
+    parameters reaches the updater as a Tensors whose flat runs are known (the
     decoded push itself under async and in a one-member sync round; a sync
     round's sum, added run by run, otherwise), so the optimizer steps on the
     runs (no gather copy, no search for runs); the values are torch.optim's
@@ -307,7 +308,7 @@ def test_a_shard_hands_the_decoded_push_and_its_runs_to_the_optimizer(
     real_apply = Updater.apply
 
     def recording(self, grads, lr_scale=1.0):
-        seen.append(getattr(grads, "runs", None) is not None)
+        seen.append(isinstance(grads, Tensors) and bool(grads.runs))
         return real_apply(self, grads, lr_scale)
 
     monkeypatch.setattr(Updater, "apply", recording)

@@ -17,9 +17,9 @@ from torch import nn
 
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import Params, Push
+from hetps.proto.tensors import Tensors
 from hetps.training.models import LeNet5
 from hetps.training.state import ModelState, model_specs
-from hetps.worker.client import merged
 
 STEPS = 3
 
@@ -47,11 +47,11 @@ def push_frames(state: ModelState, names: list[str], step: int) -> list:
     )
 
 
-def reply_for(values: dict[str, torch.Tensor], names: list[str]) -> dict:
+def reply_for(values: dict[str, torch.Tensor], names: list[str]) -> Tensors:
     """What a shard's reply decodes to: read-only views of one frame, with their runs."""
-    return decode(
-        encode(Params(version=1, tensors={n: values[n] for n in names}), 7, 1)
-    ).msg.tensors
+    got = decode(encode(Params(version=1, tensors={n: values[n] for n in names}), 7, 1)).msg.tensors
+    assert isinstance(got, Tensors) and got.runs  # the decoder's runs: the fast path is taken
+    return got
 
 
 @pytest.fixture
@@ -88,8 +88,8 @@ def test_training_steps_match_the_per_tensor_model(pair):
                 == part.grads.data_ptr()
             )
         new = {n: t - 0.1 * (step + 1) for n, t in plain.values().items()}
-        plain.load(merged(reply_for(new, names) for names in parts))
-        flat.load(merged(reply_for(new, names) for names in parts))
+        plain.load(Tensors.merge(reply_for(new, names) for names in parts))
+        flat.load(Tensors.merge(reply_for(new, names) for names in parts))
         for (n, a), (_, b) in zip(plain.model.named_parameters(), flat.model.named_parameters()):
             assert torch.equal(a, b) and torch.equal(a, new[n]), n
     assert [p.grads.data_ptr() for p in flat.flat.parts] == grad_buffers  # never re-allocated
@@ -107,7 +107,7 @@ def test_a_reply_loads_with_one_copy_per_part(pair, monkeypatch):
         return real_copy(self, src, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "copy_", counting)
-    flat.load(merged(reply_for(new, names) for names in parts))
+    flat.load(Tensors.merge(reply_for(new, names) for names in parts))
     monkeypatch.undo()
     assert copies == [part.span.data_ptr() for part in flat.flat.parts]
     for n, p in flat.model.named_parameters():

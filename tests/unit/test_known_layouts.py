@@ -25,6 +25,7 @@ from hetps.proto.known_layouts import FrameTensors
 from hetps.proto.layout import PACK_ALL_BELOW, PACK_BELOW, build_pack
 from hetps.proto.messages import Push, Status
 from hetps.proto.runs import flat_runs
+from hetps.proto.tensors import Tensors
 
 
 def mixed() -> dict:
@@ -66,7 +67,7 @@ def test_a_repeated_layout_decodes_to_the_same_values_and_runs_as_a_fresh_check(
     again = [{n: t * (k + 2) for n, t in sent.items()} for k in range(2)]
     for k, values in enumerate(again):
         got = decode(push_frames(values, 2 + k), catalog_of(sent)).msg.tensors
-        assert isinstance(got, FrameTensors) and got.runs is not None
+        assert isinstance(got, FrameTensors) and got.runs
         assert list(got) == list(sent)
         for n, t in values.items():
             assert got[n].dtype == t.dtype and got[n].shape == t.shape and torch.equal(got[n], t)
@@ -74,18 +75,21 @@ def test_a_repeated_layout_decodes_to_the_same_values_and_runs_as_a_fresh_check(
         assert (
             [names for _, names in got.runs]
             == [names for _, names in fresh]
-            == [["a", "b"], ["c"], ["d", "e"]]
+            == [("a", "b"), ("c",), ("d", "e")]
         )
+        assert got.layout == first.layout  # the same specs, message after message
         for (run, _), (want, _) in zip(got.runs, fresh):
             assert (
                 run.data_ptr() == want.data_ptr()
                 and run.shape == want.shape
                 and run.dtype == want.dtype
             )
-    assert first.runs is not None
+    assert first.runs
 
 
-def test_changing_decoded_tensors_forgets_their_runs():
+def test_decoded_tensors_cannot_be_changed_so_their_runs_stay_true():
+    """A decoded push is a frozen Tensors value: no entry or attribute can be
+    set; a changed mapping is a new value, which knows no runs unless given."""
     sent = mixed()
     frames = push_frames(sent)
     for change in (
@@ -94,32 +98,33 @@ def test_changing_decoded_tensors_forgets_their_runs():
         lambda t: t.pop("c"),
         lambda t: t.update(a=torch.zeros(3, 5)),
         lambda t: t.clear(),
+        lambda t: setattr(t, "runs", ()),
     ):
         got = decode(frames).msg.tensors
-        change(got)
-        assert got.runs is None
-        assert [names for _, names in flat_runs(got)] == [
-            names for _, names in flat_runs(dict(got))
-        ]
+        runs = got.runs
+        with pytest.raises((TypeError, AttributeError)):
+            change(got)
+        assert got.runs is runs and list(got) == list(sent)
+    changed = Tensors({**got, "a": torch.zeros(3, 5)})
+    assert changed.runs == () and changed.layout == ()
+    assert [names for _, names in flat_runs(changed)] == [
+        names for _, names in flat_runs(dict(changed))
+    ]
 
 
-def test_decoded_tensors_keep_the_layout_order_and_the_views_read_before_a_change():
+def test_decoded_tensors_keep_the_layout_order_whatever_is_read_first():
     sent = mixed()
     frames = push_frames(sent)
     decode(frames)  # the layout is remembered: the next decode makes views when read
     got = decode(frames).msg.tensors
     d = got["d"]
     assert "e" in got and "zz" not in got and len(got) == len(sent)
-    got["a"] = torch.zeros(3, 5)
-    assert list(got) == list(sent) and got["d"] is d
-    assert torch.equal(got["a"], torch.zeros(3, 5))
+    assert list(got) == list(got.keys()) == list(sent) and got["d"] is d
+    assert [n for n, _ in got.items()] == list(sent) and dict(got.items())["d"] is d
     for n in sent:
-        if n != "a":
-            assert torch.equal(got[n], sent[n]) and got[n].dtype == sent[n].dtype
-    del got["b"]
-    assert list(got) == [n for n in sent if n != "b"]
+        assert torch.equal(got[n], sent[n]) and got[n].dtype == sent[n].dtype
     with pytest.raises(KeyError):
-        got["b"]
+        got["zz"]
 
 
 def test_a_lone_tensor_in_its_own_frame_is_a_remembered_layout_too():
@@ -135,7 +140,7 @@ def test_a_lone_tensor_in_its_own_frame_is_a_remembered_layout_too():
     assert isinstance(got, FrameTensors) and list(got) == ["w"]
     assert torch.equal(got["w"], sent["w"] * 2)
     ((run, names),) = got.runs
-    assert names == ["w"] and run.numel() == 70_000 and run.data_ptr() == got["w"].data_ptr()
+    assert names == ("w",) and run.numel() == 70_000 and run.data_ptr() == got["w"].data_ptr()
     short = push_frames(sent)
     assert refused([short[0], short[1][:-4]], catalog_of(sent)).status == Status.MALFORMED
 

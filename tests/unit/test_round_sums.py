@@ -13,6 +13,8 @@ import torch
 from hetps.proto.codec import decode, encode
 from hetps.proto.messages import Push
 from hetps.proto.runs import flat_runs
+from hetps.proto.tensors import Tensors
+from hetps.ps import round_sums
 from hetps.ps.policies.base import Round
 from hetps.ps.round_sums import add_to_sum, copy_sum, divide_sum
 
@@ -36,7 +38,7 @@ def push_tensors(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def decoded(tensors: dict) -> dict:
+def decoded(tensors: dict) -> Tensors:
     """As a shard receives them: read-only views of one pack frame, with their runs."""
     out = decode(encode(Push(plan_id=1, clock=0, base_version=0, tensors=tensors))).msg.tensors
     assert out.runs, "the decoder found the frame's runs"
@@ -68,7 +70,7 @@ def test_the_sum_by_runs_equals_the_per_tensor_sum_bit_for_bit(kinds, members):
     frames_before = [{n: t.clone() for n, t in p.items()} for p in pushes]
     total = copy_sum(pushes[0])
     for p in pushes[1:]:
-        add_to_sum(total, p)
+        total = add_to_sum(total, p)
     mean = divide_sum(total, members)
     expected = per_tensor_mean(plain, members)
     assert list(mean) == list(expected)
@@ -84,13 +86,17 @@ def test_the_sum_by_runs_equals_the_per_tensor_sum_bit_for_bit(kinds, members):
         assert [names for _, names in mean.runs] == [names for _, names in flat_runs(pushes[0])]
 
 
-def test_a_round_sums_decoded_pushes_by_runs_and_its_mean_knows_them():
+def test_a_round_sums_decoded_pushes_by_runs_and_its_mean_knows_them(monkeypatch):
+    """Pushes of the sum's layout (equal `Tensors.layout`) are added run for
+    run with no search; the mean is a Tensors that knows its runs."""
+    monkeypatch.setattr(round_sums, "_add_matching_runs", None)  # never searched
     pushes = [decoded(push_tensors(seed)) for seed in range(3)]
     rnd = Round()
     for worker, p in enumerate(pushes):
         rnd.add(worker, p, {})
+        assert rnd.grads.layout == p.layout
     grads, _ = rnd.means()
-    assert grads.runs is not None and not rnd.borrowed
+    assert isinstance(grads, Tensors) and grads.runs and not rnd.borrowed
     expected = per_tensor_mean([push_tensors(seed) for seed in range(3)], 3)
     for n in expected:
         assert torch.equal(grads[n], expected[n]), n
@@ -109,7 +115,7 @@ def test_a_borrowing_round_keeps_the_push_and_copies_it_only_to_divide():
     divided = Round()
     divided.add(1, push, {}, borrow=True)
     grads, _ = divided.means(over=4)
-    assert grads is not push and grads.runs is not None
+    assert grads is not push and isinstance(grads, Tensors) and grads.runs
     for n, t in before.items():
         assert torch.equal(push[n], t), n  # untouched
         expected = t / 4 if t.is_floating_point() else t
