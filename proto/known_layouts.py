@@ -145,23 +145,24 @@ class FrameTensors(Tensors):
 
     __slots__ = ("_views", "_buf", "_typed", "_whole")
 
-    _views: dict[str, PackedView]
-    _buf: memoryview
-    _typed: dict[torch.dtype, torch.Tensor]
-    _whole: dict[str, torch.Tensor] | None  # every view, in order, once all were asked for
-
     def __init__(self, layout: CheckedLayout, buf: memoryview):
         assert layout.named is not None  # a layout that `fits`
-        object.__setattr__(self, "_views", layout.named)
-        object.__setattr__(self, "_buf", buf)
-        object.__setattr__(self, "_typed", {})  # dtype -> the whole frame as that dtype
-        object.__setattr__(self, "_whole", None)
+        self._views: dict[str, PackedView] = layout.named
+        self._buf = buf
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the whole frame as each dtype
+        # every view, in order, once all were asked for
+        self._whole: dict[str, torch.Tensor] | None = None
+        self._tensors = {}  # the views made so far
         # over the whole frame: the optimizer may read a run on into its padding (ps/updater.py)
-        runs = tuple(
-            Run(self.as_dtype(dtype).as_strided((count,), (1,), start), names)
-            for dtype, start, count, names in layout.runs
+        as_dtype = self.as_dtype
+        self._runs = tuple(
+            [
+                Run(as_dtype(dtype).as_strided((count,), (1,), start), names)
+                for dtype, start, count, names in layout.runs
+            ]
         )
-        self._set({}, runs, layout.run_layout)  # `_tensors`: the views made so far
+        self._layout = layout.run_layout
+        self._encoded = None
 
     def as_dtype(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole frame as a 1-D tensor of `dtype` (its length is a multiple of ALIGN)."""

@@ -55,15 +55,10 @@ class Tensors(Mapping[str, "torch.Tensor"]):
     (empty: none known; `runs.flat_runs` then looks for them in memory).
     `layout`: the runs' specs. `encoded`: the tensors' wire form when its
     maker made it already (a shard's pull snapshot, ps/store.py), else None.
-    Frozen: no attribute or entry can be set; `merge` and the constructor
-    make new values."""
+    Frozen: no entry or attribute can be set (they are read-only
+    properties); `merge` and the constructor make new values."""
 
-    __slots__ = ("_tensors", "runs", "layout", "encoded")
-
-    _tensors: dict[str, torch.Tensor]
-    runs: tuple[Run, ...]
-    layout: tuple[RunSpec, ...]
-    encoded: EncodedTensors | None
+    __slots__ = ("_tensors", "_runs", "_layout", "_encoded")
 
     def __init__(
         self,
@@ -72,20 +67,25 @@ class Tensors(Mapping[str, "torch.Tensor"]):
         encoded: EncodedTensors | None = None,
     ):
         """`tensors` copied (the dict, not the tensors); `runs` must be runs of them."""
-        runs = tuple(runs)
-        self._set(dict(tensors), runs, layout_of(runs), encoded)
+        self._tensors: dict[str, torch.Tensor] = dict(tensors)
+        self._runs: tuple[Run, ...] = tuple(runs)
+        self._layout: tuple[RunSpec, ...] | None = None  # worked out when first asked for
+        self._encoded = encoded
 
-    def _set(
-        self,
-        tensors: dict[str, torch.Tensor],
-        runs: tuple[Run, ...],
-        layout: tuple[RunSpec, ...],
-        encoded: EncodedTensors | None = None,
-    ) -> None:
-        object.__setattr__(self, "_tensors", tensors)
-        object.__setattr__(self, "runs", runs)
-        object.__setattr__(self, "layout", layout)
-        object.__setattr__(self, "encoded", encoded)
+    @property
+    def runs(self) -> tuple[Run, ...]:
+        return self._runs
+
+    @property
+    def layout(self) -> tuple[RunSpec, ...]:
+        layout = self._layout
+        if layout is None:
+            layout = self._layout = layout_of(self._runs)
+        return layout
+
+    @property
+    def encoded(self) -> EncodedTensors | None:
+        return self._encoded
 
     @classmethod
     def merge(cls, parts: Iterable[Mapping[str, torch.Tensor]]) -> Tensors:
@@ -111,7 +111,7 @@ class Tensors(Mapping[str, "torch.Tensor"]):
                 if all(last[n] == i for n in r.names)
             ]
         out = cls.__new__(cls)
-        out._set(tensors, tuple(runs), layout_of(runs))
+        out._tensors, out._runs, out._layout, out._encoded = tensors, tuple(runs), None, None
         return out
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -138,12 +138,6 @@ class Tensors(Mapping[str, "torch.Tensor"]):
     def _all(self) -> dict[str, torch.Tensor]:
         """Every tensor, made (a subclass may make them when first read)."""
         return self._tensors
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"Tensors is frozen: cannot set {name!r}")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"Tensors is frozen: cannot delete {name!r}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # a copy (pickle, copy.copy) is the plain mapping: the runs are views of this value's memory

@@ -181,7 +181,8 @@ def test_daemons_by_hand_across_hosts_style(tmp_path):
         "eval.every_s=1.0",
     ]
     config = str(REPO / "configs" / "sync.yaml")
-    daemons = Daemons(tmp_path, overrides)
+    # exec'd, as on hosts of their own (the other tests' daemons fork from the shared server)
+    daemons = Daemons(tmp_path, overrides, fork=False)
     try:
         addr = daemons.scheduler(config, run_dir)
         daemons.start(["ps", "--config", config, "--rank", "0", "--scheduler", addr])

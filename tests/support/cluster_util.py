@@ -12,8 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+from hetps.frontend.shared_forks import ENV_VAR, RemoteDaemon, SharedForkServer
+
 REPO = Path(__file__).resolve().parents[2]
-HETPS = [sys.executable, "-m", "hetps.frontend.cli"]
+CLI = "hetps.frontend.cli"  # `hetps`
+HETPS = [sys.executable, "-m", CLI]
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -160,16 +163,32 @@ def shard_pid(run_dir, rank: int) -> int:
 
 class Daemons:
     """Daemons started one by one with `hetps ROLE ...` (the multi-host path),
-    each logging to DIR/N.log; `close()` kills and reaps any still running."""
+    each logging to DIR/N.log, in DIR, in a session of its own; `close()` kills
+    and reaps any still running.
 
-    def __init__(self, log_dir: Path, overrides: list[str]):
+    Where the test has the suite's shared fork server ($HETPS_FORK_SERVER, set
+    by tests/conftest.py for cluster tests) each daemon is forked from it, as
+    `hetps run` forks its own: a real process all the same, spared torch's
+    import (~4 s of CPU each). `fork=False` execs every one, as a user on
+    another host starts it."""
+
+    def __init__(self, log_dir: Path, overrides: list[str], fork: bool = True):
         self.log_dir = log_dir
         self.overrides = overrides
-        self.procs: list[subprocess.Popen] = []
+        self.forks = os.environ.get(ENV_VAR) if fork else None
+        self.procs: list[subprocess.Popen | RemoteDaemon] = []
         self.logs: list = []
 
     def start(self, args: list[str], env: dict | None = None) -> None:
-        log = open(self.log_dir / f"{len(self.procs)}.log", "w")
+        path = self.log_dir / f"{len(self.procs)}.log"
+        if self.forks:
+            with contextlib.chdir(self.log_dir):  # the daemon starts where the request is made
+                daemon = SharedForkServer(self.forks).start(
+                    CLI, [*args, *self.overrides], path, env or {}
+                )
+            self.procs.append(daemon)
+            return
+        log = open(path, "w")
         self.logs.append(log)
         self.procs.append(
             subprocess.Popen(

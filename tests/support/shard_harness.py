@@ -117,8 +117,8 @@ class ShardHarness:
         plan_id: int = PLAN_ID,
         groups: Sequence[Sequence[int]] = (),
     ):
-        self.cfg = load_config(None, [f"algorithm.name={algorithm}", *overrides])
         specs = model_specs(tensors) if isinstance(tensors, nn.Module) else tensors
+        self.cfg = load_config(None, [f"algorithm.name={algorithm}", *overrides])
         self.plan = make_plan(specs, workers, n_shards, algorithm, plan_id, groups)
         self.plan_id = plan_id
         self.addresses = [f"mem://test-shard-{uuid.uuid4().hex[:12]}" for _ in range(n_shards)]
