@@ -37,6 +37,7 @@ from hetps.scheduler.outcome import EXIT_CODES
 from hetps.scheduler.runlog import SummaryFile
 from hetps.scheduler.state import STATE_FILE
 
+from . import result_model
 from .faults import FaultInjector
 from .local_sockets import LocalSockets, shard_groups, shard_process
 from .plots import plot_run
@@ -556,8 +557,11 @@ def run_local(
         and not (run_dir / "model.safetensors").exists()
     ):
         export_model(cluster, quiet)
+    model_line = result_model.check(run_dir) if summary.get("global_steps") else None
     if not quiet and summary:
         print(f"{startup_line(summary['startup'])}\n{format_summary(summary, run_dir)}")
+    if model_line:
+        print(model_line, file=sys.stderr)
     if status == "diverged":
         print(f"hetps run: training diverged: {summary.get('detail')}", file=sys.stderr)
     return EXIT_CODES.get(status, EXIT_CODES["failed"])

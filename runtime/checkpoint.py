@@ -248,6 +248,33 @@ def resume_versions(folders: dict[K, Path]) -> tuple[dict[K, int], bool, list[Ch
     return versions, False, met()
 
 
+def newest_valid_versions(
+    folders: dict[K, Path],
+) -> tuple[dict[K, int], list[CheckpointDamaged]]:
+    """Each folder's newest valid checkpoint version: the newest model every
+    shard can give (`hetps export`, a run's result model), whether or not the
+    shards hold one version in common. Only the files considered are verified.
+    Returns (versions, the damaged files met). Raises NoValidCheckpoint for a
+    folder whose every checkpoint is damaged, CheckpointError for one without any."""
+    versions: dict[K, int] = {}
+    met: list[CheckpointDamaged] = []
+    for k, folder in folders.items():
+        found = checkpoints(folder)
+        if not found:
+            raise CheckpointError(f"no checkpoints in {folder}")
+        damaged: list[CheckpointDamaged] = []
+        for version, path in reversed(found):
+            why = damage(path)
+            if why is None:
+                versions[k] = version
+                break
+            damaged.append(why)
+        else:
+            raise NoValidCheckpoint(folder, damaged)
+        met.extend(damaged)
+    return versions, met
+
+
 def abandon_after(folder: Path, version: int, damaged: Collection[Path] = ()) -> list[Path]:
     """Set aside (rename to *.abandoned) the checkpoints newer than `version`:
     after restoring an older one they belong to a timeline that no longer

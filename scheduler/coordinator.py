@@ -689,6 +689,7 @@ class Coordinator(Service):
             global_steps=self.global_steps(),
             global_samples=samples,
             final=reading.final,
+            **({} if reading.versions is None else {"versions": list(reading.versions)}),
             # as last heard
             bytes=sum(
                 status.count(n.stats, k)

@@ -59,7 +59,17 @@ def free_rank(nodes: list[Node], role: str, configured: int) -> int | None:
 
 # the fields of a metrics.jsonl eval row beside the task's metrics (Coordinator._record_eval)
 EVAL_ROW_FIELDS = frozenset(
-    {"kind", "t", "watch", "higher_is_better", "global_steps", "global_samples", "final", "bytes"}
+    {
+        "kind",
+        "t",
+        "watch",
+        "higher_is_better",
+        "global_steps",
+        "global_samples",
+        "final",
+        "bytes",
+        "versions",
+    }
 )
 # metrics taken as lower-is-better when an evaluator's report gives no direction
 LOWER_IS_BETTER = frozenset({"loss", "perplexity", "mse", "mae", "rmse", "error", "nll"})
@@ -76,6 +86,8 @@ class EvalReading:
     loss: float | None  # the divergence guard's test loss; None when the task reports none
     num_classes: int | None  # classification only: enables the chance-level rule
     final: bool
+    # each shard's version the evaluated model held (the evaluator's pull); None: not reported
+    versions: tuple[int, ...] | None = None
 
     @property
     def value(self) -> float | None:
@@ -107,6 +119,10 @@ def read_eval(values: dict) -> EvalReading:
         watch = "accuracy" if "accuracy" in metrics else next(iter(metrics), "accuracy")
     loss = _number(values.get("loss"))
     classes = values.get("num_classes")
+    versions = values.get("versions")
+    ints = isinstance(versions, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in versions
+    )
     return EvalReading(
         metrics=metrics,
         higher_is_better=directions,
@@ -114,6 +130,7 @@ def read_eval(values: dict) -> EvalReading:
         loss=loss if loss is not None else metrics.get("loss"),
         num_classes=classes if isinstance(classes, int) and not isinstance(classes, bool) else None,
         final=bool(values.get("final", False)),
+        versions=tuple(versions) if ints else None,
     )
 
 

@@ -10,9 +10,11 @@ For a run that died, build the same from the shards' checkpoints:
     hetps export RUN_DIR_OR_CHECKPOINT_DIR --out FILE.safetensors [--config CONFIG]
 
 (`python -m hetps.training.export ...`, the same). It takes each shard's newest
-checkpoint (the newest version all shards have, when there is one), puts the
-model together, evaluates it on the test split and writes FILE and FILE's
-.json. Exit 0, or 2 with one line saying what is missing.
+valid checkpoint (their versions may differ: each writes on its own clock),
+puts the model together, evaluates it on the test split and writes FILE and
+FILE's .json (`checkpoint_versions`: each shard's). Exit 0, or 2 with one
+line saying what is missing; 2 as well when the checkpoints hold only the
+initial model (version 0 everywhere), unless --allow-initial.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ from .task import Metric, Task, TaskError, watched_metric
 
 class ExportError(ValueError):
     """The checkpoints or the config needed for an export are missing or do not fit."""
+
+
+class InitialModelOnly(ExportError):
+    """Every shard's newest valid checkpoint holds its initial values: exported, the
+    result would be the untrained model."""
 
 
 def describe(
@@ -140,12 +147,14 @@ def find_run(path: Path) -> tuple[Path, list[Path]]:
 
 
 def newest_tensors(shard_dirs: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """Every tensor of the shards' newest valid checkpoints (the newest
-    version every shard has a valid checkpoint of, when there is one; damaged
-    files are passed over as `hetps run --resume` does), parts of chunked
-    tensors still apart. Raises checkpoint.CheckpointError (a ValueError) when
-    a shard has no valid checkpoint."""
-    versions, _, damaged = checkpoint.resume_versions({d.name: d for d in shard_dirs})
+    """Every tensor of each shard's newest valid checkpoint (damaged files
+    passed over as `hetps run --resume` does), parts of chunked tensors still
+    apart, and the version each shard's came from. The shards' versions may
+    differ (each writes on its own clock, and one that died stopped writing):
+    the newest model they can give together is each one's newest, as an
+    evaluator's pull is. Raises checkpoint.CheckpointError (a ValueError)
+    when a shard has no valid checkpoint."""
+    versions, damaged = checkpoint.newest_valid_versions({d.name: d for d in shard_dirs})
     for d in damaged:
         print(f"hetps export: passed over {d}", file=sys.stderr)
     tensors: dict[str, torch.Tensor] = {}
@@ -202,8 +211,10 @@ def assemble(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
             target.copy_(value.reshape(target.shape))
 
 
-def export(path: Path, out: Path, config: Path | None = None) -> dict:
-    """Build `out` (+ .json) from the checkpoints at `path`; returns the description."""
+def export(path: Path, out: Path, config: Path | None = None, allow_initial: bool = False) -> dict:
+    """Build `out` (+ .json) from the checkpoints at `path`; returns the
+    description. Raises InitialModelOnly when every shard's newest valid
+    checkpoint is version 0 (the initial model), unless `allow_initial`."""
     run_config, shard_dirs = find_run(path)
     config = config or run_config
     if config is None:
@@ -213,6 +224,12 @@ def export(path: Path, out: Path, config: Path | None = None) -> dict:
     cfg = load_config(config, import_targets=True)
     data, model = build_checked(cfg)
     tensors, versions = newest_tensors(shard_dirs)
+    if not allow_initial and not any(versions.values()):
+        raise InitialModelOnly(
+            f"{path}: the checkpoints hold only the initial model (version 0 of "
+            f"{', '.join(sorted(versions))}): nothing trained reached them; "
+            "--allow-initial writes it all the same"
+        )
     assemble(model, tensors)
     with torch.no_grad():
         for _, table in selected_tables(model, cfg):
@@ -247,10 +264,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--config", default=None, help="the run's config (default: config.yaml in PATH or above)"
     )
+    parser.add_argument(
+        "--allow-initial",
+        action="store_true",
+        help="write the model even when the checkpoints hold only its initial values",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     try:
-        d = export(Path(args.path), Path(args.out), Path(args.config) if args.config else None)
+        d = export(
+            Path(args.path),
+            Path(args.out),
+            Path(args.config) if args.config else None,
+            allow_initial=args.allow_initial,
+        )
     except (ExportError, ConfigError, PreflightError, TaskError, ValueError, OSError) as exc:
         print(f"hetps export: {exc}", file=sys.stderr)
         return 2

@@ -5,7 +5,16 @@ scheduler, so every algorithm gets the same metric-versus-time curve.
 When the run stops it evaluates once more, so the final numbers describe the
 final model (not when the scheduler was lost: nobody would record them), and
 (given `model_out`) writes exactly that model to MODEL_OUT/model.safetensors and
-MODEL_OUT/model.json (export.py). With `eval.keep_best` it also keeps a copy of
+MODEL_OUT/model.json (export.py; `versions`: each shard's version it holds).
+The final evaluation waits at most FINAL_WAIT_S for any one reply: a shard
+that died as the run stopped is not waited for (the scheduler stops the
+shards STOP_GRACE_S = 20 s after the stop began, whoever is still waiting).
+Then the files hold the last evaluation that was measured (its `evaluation`:
+"last", the final one's error in `final_error`), or, for a model whose sparse
+tables can no longer be read whole, and unless that evaluation was the best
+(`eval.keep_best` holds its copy whole), model.safetensors is left to the
+launcher (built from the shards' checkpoints). A model never measured is never
+written. With `eval.keep_best` it also keeps a copy of
 the parameters its best evaluation measured (by the watched metric and its
 direction) and writes them as MODEL_OUT/best.safetensors and best.json: an
 asynchronous run that stops on a target may swing past it in the updates
@@ -24,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from hetps.proto.errors import HetpsError
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted
 from hetps.runconfig.schema import RunConfig
@@ -40,6 +50,10 @@ from hetps.worker.row_exchange import RowExchange
 from .client import PSClient
 
 log = logging.getLogger(__name__)
+
+# the final evaluation's longest wait for one reply, seconds: a live shard answers a pull in
+# milliseconds; within the scheduler's 20 s grace before it stops the shards
+FINAL_WAIT_S = 10.0
 
 
 @dataclasses.dataclass
@@ -103,9 +117,14 @@ class Evaluator:
             plans=plans,
             transport=member.transport,
         )
-        # the final evaluation must still reach the shards after stop is requested
+        # the final evaluation must still reach the shards after stop is requested, but never
+        # waits long for one that died meanwhile
+        final_cluster = dataclasses.replace(
+            cfg.cluster,
+            request_timeout_s=min(cfg.cluster.request_timeout_s, FINAL_WAIT_S),
+        )
         self.final_client = PSClient(
-            plan, member.node_id, cfg.cluster, plans=plans, transport=member.transport
+            plan, member.node_id, final_cluster, plans=plans, transport=member.transport
         )
         # sparse tables: the latest rows, read as each test batch needs them (sparse.py)
         self.rows = self.final_rows = None
@@ -114,20 +133,24 @@ class Evaluator:
                 RowExchange(
                     plan,
                     member.node_id,
-                    cfg.cluster,
+                    cluster,
                     member.transport,
                     abort,
                     client.address_of if plans else None,
                     read_only=True,
                     max_ids=cfg.sparse.max_ids,
                 )
-                for client, abort in (
-                    (self.client, member.stop_requested.is_set),
-                    (self.final_client, None),
+                for client, abort, cluster in (
+                    (self.client, member.stop_requested.is_set, cfg.cluster),
+                    (self.final_client, None, final_cluster),
                 )
             )
         self.evals = 0
         self.metrics: dict[str, float] = {}  # of the latest evaluation
+        self.versions: list[int] = []  # each shard's version the latest evaluation measured
+        # the model holds values no evaluation measured (a pull came, its measure failed)
+        self.unmeasured = False
+        self.final_error: str | None = None  # why the final evaluation could not be made
         self.best: BestEvaluation | None = None  # with eval.keep_best
 
     @property
@@ -150,13 +173,15 @@ class Evaluator:
 
     def evaluate_once(self, client: PSClient, final: bool = False) -> None:
         started = time.perf_counter()
-        self.state.load(client.pull(-1))
+        values = client.pull(-1)
+        self.unmeasured = True
+        self.state.load(values)
         rows = self.final_rows if client is self.final_client else self.rows
         if rows is not None:
             rows.bind(self.state.model)
         metrics = measure(self.task, self.state.model, self.test, self.cfg, self.state.device)
         self.evals += 1
-        self.metrics = metrics
+        self.metrics, self.versions, self.unmeasured = metrics, list(client.versions), False
         value = metrics[self.watched.name]
         if self.cfg.eval.keep_best and better(
             self.watched, value, self.best.metrics[self.watched.name] if self.best else None
@@ -185,8 +210,17 @@ class Evaluator:
                 stop.wait(max(0.0, next_at - time.monotonic()))
         if not self.member.scheduler_lost:
             # the scheduler was lost while the final result was reported
-            with contextlib.suppress(Aborted):
+            try:
                 self.evaluate_once(self.final_client, final=True)
+            except Aborted:
+                pass
+            except HetpsError as exc:  # a shard that died as the run stopped, ...
+                self.final_error = str(exc)
+                log.warning(
+                    "final evaluation not made (%s); the last one measured versions %s",
+                    exc,
+                    self.versions,
+                )
         if self.model_out is not None:
             self.save_model(self.model_out)
 
@@ -209,12 +243,7 @@ class Evaluator:
                 **more,
             )
 
-        path, _ = write_state(
-            self.full_state(self.final_rows),
-            folder / "model.safetensors",
-            described(self.metrics, "final"),
-        )
-        log.info("model written to %s (%s)", path, self.metrics)
+        self._save_final(folder, described)
         b = self.best
         if b is None:
             return
@@ -232,6 +261,52 @@ class Evaluator:
             described(b.metrics, "best", versions=b.versions),
         )
         log.info("best model written to %s (%s)", path, b.metrics)
+
+    def _save_final(self, folder: Path, described) -> None:
+        """model.safetensors: the model the latest evaluation measured, when the evaluator
+        holds it whole (see the module's docstring)."""
+        if self.evals == 0 or self.unmeasured:
+            log.warning(
+                "%s not written: the evaluator holds no measured model (%s)",
+                folder / "model.safetensors",
+                "no evaluation was made" if self.evals == 0 else "the final one failed midway",
+            )
+            return
+        if self.final_error is not None and not any(self.versions):
+            log.warning(
+                "%s not written: the last evaluation measured the initial model (%s)",
+                folder / "model.safetensors",
+                self.final_error,
+            )
+            return
+        more = {"versions": self.versions}
+        if self.final_error is not None:
+            more["final_error"] = self.final_error
+        evaluation = "final" if self.final_error is None else "last"
+        b = self.best
+        if self.final_error is not None and b is not None and b.versions == self.versions:
+            # the last evaluation was the best: its copy is whole, sparse tables included
+            path, _ = write_state(
+                b.state, folder / "model.safetensors", described(b.metrics, evaluation, **more)
+            )
+            log.info("model written to %s from the best (= last) evaluation's copy", path)
+            return
+        if self.final_error is not None and self.final_rows is not None:
+            log.warning(
+                "%s not written: its sparse tables cannot be read whole (%s)",
+                folder / "model.safetensors",
+                self.final_error,
+            )
+            return
+        try:
+            state = self.full_state(self.final_rows)
+        except HetpsError as exc:
+            log.warning("%s not written: its sparse tables: %s", folder / "model.safetensors", exc)
+            return
+        path, _ = write_state(
+            state, folder / "model.safetensors", described(self.metrics, evaluation, **more)
+        )
+        log.info("model written to %s (%s, versions %s)", path, self.metrics, self.versions)
 
     def full_state(self, rows: RowExchange | None) -> dict[str, torch.Tensor]:
         """The model's state_dict with every sparse table whole (read from the shards), so

@@ -330,11 +330,35 @@ def test_resume_without_a_common_valid_version_takes_each_shards_newest_valid(tm
     assert point.versions == {0: 30, 1: 25} and not point.consistent
 
 
-def test_export_reads_the_newest_version_every_shard_has_valid(tmp_path):
+def test_export_reads_each_shards_newest_valid_checkpoint(tmp_path):
+    """The result is the newest model the shards can give together, as an evaluator's pull is:
+    not the newest version they share (every shard shares version 0, the initial model)."""
     from hetps.training.export import newest_tensors
 
-    run_dir, folders = write_run(tmp_path, {0: [10, 20], 1: [10, 20]})
+    run_dir, folders = write_run(tmp_path, {0: [0, 10, 20], 1: [0, 10, 25]})
     overwrite_tensor_bytes(folders[0] / f"v{20:012d}.pt", torch.ones(3) * 20)
     tensors, versions = newest_tensors([folders[0], folders[1]])
-    assert versions == {"ps0": 10, "ps1": 10}
+    assert versions == {"ps0": 10, "ps1": 25}  # ps0's damaged v20 passed over
     assert torch.equal(tensors["t0"], torch.ones(3) * 10)
+    assert torch.equal(tensors["t1"], torch.ones(3) * 25)
+    # a shard killed before its first periodic checkpoint: the others' newest all the same
+    (tmp_path / "killed").mkdir()
+    run_dir, folders = write_run(tmp_path / "killed", {0: [0], 1: [0, 693]})
+    assert newest_tensors([folders[0], folders[1]])[1] == {"ps0": 0, "ps1": 693}
+
+
+def test_export_refuses_checkpoints_that_hold_only_the_initial_model(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from hetps.training.export import InitialModelOnly, export, main
+
+    run_dir, _ = write_run(tmp_path, {0: [0], 1: [0]})
+    config = run_dir / "config.yaml"
+    shutil.copy(Path(__file__).parents[2] / "configs" / "default.yaml", config)
+    out = tmp_path / "out" / "model.safetensors"
+    with pytest.raises(InitialModelOnly, match="only the initial model"):
+        export(run_dir, out)
+    assert not out.exists()
+    assert main([str(run_dir), "--out", str(out)]) == 2  # `hetps export`: one line, exit 2
+    assert not out.exists()
