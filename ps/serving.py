@@ -22,6 +22,7 @@ from hetps.runtime.daemon import scheduler_lost_exit, transport_options
 from hetps.runtime.emulation import Slowdown
 from hetps.runtime.membership import Membership, SchedulerUnreachable, reachable
 from hetps.runtime.metrics import serve_metrics
+from hetps.runtime.optim import check_optimizer
 from hetps.runtime.startup import Phases
 
 from .replication import ReplicaHost, ReplicatedShard, serve_round
@@ -68,6 +69,9 @@ def run_shard(
         return 1
     try:
         with member.starting():  # reported to the scheduler, which ends the run naming this shard
+            # the optimizer and lr schedule are built at the first INIT: one that cannot be built
+            # fails the shard's start, not every worker's INIT
+            check_optimizer(cfg.optimizer)
             speed = profile_update_speed(slowdown)
             phases.mark("profile")
         member.join(

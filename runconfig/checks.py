@@ -6,12 +6,13 @@ problems as `key: what is wrong` lines, so that all are reported at once.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from typing import Any, Callable
 
 from .algorithms import ALGORITHMS
-from .factories import FACTORY, FactoryError, load_factory
+from .factories import FACTORY, FactoryError, _closest, load_factory
 from .schema import BUILTIN_MODELS, CHOICES, DATASETS, SCHEDULES, TASKS, RunConfig
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # as runtime/devices.py
@@ -338,13 +339,45 @@ def _check_shard_processes(cluster) -> list[str]:
 def check_targets(cfg: RunConfig) -> list[str]:
     """Import every `package.module:factory` model, dataset, task and schedule name; a
     module that does not import, or has no such callable, is a problem here rather than
-    in a process started later."""
+    in a process started later. A schedule factory must also take `optimizer.schedule.kwargs`
+    (the shards call it as `factory(optimizer, **kwargs)`)."""
     out = []
     for path in ("model.name", "data.dataset", "task.name", "optimizer.schedule.name"):
         spec = value_at(cfg, path)
         if FACTORY.fullmatch(spec):
             try:
-                load_factory(spec, path)
+                factory = load_factory(spec, path)
             except FactoryError as exc:
                 out.append(str(exc))
+                continue
+            if path == "optimizer.schedule.name":
+                out += _check_call(
+                    factory, spec, "optimizer.schedule.kwargs", cfg.optimizer.schedule.kwargs
+                )
     return out
+
+
+def _check_call(factory: Callable, spec: str, key: str, kwargs: dict) -> list[str]:
+    """`key: ...` when `factory(optimizer, **kwargs)` cannot bind its arguments (a keyword it
+    does not take, with the close name it does take; one it needs and lacks), naming its
+    parameters; nothing when they bind or its signature cannot be read (a builtin)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return []
+    called = f"{spec}{signature}"
+    params = signature.parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        # the first parameter takes the optimizer
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        names = [n for n, p in list(params.items())[1:] if p.kind in kinds]
+        for word in kwargs:
+            if word not in names:
+                close = _closest(word, names)
+                hint = f"; did you mean {close!r}?" if close else ""
+                return [f"{key}: {called} takes no keyword {word!r}{hint}"]
+    try:
+        signature.bind(None, **kwargs)
+    except TypeError as exc:
+        return [f"{key}: {called} cannot be called as factory(optimizer, **{kwargs!r}): {exc}"]
+    return []

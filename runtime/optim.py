@@ -69,7 +69,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig):
     `factory(optimizer, **cfg.kwargs)`, any object with `step()`, `state_dict()`
     and `load_state_dict()` (a torch.optim.lr_scheduler scheduler other than
     ReduceLROnPlateau; warmup_steps and the other builtin
-    keys do not apply). Raises ValueError naming optimizer.schedule.name."""
+    keys do not apply). Raises ValueError naming optimizer.schedule.name, also for
+    whatever the factory raised."""
     if ":" not in cfg.name:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
     where = f"optimizer.schedule.name {cfg.name!r}"
@@ -79,8 +80,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig):
         raise ValueError(f"{where}: {exc.reason}") from None
     try:
         scheduler = factory(optimizer, **cfg.kwargs)
-    except TypeError as exc:
-        raise ValueError(f"{where}: TypeError: {exc}") from None
+    except Exception as exc:  # the user's factory may raise anything
+        raise ValueError(f"{where}: {type(exc).__name__}: {exc}") from None
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError(
             f"{where}: ReduceLROnPlateau steps on a metric, but the shards step the schedule "
@@ -96,3 +97,12 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig):
             f"{', '.join(missing)}"
         )
     return scheduler
+
+
+def check_optimizer(cfg: OptimizerConfig) -> None:
+    """Build the optimizer and lr schedule `cfg` names over a stand-in parameter, as a shard
+    builds them over its tensors (ps/updater.py), so that a factory that cannot build the
+    schedule fails before training, not in a shard serving its first INIT. Raises ValueError
+    naming the key (`optimizer.name`, `optimizer.schedule.name`)."""
+    optimizer = build_optimizer([torch.zeros(1, requires_grad=True)], cfg)
+    build_lr_scheduler(optimizer, cfg.schedule)

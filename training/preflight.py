@@ -7,7 +7,8 @@ of deep inside a running cluster.
 
 It also checks the settings only the model can check: that
 cluster.max_message_bytes lets the model's messages through
-(`message_bytes_needed`).
+(`message_bytes_needed`); and it builds what a shard builds from the config
+(the optimizer and its lr schedule, runtime/optim.py `check_optimizer`).
 
 Every worker and the evaluator run it before they register; `hetps run`
 runs it once while the shards and workers start (a failure stops them all):
@@ -35,6 +36,7 @@ from hetps.proto.plan import ClusterPlan, NodeEntry, TensorSpec, chunk_specs, sc
 from hetps.runconfig.algorithms import resolved_params
 from hetps.runconfig.schema import RunConfig
 from hetps.runtime.daemon import load_or_exit
+from hetps.runtime.optim import check_optimizer
 
 from .data import Datasets, DatasetUnavailable, load_datasets, test_batches
 from .models import ModelError, build_model
@@ -354,7 +356,12 @@ def build_checked(
     `check_message_bytes`. `sparse`: the tables `sparse.tables` selects are
     replaced by row-served ones first (worker/sparse.py; the dry step then
     computes on stand-in rows). Raises PreflightError (ConfigValueError for a
-    setting the model cannot work with)."""
+    setting the model cannot work with, or an optimizer or lr schedule that cannot be
+    built)."""
+    try:
+        check_optimizer(cfg.optimizer)  # what each shard builds from the config at its start
+    except ValueError as exc:
+        raise ConfigValueError(str(exc)) from None
     try:
         data = load_datasets(cfg.data, cfg.seed)
         task = task_for(cfg, data.num_classes)
