@@ -106,11 +106,14 @@ class Membership:
         self.node_id = 0
         # set (with stop_requested) once the scheduler is silent for the grace period
         self.scheduler_lost = False
+        # re-sent when unanswered (at once after a reconnect: a restarted scheduler never saw
+        # what the old one lost); the scheduler answers a re-sent request with its first reply
         self.rpc = RpcClient(
             scheduler,
             timeout_s=cluster.request_timeout_s,
             options=self.transport,
             should_abort=lambda: self.scheduler_lost,
+            retry_s=cluster.retry_s,
         )
         self.stop_requested = threading.Event()
         self.stop_reason = ""
@@ -355,8 +358,17 @@ class Membership:
             return False
 
     def report(self, kind: str, values: dict) -> None:
-        """Blocking; raises Aborted once the scheduler is lost."""
-        self.rpc.call(Report(node_id=self.node_id, kind=kind, values=values))
+        """Blocking; raises Aborted once the scheduler is lost. A scheduler
+        restarted without this node (before its state file held it) answers
+        BAD_STATE: this node registers again and the report goes once more."""
+        msg = Report(node_id=self.node_id, kind=kind, values=values)
+        try:
+            self.rpc.call(msg)
+        except RemoteError as exc:
+            if exc.status != Status.BAD_STATE or self._registration is None:
+                raise
+            self._register_again(self.rpc)
+            self.rpc.call(msg)
 
     def bye(self, stats: dict, timeout_s: float = 5.0, error: str = "", refused: int = 0) -> None:
         """Stop heartbeats, flush records in a last heartbeat, say goodbye

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hetps.proto.codec import Envelope, ProtocolError
-from hetps.proto.messages import Ack, Error, Plan, Status, Welcome
+from hetps.proto.messages import Ack, Error, Op, Plan, Status, Welcome
 from hetps.proto.plan import ClusterPlan, TensorSpec
 from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
@@ -36,6 +36,7 @@ from hetps.runconfig.targets import reached, stop_target
 from hetps.runtime.failures import Failure
 
 from . import failover, planning, registration, segments, state, status
+from .answered import AnsweredRequests
 from .formation import FORMATIONS
 from .held_beats import HeldBeat, HeldBeats
 from .nodes import EVAL_ROW_FIELDS, EvalTrack, Node, read_eval
@@ -44,6 +45,8 @@ from .runlog import RunLog
 from .stalls import StallTracker
 
 log = logging.getLogger(__name__)
+# the requests that change the scheduler's state: a re-sent one is answered with its first reply
+ANSWERED_ONCE = (Op.REGISTER, Op.REPORT, Op.BYE, Op.FAILED, Op.STOP)
 STOP_GRACE_S = 20.0  # longest wait for workers/evaluator to leave before shards are stopped
 EXIT_GRACE_S = 40.0  # longest wait for everyone to leave after a stop began
 
@@ -120,6 +123,21 @@ class Coordinator(Service):
         self.finished_steps = 0
         # who the cluster waits for
         self.stalls = StallTracker(cfg.cluster.heartbeat_s, cfg.cluster.dead_after_s, self.clock)
+        # a re-sent request that changes state is answered with its first reply (answered.py)
+        self.answered = AnsweredRequests()
+        self.handlers.update({op: self._answered_once(self.handlers[op]) for op in ANSWERED_ONCE})
+
+    def _answered_once(self, handler):
+        def answer_once(peer: bytes, env: Envelope):
+            kept = self.answered.answer(env.src, env.req_id)
+            if kept is not None:
+                return kept
+            reply = handler(peer, env)
+            if reply is not None:
+                self.answered.remember(env.src, env.req_id, reply)
+            return reply
+
+        return answer_once
 
     # ------------------------------------------------------------ helpers
     def elapsed(self) -> float:
@@ -367,6 +385,8 @@ class Coordinator(Service):
 
     def on_barrier(self, peer: bytes, env: Envelope):
         waiting = self.barriers.setdefault(env.msg.name, [])
+        # a re-sent wait replaces its first (its peer id may be new after a reconnect)
+        waiting[:] = [(p, r) for p, r in waiting if r != env.req_id]
         waiting.append((peer, env.req_id))
         if len(waiting) >= env.msg.count:
             for p, req in self.barriers.pop(env.msg.name):
