@@ -15,6 +15,7 @@ by its backup are recorded and the run goes on (scheduler/outcome.py says which 
     config               the run cannot reach its target (a setting, found once running)
     timer_error          one of the scheduler's timers raised (recorded once per timer)
     startup              the cluster did not form within cluster.startup_timeout_s
+    no_steps             the run stopped before any worker took a training step
 
 `{role}` is `shard` for a ps, else the node's role (`worker`, `spare`, `evaluator`).
 """
@@ -40,6 +41,7 @@ Kind = Literal[
     "config",
     "timer_error",
     "startup",
+    "no_steps",
 ]
 KINDS: frozenset[str] = frozenset(get_args(Kind))
 
@@ -55,6 +57,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "config": ("node", "t", "error"),
     "timer_error": ("timer", "error", "t"),
     "startup": ("missing", "refused_nodes"),
+    "no_steps": ("t", "error"),
 }
 # a field whose JSON key is another name: `startup`'s refused nodes share the key `refused`
 # with `{role}_error`'s refused status
@@ -71,7 +74,7 @@ class Failure:
     node_id: int | None = None
     t: float | None = None  # seconds of the run (the scheduler's clock) when it was recorded
     host: str | None = None  # startup_failed: the host the node reported
-    error: str | None = None  # what the node, the timer or the check said
+    error: str | None = None  # what the node, the timer or the check said (no_steps: why)
     reason: str | None = None  # startup_failed: the run's stop reason, one line
     silent_s: float | None = None  # {role}_dead: seconds since it was last heard from
     refused: int | None = None  # {role}_error: the Status its pushes were refused with (0: none)

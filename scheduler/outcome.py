@@ -4,7 +4,8 @@ run's status and exit code, and the software it ran on.
 Statuses (summary.json `status`) and the exit codes of `hetps run`:
 
     completed    0    target accuracy, time or step limit reached, or a STOP request
-    failed       1    a node failed (at start-up: the summary names it and quotes its error)
+    failed       1    a node failed (at start-up: the summary names it and quotes its error),
+                      or the run stopped (not interrupted) before any training step
     diverged     3    non-finite test loss or training loss (under cluster.nonfinite skip/clip:
                       every live worker's), NaN/Inf pushes refused from every worker, or for
                       stop.diverged_after evaluations in a row a test loss over LOSS_FACTOR x
@@ -222,6 +223,17 @@ def checkpoint_failures(node, failures: list[Failure], t: float) -> list[Failure
             )
         )
     return new
+
+
+def no_steps_failure(stop_reason: str | None, steps: int, t: float) -> Failure | None:
+    """The `no_steps` failure of a run that stopped (`stop_reason`, neither interrupted nor
+    diverged) after `steps` = 0 training steps of its workers, whatever stopped it: such a
+    run trained nothing and is never `completed`. None while it runs, or once it stepped."""
+    if stop_reason is None or stop_reason in (INTERRUPTED, DIVERGED) or steps > 0:
+        return None
+    return Failure(
+        "no_steps", t=t, error=f"no training step was taken before the run stopped ({stop_reason})"
+    )
 
 
 def run_status(stop_reason: str | None, failed: bool) -> str:

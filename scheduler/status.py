@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from .efficiency import run_efficiency
 from .nodes import ROLES
-from .outcome import environment, run_status
+from .outcome import environment, no_steps_failure, run_status
 from .placement import placement_shares
 from .segments import COUNTED, segment_summary
 
@@ -47,9 +47,15 @@ def run_summary(coord: Coordinator) -> dict:
     }
     own_evals = coord.evals.count - int(earlier.evals.get("count", 0))
     stragglers = [f"{n.role}{n.rank}" for n in coord.nodes.values() if not n.gone]
-    failed = coord.failed or next(
-        (f for f in coord.failures if f.kind in ("startup", "startup_failed")), None
+    steps = earlier.total("steps") + coord.global_steps()
+    # a run that trained nothing failed, whatever stopped it (computed: a view changes nothing)
+    no_steps = no_steps_failure(coord.stop_reason, steps, round(coord.elapsed(), 3))
+    failed = (
+        coord.failed
+        or next((f for f in coord.failures if f.kind in ("startup", "startup_failed")), None)
+        or no_steps
     )
+    failures = [*coord.failures, no_steps] if no_steps and failed is no_steps else coord.failures
     return {
         "status": run_status(coord.stop_reason, failed is not None),
         "failed_node": failed.node if failed else None,
@@ -61,7 +67,7 @@ def run_summary(coord: Coordinator) -> dict:
         "time_to_target_s": coord.evals.time_to_target_s,
         # the whole run: a resumed run's earlier segments included (`segments` says what each did)
         "wall_s": round(earlier.t + coord.elapsed(), 3),
-        "global_steps": earlier.total("steps") + coord.global_steps(),
+        "global_steps": steps,
         "bytes_sent": sum(v["sent"] for v in per_node.values()),
         "bytes_received": sum(v["received"] for v in per_node.values()),
         "per_node": per_node,
@@ -98,7 +104,7 @@ def run_summary(coord: Coordinator) -> dict:
         ],
         # worker -> its non-finite training losses (under cluster.nonfinite skip/clip: no verdict)
         "nonfinite_losses": dict(sorted(coord.guard.nonfinite_losses.items())),
-        "failures": [f.to_json() for f in coord.failures],
+        "failures": [f.to_json() for f in failures],
         "not_left": stragglers,
         "hosts": {
             f"{n.role}{n.rank}": n.host

@@ -217,7 +217,9 @@ def test_the_scheduler_records_each_damaged_checkpoint_once_in_the_failures(tmp_
         ps = coord.on_register(
             b"p", Envelope(Register(role="ps", rank=0, address="mem://ps0"), 1, 0)
         ).node_id
-        coord.on_register(b"w", Envelope(Register(role="worker", rank=0, tensor_specs=SPECS), 2, 0))
+        worker = coord.on_register(
+            b"w", Envelope(Register(role="worker", rank=0, tensor_specs=SPECS), 2, 0)
+        ).node_id
         damaged = {"file": "/c/run/ps0/v000000000040.pt", "error": "cut short: 10 of its 99 bytes"}
         stats = NodeStats.read(
             {"version": 21, "checkpoints_damaged": [{**damaged, "restored_version": 20}]}
@@ -231,6 +233,8 @@ def test_the_scheduler_records_each_damaged_checkpoint_once_in_the_failures(tmp_
             damaged["error"],
             20,
         )
+        trained = NodeStats.read({"steps": 5})  # a run that trained nothing would have failed
+        coord.on_heartbeat(b"w", Envelope(Heartbeat(node_id=worker, stats=trained), 5, worker))
         coord.begin_stop("test over")
         coord.close()
         summary = json.loads((tmp_path / "summary.json").read_text())

@@ -111,7 +111,7 @@ def test_a_scheduler_restarted_right_after_the_stop_was_decided_finishes_that_st
         # the shard and the evaluator wait for the workers, as in any stop
         assert not again.beat("ps0").stop and not again.beat("evaluator0").stop
         for name in ("worker0", "worker1"):
-            ack = again.beat(name)
+            ack = again.beat(name, {"steps": 40})  # a run that trained nothing would have failed
             assert ack.stop and ack.info["reason"] == reason
             again.bye(name)
         assert again.beat("evaluator0").stop and not again.beat("ps0").stop
@@ -196,8 +196,8 @@ def test_under_skip_one_workers_nan_loss_is_counted_not_a_verdict(tmp_path):
     test loss is finite and another live worker's loss is."""
     with cluster(tmp_path, ["cluster.nonfinite=skip", "stop.target_accuracy=0.9"]) as c:
         for step in range(1, 4):
-            c.beat("worker0", records=[ok_step("worker0", step)])
-            c.beat("worker1", records=[nan_step("worker1", step)])
+            c.beat("worker0", {"steps": step}, records=[ok_step("worker0", step)])
+            c.beat("worker1", {"steps": step}, records=[nan_step("worker1", step)])
             c.now[0] += 1.0
             c.evaluation(0.6 + 0.1 * step)
             c.coord.tick()
@@ -255,7 +255,7 @@ def test_a_scheduler_killed_while_closing_leaves_a_summary_and_its_restart_write
     with cluster(tmp_path, ["stop.target_accuracy=0.9"]) as c:
         c.evaluation(0.95)
         for name in ("worker0", "worker1", "evaluator0", "ps0"):
-            assert c.beat(name).stop
+            assert c.beat(name, {"steps": 40} if name.startswith("worker") else None).stop
             c.bye(name)
         assert c.coord.finished()
         written = state.write

@@ -53,6 +53,7 @@ WRITTEN = [
         "missing": {"worker": 1},
         "refused": [{"node": "worker2", "host": "h", "reason": "drift", "t": 0.2}],
     },
+    {"kind": "no_steps", "t": 5.0, "error": "no training step was taken (time limit 5s)"},
 ]
 
 
