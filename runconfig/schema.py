@@ -218,7 +218,8 @@ class ClusterConfig:
         default_factory=MessageFaults, help="fault injection on the wire (keys below)"
     )
     retry_s: float = setting(
-        2.0, help="a worker re-sends an unanswered push/pull after this (doubling)"
+        2.0,
+        help="a node re-sends an unanswered request (push, pull, one to the scheduler) after this (doubling)",
     )
     nonfinite: str = setting(
         "reject", help="NaN/Inf in a push: reject (NONFINITE) | skip (ack, not applied) | clip"
