@@ -30,7 +30,7 @@ from hetps.runconfig.load import dump_config
 from hetps.runconfig.schema import RunConfig
 from hetps.runconfig.targets import stop_target
 from hetps.runtime.curve_setup import check_run_keys, keys_for_run
-from hetps.runtime.daemon import security_problem
+from hetps.runtime.daemon import not_writable, run_dir_problem, security_problem
 from hetps.runtime.devices import assign_devices, local_gpu_count
 from hetps.runtime.startup import process_age_s
 from hetps.scheduler.outcome import EXIT_CODES
@@ -102,19 +102,6 @@ def with_local_devices(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, workers=workers))
 
 
-def not_writable(path: Path) -> str | None:
-    """Why the directory `path` cannot be made or written into, or None when
-    it can (as far as the nearest existing folder tells, without writing)."""
-    probe = path.expanduser().absolute()
-    while not probe.exists() and probe != probe.parent:  # the nearest part that exists
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"{probe} is not a directory"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{probe} is not writable"
-    return None
-
-
 def prestart_problems(cfg: RunConfig, run_dir: Path) -> list[str]:
     """What would make a process of the run fail at start, found before any
     starts, one line each: keys CurveZMQ cannot load (security.keys_dir), a
@@ -124,8 +111,8 @@ def prestart_problems(cfg: RunConfig, run_dir: Path) -> list[str]:
         check_run_keys(cfg, run_dir / "keys")
     except SecurityError as exc:
         out.append(security_problem(exc))
-    if why := not_writable(run_dir):
-        out.append(f"the run directory {run_dir} cannot be made: {why} (choose another with --out)")
+    if problem := run_dir_problem(run_dir):
+        out.append(f"the run directory {run_dir} {problem} (choose another with --out)")
     if cfg.checkpoint.dir and (why := not_writable(Path(cfg.checkpoint.dir))):
         out.append(
             f"config error: checkpoint.dir: shards cannot write to {cfg.checkpoint.dir}: {why}"

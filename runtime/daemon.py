@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 
 from hetps.proto.link import Link
 from hetps.proto.security import SecurityError
@@ -172,6 +173,29 @@ def check_and_exit(role: str, **resolved) -> None:
         "registers; alone: python -m hetps.training.preflight --config CONFIG)"
     )
     raise SystemExit(0)
+
+
+def not_writable(path: Path) -> str | None:
+    """Why the directory `path` cannot be made or written into, or None when
+    it can (as far as the nearest existing folder tells, without writing)."""
+    probe = path.expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:  # the nearest part that exists
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+def run_dir_problem(path: Path) -> str | None:
+    """What keeps `path` from being a run directory, as words after its name: `is not
+    writable` (it exists), `cannot be made: ...` (`not_writable`'s reason); None when it can
+    be made or written into."""
+    why = not_writable(path)
+    if why is None:
+        return None
+    return "is not writable" if path.is_dir() else f"cannot be made: {why}"
 
 
 def load_or_exit(path: str | None, overrides: list[str], import_targets: bool = False) -> RunConfig:

@@ -9,7 +9,8 @@ and workers the config lists, sends the plan, and stops the cluster on target
 accuracy, time or step limit, a STOP request, SIGINT or SIGTERM. Writes
 metrics.jsonl, plan.json and summary.json into --run-dir when given.
 Exit 0 after a clean stop (also on SIGINT/SIGTERM), 1 when a node failed at
-start-up or the cluster never formed, 3 when training diverged (see outcome.py).
+start-up or the cluster never formed, 3 when training diverged (see outcome.py);
+2 before binding, for a bad config or a --run-dir that cannot be made or written.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hetps.runtime.daemon import (
     load_or_exit,
     log_level_args,
     metrics_args,
+    run_dir_problem,
     security_or_exit,
 )
 from hetps.runtime.metrics import serve_metrics
@@ -94,7 +96,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetps scheduler: config error: {problem}", file=sys.stderr)
         return 2
     if run_dir:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        problem = run_dir_problem(run_dir)
+        if problem is None:
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # what run_dir_problem cannot foresee: a name too long, ...
+                problem = f"cannot be made: {exc.strerror or exc}"
+        if problem:
+            print(f"hetps scheduler: --run-dir {run_dir} {problem}", file=sys.stderr)
+            return 2
     finished = state.read(run_dir) if run_dir and not args.resume else None
     if finished is not None and finished["finished"] and args.run_id in (None, finished["run_id"]):
         # a scheduler restarted after its run ended (an orchestrator's retry): never a new run in the old

@@ -1,18 +1,21 @@
 """Settings that name paths, refused before anything starts: the keys
 directory of security.curve (runtime/curve_setup.py) and what `hetps run`
-checks before it starts a process (frontend/launcher.py `prestart_problems`)."""
+checks before it starts a process (frontend/launcher.py `prestart_problems`), and the
+scheduler's --run-dir."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from hetps.frontend.launcher import not_writable, prestart_problems
+from hetps.frontend.launcher import prestart_problems
 from hetps.proto.security import SecurityError, write_keys
 from hetps.runconfig.load import load_config
 from hetps.runtime.curve_setup import KeysSettingError, check_run_keys, resolve_keys_dir
-from hetps.runtime.daemon import security_problem
+from hetps.runtime.daemon import not_writable, security_problem
 
 
 @pytest.fixture(autouse=True)
@@ -84,3 +87,39 @@ def test_directories_that_cannot_be_written_are_named(tmp_path):
     ]
     assert prestart_problems(load_config(None, []), tmp_path / "run") == []
     assert not (tmp_path / "run").exists()  # checked, not made
+
+
+# a directory that exists and that nobody, root included, may write into (procfs): where the
+# tests run as root, a folder's mode bits would not stop the write
+UNWRITABLE = Path("/proc/self")
+
+
+def test_an_existing_run_directory_that_cannot_be_written_is_said_to_be_not_writable(tmp_path):
+    assert prestart_problems(load_config(None, []), UNWRITABLE) == [
+        f"the run directory {UNWRITABLE} is not writable (choose another with --out)"
+    ]
+
+
+def scheduler(*args: str) -> subprocess.CompletedProcess:
+    """`hetps scheduler ARGS` to its end (it imports no torch: a second or two)."""
+    return subprocess.run(
+        [sys.executable, "-m", "hetps.scheduler", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+
+
+def test_a_scheduler_run_dir_that_cannot_be_made_or_written_is_one_line_exit_2(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for run_dir, why in (
+        (a_file / "run", f"cannot be made: {a_file} is not a directory"),
+        (UNWRITABLE, "is not writable"),
+    ):
+        result = scheduler("--config", "configs/sync.yaml", "--run-dir", str(run_dir))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"hetps scheduler: --run-dir {run_dir} {why}"
+        ], result.stderr
