@@ -286,6 +286,7 @@ class Simulation:
             raise RuntimeError(f"shard {i} refused worker {w.member.rank}: {msg.message}")
         if w.take_reply(i, msg, nbytes):
             w.finish_step(self.q.now)
+            self._hear_step_limit()
             self._step(w)
 
     def _step(self, w: SimWorker) -> None:
@@ -302,12 +303,27 @@ class Simulation:
         for i, msg in messages:
             self._send(w, i, msg)
         if not messages:  # a local step that ends no round: the next one follows at once
+            self._hear_step_limit()
             self._step(w)
+
+    def _hear_step_limit(self) -> None:
+        """`stop.max_steps` reached: every node beats now, so the coordinator stops on the
+        step that reached it, not up to a heartbeat period of steps later (a real cluster
+        hears steps with the heartbeats: there it stops that much later)."""
+        limit = self.cfg.stop.max_steps
+        if limit and sum(w.stats()["steps"] for w in self.workers.values()) >= limit:
+            self._beat()
 
     # ------------------------------------------------------------ heartbeats, plans, evaluation, faults
     def _heartbeat(self) -> None:
         if self.coord.stop_reason is not None:
             return  # one left in the queue while the final averages are carried
+        self._beat()
+        if self.coord.stop_reason is None:
+            self.q.after(self.cfg.cluster.heartbeat_s, self._heartbeat)
+
+    def _beat(self) -> None:
+        """Every live node's heartbeat, then the coordinator's tick."""
         now = self.q.now
         for w in self.workers.values():
             if not w.alive:
@@ -330,8 +346,6 @@ class Simulation:
             for sid, shard in self.shards.items():
                 shard.adopt(self.coord.plan)  # closes open rounds: parked pulls may be answered now
                 self._deliver_all(sid, self._drain(shard))
-        if self.coord.stop_reason is None:
-            self.q.after(self.cfg.cluster.heartbeat_s, self._heartbeat)
 
     def _drain(self, shard: Shard) -> list:
         sent, shard.server.inbox.sent = shard.server.inbox.sent, []

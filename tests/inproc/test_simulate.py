@@ -211,3 +211,21 @@ def test_links_and_shard_service_queue_messages_in_virtual_time():
     # waits its turn
     assert service.finish(arrived=1.5, nbytes=100_000, slowdown=1.0) == pytest.approx(2.1)
     assert service.busy_s == pytest.approx(1.1)
+
+
+@pytest.mark.parametrize("algorithm", ["sync", "async", "cpsgd"])
+def test_the_step_limit_stops_on_the_step_that_reaches_it(tmp_path, digits, algorithm):
+    """Not up to a heartbeat period of steps later (4 workers at the default cost model step
+    about 80 times each per 0.5 s heartbeat)."""
+    summary, _ = run(
+        tmp_path,
+        digits,
+        algorithm,
+        f"algorithm.name={algorithm}",
+        "cluster.heartbeat_s=0.5",
+        "cluster.dead_after_s=2.5",
+        "stop.max_steps=40",
+    )
+    assert summary["stop_reason"] == "step limit 40"
+    # the step that reached it, and those other workers finished meanwhile
+    assert 40 <= summary["global_steps"] < 40 + 4, summary["global_steps"]
