@@ -34,8 +34,10 @@ from hetps.runtime.daemon import not_writable, run_dir_problem, security_problem
 from hetps.runtime.devices import assign_devices, local_gpu_count
 from hetps.runtime.startup import process_age_s
 from hetps.scheduler.outcome import EXIT_CODES
-from hetps.scheduler.runlog import SummaryFile
+from hetps.scheduler.runlog import SummaryFile, read_metrics, steps_recorded
 from hetps.scheduler.state import STATE_FILE
+from hetps.scheduler.state import read as read_state
+from hetps.scheduler.status import saved_summary
 
 from . import result_model
 from .faults import FaultInjector
@@ -395,6 +397,16 @@ class LocalCluster:
             self.children[0].popen.wait(timeout=SCHEDULER_STOP_S)
         summary_file = SummaryFile(self.run_dir)
         summary = summary_file.read() or {}
+        if not summary.get("status") and name == "scheduler":
+            # it died for good: what it saved in its state file, not the launcher's stub alone
+            saved = read_state(self.run_dir)
+            if saved is not None:
+                fields = saved_summary(saved)
+                # its step records may be newer than its last save (every SAVE_EVERY_S)
+                steps, last_t = steps_recorded(read_metrics(self.run_dir / "metrics.jsonl"))
+                fields["global_steps"] = max(fields["global_steps"], steps)
+                fields["wall_s"] = max(fields.get("wall_s", 0.0), last_t)
+                summary = summary_file.update(**fields)
         node = summary.get("failed_node") or name
         # the scheduler's own words when it failed the run (a node's report, or the cluster never formed)
         detail = (

@@ -103,6 +103,19 @@ def records_of(records: list[dict], kind: str, **types: type) -> list[dict]:
     return [r for r in records if r.get("kind") == kind and fits(r, **types)]
 
 
+def steps_recorded(records: list[dict]) -> tuple[int, float]:
+    """The workers' steps as their step records tell them (each worker's highest
+    `step` + 1, summed) and the time of the latest one (seconds since training
+    began): what a run's metrics.jsonl says when nothing else does (a scheduler
+    that died between two saves of its state)."""
+    highest: dict[int, int] = {}
+    steps = records_of(records, "step", worker=int, step=int, t=float)
+    for r in steps:
+        highest[r["worker"]] = max(highest.get(r["worker"], -1), r["step"])
+    last_t = max((r["t"] for r in steps), default=0.0)
+    return sum(h + 1 for h in highest.values()), last_t
+
+
 def plan_fits(rec: dict) -> bool:
     """Whether `rec` is a `plan` record with what its readers use: `t`, `plan_id` and `groups`
     (lists of worker node ids)."""

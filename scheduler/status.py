@@ -10,14 +10,13 @@ import math
 from typing import TYPE_CHECKING
 
 from .efficiency import run_efficiency
-from .nodes import ROLES
+from .nodes import ROLES, EvalTrack
 from .outcome import environment, no_steps_failure, run_status
 from .placement import placement_shares
 from .segments import COUNTED, segment_summary
 
 if TYPE_CHECKING:
     from .coordinator import Coordinator
-    from .nodes import EvalTrack
 
 
 def count(stats: dict, key: str) -> int:
@@ -139,6 +138,29 @@ def metric_summary(ev: EvalTrack) -> dict:
             {"metric": ev.target_metric, "value": ev.target} if ev.target is not None else None
         ),
     }
+
+
+def saved_summary(saved: dict) -> dict:
+    """What a scheduler that died for good had saved in its state file
+    (scheduler-state.json, state.py), in summary.json's shape: the workers'
+    steps and samples as last heard, the evaluations, the failures and the
+    training time so far, marked `from_state: true`. Plain data read back from
+    a file: a field it lacks is left out."""
+    workers = [n for n in saved.get("nodes") or [] if n.get("role") == "worker"]
+    out: dict = {
+        "from_state": True,
+        "run_id": saved.get("run_id"),
+        "global_steps": sum(count(n.get("stats") or {}, "steps") for n in workers),
+        "global_samples": sum(count(n.get("stats") or {}, "samples") for n in workers),
+        "failures": list(saved.get("failures") or []),
+    }
+    if isinstance(saved.get("elapsed_s"), (int, float)):
+        out["wall_s"] = round(saved["elapsed_s"], 3)
+    try:
+        ev = EvalTrack(**saved["evals"])
+    except (KeyError, TypeError):
+        return out
+    return {**out, "evals": ev.count, **metric_summary(ev)}
 
 
 def stall_summary(coord: Coordinator) -> dict:

@@ -70,3 +70,27 @@ def test_a_run_failed_by_a_dead_shard_keeps_the_schedulers_summary(run_dir):
     dead = [f for f in s["failures"] if f["kind"] == "shard_dead"]
     assert [f["node"] for f in dead] == ["ps1"] and dead[0]["silent_s"] > DEAD_AFTER_S, s
     assert "ps1" not in s["not_left"] and "worker0" not in s["not_left"], s
+
+
+def test_a_scheduler_dead_for_good_leaves_what_its_state_file_and_step_records_hold(run_dir):
+    """No scheduler writes the summary: `hetps run` fills it from scheduler-state.json and the
+    step records in metrics.jsonl (was: the launcher's four verdict fields alone)."""
+    from cluster_util import REPO, run_hetps
+
+    result = run_hetps(
+        [
+            "run",
+            str(REPO / "configs" / "sync.yaml"),
+            "stop.target_accuracy=null",
+            "stop.max_seconds=60",
+            "cluster.kill=[{node: scheduler, at_step: 100}]",
+            "--out",
+            str(run_dir),
+        ],
+        timeout_s=180,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    s = summary(run_dir)
+    assert (s["status"], s["failed_node"], s["from_state"]) == ("failed", "scheduler", True)
+    assert s["global_steps"] >= 100 and s["wall_s"] > 0, s
+    assert s["run_id"] and isinstance(s["failures"], list)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import math
 
+import pytest
+
 from hetps.proto.codec import Envelope
 from hetps.proto.messages import Ack, Bye, Heartbeat, Register, Report
 from hetps.proto.plan import TensorSpec
@@ -277,3 +279,24 @@ def test_a_scheduler_killed_while_closing_leaves_a_summary_and_its_restart_write
         s = json.loads((tmp_path / "summary.json").read_text())
         assert (s["status"], s["stop_reason"]) == ("completed", first["stop_reason"])
         assert state.read(tmp_path)["finished"]
+
+
+# ---------------------------------------------------------------- a scheduler that dies for good
+def test_a_scheduler_dead_for_good_leaves_its_counts_in_its_state_file(tmp_path):
+    """What `hetps run` writes into summary.json when the scheduler never comes back
+    (status.saved_summary): the steps, evaluations and failures its state file holds."""
+    from hetps.scheduler.status import saved_summary
+
+    with cluster(tmp_path, ["stop.target_accuracy=0.99"]) as c:
+        c.now[0] += 2.0
+        c.beat("worker0", {"steps": 30, "samples": 960})
+        c.beat("worker1", {"steps": 31, "samples": 992})
+        c.evaluation(0.61)
+        c.evaluation(0.72)
+        c.coord.save_state()
+        s = saved_summary(state.read(tmp_path))
+    assert s["from_state"] is True and s["run_id"] == c.coord.run_id
+    assert (s["global_steps"], s["global_samples"]) == (61, 1952)
+    assert (s["evals"], s["final_accuracy"], s["best_accuracy"]) == (2, 0.72, 0.72)
+    assert s["wall_s"] == pytest.approx(2.0, abs=0.01) and s["failures"] == []
+    assert saved_summary({"nodes": [], "evals": {"bogus": 1}})["global_steps"] == 0  # odd file

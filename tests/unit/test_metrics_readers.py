@@ -154,3 +154,18 @@ def test_the_cost_model_takes_the_steps_that_were_measured(tmp_path):
     write_metrics(tmp_path, [LEAN_STEP])
     with pytest.raises(ConfigError, match="no step records"):
         measured_costs(tmp_path)
+
+
+def test_the_steps_recorded_are_each_workers_highest_step_summed():
+    from hetps.scheduler.runlog import steps_recorded
+
+    records = [
+        {"kind": "register", "t": 9.0, "node": "ps0"},  # not a step: its time is not training's
+        {"kind": "step", "t": 1.0, "worker": 0, "step": 0},
+        {"kind": "step", "t": 1.5, "worker": 1, "step": 0},
+        {"kind": "step", "t": 2.0, "worker": 0, "step": 1},
+        {"kind": "step", "t": 2.5, "worker": 1, "step": 4},  # records may be sampled
+        {"kind": "step", "t": 3.0, "worker": "x", "step": 9},  # odd: skipped
+    ]
+    assert steps_recorded(records) == (2 + 5, 2.5)
+    assert steps_recorded([]) == (0, 0.0)
