@@ -29,6 +29,7 @@ from .records import (
     read_agreed,
     read_hold_s,
     read_plan,
+    read_report_values,
     read_spare_slots,
     read_speed,
     read_startup,
@@ -226,7 +227,8 @@ class Report(Message):
     OP: ClassVar[Op] = Op.REPORT
     node_id: int
     kind: str  # "eval"
-    values: dict = field(default_factory=dict)
+    # what the scheduler reads typed at decode (records.py REPORT_FIELDS), the rest plain data
+    values: dict = field(default_factory=dict, metadata=read_as("dict", read_report_values))
 
 
 @dataclass(frozen=True)

@@ -357,6 +357,58 @@ def write_ack(ack: FusedAck | None) -> dict:
 # ---------------------------------------------------------------- registration and plan
 
 
+def _bool(where: str, value: Any) -> bool:
+    if type(value) is not bool:
+        _bad(where, f"must be true or false, got {value!r:.40}")
+    return value
+
+
+def _text(where: str, value: Any) -> str:
+    if type(value) is not str or len(value) > MAX_TEXT:
+        _bad(where, f"must be a string of at most {MAX_TEXT} characters, got {value!r:.40}")
+    return value
+
+
+def _keyed(read: Callable[[str, Any], Any]) -> Callable[[str, Any], dict]:
+    """A map of string keys (checked by the msgpack decoder) to values `read` takes."""
+
+    def read_keyed(where: str, value: Any) -> dict:
+        if type(value) is not dict:
+            _bad(where, f"must be a map, got {type(value).__name__}")
+        return {k: read(f"{where}.{k}", v) for k, v in value.items()}
+
+    return read_keyed
+
+
+def _counts(where: str, value: Any) -> list[int]:
+    if type(value) is not list:
+        _bad(where, f"must be a list of counts, got {value!r:.40}")
+    return [read_count(where, v) for v in value]
+
+
+# REPORT `values` (an evaluation, docs/protocol.md): the fields the scheduler reads, typed
+REPORT_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+    "accuracy": _or_null(_real),
+    "loss": _or_null(_real),
+    "metrics": _keyed(_real),
+    "higher_is_better": _keyed(_bool),
+    "watch": _text,
+    "num_classes": _or_null(read_count),
+    "final": _bool,
+    "versions": _counts,
+}
+
+
+def read_report_values(value: Any) -> dict:
+    """REPORT `values`: each field of REPORT_FIELDS of its type (a number: any float, NaN
+    included: a diverged loss is worth reporting), the others plain data (read_plain).
+    Raises ProtocolError(MALFORMED) naming the field."""
+    plain = read_map("values", value)
+    return {
+        k: REPORT_FIELDS[k](f"values.{k}", v) if k in REPORT_FIELDS else v for k, v in plain.items()
+    }
+
+
 def read_tensor_specs(value: Any) -> list[TensorSpec]:
     if type(value) not in (list, tuple):
         _bad("tensor_specs", f"must be a list, got {type(value).__name__}")

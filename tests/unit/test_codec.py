@@ -464,3 +464,39 @@ def test_encode_large_tensor_without_copy():
     view = memoryview(frames[1])
     assert view.nbytes == t.numel() * 4
     assert torch.frombuffer(view, dtype=torch.uint8).data_ptr() == t.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "values, where",
+    [
+        ({"accuracy": "high"}, "values.accuracy"),
+        ({"loss": "low"}, "values.loss"),
+        ({"metrics": {"r2": "0.9"}}, "values.metrics.r2"),
+        ({"num_classes": "ten"}, "values.num_classes"),
+        ({"final": "yes"}, "values.final"),
+        ({"watch": 3}, "values.watch"),
+        ({"higher_is_better": {"r2": "yes"}}, "values.higher_is_better.r2"),
+        ({"versions": ["a"]}, "values.versions"),
+    ],
+)
+def test_a_report_value_of_the_wrong_type_is_malformed_at_decode(values, where):
+    err = refused([pack(hdr(Op.REPORT, node_id=3, kind="eval", values=values))])
+    assert err.status == Status.MALFORMED and where in err.message, err.message
+
+
+def test_report_values_of_their_types_decode_as_sent():
+    values = {
+        "metrics": {"loss": float("nan"), "r2": 1},
+        "higher_is_better": {"r2": True},
+        "watch": "r2",
+        "loss": float("inf"),  # a diverged loss is worth reporting
+        "num_classes": None,
+        "final": True,
+        "versions": [3, 4],
+        "eval_s": 0.2,  # a field the scheduler does not know: plain data
+    }
+    got = decode([pack(hdr(Op.REPORT, node_id=3, kind="eval", values=values))]).msg.values
+    assert got["metrics"]["r2"] == 1.0 and got["loss"] == float("inf")
+    assert {k: v for k, v in got.items() if k not in ("metrics", "loss")} == {
+        k: v for k, v in values.items() if k not in ("metrics", "loss")
+    }
