@@ -395,10 +395,13 @@ class EpochBatches:
         return self.indices[torch.randperm(len(self.indices), generator=rng)]
 
 
-def loader(dataset, collate, num_workers: int, pin_memory: bool, **how) -> DataLoader:
+def loader(
+    dataset, collate, num_workers: int, pin_memory: bool, persistent: bool = False, **how
+) -> DataLoader:
     """A DataLoader over `dataset` (`how`: batch_sampler, or batch_size for an
     iterable dataset). An ArrayDataset gives whole batches (`__getitems__`):
-    they are passed on as they are."""
+    they are passed on as they are. `persistent` (num_workers > 0): the loader
+    processes outlive one iteration."""
     if isinstance(dataset, ArrayDataset) or collate is None:
         collate = ready if hasattr(dataset, "__getitems__") else default_collate
     return DataLoader(
@@ -406,8 +409,9 @@ def loader(dataset, collate, num_workers: int, pin_memory: bool, **how) -> DataL
         collate_fn=collate,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        # loader processes stay for the stream's life (a new plan makes a new stream)
-        persistent_workers=False,
+        # a training stream's loader processes stay for the stream's life, iterated once
+        # (a new plan makes a new stream); the evaluator's test loader is iterated per evaluation
+        persistent_workers=persistent and num_workers > 0,
         **how,
     )
 
@@ -454,10 +458,36 @@ class StreamBatches:
         return batch
 
 
-def test_batches(dataset, batch_size: int, collate=None, num_workers: int = 0):
-    """The test split once, in order, in batches of at most `batch_size` (the last may be smaller)."""
+class OncePerLoader(torch.utils.data.IterableDataset):
+    """An iterable dataset read by a DataLoader's `num_workers` processes, each
+    keeping every num_workers-th element (by its process id), so that the
+    split's elements come once, not once per process."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        elements = iter(self.dataset)
+        if info is None or info.num_workers == 1:
+            return elements
+        return itertools.islice(elements, info.id, None, info.num_workers)
+
+
+def test_batches(
+    dataset, batch_size: int, collate=None, num_workers: int = 0, persistent: bool = False
+):
+    """The test split once per iteration, in batches of at most `batch_size`
+    (the last may be smaller): in order for a map-style split; an iterable
+    one's elements each once, in an order its `num_workers` loader processes
+    interleave. Iterate it again for the next evaluation: with `persistent`,
+    the loader processes stay for the next iteration (the evaluator's, each
+    `eval.every_s`), instead of starting anew each time."""
+    keep = persistent and num_workers > 0
     if getattr(dataset, "iterable", False):
-        return loader(dataset, collate, num_workers, False, batch_size=batch_size)
+        return loader(
+            OncePerLoader(dataset), collate, num_workers, False, keep, batch_size=batch_size
+        )
     n = len(dataset)
     starts = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
-    return loader(dataset, collate, num_workers, False, batch_sampler=starts)
+    return loader(dataset, collate, num_workers, False, keep, batch_sampler=starts)

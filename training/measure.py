@@ -33,10 +33,23 @@ def evaluate(
     return metrics["accuracy"], metrics["loss"]
 
 
-def measure(task: Task, model: torch.nn.Module, test, cfg: RunConfig, device) -> dict[str, float]:
-    """Every metric of `task` on the whole test split (`data.eval_batch_size` batches)."""
-    batches = test_batches(test, cfg.data.eval_batch_size, task.collate, cfg.data.num_workers)
+def measure(
+    task: Task, model: torch.nn.Module, test, cfg: RunConfig, device, batches=None
+) -> dict[str, float]:
+    """Every metric of `task` on the whole test split (`data.eval_batch_size` batches).
+    `batches`: the split's `test_loader`, made once by a caller that measures again and
+    again (the evaluator); None: one made for this measure."""
+    if batches is None:
+        batches = test_loader(task, test, cfg)
     return evaluate_task(task, model, batches, device)
+
+
+def test_loader(task: Task, test, cfg: RunConfig, persistent: bool = False):
+    """The test split's batches as `measure` reads them, to iterate once per
+    evaluation; `persistent`: its loader processes (`data.num_workers`) stay."""
+    return test_batches(
+        test, cfg.data.eval_batch_size, task.collate, cfg.data.num_workers, persistent
+    )
 
 
 def report_values(task: Task, watched: Metric, metrics: dict[str, float], **more) -> dict:

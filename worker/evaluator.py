@@ -40,7 +40,7 @@ from hetps.runconfig.schema import RunConfig
 from hetps.runtime.membership import Membership
 from hetps.training.data import ArrayDataset
 from hetps.training.export import describe, state_copy, write_state
-from hetps.training.measure import better, measure, report_values
+from hetps.training.measure import better, measure, report_values, test_loader
 from hetps.training.sparse import tables_of
 from hetps.training.state import ModelState
 from hetps.training.step import task_for
@@ -146,6 +146,7 @@ class Evaluator:
                 )
             )
         self.evals = 0
+        self.batches = None  # the test split's loader, made at the first evaluation
         self.metrics: dict[str, float] = {}  # of the latest evaluation
         self.versions: list[int] = []  # each shard's version the latest evaluation measured
         # the model holds values no evaluation measured (a pull came, its measure failed)
@@ -179,7 +180,11 @@ class Evaluator:
         rows = self.final_rows if client is self.final_client else self.rows
         if rows is not None:
             rows.bind(self.state.model)
-        metrics = measure(self.task, self.state.model, self.test, self.cfg, self.state.device)
+        if self.batches is None:  # one loader for every evaluation: its processes stay
+            self.batches = test_loader(self.task, self.test, self.cfg, persistent=True)
+        metrics = measure(
+            self.task, self.state.model, self.test, self.cfg, self.state.device, self.batches
+        )
         self.evals += 1
         self.metrics, self.versions, self.unmeasured = metrics, list(client.versions), False
         value = metrics[self.watched.name]

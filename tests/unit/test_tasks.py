@@ -560,6 +560,23 @@ def test_loader_processes_give_the_same_batches(stream_pkg):
             assert len(set(sum(got[0], []))) == 32
 
 
+def test_the_test_split_is_read_once_whatever_its_loader_processes(stream_pkg):
+    """data.num_workers for the evaluation: each test example once per evaluation, for a
+    map-style split and a stream (each loader process used to read the whole stream), and
+    again at the next evaluation from the same loader (its processes kept)."""
+    from hetps.training.data import load_datasets, test_batches
+    from hetps.training.task import Task
+
+    for dataset in ("rows", "stream"):
+        cfg = cfg_of(f"data.dataset={stream_pkg}:{dataset}")
+        test = load_datasets(cfg.data, 0).test
+        alone = sorted(sum((flat(b) for b in test_batches(test, 5, Task().collate)), []))
+        assert len(alone) == 32 == len(set(alone))
+        batches = test_batches(test, 5, Task().collate, num_workers=2, persistent=True)
+        for _ in range(2):  # two evaluations
+            assert sorted(sum((flat(b) for b in batches), [])) == alone, dataset
+
+
 def test_schedule_factory_builds_the_users_scheduler(factories):
     from hetps.runtime.optim import build_lr_scheduler
 
