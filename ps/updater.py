@@ -74,6 +74,26 @@ class Updater:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
 
+    @property
+    def momentum(self) -> float:
+        """The configured momentum: SGD's `momentum`, Adam's first beta; 0 without either."""
+        if self.optimizer is None:
+            return 0.0
+        group = self.optimizer.param_groups[0]
+        return float(group["betas"][0] if "betas" in group else group.get("momentum", 0.0))
+
+    def _set_momentum(self, momentum: float) -> list:
+        """Every param group's momentum set to `momentum`; returns what each had."""
+        kept = []
+        for g in self.optimizer.param_groups:
+            if "betas" in g:
+                kept.append(g["betas"])
+                g["betas"] = (momentum, g["betas"][1])
+            else:
+                kept.append(g["momentum"])
+                g["momentum"] = momentum
+        return kept
+
     def state_dict(self) -> dict:
         optimizer = self.optimizer.state_dict() if self.optimizer else None
         if self.arena is not None:
@@ -96,8 +116,15 @@ class Updater:
             self.optimizer.load_state_dict(optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
 
-    def apply(self, grads: Mapping[str, torch.Tensor], lr_scale: float = 1.0) -> None:
-        """One optimizer step. `grads` must hold every parameter; they are only read."""
+    def apply(
+        self,
+        grads: Mapping[str, torch.Tensor],
+        lr_scale: float = 1.0,
+        momentum: float | None = None,
+    ) -> None:
+        """One optimizer step. `grads` must hold every parameter; they are only read.
+        `momentum`: this step's momentum (SGD) or first beta (Adam) instead of the
+        configured one, the buffers kept (None: as configured)."""
         if self.optimizer is None:
             return
         if self.arena is None:
@@ -111,11 +138,15 @@ class Updater:
             base = [g["lr"] for g in self.optimizer.param_groups]
             for g in self.optimizer.param_groups:
                 g["lr"] *= lr_scale
+        kept = self._set_momentum(momentum) if momentum is not None else None
         if self._direct and self._stepped:
             sgd_step(self.optimizer)
         else:
             self.optimizer.step()
             self._stepped = True
+        if kept is not None:
+            for g, value in zip(self.optimizer.param_groups, kept):
+                g["betas" if "betas" in g else "momentum"] = value
         if lr_scale != 1.0:
             for g, lr in zip(self.optimizer.param_groups, base):
                 g["lr"] = lr

@@ -66,6 +66,11 @@ class GroupingParams:
         help='auto k: "ratio" (smallest k with homogeneous groups) | "ch" (Calinski-Harabasz)',
     )
     scale_lr: bool = setting(True, help="a group's update uses lr / staleness")
+    momentum_correction: bool = setting(
+        False,
+        help="a group's update uses momentum max(0, m - (1 - 1/G)) for G groups: explicit plus "
+        "the asynchrony's implicit momentum stays at the configured m (Adam: its first beta)",
+    )
     regroup: bool = setting(True, help="re-form groups while training when speeds drift")
     hysteresis: float = setting(0.3, help="relative speed change that may trigger re-grouping")
     regroup_every_s: float = setting(

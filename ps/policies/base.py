@@ -107,11 +107,17 @@ class ConsistencyPolicy(ABC):
 
     # ------------------------------------------------------------ the one update path for gradients
     def apply_update(
-        self, grads: dict, buffers: dict, buffer_weight: float, lr_scale: float = 1.0
+        self,
+        grads: dict,
+        buffers: dict,
+        buffer_weight: float,
+        lr_scale: float = 1.0,
+        momentum: float | None = None,
     ) -> None:
-        """One optimizer step on `grads` (lr times `lr_scale`), buffers moved
-        toward `buffers` with `buffer_weight`, the shard's version bumped."""
-        self.updater.apply(grads, lr_scale=lr_scale)
+        """One optimizer step on `grads` (lr times `lr_scale`; `momentum` instead of the
+        configured one, None: as configured), buffers moved toward `buffers` with
+        `buffer_weight`, the shard's version bumped."""
+        self.updater.apply(grads, lr_scale=lr_scale, momentum=momentum)
         self.store.mix_buffers(buffers, buffer_weight)
         self.store.mark_updated(grads)
 

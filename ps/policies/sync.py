@@ -94,7 +94,11 @@ class GroupingPolicy(ConsistencyPolicy):
         grads, buffers = rnd.means(self.divisor(rnd))
         staleness = 1 + self.store.version - self.last_update_at.get(g, 0)
         self.apply_update(
-            grads, buffers, len(rnd.members) / max(1, len(self.workers)), self.lr_scale(staleness)
+            grads,
+            buffers,
+            len(rnd.members) / max(1, len(self.workers)),
+            self.lr_scale(staleness),
+            self.group_momentum(),
         )
         self.last_update_at[g] = self.store.version
         self.group_updates[g] = self.group_updates.get(g, 0) + 1
@@ -119,6 +123,16 @@ class GroupingPolicy(ConsistencyPolicy):
     def lr_scale(self, staleness: int) -> float:
         """The group update's lr factor: 1 / staleness (`scale_lr`)."""
         return 1.0 / staleness if self.params.scale_lr else 1.0
+
+    def group_momentum(self) -> float | None:
+        """A group update's momentum with `momentum_correction`: G groups updating
+        asynchronously add about 1 - 1/G of implicit momentum (Mitliagkas et al.,
+        "Asynchrony begets momentum", 2016), so the optimizer's own is lowered to keep
+        their sum at the configured m: max(0, m - (1 - 1/G)). None: as configured."""
+        g = len(self.groups)
+        if not getattr(self.params, "momentum_correction", False) or g < 2:
+            return None
+        return max(0.0, self.updater.momentum - (1.0 - 1.0 / g))
 
     def pull_ready(self, worker: int, clock: int) -> bool:
         return clock < 0 or self.applied.get(worker, 0) >= clock
@@ -154,6 +168,9 @@ class SyncPolicy(GroupingPolicy):
 
     def lr_scale(self, staleness: int) -> float:
         return 1.0  # one group: nobody else updates in between
+
+    def group_momentum(self) -> float | None:
+        return None  # one group: no asynchrony
 
 
 class BalancedPolicy(SyncPolicy):

@@ -35,11 +35,24 @@ class Cluster(ShardHarness):
     """The shards of a plan over tiny_model()'s tensors and the first `n_workers`
     of W, initialised (by W[0]) with the model's values, kept as `initial`."""
 
-    def __init__(self, algorithm: str, overrides: list[str], n_workers: int = 4, n_shards: int = 1):
+    def __init__(
+        self,
+        algorithm: str,
+        overrides: list[str],
+        n_workers: int = 4,
+        n_shards: int = 1,
+        groups: list[list[int]] = (),
+    ):
         self.model = tiny_model()
         self.workers = W[:n_workers]
         super().__init__(
-            model_specs(self.model), overrides, self.workers, n_shards, algorithm, plan_id=PLAN_ID
+            model_specs(self.model),
+            overrides,
+            self.workers,
+            n_shards,
+            algorithm,
+            plan_id=PLAN_ID,
+            groups=groups,
         )
         self.initial = self.tensors(seed=None)
         self.init(self.initial, self.workers[0])
@@ -405,3 +418,37 @@ def test_straggler_draw_is_shared_and_spread():
     draws = [straggler_of(0, s, 4) for s in range(800)]
     assert draws == [straggler_of(0, s, 4) for s in range(800)]  # every worker computes the same
     assert all(150 < draws.count(i) < 250 for i in range(4))
+
+
+# ---------------------------------------------------------------- grouping: momentum correction
+@pytest.mark.parametrize("correct, groups", [(True, 2), (True, 3), (False, 3)])
+def test_grouping_momentum_correction_lowers_each_group_updates_momentum(clusters, correct, groups):
+    """`algorithm.momentum_correction`: with G asynchronous groups a group's update steps
+    with momentum max(0, m - (1 - 1/G)), the buffer shared (Mitliagkas et al., 2016); off,
+    with m. Each group is one worker, lr / staleness as always; against torch's own SGD."""
+    m = 0.9
+    opt_keys = ["optimizer.lr=0.1", f"optimizer.momentum={m}", "optimizer.weight_decay=1e-3"]
+    c = clusters(
+        "grouping",
+        [*opt_keys, f"algorithm.momentum_correction={str(correct).lower()}"],
+        n_workers=groups,
+        groups=[[w] for w in W[:groups]],
+    )
+    names = c.params()
+    ref = [torch.nn.Parameter(c.initial[n].clone()) for n in names]
+    used = max(0.0, m - (1 - 1 / groups)) if correct else m
+    opt = torch.optim.SGD(ref, lr=0.1, momentum=used, weight_decay=1e-3)
+    version = 0
+    for step in range(2):  # every group twice: the shared buffer carries over
+        for i, w in enumerate(c.workers):
+            g = c.tensors(seed=100 * step + i)
+            (ack,) = c.push(w, step, g, base_version=version)
+            # 1 + the other groups' updates since this group's last (none before the first)
+            staleness = groups if step else i + 1
+            for p, n in zip(ref, names):
+                p.grad = g[n].clone()
+            opt.param_groups[0]["lr"] = 0.1 / staleness
+            opt.step()
+            version += 1
+            assert ack.version == version
+    assert_close(c.values(), dict(zip(names, ref)), names)
