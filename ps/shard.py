@@ -118,6 +118,11 @@ class Shard(Service):
         self.rows = RowService(
             plan, node_id, cfg, self.algorithm.policy, self.screen, self.slowdown, self.counts
         )
+        if not self.store.specs:
+            # the placement gave this shard no dense tensor (its part of the model is sparse rows):
+            # no INIT ever fills it, so its policy is made now, to answer a PULL (no values, its
+            # version) and a PUSH of no tensor, and to checkpoint its rows, instead of parking them
+            self._make_policy()
         # pull replies leave zero-copy from the live tensors: whatever else may write them settles first
         self.handlers = {
             op: h if op == Op.PULL else self._settled(h) for op, h in self.handlers.items()

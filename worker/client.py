@@ -22,7 +22,7 @@ import torch
 
 from hetps.proto.codec import DTYPE_NAMES, ProtocolError
 from hetps.proto.compression import FLOATS, Compressor
-from hetps.proto.messages import Ack, Init, Params, Pull, Push, Status
+from hetps.proto.messages import Ack, Init, Message, Params, Pull, Push, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.records import PushInfo
 from hetps.proto.rpc import RpcClient, wait_all
@@ -84,6 +84,9 @@ class PSClient:
             for i, (s, faults) in enumerate(zip(plan.shards, self.faults))
         ]
         self.names = shard_names(plan)
+        # the shards that hold a dense tensor: the only ones INIT, PUSH and PULL go to (as in
+        # ps-lite, a server that holds no key of a request is not asked); the placement is fixed
+        self.dense = [i for i, names in enumerate(self.names) if names]
         self.versions = [0] * len(plan.shards)  # version of each shard's values we hold
         # seconds from sending the last push_pull until its pushes were acked
         self.last_push_s = 0.0
@@ -142,17 +145,22 @@ class PSClient:
 
     def init(self, values: Mapping[str, torch.Tensor]) -> None:
         """Offer initial values to every shard; the first offer a shard gets wins."""
-        ids = [
-            c.send(Init(plan_id=self.plan.plan_id, tensors=part))
-            for c, part in zip(self.shards, self._split(values))
-        ]
-        wait_all(list(zip(self.shards, ids)))
+        parts = self._split(values)
+        wait_all(self._send_dense(lambda i: Init(plan_id=self.plan.plan_id, tensors=parts[i])))
 
     def pull(self, clock: int) -> Tensors:
         """Current values from every shard (may wait, per the algorithm).
         Returned tensors are read-only views of received frames."""
-        ids = [c.send(Pull(plan_id=self.plan.plan_id, clock=clock)) for c in self.shards]
-        return self._gather_params(ids)
+        sent = self._send_dense(lambda i: Pull(plan_id=self.plan.plan_id, clock=clock))
+        return self._join(
+            Tensors.merge(
+                self._params_reply(i, reply).tensors for i, reply in zip(self.dense, wait_all(sent))
+            )
+        )
+
+    def _send_dense(self, message: Callable[[int], Message]) -> list[tuple[RpcClient, int]]:
+        """(client, request id) of `message(i)` sent to each shard i of `dense`, in order."""
+        return [(self.shards[i], self.shards[i].send(message(i))) for i in self.dense]
 
     def _push(
         self, i: int, part: dict, clock: int, n_samples: int, info: dict | None, pull: bool = False
@@ -181,12 +189,10 @@ class PSClient:
         n_samples: int,
         info: dict | None = None,
     ) -> list[Ack]:
-        """Push without pulling (e.g. a last model when the run stops); returns the ACKs."""
-        ids = [
-            c.send(self._push(i, part, clock, n_samples, info))
-            for i, (c, part) in enumerate(zip(self.shards, self._split(tensors)))
-        ]
-        return wait_all(list(zip(self.shards, ids)))
+        """Push without pulling (e.g. a last model when the run stops); returns the ACKs of
+        the shards that hold a dense tensor, in shard order."""
+        parts = self._split(tensors)
+        return wait_all(self._send_dense(lambda i: self._push(i, parts[i], clock, n_samples, info)))
 
     def push_pull(
         self,
@@ -198,19 +204,19 @@ class PSClient:
         """Push this step's tensors (gradients and buffers; a model for the
         averaging algorithms; `info`: algorithm extras) made after `clock`
         pushes, then pull the values for the next step. Returns the push ACKs
-        and values. Every shard's request goes out before any reply is awaited."""
+        and values (the ACKs of the shards that hold a dense tensor, in shard order).
+        Every shard's request goes out before any reply is awaited."""
         started = time.monotonic()
-        steps = [
-            self.send_step(i, part, clock, n_samples, info)
-            for i, part in enumerate(self._split(tensors))
-        ]
+        parts = self._split(tensors)
+        steps = {i: self.send_step(i, parts[i], clock, n_samples, info) for i in self.dense}
         # all ACKs first, then values; while one shard is awaited the others' requests are tended
-        acked = [self.await_ack(i, step, self._others(i)) for i, step in enumerate(steps)]
+        acked = {i: self.await_ack(i, step, self._others(i)) for i, step in steps.items()}
         # one value that keeps the runs the decoders found, so a flat model loads each with one copy
         values = Tensors.merge(
-            self.await_values(i, step, reply, self._others(i)).tensors
-            for i, (step, (_, _, reply)) in enumerate(zip(steps, acked))
+            self.await_values(i, step, acked[i][2], self._others(i)).tensors
+            for i, step in steps.items()
         )
+        acked = list(acked.values())
         self.last_push_s = max(0.0, max(at for _, at, _ in acked) - started) if acked else 0.0
         return [ack for ack, _, _ in acked], self._join(values)
 
@@ -236,7 +242,7 @@ class PSClient:
         return push_id, c.send(Pull(plan_id=self.plan.plan_id, clock=clock + 1), after=push_id)
 
     def _others(self, i: int) -> list[RpcClient]:
-        return [c for j, c in enumerate(self.shards) if j != i]
+        return [self.shards[j] for j in self.dense if j != i]
 
     def await_ack(
         self, i: int, step: tuple[int, int | None], tend: list[RpcClient] = ()
@@ -261,14 +267,6 @@ class PSClient:
             reply
             if reply is not None
             else self._params_reply(i, self.shards[i].wait(step[1], tend=tend))
-        )
-
-    def _gather_params(self, ids: list[int]) -> Tensors:
-        return self._join(
-            Tensors.merge(
-                self._params_reply(i, reply).tensors
-                for i, reply in enumerate(wait_all(list(zip(self.shards, ids))))
-            )
         )
 
     def _params_reply(self, i: int, reply, fused: bool = False) -> Params:
