@@ -19,15 +19,15 @@ from hetps.training.data import load_datasets
 from hetps.training.measure import measure
 from hetps.training.step import task_for
 
-KILL_STEP = 120
+KILL_STEP = 60
 
 MOMENTS = {
     # ps0 dies; the time limit comes before its silence is declared (dead_after_s)
-    "before_declared": ["cluster.dead_after_s=30", "stop.max_seconds=10"],
+    "before_declared": ["cluster.dead_after_s=8", "stop.max_seconds=5"],
     # ps0 dies and is declared dead long before the time limit
-    "after_declared": ["cluster.dead_after_s=1", "stop.max_seconds=10"],
+    "after_declared": ["cluster.dead_after_s=1", "stop.max_seconds=5"],
     # ps0 dies at the step the run stops on: the stop and the kill meet
-    "as_the_stop_begins": ["cluster.dead_after_s=30", f"stop.max_steps={KILL_STEP}"],
+    "as_the_stop_begins": ["cluster.dead_after_s=8", f"stop.max_steps={KILL_STEP}"],
 }
 
 
@@ -56,6 +56,8 @@ def test_a_shard_killed_as_the_run_ends_never_leaves_an_untrained_or_unnamed_mod
         timeout_s=180,
     )
     assert result.returncode == 0, result.stderr[-3000:] + log_tails(run_dir)
+    faults = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
+    assert [(f["action"], f["node"]) for f in faults] == [("kill", "ps0")], faults
     s = summary(run_dir)
     assert s["global_steps"] > 0
     model = s["model"]
