@@ -275,9 +275,22 @@ class Shard(Service):
         return ack
 
     def on_pull(self, peer: bytes, env: Envelope):
+        self._check_puller(env)
         return self._answer_or_park(
             ParkedPull(peer, env.req_id, env.src, env.msg.clock, since=self.clock())
         )
+
+    def _check_puller(self, env: Envelope) -> None:
+        """Refuse (BAD_STATE) a PULL or PULL_ROWS with a clock from a node that is no worker of
+        the plan this shard serves: it would wait for a clock no round of this plan counts.
+        Served: clock -1 (the latest values, never parked: the evaluator's, which no plan names)
+        and a sender that follows a plan newer than this shard's (a worker that just joined)."""
+        msg = env.msg
+        if msg.clock >= 0 and msg.plan_id <= self.plan.plan_id:
+            if env.src not in self.plan.worker_ids():
+                raise ProtocolError(
+                    Status.BAD_STATE, f"node {env.src} is not a worker of plan {self.plan.plan_id}"
+                )
 
     def _answer_or_park(self, pull: ParkedPull) -> Params | None:
         if self._ready(pull):
@@ -294,6 +307,7 @@ class Shard(Service):
     # ------------------------------------------------------------ sparse tables
     def on_pull_rows(self, peer: bytes, env: Envelope):
         """Rows by id, from the row service (parked while the worker's round of rows is open)."""
+        self._check_puller(env)
         return self.rows.pull(self.plan, peer, env)
 
     def on_push_rows(self, peer: bytes, env: Envelope):
