@@ -35,6 +35,9 @@ class GroupingPolicy(ConsistencyPolicy):
         }
         self.staleness_sum: dict[int, int] = {}  # group -> sum of its updates' staleness
         self.counts["contributions"] = 0  # pushes applied (accepted: pushes in)
+        # worker -> the size of its group in the plan before the current one: a push made under
+        # that plan counts as its share of that group's round mean (`on_push`)
+        self.late_share: dict[int, int] = {}
         self._set_groups(plan)
 
     def groups_of(self, plan: ClusterPlan) -> list[list[int]]:
@@ -50,6 +53,7 @@ class GroupingPolicy(ConsistencyPolicy):
     def adopt(self, plan: ClusterPlan) -> None:
         for g in list(self.rounds):
             self._close(g)  # flush: partial rounds are applied with the members they have
+        self.late_share = {w: len(members) for members in self.groups for w in members}
         super().adopt(plan)
         self.restored = False  # a new worker set: clocks need not line up any more
         self._set_groups(plan)
@@ -73,7 +77,11 @@ class GroupingPolicy(ConsistencyPolicy):
             # joining a new round would misalign rounds across shards
             late = Round()
             late.add(worker, got.tensors, got.buffers, self.weight_of(push), borrow=True)
-            self._apply(g, late)
+            # its share of the old group's round, not a whole group's update: after a re-plan
+            # every member's push in flight arrives late, and 64 of them applied whole, each a
+            # step at the group's lr, threw a trained model back to chance (docs/algorithms.md)
+            share = self.late_share.get(worker, 1) if push.plan_id < self.plan_id else 0
+            self._apply(g, late, share)
             return got.staleness
         if realigning and push.clock > open_round.clock:
             self._close(g)  # restored: this worker's push for the open round was lost
@@ -90,8 +98,9 @@ class GroupingPolicy(ConsistencyPolicy):
     def _close(self, g: int) -> None:
         self._apply(g, self.rounds.pop(g))
 
-    def _apply(self, g: int, rnd: Round) -> None:
-        grads, buffers = rnd.means(self.divisor(rnd))
+    def _apply(self, g: int, rnd: Round, over: float = 0) -> None:
+        """Apply `rnd`'s mean: its sum over `over` (0: the policy's `divisor`)."""
+        grads, buffers = rnd.means(over or self.divisor(rnd))
         staleness = 1 + self.store.version - self.last_update_at.get(g, 0)
         self.apply_update(
             grads,

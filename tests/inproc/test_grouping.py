@@ -711,7 +711,8 @@ def test_grouping_with_singleton_groups_does_not_wait(harness):
 
 def test_push_made_under_a_plan_the_shard_left_is_applied_alone(harness):
     """After a switch, a push still carrying the old plan id must not join a new
-    round (another shard may have closed its twin in the flush): applied at once."""
+    round (another shard may have closed its twin in the flush): applied at once, as
+    its share of its old group's round (C was one of 2: its gradient counts 1/2)."""
     h = harness(plain_sgd(), groups=[[A, B], [C, D]], workers=(A, B, C, D))
     shard = h.shards[0]
     h.init(initial())
@@ -719,7 +720,7 @@ def test_push_made_under_a_plan_the_shard_left_is_applied_alone(harness):
     gc = grad(3)
     h.push(C, 0, gc)  # still plan PLAN_ID
     assert h.versions() == [1] and shard.stats()["pending"] == 0
-    assert_values(h.values(), sgd_step(initial(), gc, LR))
+    assert_values(h.values(), sgd_step(initial(), gc, LR / 2))
     versions, _ = h.answered(C, h.send_pull(C, 1))
     assert versions == [1]
     h.plan_id = PLAN_ID + 1
