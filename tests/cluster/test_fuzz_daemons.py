@@ -179,7 +179,8 @@ def scheduler_handler_case(draw, known_ids: set[int], schema: str):
             Op.REPORT,
             dict(node_id=node, kind=draw(st.just("eval") | TEXT), values=draw(free_dict)),
         )
-        expected = {Status.BAD_STATE}
+        # values the scheduler reads (`loss`, `final`, ...) are typed at decode
+        expected = {Status.BAD_STATE, M}
     elif kind == "bye":
         op, fields = Op.BYE, dict(node_id=node, stats=draw(free_dict))
         expected = {Status.BAD_STATE, M}
