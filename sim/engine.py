@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ from hetps.training.task import watched_metric
 
 from .events import EventQueue, Link, ServiceQueue, nbytes_of, speed_factor, transfer
 from .local_workers import SimDilocoWorker, SimLocalWorker
+from .model_file import SimModelFiles
 from .rows import SimRows
 from .wire import SimServer, call, dispatch, node_of, request, request_ids
 from .workers import SimMember, SimWorker, base_step_s
@@ -96,10 +98,18 @@ def check_simulable(cfg: RunConfig) -> None:
 
 
 class Simulation:
-    def __init__(self, cfg: RunConfig, run_dir: Path | None, data: Datasets | None = None):
-        """`data`: the loaded datasets of `cfg.data` (e.g. shared by the runs of a comparison)."""
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path | None,
+        data: Datasets | None = None,
+        progress: Callable[[], None] | None = None,
+    ):
+        """`data`: the loaded datasets of `cfg.data` (e.g. shared by the runs of a comparison).
+        `progress`: called after every event, in the loop (keep it cheap: `hetps simulate`'s
+        progress line looks at the wall clock and returns)."""
         check_simulable(cfg)
-        self.cfg, self.run_dir = cfg, run_dir
+        self.cfg, self.run_dir, self.progress = cfg, run_dir, progress
         self.q = EventQueue()
         self.ids = request_ids()
         torch.manual_seed(cfg.seed)
@@ -113,6 +123,10 @@ class Simulation:
         self.state = ModelState(model, torch.device("cpu"))
         self.eval_model = build_model(cfg.model, self.data.in_shape, outputs)
         sparse_tables(self.eval_model, cfg)
+        # model.safetensors, model.json and best.safetensors, as a real run's evaluator writes them
+        self.model_files = SimModelFiles(
+            cfg, self.task, self.watched, self.eval_model, self.data.in_shape, outputs
+        )
         self.coord = Coordinator(
             SimServer("sim://scheduler"), cfg, run_dir, run_id=f"sim{cfg.seed}", clock=self.q.clock
         )
@@ -360,16 +374,22 @@ class Simulation:
     def _evaluate(self, final: bool = False) -> None:
         if not final and self.coord.stop_reason is not None:
             return
-        values = {}
+        values, versions = {}, {}
         for sid, shard in self.shards.items():
             frames, _ = request(
                 Pull(plan_id=shard.plan.plan_id, clock=-1), self.evaluator_id, self.ids
             )
             for _, reply, _ in dispatch(shard, self.evaluator_id, frames):
-                values.update(decode(reply).msg.tensors)
+                params = decode(reply).msg
+                values.update(params.tensors)
+                versions[sid] = params.version
         values = join_parts(self.coord.plan, values)  # chunked tensors whole again
         ModelState(self.eval_model, torch.device("cpu")).load(values)
         metrics = measure(self.task, self.eval_model, self.data.test, self.cfg, torch.device("cpu"))
+        # each shard's version in the plan's order, as the real evaluator's pull holds them
+        self.model_files.measured(
+            metrics, [versions[e.node_id] for e in self.coord.plan.shards], final
+        )
         call(
             self.coord,
             self.evaluator_id,
@@ -413,6 +433,8 @@ class Simulation:
             if not self.q.run_next():
                 self.stalled = True
                 self.coord.begin_stop("simulation stalled: no event left (every worker waits)")
+            if self.progress is not None:
+                self.progress()
         self._final_averages()
         if self.cfg.eval.enabled:
             self._evaluate(final=True)
@@ -436,21 +458,30 @@ class Simulation:
         self.coord.close()
 
 
-def simulate(cfg: RunConfig, run_dir: Path, data: Datasets | None = None) -> dict:
-    """Run `cfg` in virtual time and write the run directory; returns the
-    summary (blocking). `data`: `cfg.data` already loaded. Raises
-    SimulationError (a ConfigError) for what the simulator does not model."""
+def simulate(
+    cfg: RunConfig,
+    run_dir: Path,
+    data: Datasets | None = None,
+    progress: Callable[[], None] | None = None,
+) -> dict:
+    """Run `cfg` in virtual time and write the run directory, the trained model
+    included (model.safetensors, model.json; best.safetensors with eval.keep_best);
+    returns the summary (blocking). `data`: `cfg.data` already loaded. `progress`:
+    called after every event (Simulation). Raises SimulationError (a ConfigError)
+    for what the simulator does not model."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "summary.json"):
+    for stale in ("metrics.jsonl", "summary.json", *SimModelFiles.NAMES):
         (run_dir / stale).unlink(missing_ok=True)
     dump_config(cfg, run_dir / "config.yaml")
     torch.set_num_threads(1)
     started = time.perf_counter()
-    sim = Simulation(cfg, run_dir, data)
+    sim = Simulation(cfg, run_dir, data, progress)
     sim.run()
+    sim.model_files.write(run_dir)
     return SummaryFile(run_dir).update(
         mode="simulated",
         simulation={
+            "sample_s": cfg.sim.sample_s,  # a worker's compute per sample (sim/workers.py)
             "virtual_s": round(sim.q.now, 6),
             "events": sim.q.processed,
             "stalled": sim.stalled,
