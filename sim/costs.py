@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from hetps.runconfig.schema import ConfigError
 from hetps.scheduler.runlog import read_metrics, records_of
+
+from .events import Link
 
 
 def step_records(run_dir: Path) -> list[dict]:
@@ -61,3 +64,41 @@ def measured_costs(run_dir: Path, n_workers: int | None = None) -> list[dict]:
 def workers_override(costs: list[dict]) -> str:
     """The `cluster.workers=...` override that puts `costs` in a config."""
     return "cluster.workers=" + json.dumps(costs)
+
+
+# The collective of a group that reduces before the shards (issue 40): a ring all-reduce, the
+# algorithm gloo runs for a CPU all-reduce. Each of its 2(k-1) steps sends 1/k of the bytes to the
+# next member (k-1 steps of reduce-scatter, k-1 of all-gather) and waits for the previous one.
+# Fitted by `.venv/bin/python bench/collective.py` (its "ring fit" line, 2026-12-02;
+# docs/results.md, Collectives) over its k = 2 rows, 4 KB-64 MB: on this 2-core machine larger
+# groups share CPUs and wait for the scheduler at every step, which the simulator, one host per
+# member, does not have. So the rate is what gloo's copies and sums reach over loopback on these
+# CPUs and the hop a loopback message; neither is a network's (a member's link_mbps and
+# latency_ms add that: group_allreduce_s).
+GLOO_BYTES_PER_S = 1.46e9  # bytes/s through one member of gloo's ring, loopback
+GLOO_HOP_S = 6.3e-5  # seconds per ring step beyond its bytes
+
+
+def allreduce_s(
+    nbytes: int, k: int, link_bytes_per_s: float = GLOO_BYTES_PER_S, hop_s: float = GLOO_HOP_S
+) -> float:
+    """Seconds a ring all-reduce of `nbytes` among `k` members takes: each
+    member sends and receives 2(k-1)/k x nbytes over `link_bytes_per_s` (the
+    slowest member's rate: every step waits for it) and each of the 2(k-1)
+    steps pays `hop_s`. 0 for k <= 1 (nothing to reduce). Pure."""
+    if k <= 1:
+        return 0.0
+    return 2 * (k - 1) / k * nbytes / link_bytes_per_s + 2 * (k - 1) * hop_s
+
+
+def group_allreduce_s(nbytes: int, links: Sequence[Link]) -> float:
+    """`allreduce_s` over the members' virtual links (one Link per member,
+    sim/events.py): the rate is the slowest member's `mbps` (0: uncapped)
+    capped by gloo's own GLOO_BYTES_PER_S, and a step's hop is GLOO_HOP_S plus
+    the two largest one-way latencies among the members (a step crosses the
+    sender's link and the receiver's, and waits for the slowest pair). Pure:
+    the links' queues are not moved."""
+    rates = [link.mbps * 1e6 / 8 for link in links if link.mbps > 0]
+    rate = min([GLOO_BYTES_PER_S, *rates])
+    latencies = sorted((link.latency_s for link in links), reverse=True)
+    return allreduce_s(nbytes, len(links), rate, GLOO_HOP_S + sum(latencies[:2]))

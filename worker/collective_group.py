@@ -91,6 +91,15 @@ class GlooGroup:
             ) from e
         return tensor
 
+    def barrier(self) -> None:
+        """Return when every member has reached it. Blocking; raises CollectiveError as allreduce_sum."""
+        try:
+            self.backend.barrier(dist.BarrierOptions()).wait()
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"barrier of group {self.prefix!r} failed at rank {self.rank}: {e}"
+            ) from e
+
     def close(self) -> None:
         """Release the group's pairs (idempotent); the store is left to its owner."""
         shutdown = getattr(self.backend, "shutdown", None)  # absent in older torch
