@@ -4,7 +4,7 @@
     hetps run --resume RUN_DIR [key=value ...]                          continue a stopped run
     hetps compare CONFIG --algorithms a,b,c [--repeats N] [--with ALGO key=value] [--out DIR] [--x time|steps|bytes]
                   [--simulate]
-    hetps simulate CONFIG [key=value ...] [--out DIR] [--replay RUN_DIR]
+    hetps simulate CONFIG [key=value ...] [--out DIR] [--quiet] [--replay RUN_DIR [--workers N]]
                                            the same experiment in virtual time, one process
     hetps plot    RUN_DIR_OR_COMPARE_DIR [--x time|steps|bytes]   draw a run's or a comparison's plots again
     hetps scheduler --config CONFIG [--bind ADDR] [--run-dir DIR]
@@ -87,29 +87,49 @@ def run_command(argv: list[str]) -> int:
 
 def simulate_command(argv: list[str]) -> int:
     from hetps.runconfig.schema import ConfigError
-    from hetps.sim.engine import simulate
+    from hetps.scheduler.runlog import SummaryFile
+    from hetps.sim.engine import check_simulable, simulate
+    from hetps.sim.sample_cost import sample_cost, sample_s_given
+    from hetps.training.preflight import ConfigValueError, PreflightError
 
     from .launcher import default_run_dir
     from .plots import plot_simulated
+    from .sim_progress import SimProgress
 
     parser = argparse.ArgumentParser(
         prog="hetps simulate",
         description="run one experiment in virtual time: "
-        "the real shards, scheduler and gradients, simulated clocks (docs/simulation.md)",
+        "the real shards, scheduler and gradients, simulated clocks (docs/simulation.md). "
+        "A worker's compute is sim.sample_s seconds per sample; unless the config sets it, "
+        "it is measured first on this machine with the configured model (one line says "
+        "which). Writes the run directory, model.safetensors included (hetps.load_model).",
     )
     parser.add_argument("config", help="YAML experiment, e.g. configs/default.yaml")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     parser.add_argument(
         "--out", default=None, help="run directory (default: out_dir/NAME-ALGO-TIME)"
     )
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
     parser.add_argument(
         "--replay",
         metavar="RUN_DIR",
         default=None,
         help="the workers' cost model measured in a real run's directory (sim/costs.py): "
-        "each worker's compute per step and the link latency, replacing cluster.workers",
+        "each worker's compute per step (step_s) and the link latency. It REPLACES "
+        "cluster.workers (the config's and any cluster.workers override): the simulated "
+        "cluster is the measured one; --workers N for more workers of the measured speeds",
+    )
+    parser.add_argument(
+        "--workers",
+        metavar="N",
+        type=int,
+        default=None,
+        help="with --replay: N workers, worker i at measured worker i mod K's cost (K measured; "
+        "N = 2K appends a copy of the measured cluster)",
     )
     args = parser.parse_intermixed_args(argv)
+    if args.workers is not None and (not args.replay or args.workers < 1):
+        parser.error("--workers N (N >= 1) goes with --replay RUN_DIR")
     if args.replay:
         from hetps.sim.costs import measured_costs, workers_override
 
@@ -118,17 +138,43 @@ def simulate_command(argv: list[str]) -> int:
         except ConfigError as exc:
             print(f"hetps simulate: {exc}", file=sys.stderr)
             return 2
+        measured = len(costs)
+        if args.workers is not None:
+            costs = [costs[i % measured] for i in range(args.workers)]
         args.overrides.append(workers_override(costs))
+        repeated = (
+            f"; simulating {len(costs)} workers, worker i at measured worker i mod {measured}'s cost"
+            if len(costs) != measured
+            else ""
+        )
         print(
-            f"hetps simulate: {len(costs)} workers measured in {args.replay}: "
-            + ", ".join(f"{c['step_s'] * 1000:.1f} ms" for c in costs)
-            + f" a step, {costs[0]['latency_ms']:.1f} ms latency each way",
+            f"hetps simulate: {measured} workers measured in {args.replay}: "
+            + ", ".join(f"{c['step_s'] * 1000:.1f} ms" for c in costs[:measured])
+            + f" a step, {costs[0]['latency_ms']:.1f} ms latency each way{repeated} "
+            "(they replace cluster.workers)",
             file=sys.stderr,
         )
     cfg = load_or_exit(args.config, args.overrides, import_targets=True)
-    run_dir = Path(args.out) if args.out else default_run_dir(cfg)
     try:
-        summary = simulate(cfg, run_dir)
+        check_simulable(cfg)  # before measuring: a refusal comes at once
+        cfg, cost, data = sample_cost(cfg, sample_s_given(args.config, args.overrides))
+    except ConfigError as exc:
+        print(f"hetps simulate: {exc}", file=sys.stderr)
+        return 2
+    except PreflightError as exc:  # the check before training's line (training/preflight.py)
+        kind = "config error" if isinstance(exc, ConfigValueError) else "check failed"
+        print(f"hetps: {kind}: {exc}", file=sys.stderr)
+        return 2
+    print(f"hetps simulate: {cost.line(cfg)}", file=sys.stderr)
+    run_dir = Path(args.out) if args.out else default_run_dir(cfg)
+    progress = None if args.quiet else SimProgress(cfg, run_dir)
+    try:
+        summary = simulate(cfg, run_dir, data, progress)
+        if progress is not None:
+            progress.close()
+        summary = SummaryFile(run_dir).update(
+            simulation={**summary["simulation"], "sample_s_from": cost.source}
+        )
         plot_simulated(cfg, run_dir)
     except ConfigError as exc:
         print(f"hetps simulate: {exc}", file=sys.stderr)
@@ -137,11 +183,13 @@ def simulate_command(argv: list[str]) -> int:
 
     watched = summary_metric(summary)
     final = watched["final"]
+    model = run_dir / "model.safetensors"
     print(
         f"hetps simulate: {summary['stop_reason']}; final {watched['name']} "
         f"{'-' if final is None else round(final, 4)}, "
         f"time to target {summary['time_to_target_s']} virtual s, {summary['global_steps']} steps, "
         f"{summary['simulation']['real_wall_s']} s real; {run_dir}"
+        + (f" (model: {model.name})" if model.exists() else "")
     )
     return 3 if summary["status"] == "diverged" else 0  # as `hetps run` (scheduler/outcome.py)
 

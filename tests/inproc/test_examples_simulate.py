@@ -20,6 +20,7 @@ def test_hetps_simulate_trains_the_language_model(tmp_path, capsys):
             str(REPO / "configs" / "charlm.yaml"),
             "stop.max_steps=60",
             "eval.every_s=0.05",
+            "sim.sample_s=0.0002",  # evaluations every 0.05 virtual s at this cost (not measured)
             "--out",
             str(out),
         ]
@@ -52,6 +53,7 @@ def test_hetps_simulate_trains_the_click_through_rate_model_to_its_target(tmp_pa
             "stop.target={metric: auc, value: 0.80}",  # about step 170 of 600
             "stop.max_steps=600",
             "eval.every_s=0.5",
+            "sim.sample_s=0.0002",  # evaluations every 0.5 virtual s at this cost (not measured)
             "--out",
             str(out),
         ]

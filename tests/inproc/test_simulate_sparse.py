@@ -29,6 +29,7 @@ def simulate(out: Path, capsys, *overrides: str) -> dict:
             "stop.target=null",
             f"stop.max_steps={STEPS}",
             "eval.every_s=0.2",
+            "sim.sample_s=0.0002",  # the cadence of evaluations the assertions were sized for
             *overrides,
             "--out",
             str(out),
