@@ -24,7 +24,7 @@ the simulator's collective cost (sim/costs.py `allreduce_s`) to it.
   ring step waits for the next member to be scheduled, which is this
   machine's contention, not a link's (the simulator gives each member its own
   host). The fit over every row is printed beside it, and each row's
-  measured time against the calibration's.
+  measured time against the fit's.
 
 `--quick`: sizes 4K,64K,1M, k 2,4, one repeat, short loops (a check that it runs).
 """
@@ -56,7 +56,11 @@ def member(port: int, rank: int, k: int, sizes: list[int], quick: bool, results)
     torch.set_num_threads(1)
     from hetps.worker.collective_group import gloo_group
 
-    group = gloo_group("127.0.0.1", port, f"bench/k{k}", rank, k, TIMEOUT_S)
+    try:
+        group = gloo_group("127.0.0.1", port, f"bench/k{k}", rank, k, TIMEOUT_S)
+    except Exception as e:  # the parent stops waiting at once instead of at its timeout
+        results.put(("failed", rank, repr(e)))
+        raise
     try:
         for nbytes in sizes:
             tensor = torch.zeros(nbytes // 4)  # zeros: repeated sums stay finite
@@ -69,6 +73,9 @@ def member(port: int, rank: int, k: int, sizes: list[int], quick: bool, results)
                 times.append(time.perf_counter() - started)
             if rank == 0:
                 results.put((nbytes, statistics.median(times), len(times)))
+    except Exception as e:
+        results.put(("failed", rank, repr(e)))
+        raise
     finally:
         group.close()
     results.put(("done", rank))
@@ -94,6 +101,8 @@ def allreduce_medians(k: int, sizes: list[int], quick: bool) -> dict[int, tuple[
             first, second, *rest = results.get(timeout=SPAWN_TIMEOUT_S)
             if first == "done":
                 done += 1
+            elif first == "failed":
+                raise RuntimeError(f"k={k}: member {second} failed: {rest[0]}")
             else:
                 medians[first] = (second, rest[0])
         for p in procs:
