@@ -99,6 +99,41 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig):
     return scheduler
 
 
+class ScheduledLr:
+    """The lr a shard's optimizer holds after a number of updates under `cfg` (its schedule,
+    builtin or a factory's, stepped once per update as ps/updater.py steps it), computed on a
+    stand-in parameter: what the evaluator reports as `lr` beside the metrics. Stepping on
+    from the last count costs one schedule step per update; a smaller count starts over (a
+    restored shard). Not thread-safe."""
+
+    def __init__(self, cfg: OptimizerConfig):
+        self.cfg = cfg
+        self.updates = 0
+        self.failed = False  # the schedule raised (e.g. OneCycleLR past its total_steps)
+        self._start()
+
+    def _start(self) -> None:
+        self.optimizer = build_optimizer([torch.zeros(1, requires_grad=True)], self.cfg)
+        self.scheduler = build_lr_scheduler(self.optimizer, self.cfg.schedule)
+        self.failed = False
+        # no gradient, nothing changes: the schedule may step without torch's "lr_scheduler.step()
+        # before optimizer.step()" warning, as a shard's steps after its optimizer's
+        self.optimizer.step()
+        self.updates = 0
+
+    def at(self, updates: int) -> float | None:
+        """The lr after `updates` updates; None once the schedule raised on a step."""
+        if updates < self.updates:
+            self._start()
+        while self.updates < updates and not self.failed:
+            try:
+                self.scheduler.step()
+            except Exception:  # the user's schedule may raise anything; the shard's would too
+                self.failed = True
+            self.updates += 1
+        return None if self.failed else float(self.optimizer.param_groups[0]["lr"])
+
+
 def check_optimizer(cfg: OptimizerConfig) -> None:
     """Build the optimizer and lr schedule `cfg` names over a stand-in parameter, as a shard
     builds them over its tensors (ps/updater.py), so that a factory that cannot build the

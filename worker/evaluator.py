@@ -1,7 +1,9 @@
 """The evaluator: a worker mode that pulls the current parameters every
 `eval.every_s` seconds, measures the task's metrics on the whole test split
 (task.py: sums over every batch, then reduced), and reports them to the
-scheduler, so every algorithm gets the same metric-versus-time curve.
+scheduler, so every algorithm gets the same metric-versus-time curve, with the
+lr the shards' schedule holds at the versions measured (`lr`, beside the metrics;
+runtime/optim.py ScheduledLr).
 When the run stops it evaluates once more, so the final numbers describe the
 final model (not when the scheduler was lost: nobody would record them), and
 (given `model_out`) writes exactly that model to MODEL_OUT/model.safetensors and
@@ -36,8 +38,10 @@ import torch
 from hetps.proto.errors import HetpsError
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.rpc import Aborted
+from hetps.runconfig.algorithms import algorithm
 from hetps.runconfig.schema import RunConfig
 from hetps.runtime.membership import Membership
+from hetps.runtime.optim import ScheduledLr
 from hetps.training.data import ArrayDataset
 from hetps.training.export import describe, state_copy, write_state
 from hetps.training.measure import better, measure, report_values, test_loader
@@ -145,6 +149,12 @@ class Evaluator:
                     (self.final_client, None, final_cluster),
                 )
             )
+        # the shards' lr at the versions an evaluation measured, reported as `lr` beside the
+        # metrics: under the algorithms whose shards step the configured optimizer once per
+        # update (gradient pushes). Model averaging and diloco schedule it on each worker's
+        # local steps, which the evaluator does not see: their rows carry no lr
+        gradients = algorithm(cfg.algorithm.name).worker_loop == "gradients"
+        self.scheduled_lr = ScheduledLr(cfg.optimizer) if gradients else None
         self.evals = 0
         self.batches = None  # the test split's loader, made at the first evaluation
         self.metrics: dict[str, float] = {}  # of the latest evaluation
@@ -194,12 +204,13 @@ class Evaluator:
             self.best = BestEvaluation(
                 metrics, list(client.versions), state_copy(self.full_state(rows))
             )
+        lr = self.scheduled_lr.at(max(client.versions, default=0)) if self.scheduled_lr else None
         self.member.report(
             "eval",
             report_values(
                 self.task,
                 self.watched,
-                metrics,
+                metrics if lr is None or "lr" in metrics else {**metrics, "lr": lr},
                 final=final,
                 versions=list(client.versions),
                 eval_s=time.perf_counter() - started,
