@@ -9,4 +9,7 @@ like a model or dataset of your own (docs/own-model.md, "The examples"):
   probabilities; configs/ctr.yaml (`task: binary`, an AUC target).
 - `hetps.examples.autompg`: a regression of cars' fuel use (the UCI Auto MPG data that
   mlxtend ships); configs/regression.yaml (`task: regression`, an R² target).
+- `hetps.examples.sines`: a task of your own end to end: a 1-D CNN on generated noisy
+  sine waves, a macro-F1 Task (a confusion matrix from `eval_sums`) and an lr schedule
+  factory; configs/sines.yaml (a macro-F1 target; docs/own-model.md walks through it).
 """
