@@ -17,13 +17,23 @@ the task contract (hetps.training.task) for a task of your own.
 
 Every daemon imports this package (it is the parent of hetps.worker, ...):
 the names above are imported on first use, so that `import hetps.proto`
-costs nothing more.
+costs nothing more. Type checkers and IDEs read them from the imports under
+`TYPE_CHECKING` below (never run), which name the same objects as `_EXPORTS`;
+the package ships `py.typed` (PEP 561), so mypy checks a call of `hetps.run`
+against its signature.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hetps.make_config import config
+    from hetps.models import load_model
+    from hetps.proto.errors import ConfigError
+    from hetps.running import Result, RunFailed, load_result, run
+    from hetps.training.task import Metric, Task
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -37,7 +47,18 @@ _EXPORTS = {
     "Task": "hetps.training.task",
     "Metric": "hetps.training.task",
 }
-__all__ = list(_EXPORTS)
+# spelled out (not list(_EXPORTS)): type checkers read a literal __all__ as the public names
+__all__ = [
+    "config",
+    "run",
+    "Result",
+    "RunFailed",
+    "load_result",
+    "load_model",
+    "ConfigError",
+    "Task",
+    "Metric",
+]
 
 
 def __getattr__(name: str) -> Any:
