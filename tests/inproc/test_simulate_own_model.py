@@ -183,3 +183,12 @@ def test_replay_workers_appends_workers_of_the_measured_speeds(own_model, tmp_pa
 def test_workers_without_replay_is_refused(own_model):
     done = hetps_simulate(own_model, "tiny.yaml", "--workers", "3")
     assert done.returncode == 2 and "--workers N (N >= 1) goes with --replay" in done.stderr
+
+
+def test_help_says_replay_replaces_the_workers_and_how_to_add_more(own_model):
+    done = hetps_simulate(own_model, "--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    assert "It REPLACES cluster.workers" in text
+    assert "--workers N for more workers of the measured speeds" in text
+    assert "unless the config sets it, it is measured first on this machine" in text
