@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetps.frontend.launcher import LocalCluster, default_run_dir, run_local
+from hetps.frontend.launcher import LocalCluster, default_run_dir, progress_for, run_local
+from hetps.frontend.report import Progress
 from hetps.proto.errors import ConfigError, HetpsError
 from hetps.runconfig.load import config_to_dict, load_config
 from hetps.runconfig.schema import RunConfig
@@ -61,10 +62,11 @@ class Result:
     time_to_target_s: float | None  # seconds of training until the target was reached
     global_steps: int
     wall_s: float | None
-    model_path: Path | None  # RUN_DIR/model.safetensors: the final model (hetps.load_model)
-    best_model_path: (
-        Path | None
-    )  # RUN_DIR/best.safetensors: the best-evaluated one (eval.keep_best)
+    # RUN_DIR/model.safetensors: the final model (hetps.load_model(run_dir, best=False))
+    model_path: Path | None
+    # RUN_DIR/best.safetensors: the best-evaluated one (eval.keep_best), what
+    # hetps.load_model(run_dir) loads when it exists
+    best_model_path: Path | None
     rows: list[dict] = field(repr=False)  # metrics.jsonl's evaluation rows, in order
     summary: dict = field(repr=False)  # summary.json as written
 
@@ -158,9 +160,11 @@ class EvalRows:
 class Callbacks:
     """Calls `on_eval` once per evaluation row, from the launcher's watch loop (the caller's
     thread). An exception in it stops the run cleanly (as Ctrl-C) and is raised by
-    `hetps.run` once the run has ended: raise optuna.TrialPruned there to prune a trial."""
+    `hetps.run` once the run has ended: raise optuna.TrialPruned there to prune a trial.
+    With `progress` (frontend/report.py Progress: `hetps run`'s own line), prints the
+    progress line once after each poll that brought evaluations."""
 
-    def __init__(self, rows: EvalRows, on_eval: EvalCallback | None, progress: bool):
+    def __init__(self, rows: EvalRows, on_eval: EvalCallback | None, progress: Progress | None):
         self.rows = rows
         self.on_eval = on_eval
         self.progress = progress
@@ -168,9 +172,11 @@ class Callbacks:
         self.error: BaseException | None = None
 
     def __call__(self, cluster: LocalCluster | None) -> None:
-        for row in self.rows.poll():
-            if self.progress:
-                print(progress_line(row), file=self.stream, flush=True)
+        new = self.rows.poll()
+        if self.progress is not None and new:
+            self.progress.poll()
+            print(self.progress.line(), file=self.stream, flush=True)
+        for row in new:
             if self.on_eval is None or self.error is not None:
                 continue
             try:
@@ -179,15 +185,6 @@ class Callbacks:
                 self.error = exc
                 if cluster is not None:
                     cluster.stop()
-
-
-def progress_line(row: dict) -> str:
-    watch = row.get("watch") or ("accuracy" if "accuracy" in row else "loss")
-    value = row.get(watch)
-    shown = f"{value:.4g}" if isinstance(value, (int, float)) else "-"
-    return (
-        f"hetps: {row.get('t', 0):7.1f} s  {row.get('global_steps', 0):6d} steps  {watch} {shown}"
-    )
 
 
 def run(
@@ -211,7 +208,8 @@ def run(
     set as model.name and data.dataset. `out`: the run directory (default:
     out_dir/NAME-ALGO-TIME). `on_eval(row)`: called once per evaluation with its
     metrics.jsonl row (`row[row["watch"]]` is the watched metric); an exception in it stops
-    the run and is raised here. `progress`: print a line per evaluation to stderr.
+    the run and is raised here. `progress`: print `hetps run`'s progress line to stderr after
+    each evaluation.
     `prometheus`: every daemon serves Prometheus /metrics (`hetps run --metrics`).
 
     Raises ConfigError for a bad config, RunFailed when the run could not start or failed."""
@@ -229,7 +227,7 @@ def run(
     cfg = load_config(config_to_dict(config(cfg, **changes)), import_targets=True)
     names = [cfg.task.name, cfg.model.name, cfg.data.dataset, cfg.optimizer.schedule.name]
     rows = EvalRows(run_dir / "metrics.jsonl")
-    callbacks = Callbacks(rows, on_eval, progress)
+    callbacks = Callbacks(rows, on_eval, progress_for(cfg, run_dir) if progress else None)
     said = io.StringIO()  # the launcher's own words (errors, warnings) for the exception
     with exported_pythonpath(import_roots(names)), contextlib.redirect_stderr(said):
         code = run_local(cfg, run_dir, quiet=True, metrics=prometheus, on_poll=callbacks)

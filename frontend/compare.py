@@ -13,7 +13,8 @@ Each run keeps the config's `algorithm` block if it names ALGO and replaces
 it with `{name: ALGO}` otherwise, then applies the common overrides, then
 that entry's `--with` overrides.
 Writes OUT/compare.json, OUT/compare.md (median time to target, speedup over
-the first algorithm, final accuracy, bytes, communication rounds,
+the first algorithm, the final and the best value of the watched metric (the
+models in each run's model.safetensors and best.safetensors), bytes, communication rounds,
 heterogeneity efficiency and, against the `--reference` entry (default:
 sync, when it is one of the entries), useful efficiency; see
 scheduler/efficiency.py) and OUT/compare.png (per algorithm, the median test
@@ -39,6 +40,7 @@ from hetps.scheduler.runlog import fits, read_metrics
 
 from .launcher import run_local
 from .plots import X_AXES, plot_compare
+from .report import format_summary
 from .watch import ACCURACY, number, run_metric, summary_metric, watched_rows
 
 
@@ -64,15 +66,19 @@ def median_or_none(values: list) -> float | None:
 
 
 def aggregate(algorithm: str, summaries: list[dict]) -> dict:
-    """One table row; time to target is a median only if every repeat reached it. `metric`
-    and `final_metric`: the watched metric (accuracy for classification) and the median of
-    its final values; `final_accuracy` as ever (0.0 for a task without accuracy)."""
+    """One table row; time to target is a median only if every repeat reached it. `metric`,
+    `final_metric` and `best_metric`: the watched metric (accuracy for classification) and
+    the medians of its final values (each run's model.safetensors) and of its best ones
+    (best.safetensors, what hetps.load_model loads); `final_accuracy` as ever (0.0 for a task
+    without accuracy)."""
     watched = [summary_metric(s) for s in summaries]
     finals = [w["final"] for w in watched if w["final"] is not None]
+    bests = [w["best"] for w in watched if w["best"] is not None]
     return {
         "algorithm": algorithm,
         "metric": watched[0]["name"],
         "final_metric": statistics.median(finals) if finals else None,
+        "best_metric": statistics.median(bests) if bests else None,
         "repeats": len(summaries),
         "time_to_target_s": median_or_none([s["time_to_target_s"] for s in summaries]),
         "reached": sum(s["time_to_target_s"] is not None for s in summaries),
@@ -128,9 +134,10 @@ def add_useful(rows: list[dict], reference: str | None) -> list[dict]:
 
 
 def markdown(rows: list[dict], title: str) -> str:
-    """compare.md: the table (final values of the watched metric, by its name) and, under it,
-    what the times can resolve: a target is seen at an evaluation, so they are quantized
-    to the evaluation interval (rows' `eval_every_s`)."""
+    """compare.md: the table (final and best values of the watched metric, by its name, and
+    the file that holds each model) and, under it, what the times can resolve: a target is
+    seen at an evaluation, so they are quantized to the evaluation interval (rows'
+    `eval_every_s`)."""
     base = rows[0]
     metric = base.get("metric", ACCURACY)
     reference = base.get("reference")
@@ -141,8 +148,9 @@ def markdown(rows: list[dict], title: str) -> str:
         "",
         f"| algorithm | time to target (s, median) | speedup over {base['algorithm']} | "
         + "".join(f"time to {m} (s) | " for m in marks)
-        + f"final {metric} (median) | MB moved | rounds | steps | reached | efficiency | {useful} |",
-        "|---|---|---|" + "---|" * len(marks) + "---|---|---|---|---|---|---|",
+        + f"final {metric} (median, model.safetensors) | best {metric} (median, best.safetensors) | "
+        f"MB moved | rounds | steps | reached | efficiency | {useful} |",
+        "|---|---|---|" + "---|" * len(marks) + "---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ttt = r["time_to_target_s"]
@@ -155,11 +163,18 @@ def markdown(rows: list[dict], title: str) -> str:
         )
         lines.append(
             f"| {r['algorithm']} | {'-' if ttt is None else f'{ttt:.1f}'} | {speedup} | {times}"
-            f"{number(r.get('final_metric', r['final_accuracy']))} | {r['bytes'] / 1e6:.0f} | "
+            f"{number(r.get('final_metric', r['final_accuracy']))} | "
+            f"{number(r.get('best_metric'))} | {r['bytes'] / 1e6:.0f} | "
             f"{r['rounds']:.0f} | "
             f"{r['global_steps']:.0f} | {r['reached']}/{r['repeats']} | {_ratio(r.get('efficiency'))} | "
             f"{_ratio(r.get('useful_efficiency'))} |"
         )
+    lines += [
+        "",
+        f"Each run's model.safetensors holds the model of its final evaluation (final {metric}), "
+        f"best.safetensors that of its best one (best {metric}, with eval.keep_best): "
+        "hetps.load_model(RUN_DIR) loads the best one, best=False the final one.",
+    ]
     intervals = sorted({r["eval_every_s"] for r in rows if r.get("eval_every_s")})
     if intervals:
         every = " or ".join(f"{i:g} s" for i in intervals)
@@ -208,7 +223,10 @@ def simulated_runner():
 
 
 def compare_command(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hetps compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="hetps compare",
+        description=__doc__.split("\n\n")[0].replace("\n", " "),  # its first sentence, whole
+    )
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="applied to every run")
     parser.add_argument(
@@ -310,9 +328,15 @@ def compare_command(argv: list[str]) -> int:
             if run_one(cfg, run_dir) not in (0, 3):  # a diverged run is a result (status diverged)
                 print(f"hetps compare: {a} run {r + 1} failed; see {run_dir}/logs", file=sys.stderr)
                 return 1
+            summary = json.loads((run_dir / "summary.json").read_text())
+            # which file holds which value (report.py: hetps run's closing line)
+            print(
+                f"hetps compare: {a} run {r + 1}: {format_summary(summary, run_dir).splitlines()[0]}",
+                file=sys.stderr,
+            )
             summaries.append(
                 {
-                    **json.loads((run_dir / "summary.json").read_text()),
+                    **summary,
                     "run_dir": str(run_dir),
                     "milestones": milestone_times(run_dir, milestones),
                 }

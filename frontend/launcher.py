@@ -47,6 +47,7 @@ from .report import Progress, format_summary
 from .resume import ResumePoint, checkpoints_root, strip_resume
 from .shared_forks import fork_server
 from .startup_report import startup_line, startup_section
+from .watch import configured_metric
 
 ADDR_WAIT_S = 60.0  # longest wait for the scheduler to publish its address
 # --metrics: each daemon serves /metrics on a free port and adds it here
@@ -91,6 +92,18 @@ def client_names(cfg: RunConfig) -> list[str]:
     ]
     names += [f"worker{r}" for r in range(len(cfg.cluster.workers))]
     return names + ["evaluator"] if cfg.eval.enabled else names
+
+
+def progress_for(cfg: RunConfig, run_dir: Path) -> Progress:
+    """The progress line of a local run of `cfg` in `run_dir` (`hetps run`'s, `hetps.run`'s)."""
+    return Progress(
+        run_dir / "metrics.jsonl",
+        expected=client_names(cfg),
+        target=(stop_target(cfg.stop) or (None, None))[1],
+        max_seconds=cfg.stop.max_seconds,
+        max_steps=cfg.stop.max_steps,
+        metric=configured_metric(cfg),
+    )
 
 
 def with_local_devices(cfg: RunConfig) -> RunConfig:
@@ -328,14 +341,7 @@ class LocalCluster:
         """Show progress until the scheduler exits. Raises LaunchError when a
         process fails (after asking the scheduler to stop the others). `on_poll`
         is called with the cluster each time metrics.jsonl is read (4 times a second)."""
-        stop = self.cfg.stop
-        progress = Progress(
-            self.run_dir / "metrics.jsonl",
-            expected=client_names(self.cfg),
-            target=(stop_target(stop) or (None, None))[1],
-            max_seconds=stop.max_seconds,
-            max_steps=stop.max_steps,
-        )
+        progress = progress_for(self.cfg, self.run_dir)
         last_print = 0.0
         tolerated: set[str] = set()
         # may die in training

@@ -5,13 +5,15 @@
                            perplexity_vs_time.png; `run_plot_name`)
                            the time-to-target marker, beside test and train loss; a resumed
                            run is one curve, a dotted line where each later segment began
-    groups.png             one lane per group: when each group's update was applied (runs with
-                           more than one group, e.g. Grouping-SGD)
+    groups.png             each group's updates per second over time and, while they can be
+                           told apart (at most TICKS_UP_TO a lane), one lane per group with a
+                           tick where its update was applied (runs with more than one group,
+                           e.g. Grouping-SGD)
     compare.png            per algorithm, the median test accuracy over all repeats and the
                            min-max band, against time, steps or bytes moved
 
-The functions that compute what is drawn (eval_curve, median_band, group_lanes)
-are pure and tested on their own; the plot_* functions only draw them.
+The functions that compute what is drawn (eval_curve, median_band, group_lanes,
+group_rates) are pure and tested on their own; the plot_* functions only draw them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ from hetps.scheduler.nodes import LOWER_IS_BETTER
 from hetps.scheduler.runlog import fits, plan_fits, read_metrics, read_summary, records_of
 
 from .watch import ACCURACY, label, number, run_metric, summary_metric, watched_rows
+
+# groups.png: a lane of ticks is drawn while it has at most this many (more, at 1100 px, run
+# into one bar); the update rates over at most RATE_BINS spans of time, ~RATE_PER_BIN updates a
+# span in the busiest lane
+TICKS_UP_TO = 300
+RATE_BINS = 60
+RATE_PER_BIN = 10
 
 X_AXES = {
     "time": ("t", "wall-clock time (s)"),
@@ -155,6 +164,24 @@ def group_lanes(records: list[dict]) -> dict[tuple[int, int], list[float]]:
     for (plan, group, _), t in rounds.items():
         lanes.setdefault((plan, group), []).append(t)
     return {key: sorted(ts) for key, ts in sorted(lanes.items())}
+
+
+def group_rates(
+    lanes: dict[tuple[int, int], list[float]], bins: int | None = None
+) -> tuple[np.ndarray, dict[tuple[int, int], np.ndarray]]:
+    """Each lane's updates per second (`group_lanes`' times) in `bins` equal spans from the
+    run's first update to its last: (the spans' edges, seconds; {lane: rate in each span}).
+    `bins` defaults to about RATE_PER_BIN updates a span in the busiest lane, at most
+    RATE_BINS. A lane's rates times the spans' widths add up to its count of updates."""
+    times = [t for ts in lanes.values() for t in ts]
+    if not times:
+        return np.array([0.0, 1.0]), {key: np.zeros(1) for key in lanes}
+    busiest = max(len(ts) for ts in lanes.values())
+    bins = bins or min(RATE_BINS, max(1, busiest // RATE_PER_BIN))
+    low, high = min(times), max(times)
+    edges = np.linspace(low, high if high > low else low + 1.0, bins + 1)
+    widths = np.diff(edges)
+    return edges, {key: np.histogram(ts, edges)[0] / widths for key, ts in lanes.items()}
 
 
 def lane_members(records: list[dict], lanes: dict) -> dict[tuple[int, int], list[int]]:
@@ -315,34 +342,53 @@ def _plot_loss(
 def plot_groups(
     run_dir: Path, records: list[dict] | None = None, clock: str = "wall-clock time"
 ) -> Path:
-    """Write RUN_DIR/groups.png: one lane per group of each plan, a tick at each of its
-    updates, a dashed line where the plan changed; returns its path."""
+    """Write RUN_DIR/groups.png: each group's updates per second over time (group_rates) and,
+    while every lane has at most TICKS_UP_TO updates, one lane per group of each plan with a
+    tick at each of its updates; a dashed line where the plan changed. Returns its path."""
     plt = _pyplot()
     records = records if records is not None else read_metrics(run_dir / "metrics.jsonl")
     lanes = group_lanes(records)
     members = lane_members(records, lanes)
     several_plans = len({plan for plan, _ in lanes}) > 1
-    keys = list(lanes)[::-1]  # the first plan's groups on top
-    fig, ax = plt.subplots(figsize=(11, 1.3 + 0.5 * max(1, len(keys))))
-    ax.eventplot(
-        [lanes[k] for k in keys], lineoffsets=range(len(keys)), linelengths=0.7, linewidths=0.8
+    names = {
+        (plan, group): (f"plan {plan}, " if several_plans else "") + f"group {group} (workers "
+        f"{', '.join(map(str, members[(plan, group)]))}): {len(ts)}"
+        for (plan, group), ts in lanes.items()
+    }
+    ticks = bool(lanes) and max(map(len, lanes.values())) <= TICKS_UP_TO
+    height = 3.2 + (0.8 + 0.5 * len(lanes) if ticks else 0.0)
+    fig, axes = plt.subplots(
+        2 if ticks else 1,
+        1,
+        figsize=(11, height),
+        sharex=True,
+        squeeze=False,
+        height_ratios=[3.2, 0.8 + 0.5 * len(lanes)] if ticks else None,
     )
-    ax.set_yticks(
-        range(len(keys)),
-        [
-            (f"plan {plan}, " if several_plans else "") + f"group {group} (workers "
-            f"{', '.join(map(str, members[(plan, group)]))}): {len(lanes[(plan, group)])}"
-            for plan, group in keys
-        ],
-    )
-    for r in filter(plan_fits, records):
-        if r["plan_id"] > 1:
-            ax.axvline(r["t"], color="grey", linestyle="--", linewidth=0.8)
+    ax = axes[0][0]
+    edges, rates = group_rates(lanes)
+    for key, rate in rates.items():
+        ax.stairs(rate, edges, label=names[key], linewidth=1.2)
     ax.set(
-        xlabel=f"{clock} since the first plan (s)",
-        title="when each group's update was applied (count after the colon; dashed: a new plan)",
+        ylabel="updates per second",
+        title=f"each group's update rate (mean over spans of {edges[1] - edges[0]:.2g} s; "
+        "count of updates after the colon; dashed: a new plan)",
     )
-    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=8, loc="best")
+    if ticks:
+        keys = list(lanes)[::-1]  # the first plan's groups on top
+        lane_ax = axes[1][0]
+        lane_ax.eventplot(
+            [lanes[k] for k in keys], lineoffsets=range(len(keys)), linelengths=0.7, linewidths=0.8
+        )
+        lane_ax.set_yticks(range(len(keys)), [names[k] for k in keys])
+        lane_ax.set(title="when each group's update was applied")
+    for each in axes[:, 0]:
+        for r in filter(plan_fits, records):
+            if r["plan_id"] > 1:
+                each.axvline(r["t"], color="grey", linestyle="--", linewidth=0.8)
+        each.grid(alpha=0.3, axis="x")
+    axes[-1][0].set(xlabel=f"{clock} since the first plan (s)")
     fig.tight_layout()
     out = run_dir / "groups.png"
     fig.savefig(out, dpi=100)

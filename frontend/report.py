@@ -1,5 +1,6 @@
 """What `hetps run` prints while a run goes and when it ends: a live progress
-line that follows metrics.jsonl as it grows, and the closing summary."""
+line that follows metrics.jsonl as it grows (`hetps.run(progress=True)` prints the
+same line at each evaluation), and the closing summary."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from hetps.scheduler.runlog import fits, parse_record, plan_fits
 
 from .watch import ACCURACY, number, row_value, summary_metric
 
+# the file hetps.load_model(RUN_DIR) loads when the run wrote it (api/models.py)
+LOADED = ": hetps.load_model's"
 STALL_FRESH_S = 3.0  # an open stall's record older than this (run seconds) is not shown
 
 
@@ -35,7 +38,9 @@ class Progress:
     launched: float = field(default_factory=time.monotonic)
     offset: int = 0
     steps: dict = field(default_factory=dict)  # worker index -> latest step
-    metric: str = "accuracy"  # the watched metric, as the latest eval row names it (`watch`)
+    # the watched metric: the config's (watch.py configured_metric) until an eval row names it;
+    # None: not known before the first evaluation
+    metric: str | None = ACCURACY
     value: float | None = None  # its latest value
     t: float = 0.0
     rate: float = 0.0
@@ -104,7 +109,7 @@ class Progress:
             return self.startup_line()
         acc = number(self.value) if self.value is not None else "  -   "
         # "test acc" as ever for classification; any other metric by its name
-        name = "acc" if self.metric == ACCURACY else self.metric
+        name = "acc" if self.metric == ACCURACY else self.metric or "metric"
         target = f" (target {self.target})" if self.target is not None else ""
         steps = f"/{self.max_steps}" if self.max_steps else ""
         # async and ssp: one per worker
@@ -170,15 +175,29 @@ class Progress:
 
 
 def format_summary(summary: dict, run_dir: Path) -> str:
-    """The closing summary, e.g. `sync: completed, final accuracy 0.9554, best 0.9554, time to
-    target 3.1s, ...`: the watched metric by its name, rounded like the progress line."""
+    """The closing summary, e.g. `sync: completed, final accuracy 0.9554 (model.safetensors),
+    best 0.9612 (best.safetensors: hetps.load_model's), time to target 3.1s, ...`: the watched
+    metric by its name, rounded like the progress line, and the file in `run_dir` that holds
+    each model (none named where the run wrote none)."""
     watched = summary_metric(summary)
     ttt = summary.get("time_to_target_s")
     final, best = watched["final"], watched["best"]
     return (
         f"{summary.get('algorithm')}: {summary.get('status', 'completed')}, final "
-        f"{watched['name']} {final if final is None else number(final)}, best "
-        f"{best if best is None else number(best)}, time to target "
+        f"{watched['name']} {final if final is None else number(final)}"
+        f"{held_in(run_dir, 'model.safetensors')}, best "
+        f"{best if best is None else number(best)}{held_in(run_dir, 'best.safetensors')}"
+        ", time to target "
         f"{'not reached' if ttt is None else f'{ttt:.1f}s'}, {summary.get('global_steps', 0)} steps in "
         f"{summary.get('wall_s', 0.0):.1f}s ({summary.get('stop_reason')})\nrun directory: {run_dir}"
     )
+
+
+def held_in(run_dir: Path, name: str) -> str:
+    """` (NAME)` when run_dir holds that model file, else empty; ` (NAME: hetps.load_model's)`
+    for the one `hetps.load_model(run_dir)` loads (api/models.py model_file: the best model
+    when the run wrote one)."""
+    if not (run_dir / name).exists():
+        return ""
+    loaded = "best.safetensors" if (run_dir / "best.safetensors").exists() else "model.safetensors"
+    return f" ({name}{LOADED if name == loaded else ''})"

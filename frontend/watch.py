@@ -6,6 +6,8 @@ the watched metric, higher is better."""
 
 from __future__ import annotations
 
+from hetps.runconfig.schema import RunConfig
+from hetps.runconfig.targets import TASK_METRICS, stop_target
 from hetps.scheduler.runlog import fits
 
 ACCURACY = "accuracy"
@@ -18,6 +20,24 @@ def run_metric(rows: list[dict]) -> str:
         if row.get("kind") == "eval" and isinstance(row.get("watch"), str):
             return row["watch"]
     return ACCURACY
+
+
+def configured_metric(cfg: RunConfig) -> str | None:
+    """The metric a run of `cfg` watches, known before its first evaluation (the progress
+    line's name until then): training/task.py watched_metric's rule, from the config for a
+    built-in task, from the task itself for a `package.module:factory` one (its module is
+    imported already: the config was loaded with its targets). None when that task cannot
+    be built here; the check before training reports why."""
+    metrics = TASK_METRICS.get(cfg.task.name)
+    if metrics is None:
+        from hetps.training.task import load_task, watched_metric
+
+        try:
+            return watched_metric(cfg, load_task(cfg, cfg.data.num_classes)).name
+        except Exception:  # noqa: BLE001 - the user's factory: its error is the check's to report
+            return None
+    target = stop_target(cfg.stop)
+    return cfg.eval.metric or (target[0] if target else next(iter(metrics)))
 
 
 def row_value(row: dict) -> tuple[str, float] | None:

@@ -35,7 +35,7 @@ def measured(run_dir) -> dict:
     """model.safetensors loaded as a user would (hetps.load_model), measured on the test split."""
     cfg = load_config(run_dir / "config.yaml")
     data = load_datasets(cfg.data, cfg.seed)
-    model = hetps.load_model(run_dir)
+    model = hetps.load_model(run_dir, best=False)  # model.safetensors
     return measure(task_for(cfg, data.num_classes), model, data.test, cfg, torch.device("cpu"))
 
 

@@ -29,7 +29,7 @@ from hetps.training.task import load_task
 
 run_dir = Path(sys.argv[1])
 cfg = load_config(run_dir / "config.yaml", import_targets=True)
-model = hetps.load_model(run_dir)
+model = hetps.load_model(run_dir, best=False)  # model.safetensors: the final evaluation's
 data = load_datasets(cfg.data, cfg.seed)
 print(json.dumps(measure(load_task(cfg, data.num_classes), model, data.test, cfg, "cpu")))
 """

@@ -113,7 +113,7 @@ def test_a_builtin_model_trained_for_regression_loads_back_with_its_output_size(
     done = run_hetps(["run", str(config), *overrides, "--out", str(run_dir), "--quiet"], 300)
     assert done.returncode == 0, done.stderr + log_tails(run_dir)
     assert json.loads((run_dir / "model.json").read_text())["num_classes"] == 1
-    model = hetps.load_model(run_dir)
+    model = hetps.load_model(run_dir, best=False)  # model.safetensors
     cfg = load_config(run_dir / "config.yaml", import_targets=True)
     data = load_datasets(cfg.data, cfg.seed)
     again = measure(load_task(cfg, data.num_classes), model, data.test, cfg, "cpu")

@@ -66,7 +66,7 @@ out["result"] = {k: str(v) if k.endswith(("_path", "run_dir")) else v
 out["seen"] = seen
 out["rows"] = result.rows
 
-model = hetps.load_model(result.run_dir)
+model = hetps.load_model(result.run_dir, best=False)  # the final model (default: the best)
 data = load_datasets(cfg.data, cfg.seed)
 out["reloaded"] = evaluate_task(Classification(10), model, test_batches(data.test, 500), "cpu")
 

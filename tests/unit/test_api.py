@@ -136,7 +136,7 @@ def test_an_exception_in_the_callback_stops_the_run_and_is_kept(tmp_path):
         raise KeyboardInterrupt("pruned")
 
     cluster = types.SimpleNamespace(stop=lambda: stops.append(1))
-    callbacks = Callbacks(EvalRows(path), on_eval, progress=False)
+    callbacks = Callbacks(EvalRows(path), on_eval, progress=None)
     callbacks(cluster)
     assert seen == [1] and stops == [1] and isinstance(callbacks.error, KeyboardInterrupt)
 

@@ -154,7 +154,7 @@ def test_compare_tables_name_the_metric_and_say_times_are_quantized(tmp_path):
     row = {**aggregate("sync", [{**summaries[0], "run_dir": "x"}]), "eval_every_s": 1.0}
     assert (row["metric"], row["final_metric"]) == ("perplexity", 2.91234)
     text = markdown([row], "lm.yaml")
-    assert "| final perplexity (median) |" in text and "| 2.9123 |" in text
+    assert "| final perplexity (median, model.safetensors) |" in text and "| 2.9123 |" in text
     assert "quantized to the evaluation interval (eval.every_s: 1 s)" in text
     # the milestones of a lower-is-better metric: the first evaluation at or below each
     assert milestone_times(lm_run(tmp_path), [5.0, 3.0, 2.0]) == {"5": 4.0, "3": 6.0, "2": None}
