@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hetps.runconfig.load import apply_override, load_raw
+from hetps.runconfig.load import apply_override, load_raw, task_shorthand
 from hetps.runconfig.schema import NodeConfig, RunConfig, SimConfig
 from hetps.runtime.emulation import Slowdown
 from hetps.training.data import Datasets
@@ -67,6 +67,7 @@ def sample_s_given(path: str | Path | None, overrides: list[str]) -> bool:
     must already have loaded without errors (runtime/daemon.py `load_or_exit`)."""
     raw = load_raw(path) if path else {}
     for assignment in overrides:
+        task_shorthand(raw)  # as load_config applies them: `task: NAME` takes task.kwargs=...
         apply_override(raw, assignment)
     sim = raw.get("sim") if isinstance(raw, dict) else None
     return isinstance(sim, dict) and "sample_s" in sim
