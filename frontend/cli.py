@@ -30,6 +30,8 @@ from pathlib import Path
 
 from hetps.runtime.daemon import load_or_exit
 
+from .import_path import import_beside
+
 ROLE_MODULES = {"ps": "hetps.ps", "worker": "hetps.worker", "export": "hetps.training.export"}
 
 
@@ -74,6 +76,7 @@ def run_command(argv: list[str]) -> int:
         return resume_command(args)
     if args.config is None or "=" in args.config:
         parser.error("the config file is required (or --resume RUN_DIR)")
+    import_beside(args.config)
     cfg = load_or_exit(args.config, args.overrides, import_targets=True)
     if cfg.log.tensorboard and (problem := tensorboard_missing()):
         print(f"hetps run: {problem}", file=sys.stderr)
@@ -154,6 +157,7 @@ def simulate_command(argv: list[str]) -> int:
             "(they replace cluster.workers)",
             file=sys.stderr,
         )
+    import_beside(args.config)
     cfg = load_or_exit(args.config, args.overrides, import_targets=True)
     try:
         check_simulable(cfg)  # before measuring: a refusal comes at once
@@ -201,6 +205,7 @@ def resume_command(args: argparse.Namespace) -> int:
     from .resume import check_limits, check_same_shards, resume_line, resume_point
 
     run_dir = Path(args.resume)
+    import_beside(None)  # the current directory (the run's config.yaml is not beside the code)
     overrides = ([args.config] if args.config else []) + args.overrides  # all key=value here
     cfg = load_or_exit(str(run_dir / "config.yaml"), overrides)
     try:
@@ -226,6 +231,7 @@ def config_command(argv: list[str]) -> int:
     parser.add_argument("config", help="YAML experiment")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     args = parser.parse_intermixed_args(argv)
+    import_beside(args.config)
     cfg = load_or_exit(args.config, args.overrides, import_targets=True)
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
     return 0

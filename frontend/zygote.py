@@ -166,5 +166,16 @@ def run_daemon(
     except ImportError:
         pass
     sys.argv = [module, *argv]
+    loaded = sys.modules.get(module)
+    if (
+        loaded is not None
+        and not hasattr(loaded, "__path__")
+        and callable(main := getattr(loaded, "main", None))
+    ):
+        # a module the server imported (hetps.training.preflight: worker.lifecycle imports it)
+        # runs by its own main(): run again as `__main__` it would be a second copy of itself,
+        # whose classes (PreflightError) are not the ones the rest of the process raises, and
+        # runpy warns that it "found it in sys.modules"
+        raise SystemExit(main(argv))
     # multiprocessing's atexit handling must not treat the daemon as one of its workers
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -12,7 +12,7 @@ import re
 from typing import Any, Callable
 
 from .algorithms import ALGORITHMS
-from .factories import FACTORY, FactoryError, _closest, load_factory
+from .factories import FACTORY, FactoryError, closest, load_factory
 from .schema import BUILTIN_MODELS, CHOICES, DATASETS, SCHEDULES, TASKS, RunConfig
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # as runtime/devices.py
@@ -278,6 +278,9 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
             "comm.shm_bytes: shared-memory frames bypass CurveZMQ; allowed with security.curve: false only"
         )
     out += _check_shard_processes(cluster)
+    if isinstance(cfg.sparse.tables, list) and cfg.sparse.tables:
+        out += [p for p in [sparse_tables_problem(cfg)] if p]
+    out += _check_schedule_keys(cfg)
     if cfg.comm.compression == "topk" and cfg.comm.topk_ratio <= 0.0:
         out.append("comm.topk_ratio: must be > 0 with comm.compression: topk")
     if optimizer.schedule.name == "cosine" and optimizer.schedule.total_steps <= 0:
@@ -310,6 +313,45 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
     return out
 
 
+def sparse_tables_problem(cfg: RunConfig) -> str | None:
+    """Why this run cannot serve any table row by row (the algorithm, the autocast), or None;
+    asked when sparse.tables selects one (a list here; `auto` once the model is built:
+    training/sparse.py `selected`)."""
+    if getattr(ALGORITHMS.get(cfg.algorithm.name), "worker_loop", None) != "gradients":
+        return (
+            f"sparse.tables: algorithm {cfg.algorithm.name!r} takes local steps (model "
+            "averaging, DiLoCo), which sparse tables do not support; use sync, async, ssp, "
+            "grouping, eager or balanced, or sparse.tables=[]"
+        )
+    if cfg.model.autocast == "float16":
+        return (
+            "sparse.tables: model.autocast float16 (loss scaling) is not supported with "
+            "sparse tables; use bfloat16 or none"
+        )
+    return None
+
+
+# the keys of the built-in schedules (runtime/optim.py lr_factor): a factory builds the whole schedule
+BUILTIN_SCHEDULE_KEYS = ("warmup_steps", "step_size", "gamma", "total_steps")
+
+
+def _check_schedule_keys(cfg: RunConfig) -> list[str]:
+    """A built-in schedule's key set beside a `package.module:factory` schedule is refused, not
+    ignored: the factory builds the whole schedule (its own keywords go in kwargs)."""
+    schedule = cfg.optimizer.schedule
+    if not FACTORY.fullmatch(schedule.name):
+        return []
+    default = type(schedule)()
+    return [
+        f"optimizer.schedule.{key}: for the built-in schedules ({', '.join(SCHEDULES)}), which "
+        f"{schedule.name} replaces (a factory builds the whole schedule, warm-up included); drop "
+        f"it, or pass it in optimizer.schedule.kwargs if the factory takes it "
+        f"(optimizer.schedule.kwargs={{{key}: {value_at(schedule, key)!r}}})"
+        for key in BUILTIN_SCHEDULE_KEYS
+        if value_at(schedule, key) != value_at(default, key)
+    ]
+
+
 def _check_shard_processes(cluster) -> list[str]:
     """cluster.shard_processes: a count of processes, never more than shards;
     co-located ranks die together, so neither backups nor per-shard kills apply."""
@@ -339,10 +381,10 @@ def _check_shard_processes(cluster) -> list[str]:
 def check_targets(cfg: RunConfig) -> list[str]:
     """Import every `package.module:factory` model, dataset, task and schedule name; a
     module that does not import, or has no such callable, is a problem here rather than
-    in a process started later. A schedule factory must also take `optimizer.schedule.kwargs`
-    (the shards call it as `factory(optimizer, **kwargs)`)."""
+    in a process started later. Each factory must also take its kwargs the way it is
+    called (`CALLS`: a keyword it does not take names the close one it does)."""
     out = []
-    for path in ("model.name", "data.dataset", "task.name", "optimizer.schedule.name"):
+    for path, (key, leading, offered) in CALLS.items():
         spec = value_at(cfg, path)
         if FACTORY.fullmatch(spec):
             try:
@@ -350,34 +392,77 @@ def check_targets(cfg: RunConfig) -> list[str]:
             except FactoryError as exc:
                 out.append(str(exc))
                 continue
-            if path == "optimizer.schedule.name":
-                out += _check_call(
-                    factory, spec, "optimizer.schedule.kwargs", cfg.optimizer.schedule.kwargs
-                )
+            out += _check_call(factory, spec, key, value_at(cfg, key), leading, offered)
     return out
 
 
-def _check_call(factory: Callable, spec: str, key: str, kwargs: dict) -> list[str]:
-    """`key: ...` when `factory(optimizer, **kwargs)` cannot bind its arguments (a keyword it
-    does not take, with the close name it does take; one it needs and lacks), naming its
-    parameters; nothing when they bind or its signature cannot be read (a builtin)."""
+# how each process calls a factory: name -> (its kwargs' key, the positional arguments before
+# them, the keywords it is also given when it takes them: training/models.py `_offered`)
+CALLS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "model.name": ("model.kwargs", (), ("num_classes", "input_shape")),
+    "data.dataset": ("data.kwargs", (), ()),
+    "task.name": ("task.kwargs", (), ()),
+    "optimizer.schedule.name": ("optimizer.schedule.kwargs", ("optimizer",), ()),
+}
+
+
+def _check_call(
+    factory: Callable,
+    spec: str,
+    key: str,
+    kwargs: dict,
+    leading: tuple[str, ...] = ("optimizer",),
+    offered: tuple[str, ...] = (),
+) -> list[str]:
+    """`key: ...` when `factory(*leading, **offered, **kwargs)` cannot bind its arguments (a
+    keyword it does not take, with the close name it does take; one it needs and lacks),
+    naming its parameters; nothing when they bind or its signature cannot be read (a
+    builtin)."""
     try:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):
         return []
     called = f"{spec}{signature}"
     params = signature.parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        # the first parameter takes the optimizer
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    given = {n: None for n in offered if takes_any or n in params}
+    if not takes_any:
+        # the leading parameters take the positional arguments
         kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        names = [n for n, p in list(params.items())[1:] if p.kind in kinds]
+        names = [n for n, p in list(params.items())[len(leading) :] if p.kind in kinds]
         for word in kwargs:
             if word not in names:
-                close = _closest(word, names)
+                close = closest(word, names)
                 hint = f"; did you mean {close!r}?" if close else ""
                 return [f"{key}: {called} takes no keyword {word!r}{hint}"]
     try:
-        signature.bind(None, **kwargs)
+        signature.bind(*[None] * len(leading), **{**given, **kwargs})
     except TypeError as exc:
-        return [f"{key}: {called} cannot be called as factory(optimizer, **{kwargs!r}): {exc}"]
+        call = ", ".join([*leading, *(f"{n}=..." for n in given), f"**{kwargs!r}"])
+        return [f"{key}: {called} cannot be called as factory({call}): {exc}"]
     return []
+
+
+def factory_task_metrics(cfg: RunConfig) -> tuple[list[str] | None, list[str]]:
+    """The metric names of a `package.module:factory` task, primary first, and the problems
+    of making it: the factory is called with task.kwargs, as every worker calls it (run
+    after `check_targets` found it). Names are read from `metrics` (Metric records or
+    (name, higher_is_better) pairs, training/task.py; none listed: Task's `loss`); None
+    when they cannot be read (the check before training says what is wrong with them)."""
+    factory = load_factory(cfg.task.name, "task.name")
+    try:
+        made = factory(**cfg.task.kwargs)
+    except Exception as exc:  # the user's factory may raise anything
+        where = f"task.name {cfg.task.name!r}"
+        return None, [
+            f"{where}: calling it with task.kwargs {cfg.task.kwargs} fails "
+            f"({type(exc).__name__}: {exc})"
+        ]
+    names = []
+    for metric in getattr(made, "metrics", None) or [("loss", False)]:
+        pair = isinstance(metric, (tuple, list)) and len(metric) == 2
+        name = metric[0] if pair else getattr(metric, "name", None)
+        if not isinstance(name, str):
+            return None, []
+        names.append(name)
+    return names, []

@@ -55,10 +55,15 @@ def load_factory(spec: str, key: str) -> Callable[..., Any]:
 
 
 def _attr_hint(module: Any, attr: str) -> str:
-    """`; did you mean 'make'?` for a callable of `module` named close to `attr`, else ''."""
+    """`; did you mean 'make'?` for a callable of `module` named close to `attr`; else the
+    callables the module itself defines (`; its own callables: Net, make`), those it imported
+    left out; else ''."""
     names = [n for n, v in vars(module).items() if not n.startswith("_") and callable(v)]
-    close = _closest(attr, names)
-    return f"; did you mean {close!r}?" if close else ""
+    close = closest(attr, names)
+    if close:
+        return f"; did you mean {close!r}?"
+    own = [n for n in names if getattr(vars(module)[n], "__module__", None) == module.__name__]
+    return f"; its own callables: {', '.join(own)}" if own else ""
 
 
 def _module_hint(exc: Exception) -> str:
@@ -69,10 +74,21 @@ def _module_hint(exc: Exception) -> str:
         return ""
     parent, _, leaf = missing.rpartition(".")
     path = getattr(sys.modules.get(parent), "__path__", None)
-    close = _closest(leaf, [m.name for m in pkgutil.iter_modules(path)]) if path else None
+    close = closest(leaf, [m.name for m in pkgutil.iter_modules(path)]) if path else None
     return f"; did you mean {parent + '.' + close!r}?" if close else ""
 
 
-def _closest(word: str, names: list[str]) -> str | None:
+def closest(word: str, names: list[str]) -> str | None:
+    """The one of `names` a mistyped `word` most likely meant, or None: the closest spelling
+    (difflib), else the closest ignoring case (`conv1` -> `Conv1DNet`), else the only name
+    that holds `word` as a whole part (`f1` -> `macro_f1`)."""
     close = difflib.get_close_matches(word, names, n=1)
-    return close[0] if close else None
+    if close:
+        return close[0]
+    lower = {n.lower(): n for n in names}
+    close = difflib.get_close_matches(word.lower(), list(lower), n=1)
+    if close:
+        return lower[close[0]]
+    parts = re.compile(rf"(^|[\W_]){re.escape(word.lower())}($|[\W_])")
+    holding = [n for n in names if parts.search(n.lower())]
+    return holding[0] if len(holding) == 1 else None

@@ -22,10 +22,11 @@ from hetps.proto.errors import ConfigError
 
 from .algorithms import ALGORITHM_PARAMS
 from .build import BAD, Problems, build_dataclass, fail, unknown_key
-from .checks import check_targets, check_values
+from .checks import check_targets, check_values, factory_task_metrics
+from .factories import FACTORY
 from .node_spec import node_list
 from .schema import AlgorithmConfig, ClusterConfig, RunConfig
-from .targets import resolve_targets
+from .targets import resolve_targets, settle_factory_task
 
 # ------------------------------------------------------------ typed building
 
@@ -108,6 +109,11 @@ def _config_from_dict(raw: Any, import_targets: bool, problems: Problems) -> Run
     # a config with other errors is not worth importing code for
     if import_targets and not problems:
         problems.extend(check_targets(cfg))
+    if import_targets and not problems and FACTORY.fullmatch(cfg.task.name):
+        metrics, made = factory_task_metrics(cfg)  # the task is made: its metrics are known
+        problems.extend(made)
+        if metrics:
+            cfg = settle_factory_task(cfg, metrics, problems)
     if problems:
         raise ConfigError(problems)
     return cfg

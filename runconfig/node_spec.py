@@ -129,4 +129,17 @@ def node_list(value: Any, path: str) -> Any:
             "{slowdown: 3}]) or a mapping with `count` (e.g. {count: 8, speeds: ...}); "
             f"got {type(value).__name__} {value!r}",
         )
+    if any(not isinstance(node, dict) for node in value):
+        fail(
+            path,
+            f"each node of the list is a mapping of its settings, got {value!r}: {_fix(value)}",
+        )
     return value
+
+
+def _fix(nodes: list) -> str:
+    """The config a user who wrote a list of bare values most likely meant."""
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in nodes):
+        meant = ", ".join(f"{{slowdown: {v}}}" for v in nodes)
+        return f"for nodes of those slowdowns write [{meant}]; for {len(nodes)} equal nodes, {len(nodes)}"
+    return "write e.g. [{slowdown: 1}, {slowdown: 3}] (one mapping per node), or a count"

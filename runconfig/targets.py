@@ -18,14 +18,25 @@ run directory keeps (config.yaml) loads back to the same targets:
 `stop.target` set -> `stop.target_accuracy` null; a built-in task other than
 classification and no target written -> `stop.target_accuracy` null (the
 0.95 default is classification's).
+
+A `package.module:factory` task's metrics are known once it is made
+(`settle_factory_task`, where the config's code is imported: checks.py
+`factory_task_metrics`). The shorthand is for a task whose primary metric is
+accuracy: for any other, the 0.95 default is dropped (its primary metric is
+watched and no target is set), and another value of stop.target_accuracy
+targets its accuracy metric (an error when it has none). The value, not
+whether it was written, decides: `hetps.run` hands over every key written out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from .build import Problems
+from .factories import closest
+from .schema import RunConfig, StopConfig
 
 # metric name -> higher is better, primary first (worker/task.py's built-in tasks: the same names)
 TASK_METRICS: dict[str, dict[str, bool]] = {
@@ -89,10 +100,7 @@ def resolve_targets(raw: dict, problems: Problems) -> None:
     if isinstance(target, dict):
         name, value = target.get("metric"), target.get("value")
         if metrics is not None and isinstance(name, str) and name not in metrics:
-            problems.add(
-                "stop.target.metric",
-                f"{name!r} is not a metric of task {task}; allowed: {listed}",
-            )
+            problems.add("stop.target.metric", not_a_metric(name, task, list(metrics)))
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):
                 problems.add("stop.target.value", f"must be a finite number, got {value!r}")
@@ -100,7 +108,40 @@ def resolve_targets(raw: dict, problems: Problems) -> None:
     section = raw.get("eval")
     name = section.get("metric") if isinstance(section, dict) else None
     if isinstance(name, str) and metrics is not None and name not in metrics:
-        problems.add("eval.metric", f"{name!r} is not a metric of task {task}; allowed: {listed}")
+        problems.add("eval.metric", not_a_metric(name, task, list(metrics)))
+
+
+def not_a_metric(name: str, task: str | None, metrics: list[str]) -> str:
+    """`'f1' is not a metric of task T; allowed: ...; did you mean 'macro_f1'?`"""
+    close = closest(name, metrics)
+    hint = f"; did you mean {close!r}?" if close else ""
+    return f"{name!r} is not a metric of task {task}; allowed: {', '.join(metrics)}{hint}"
+
+
+def settle_factory_task(cfg: RunConfig, metrics: list[str], problems: Problems) -> RunConfig:
+    """`cfg` once its `package.module:factory` task is known to report `metrics` (primary
+    first): eval.metric and stop.target.metric checked against them, and the accuracy
+    shorthand settled (see the module docstring). Problems name the key."""
+    task, stop = cfg.task.name, cfg.stop
+    for key, name in (
+        ("eval.metric", cfg.eval.metric),
+        ("stop.target.metric", stop.target.metric if stop.target else None),
+    ):
+        if name is not None and name not in metrics:
+            problems.add(key, not_a_metric(name, task, metrics))
+    accuracy = stop.target_accuracy
+    if stop.target is not None or accuracy is None or metrics[0] == "accuracy":
+        return cfg
+    if accuracy == StopConfig().target_accuracy:
+        stop = dataclasses.replace(stop, target_accuracy=None)  # the default is not its target
+        return dataclasses.replace(cfg, stop=stop)
+    if "accuracy" not in metrics:
+        problems.add(
+            "stop.target_accuracy",
+            f"task {task} has no accuracy metric (its metrics: {', '.join(metrics)}); set "
+            f"stop.target: {{metric: {metrics[0]}, value: ...}} instead",
+        )
+    return cfg
 
 
 def stop_target(stop) -> tuple[str, float] | None:

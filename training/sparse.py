@@ -34,7 +34,7 @@ from torch import nn
 from hetps.proto.codec import dtype_name
 from hetps.proto.plan import TensorSpec
 from hetps.proto.sparse import ids_key, owner_of, rows_key
-from hetps.runconfig.algorithms import algorithm
+from hetps.runconfig.checks import sparse_tables_problem
 from hetps.runconfig.schema import RunConfig
 
 log = logging.getLogger(__name__)
@@ -140,19 +140,8 @@ def selected(model: nn.Module, cfg: RunConfig) -> list[tuple[str, nn.Module]]:
                 f"sparse.tables: {name!r} sets max_norm or scale_grad_by_freq, which the shards' "
                 "row-wise update does not apply; drop the option or leave the table dense"
             )
-    if chosen:
-        algo = algorithm(cfg.algorithm.name)
-        if algo.worker_loop != "gradients":
-            raise SparseConfigError(
-                f"sparse.tables: algorithm {cfg.algorithm.name!r} takes local steps (model "
-                "averaging, DiLoCo), which sparse tables do not support; use sync, async, ssp, "
-                "grouping, eager or balanced, or sparse.tables=[]"
-            )
-        if cfg.model.autocast == "float16":
-            raise SparseConfigError(
-                "sparse.tables: model.autocast float16 (loss scaling) is not supported with "
-                "sparse tables; use bfloat16 or none"
-            )
+    if chosen and (problem := sparse_tables_problem(cfg)):
+        raise SparseConfigError(problem)
     return [(n, embeddings[n]) for n in chosen]
 
 
