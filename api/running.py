@@ -31,7 +31,9 @@ from hetps.scheduler.runlog import parse_record, read_summary
 from .make_config import config
 from .shipping import as_name, import_roots, task_setting, with_pythonpath
 
-EvalCallback = Callable[[dict], Any]
+EvalCallback = Callable[[dict], Any]  # an eval row of metrics.jsonl
+StepCallback = Callable[[dict], Any]  # a step record of metrics.jsonl
+EndCallback = Callable[["Result"], Any]
 
 
 class RunFailed(HetpsError, RuntimeError):
@@ -86,6 +88,7 @@ def read_result(run_dir: Path, exit_code: int, rows: list[dict] | None = None) -
     name = metric.get("name") or last.get("watch") or ("accuracy" if "accuracy" in last else None)
     higher = metric.get("higher_is_better", last.get("higher_is_better", True if name else None))
     metrics = summary.get("final_metrics") or row_metrics(last)
+    metrics = {k: v for k, v in metrics.items() if k not in ROW_FIELDS}
     best = summary.get("best", summary.get("best_accuracy"))
     target = summary.get("target")
     if target is None and summary.get("target_accuracy") is not None and name == "accuracy":
@@ -115,6 +118,7 @@ def read_result(run_dir: Path, exit_code: int, rows: list[dict] | None = None) -
 # an eval row's fields that are not metrics
 ROW_FIELDS = {"kind", "t", "global_steps", "global_samples", "final", "bytes", "versions", "eval_s"}
 ROW_FIELDS |= {"watch", "higher_is_better", "num_classes", "segment", "reached"}
+ROW_FIELDS |= {"lr"}  # the shards' lr at the evaluation (worker/evaluator.py), not a task metric
 
 
 def row_metrics(row: dict) -> dict[str, float]:
@@ -127,15 +131,23 @@ def row_metrics(row: dict) -> dict[str, float]:
 
 
 class EvalRows:
-    """Follows metrics.jsonl as it grows: each new evaluation row, once, in order."""
+    """Follows metrics.jsonl as it grows: each new evaluation row, once, in order (kept in
+    `rows`); with `step_every`, also the step records of every worker's steps numbered a
+    multiple of it (handed out once, not kept)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, step_every: int | None = None):
         self.path = path
         self.offset = 0
         self.rows: list[dict] = []
+        self.step_every = step_every
 
     def poll(self) -> list[dict]:
         """The evaluation rows written since the last poll (a torn last line waits)."""
+        return [r for r in self.poll_records() if r["kind"] == "eval"]
+
+    def poll_records(self) -> list[dict]:
+        """The evaluation rows and sampled step records written since the last poll, in the
+        file's order."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
@@ -147,10 +159,21 @@ class EvalRows:
         new = [
             r
             for r in map(parse_record, complete.splitlines())
-            if r is not None and r["kind"] == "eval"
+            if r is not None and (r["kind"] == "eval" or self.sampled(r))
         ]
-        self.rows += new
+        self.rows += [r for r in new if r["kind"] == "eval"]
         return new
+
+    def sampled(self, record: dict) -> bool:
+        """A step record of a step numbered a multiple of `step_every` (a worker counts its
+        steps from 1)."""
+        step = record.get("step")
+        return (
+            record["kind"] == "step"
+            and self.step_every is not None
+            and isinstance(step, int)
+            and step % self.step_every == 0
+        )
 
     def read(self) -> list[dict]:
         self.poll()
@@ -158,33 +181,56 @@ class EvalRows:
 
 
 class Callbacks:
-    """Calls `on_eval` once per evaluation row, from the launcher's watch loop (the caller's
-    thread). An exception in it stops the run cleanly (as Ctrl-C) and is raised by
-    `hetps.run` once the run has ended: raise optuna.TrialPruned there to prune a trial.
+    """Calls `on_eval` once per evaluation row and `on_step` once per sampled step record
+    (EvalRows.step_every), in metrics.jsonl's order, from the launcher's watch loop (the
+    caller's thread, 4 times a second: after the fact, they cannot change the step); `on_end`
+    once with the Result (`end`). An exception in one stops the run cleanly (as Ctrl-C) and
+    is raised by `hetps.run` once the run has ended: raise optuna.TrialPruned there to prune a
+    trial; no callback is called after it but `on_end`.
     With `progress` (frontend/report.py Progress: `hetps run`'s own line), prints the
     progress line once after each poll that brought evaluations."""
 
-    def __init__(self, rows: EvalRows, on_eval: EvalCallback | None, progress: Progress | None):
+    def __init__(
+        self,
+        rows: EvalRows,
+        on_eval: EvalCallback | None,
+        progress: Progress | None,
+        on_step: StepCallback | None = None,
+        on_end: EndCallback | None = None,
+    ):
         self.rows = rows
         self.on_eval = on_eval
+        self.on_step = on_step
+        self.on_end = on_end
         self.progress = progress
         self.stream = sys.stderr  # the caller's (a notebook's cell output), not the captured one
         self.error: BaseException | None = None
 
     def __call__(self, cluster: LocalCluster | None) -> None:
-        new = self.rows.poll()
-        if self.progress is not None and new:
+        new = self.rows.poll_records()
+        if self.progress is not None and any(r["kind"] == "eval" for r in new):
             self.progress.poll()
             print(self.progress.line(), file=self.stream, flush=True)
         for row in new:
-            if self.on_eval is None or self.error is not None:
+            call = self.on_eval if row["kind"] == "eval" else self.on_step
+            if call is None or self.error is not None:
                 continue
             try:
-                self.on_eval(row)
+                call(row)
             except BaseException as exc:  # noqa: BLE001 - the caller's, raised after a clean stop
                 self.error = exc
                 if cluster is not None:
                     cluster.stop()
+
+    def end(self, result: Result) -> None:
+        """`on_end(result)`, once; its exception is kept (raised by `hetps.run`) unless an
+        earlier callback's is."""
+        if self.on_end is None:
+            return
+        try:
+            self.on_end(result)
+        except BaseException as exc:  # noqa: BLE001 - the caller's, raised by hetps.run
+            self.error = self.error or exc
 
 
 def run(
@@ -195,6 +241,9 @@ def run(
     dataset: Any = None,
     out: str | Path | None = None,
     on_eval: EvalCallback | None = None,
+    on_step: StepCallback | None = None,
+    step_every: int = 50,
+    on_end: EndCallback | None = None,
     progress: bool = False,
     prometheus: bool = False,
 ) -> Result:
@@ -208,7 +257,15 @@ def run(
     set as model.name and data.dataset. `out`: the run directory (default:
     out_dir/NAME-ALGO-TIME). `on_eval(row)`: called once per evaluation with its
     metrics.jsonl row (`row[row["watch"]]` is the watched metric); an exception in it stops
-    the run and is raised here. `progress`: print `hetps run`'s progress line to stderr after
+    the run and is raised here; the row's `lr` is the shards' learning rate at the
+    evaluation (the algorithms that push gradients). `on_step(record)`: called with the
+    step record of every worker's steps numbered a multiple of `step_every` (worker, step,
+    loss, t, ...; Lightning's log_every_n_steps is 50 too), an exception as on_eval's.
+    `on_end(result)`: called once with the Result when the run has ended, whatever its
+    status (before RunFailed is raised; not when the run could not start); an exception
+    in it is raised here. The callbacks run in this thread as metrics.jsonl grows (4 times
+    a second), after the fact: they watch the run, they cannot change a step.
+    `progress`: print `hetps run`'s progress line to stderr after
     each evaluation.
     `prometheus`: every daemon serves Prometheus /metrics (`hetps run --metrics`).
 
@@ -226,8 +283,11 @@ def run(
     # what the daemons will import, imported here first: a bad name is a ConfigError now
     cfg = load_config(config_to_dict(config(cfg, **changes)), import_targets=True)
     names = [cfg.task.name, cfg.model.name, cfg.data.dataset, cfg.optimizer.schedule.name]
-    rows = EvalRows(run_dir / "metrics.jsonl")
-    callbacks = Callbacks(rows, on_eval, progress_for(cfg, run_dir) if progress else None)
+    if isinstance(step_every, bool) or not isinstance(step_every, int) or step_every < 1:
+        raise ValueError(f"hetps.run: step_every must be an int >= 1, got {step_every!r}")
+    rows = EvalRows(run_dir / "metrics.jsonl", step_every if on_step is not None else None)
+    shown = progress_for(cfg, run_dir) if progress else None
+    callbacks = Callbacks(rows, on_eval, shown, on_step, on_end)
     said = io.StringIO()  # the launcher's own words (errors, warnings) for the exception
     with exported_pythonpath(import_roots(names)), contextlib.redirect_stderr(said):
         code = run_local(cfg, run_dir, quiet=True, metrics=prometheus, on_poll=callbacks)
@@ -236,6 +296,7 @@ def run(
     if code == 2:
         raise RunFailed(text or f"hetps.run: the run in {run_dir} could not start")
     result = read_result(run_dir, code, rows.rows)
+    callbacks.end(result)
     if result.status == "failed" or code == 1:
         raise RunFailed(text or f"hetps.run: {result.detail or 'the run failed'}", result)
     if text:  # a completed run's warnings (e.g. the model export failed): shown, not kept
