@@ -38,7 +38,6 @@ from hetps.runconfig.targets import reached
 from hetps.scheduler.efficiency import useful_efficiency
 from hetps.scheduler.runlog import fits, read_metrics
 
-from .import_path import import_beside
 from .launcher import run_local
 from .plots import X_AXES, plot_compare
 from .report import format_summary
@@ -223,6 +222,30 @@ def simulated_runner():
     return run
 
 
+def simulated_sample_s(configs: dict, args: argparse.Namespace, extra: dict) -> int:
+    """In place: each entry's config with the `sim.sample_s` it simulates with, measured
+    on the model once for all entries unless the config or an entry sets it; says which on
+    one line per figure (sim/sample_cost.py). Returns 0, or 2 when the model cannot be
+    measured (the check before training's line)."""
+    from hetps.sim.sample_cost import SampleCosts, sample_s_given
+    from hetps.training.preflight import ConfigValueError, PreflightError
+
+    costs, said = SampleCosts(), set()
+    try:
+        for a, entry in configs.items():
+            given = sample_s_given(args.config, [*args.overrides, *extra[a]])
+            for r, cfg in enumerate(entry):
+                entry[r], cost = costs(cfg, given)
+                if (line := cost.line(entry[r])) not in said:
+                    said.add(line)
+                    print(f"hetps compare: {line}", file=sys.stderr)
+    except PreflightError as exc:
+        kind = "config error" if isinstance(exc, ConfigValueError) else "check failed"
+        print(f"hetps: {kind}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def compare_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="hetps compare",
@@ -267,7 +290,6 @@ def compare_command(argv: list[str]) -> int:
         "--simulate", action="store_true", help="simulated runs in virtual time (hetps simulate)"
     )
     args = parser.parse_intermixed_args(argv)
-    import_beside(args.config)
     try:
         # the file and the common overrides, checked once
         base = load_config(args.config, args.overrides)
@@ -314,6 +336,8 @@ def compare_command(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"hetps: config error: {exc}", file=sys.stderr)
         return 2
+    if args.simulate and (code := simulated_sample_s(configs, args, extra)):
+        return code
     out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     run_one = (

@@ -11,7 +11,9 @@ worker registers with (worker/trainer.py `profile_speed`:
 samples after one warm-up pass, one torch thread, on the CPU the simulator
 computes on). A number in the config is used as it is; when every worker
 has its own `step_s` (`--replay`), `sim.sample_s` is not used and nothing
-is measured. `hetps simulate` prints one line saying which it is.
+is measured. `hetps simulate` prints one line saying which it is; `hetps compare
+--simulate` measures once per model and data setting (`SampleCosts`), so
+its entries run with one figure.
 """
 
 from __future__ import annotations
@@ -106,3 +108,24 @@ def sample_cost(cfg: RunConfig, given: bool) -> tuple[RunConfig, SampleCost, Dat
     sample_s, data = measure_sample_s(cfg)
     sim = dataclasses.replace(cfg.sim, sample_s=float(f"{sample_s:.4g}"))
     return dataclasses.replace(cfg, sim=sim), SampleCost(sim.sample_s, MEASURED), data
+
+
+class SampleCosts:
+    """`sample_cost` for the runs of a comparison (`hetps compare --simulate`): one
+    measurement per model and data setting, so entries that differ in their algorithm or
+    seed run with one figure. Blocking, as `sample_cost`; not thread-safe."""
+
+    def __init__(self) -> None:
+        self.measured: dict[str, SampleCost] = {}
+
+    def __call__(self, cfg: RunConfig, given: bool) -> tuple[RunConfig, SampleCost]:
+        """`cfg` with its `sim.sample_s` and where it came from (see `sample_cost`)."""
+        key = repr((cfg.model, cfg.data, cfg.cluster.profile_steps))
+        if given or all(node.step_s for node in cfg.cluster.workers):
+            return sample_cost(cfg, given)[:2]
+        if key not in self.measured:
+            self.measured[key] = sample_cost(cfg, given)[1]
+        cost = self.measured[key]
+        return dataclasses.replace(
+            cfg, sim=dataclasses.replace(cfg.sim, sample_s=cost.sample_s)
+        ), cost

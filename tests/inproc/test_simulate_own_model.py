@@ -192,3 +192,27 @@ def test_help_says_replay_replaces_the_workers_and_how_to_add_more(own_model):
     assert "It REPLACES cluster.workers" in text
     assert "--workers N for more workers of the measured speeds" in text
     assert "unless the config sets it, it is measured first on this machine" in text
+
+
+def test_compare_simulate_measures_once_and_runs_every_entry_with_that_figure(own_model):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(own_model), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "hetps.frontend.cli", "compare", "tiny.yaml", "--simulate"]
+        + ["--algorithms", "sync,async", "--out", "compared", "stop.max_seconds=0.1"],
+        cwd=own_model,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "sim.sample_s" in line]
+    assert len(lines) == 1 and "measured on this machine" in lines[0], lines
+    figures = {
+        yaml.safe_load((own_model / "compared" / f"{a}-0" / "config.yaml").read_text())["sim"][
+            "sample_s"
+        ]
+        for a in ("sync", "async")
+    }
+    assert len(figures) == 1 and figures != {LENET5_SAMPLE_S}
+    assert f"{figures.pop():.4g}" in lines[0]
