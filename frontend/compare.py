@@ -38,6 +38,7 @@ from hetps.runconfig.targets import reached
 from hetps.scheduler.efficiency import useful_efficiency
 from hetps.scheduler.runlog import fits, read_metrics
 
+from .import_path import import_beside
 from .launcher import run_local
 from .plots import X_AXES, plot_compare
 from .report import format_summary
@@ -290,6 +291,7 @@ def compare_command(argv: list[str]) -> int:
         "--simulate", action="store_true", help="simulated runs in virtual time (hetps simulate)"
     )
     args = parser.parse_intermixed_args(argv)
+    import_beside(args.config)
     try:
         # the file and the common overrides, checked once
         base = load_config(args.config, args.overrides)
