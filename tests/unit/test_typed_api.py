@@ -5,8 +5,10 @@ TYPE_CHECKING), so mypy checks a call against its signature; at run time they st
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -39,12 +41,19 @@ follow_imports = silent
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """hetps's wheel, built offline from the checkout and unpacked into a folder that stands
-    for site-packages (mypy reads a package from there only with its py.typed)."""
+    """hetps's wheel, built offline from a copy of the checkout's package folders (the build
+    writes nothing into the checkout) and unpacked into a folder that stands for
+    site-packages (mypy reads a package from there only with its py.typed)."""
     tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    folders = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for folder in folders["package-dir"].values():
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(REPO / name, src / name)
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index"]
-        + ["--quiet", "--wheel-dir", str(tmp / "wheel"), str(REPO)],
+        + ["--quiet", "--wheel-dir", str(tmp / "wheel"), str(src)],
         capture_output=True,
         text=True,
         timeout=300,
