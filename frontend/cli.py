@@ -92,11 +92,11 @@ def simulate_command(argv: list[str]) -> int:
     from hetps.runconfig.schema import ConfigError
     from hetps.scheduler.runlog import SummaryFile
     from hetps.sim.engine import check_simulable, simulate
-    from hetps.sim.sample_cost import sample_cost, sample_s_given
     from hetps.training.preflight import ConfigValueError, PreflightError
 
     from .launcher import default_run_dir
     from .plots import plot_simulated
+    from .sample_cost import sample_cost, sample_s_given
     from .sim_progress import SimProgress
 
     parser = argparse.ArgumentParser(

@@ -226,10 +226,11 @@ def simulated_runner():
 def simulated_sample_s(configs: dict, args: argparse.Namespace, extra: dict) -> int:
     """In place: each entry's config with the `sim.sample_s` it simulates with, measured
     on the model once for all entries unless the config or an entry sets it; says which on
-    one line per figure (sim/sample_cost.py). Returns 0, or 2 when the model cannot be
+    one line per figure (sample_cost.py). Returns 0, or 2 when the model cannot be
     measured (the check before training's line)."""
-    from hetps.sim.sample_cost import SampleCosts, sample_s_given
     from hetps.training.preflight import ConfigValueError, PreflightError
+
+    from .sample_cost import SampleCosts, sample_s_given
 
     costs, said = SampleCosts(), set()
     try:

@@ -22,10 +22,10 @@ import torch
 import yaml
 
 import hetps
+from hetps.frontend.sample_cost import LENET5_SAMPLE_S
 from hetps.runconfig.load import load_config
 from hetps.scheduler.runlog import read_metrics, records_of
 from hetps.sim.engine import simulate
-from hetps.sim.sample_cost import LENET5_SAMPLE_S
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH = 16

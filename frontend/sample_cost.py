@@ -1,5 +1,5 @@
 """A simulated worker's compute: `sim.sample_s`, the seconds per training
-sample of a slowdown-1 worker (workers.py `base_step_s`), for the user's model.
+sample of a slowdown-1 worker (sim/workers.py `base_step_s`), for the user's model.
 
 The schema's figure, 0.0002, is LeNet-5's on one CPU core. When a config
 does not set `sim.sample_s` (neither its file nor an override),
@@ -80,9 +80,11 @@ def measure_sample_s(cfg: RunConfig) -> tuple[float, Datasets]:
     torch thread (see the module doc), and the datasets loaded for it. Blocking: the
     datasets' load and `cluster.profile_steps` + 1 steps. Raises PreflightError (the
     check before training's one line)."""
-    from hetps.worker.trainer import profile_speed  # the real worker's profile, not a copy
+    # the real worker's profile, not a copy (here, not in sim/: the simulator's workers run
+    # training's step core and never import worker's)
+    from hetps.worker.trainer import profile_speed
 
-    torch.set_num_threads(1)  # as the simulation computes (engine.py `simulate`)
+    torch.set_num_threads(1)  # as the simulation computes (sim/engine.py `simulate`)
     data, model = build_checked(cfg, "cpu", sparse=True)  # as a worker builds it
     speed = profile_speed(
         ModelState(model, torch.device("cpu")),
