@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hetps.proto.errors import ConfigError
 
+if TYPE_CHECKING:  # torch is imported when a model is loaded, not with hetps
+    from torch import nn
 
-def load_model(path: str | Path, *, best: bool | None = None, device: str = "cpu"):
+
+def load_model(path: str | Path, *, best: bool | None = None, device: str = "cpu") -> nn.Module:
     """The model a run trained, with its weights, in eval mode on `device`.
 
     `path`: a run directory or a .safetensors file a run or `hetps export` wrote. From a run
