@@ -233,6 +233,17 @@ def config_command(argv: list[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     import_beside(args.config)
     cfg = load_or_exit(args.config, args.overrides, import_targets=True)
+    if isinstance(cfg.sparse.tables, list) and cfg.sparse.tables:
+        # the tables it names are the model's to check: built as the check before training
+        # builds it, without the step (the default `auto` is left to that check)
+        from hetps.training.preflight import ConfigValueError, PreflightError, check_named_tables
+
+        try:
+            check_named_tables(cfg)
+        except PreflightError as exc:
+            kind = "config error" if isinstance(exc, ConfigValueError) else "check failed"
+            print(f"hetps: {kind}: {exc}", file=sys.stderr)
+            return 2
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
     return 0
 

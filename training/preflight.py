@@ -349,19 +349,10 @@ def materialize(tables: list[tuple[str, nn.Module]]) -> None:
             module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
 
 
-def build_checked(
-    cfg: RunConfig, device: torch.device | str = "cpu", sparse: bool = False
-) -> tuple[Datasets, nn.Module]:
-    """The datasets and the seeded model, checked by `dry_step` and
-    `check_message_bytes`. `sparse`: the tables `sparse.tables` selects are
-    replaced by row-served ones first (worker/sparse.py; the dry step then
-    computes on stand-in rows). Raises PreflightError (ConfigValueError for a
-    setting the model cannot work with, or an optimizer or lr schedule that cannot be
-    built)."""
-    try:
-        check_optimizer(cfg.optimizer)  # what each shard builds from the config at its start
-    except ValueError as exc:
-        raise ConfigValueError(str(exc)) from None
+def build_unchecked(cfg: RunConfig) -> tuple[Datasets, Task, nn.Module]:
+    """The datasets, the task and the seeded model as the configuration names them, on the
+    CPU, before any check of them. Raises PreflightError (the dataset, the task or the model
+    cannot be built)."""
     try:
         data = load_datasets(cfg.data, cfg.seed)
         task = task_for(cfg, data.num_classes)
@@ -377,6 +368,37 @@ def build_checked(
         raise PreflightError(str(exc)) from None
     except TypeError as exc:  # a factory called with keywords it does not take
         raise PreflightError(str(exc)) from None
+    return data, task, model
+
+
+def check_named_tables(cfg: RunConfig) -> None:
+    """The modules a `sparse.tables` list names, checked against the model as the check before
+    training checks them (each an embedding of the model, no tied weight, no option the shards'
+    row-wise update cannot apply), without its step: `hetps config` runs it when the list names
+    any. Raises PreflightError (ConfigValueError naming sparse.tables)."""
+    if not isinstance(cfg.sparse.tables, list) or not cfg.sparse.tables:
+        return
+    _, _, model = build_unchecked(cfg)
+    try:
+        selected_tables(model, cfg)
+    except SparseConfigError as exc:
+        raise ConfigValueError(str(exc)) from None
+
+
+def build_checked(
+    cfg: RunConfig, device: torch.device | str = "cpu", sparse: bool = False
+) -> tuple[Datasets, nn.Module]:
+    """The datasets and the seeded model, checked by `dry_step` and
+    `check_message_bytes`. `sparse`: the tables `sparse.tables` selects are
+    replaced by row-served ones first (worker/sparse.py; the dry step then
+    computes on stand-in rows). Raises PreflightError (ConfigValueError for a
+    setting the model cannot work with, or an optimizer or lr schedule that cannot be
+    built)."""
+    try:
+        check_optimizer(cfg.optimizer)  # what each shard builds from the config at its start
+    except ValueError as exc:
+        raise ConfigValueError(str(exc)) from None
+    data, task, model = build_unchecked(cfg)
     try:
         # the whole model (`hetps export`, load_model) still sends its tables row by row
         chosen = selected_tables(model, cfg)

@@ -163,6 +163,11 @@ def test_a_built_in_task_s_metric_name_says_did_you_mean(project):
             "sparse.tables: model.autocast float16 (loss scaling) is not supported with sparse "
             "tables; use bfloat16 or none",
         ),
+        (  # the model's to say: built as the check before training builds it
+            ["sparse.tables=[conv]"],
+            "sparse.tables: 'conv' is not an nn.Embedding or nn.EmbeddingBag of model "
+            "'mytask:Conv1DNet'; its embeddings: ['emb']",
+        ),
     ],
 )
 def test_sparse_table_choices_the_config_alone_rules_out(project, overrides, line):
