@@ -76,6 +76,18 @@ def test_a_module_in_the_current_directory_imports_too(project, tmp_path):
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.parametrize(
+    "command", [["simulate"], ["compare", "--algorithms", "sync,async", "--simulate"]]
+)
+def test_simulate_and_compare_import_it_too(project, tmp_path, command):
+    short = ["stop.max_steps=10", "sim.sample_s=0.00002"]
+    out = ["--out", str(tmp_path / "out")]
+    done = hetps_cli(
+        command[0], str(project / "sine.yaml"), *short, *command[1:], *out, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_import_beside_puts_both_folders_on_the_path_of_the_processes_started(
     tmp_path, monkeypatch
 ):
