@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import sys
 from typing import Any, Callable
 
 from .algorithms import ALGORITHMS
@@ -384,15 +385,25 @@ def check_targets(cfg: RunConfig) -> list[str]:
     in a process started later. Each factory must also take its kwargs the way it is
     called (`CALLS`: a keyword it does not take names the close one it does)."""
     out = []
+    unimported: dict[str, list[FactoryError]] = {}  # module -> the keys that could not import it
     for path, (key, leading, offered) in CALLS.items():
         spec = value_at(cfg, path)
         if FACTORY.fullmatch(spec):
             try:
                 factory = load_factory(spec, path)
             except FactoryError as exc:
+                if exc.module in unimported:  # the same import failed again: one line says it
+                    unimported[exc.module].append(exc)
+                    continue
+                if exc.module not in sys.modules:
+                    unimported[exc.module] = [exc]
                 out.append(str(exc))
                 continue
             out += _check_call(factory, spec, key, value_at(cfg, key), leading, offered)
+    for errors in unimported.values():
+        if len(errors) > 1:
+            first = out.index(str(errors[0]))
+            out[first] = f"{', '.join(e.key for e in errors)}: {errors[0].reason}"
     return out
 
 

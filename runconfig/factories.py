@@ -43,7 +43,8 @@ def load_factory(spec: str, key: str) -> Callable[..., Any]:
     except Exception as exc:  # the user's module may raise anything while importing
         reason = (
             f"cannot import {module_name!r} ({type(exc).__name__}: {exc}){_module_hint(exc)}; "
-            "the module must be importable on every host that builds it (PYTHONPATH or an "
+            "the module must be importable on every host that builds it (the hetps commands "
+            "look beside the config and in the current directory; else PYTHONPATH or an "
             "installed package)"
         )
         raise FactoryError(key, spec, module_name, attr, reason) from exc

@@ -220,6 +220,18 @@ def test_a_factory_name_says_did_you_mean_or_lists_the_module_s_own_callables(pr
     ]
 
 
+def test_a_module_that_does_not_import_is_one_line_for_every_key_naming_it(project):
+    (line,) = config_errors(
+        project, "task=nomodule:Task", "model.name=nomodule:Net", "data.dataset=nomodule:data"
+    )
+    assert line.startswith(
+        "hetps: config error: model.name, data.dataset, task.name: cannot import 'nomodule' "
+        "(ModuleNotFoundError: No module named 'nomodule'); the module must be importable on "
+        "every host that builds it (the hetps commands look beside the config and in the "
+        "current directory; "
+    ), line
+
+
 def test_a_node_list_of_bare_numbers_is_one_line_with_the_list_it_meant(project):
     assert config_errors(project, "cluster.workers=[1,1,3,3]") == [
         "hetps: config error: cluster.workers: each node of the list is a mapping of its "
