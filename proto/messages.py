@@ -28,6 +28,7 @@ from .records import (
     PushInfo,
     read_agreed,
     read_hold_s,
+    read_members,
     read_plan,
     read_report_values,
     read_spare_slots,
@@ -36,13 +37,16 @@ from .records import (
     read_step_records,
     read_tensor_specs,
     write_ack,
+    write_members,
     write_tensor_specs,
 )
 
 # 2: PUSH gained `pull` (answer with PARAMS carrying the ACK) and PARAMS `ack`.
 # A version-1 peer would ignore `pull` and never answer with values, so the
 # bump turns a mixed deployment into a BAD_VERSION error instead of a stall.
-PROTOCOL_VERSION = 2
+# 3: PUSH gained `members` (a group's aggregated push); a version-2 shard would take it as
+# the sender's own push and apply a group's mean as one member's gradient.
+PROTOCOL_VERSION = 3
 # Frames at least this large are sent without a copy. A zero-copy send costs
 # pyzmq a Frame, a hand-off to its garbage-collector thread and a GIL round
 # trip when ZeroMQ lets go of the memory: measured on loopback (2-core EPYC),
@@ -165,6 +169,12 @@ class Push(Message):
     # would get (parked alike), carrying this push's ACK in `ack`: one round trip, two messages
     pull: bool = False
     tensors: dict = field(default_factory=dict)
+    # a group's aggregated push (comm.aggregate): the members it stands for, [node id, clock]
+    # each, the sender among them; `tensors` is their (sample-weighted) mean gradient and
+    # `n_samples` their sum. Empty: the sender's own push
+    members: list[tuple[int, int]] = field(
+        default_factory=list, metadata=read_as("list", read_members, write_members)
+    )
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,9 @@ class ClusterPlan:
     batches: dict[str, float] = field(default_factory=dict)
     # sparse tables (kind "table"), in forward order: every shard holds a slice of each (sparse.py)
     tables: list[TensorSpec] = field(default_factory=list)
+    # the first member's node id (a string) of each group of two or more -> the plan since which
+    # the group has had exactly these members: names its collectives (worker/group_reduce.py)
+    group_since: dict[str, int] = field(default_factory=dict)
 
     def shard_index(self, node_id: int) -> int:
         for i, s in enumerate(self.shards):
@@ -201,6 +204,7 @@ class ClusterPlan:
             chunks=dict(data.get("chunks", {})),
             info=dict(data.get("info", {})),
             run_id=str(data.get("run_id", "")),
+            group_since=dict(data.get("group_since", {})),
             algorithm_params=dict(data.get("algorithm_params", {})),
             backups=dict(data.get("backups", {})),
             served_by=dict(data.get("served_by", {})),

@@ -493,6 +493,30 @@ def read_spare_slots(value: Any) -> list[str]:
     return read_addresses("spare_slots", value)
 
 
+MAX_MEMBERS = 4096  # nodes one aggregated push may stand for
+
+
+def read_members(value: Any) -> list[tuple[int, int]]:
+    """An aggregated push's members (Push.members): [node id, clock] pairs, distinct
+    non-negative node ids, clocks >= 0; empty for a worker's own push."""
+    if type(value) is list and len(value) <= MAX_MEMBERS:
+        pairs = [
+            (m[0], m[1])
+            for m in value
+            if type(m) is list and len(m) == 2 and all(type(x) is int and x >= 0 for x in m)
+        ]
+        if len(pairs) == len(value) and len({n for n, _ in pairs}) == len(pairs):
+            return pairs
+    _bad(
+        "members",
+        f"must be a list of distinct [node id, clock] pairs of ints >= 0, got {value!r:.60}",
+    )
+
+
+def write_members(value: list[tuple[int, int]]) -> list[list[int]]:
+    return [[int(n), int(c)] for n, c in value]
+
+
 def read_plan(value: Any) -> ClusterPlan:
     """A plan as the scheduler sends it, checked for consistency: every tensor
     placed on an existing shard, groups made of the plan's workers, finite
@@ -540,6 +564,7 @@ def read_plan(value: Any) -> ClusterPlan:
         served_by=_str_keyed_ints("plan.served_by", d.get("served_by", {})),
         batches=_batches(d.get("batches", {}), ids),
         tables=_tables(d.get("tables", []), tensors),
+        group_since=_str_keyed_ints("plan.group_since", d.get("group_since", {})),
     )
 
 

@@ -44,6 +44,8 @@ WORKER_LOOPS = ("gradients", "local_steps", "pseudo_gradients")
 PUSHES = ("gradients", "model")
 # local_steps, pseudo_gradients: how a worker counts its period
 PERIODS = ("", "steps", "shard", "seconds")
+# how a group's members reduce before the shards (comm.aggregate)
+AGGREGATES = ("", "mean", "by_samples")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class Algorithm:
     fuses_pull: bool = True  # a push may ask for the next values in itself (`comm.fuse_pull`)
     # PERIODS: steps (`period`), shard (the shards' ACKs decide), seconds (`period_s`)
     period: str = ""
+    # AGGREGATES: rounds of every member of a group, which may reduce before the shards
+    # (comm.aggregate): their mean, or their mean weighted by samples (balanced); "": no rounds
+    aggregates: str = ""
 
     def __post_init__(self):
         for key, allowed in (
@@ -65,6 +70,7 @@ class Algorithm:
             ("worker_loop", WORKER_LOOPS),
             ("pushes", PUSHES),
             ("period", PERIODS),
+            ("aggregates", AGGREGATES),
         ):
             if getattr(self, key) not in allowed:
                 raise ValueError(
@@ -81,10 +87,17 @@ _MODELS = dict(worker_loop="local_steps", pushes="model", fuses_pull=False)
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("sync", SyncParams, groups="all", policy="sync", **_GRADIENTS),
+        Algorithm("sync", SyncParams, groups="all", policy="sync", aggregates="mean", **_GRADIENTS),
         Algorithm("async", AsyncParams, groups="each", policy="async", **_GRADIENTS),
         Algorithm("ssp", SspParams, groups="each", policy="ssp", **_GRADIENTS),
-        Algorithm("grouping", GroupingParams, groups="by_speed", policy="grouping", **_GRADIENTS),
+        Algorithm(
+            "grouping",
+            GroupingParams,
+            groups="by_speed",
+            policy="grouping",
+            aggregates="mean",
+            **_GRADIENTS,
+        ),
         Algorithm("eager", EagerParams, groups="all", policy="eager", **_GRADIENTS),
         Algorithm("cpsgd", CpsgdParams, groups="all", policy="cpsgd", period="steps", **_MODELS),
         Algorithm("adpsgd", AdpsgdParams, groups="all", policy="adpsgd", period="shard", **_MODELS),
@@ -97,7 +110,14 @@ ALGORITHMS: dict[str, Algorithm] = {
             period="seconds",
             **_MODELS,
         ),
-        Algorithm("balanced", BalancedParams, groups="balanced", policy="balanced", **_GRADIENTS),
+        Algorithm(
+            "balanced",
+            BalancedParams,
+            groups="balanced",
+            policy="balanced",
+            aggregates="by_samples",
+            **_GRADIENTS,
+        ),
         # pseudo-gradients are gradients to the shard (compressed, zeros when neutral), applied at once
         Algorithm(
             "diloco",
@@ -113,6 +133,22 @@ ALGORITHMS: dict[str, Algorithm] = {
 
 # Algorithm name -> its parameter dataclass (what config loading needs).
 ALGORITHM_PARAMS: dict[str, type] = {name: a.params for name, a in ALGORITHMS.items()}
+
+
+def aggregation_off_because(cfg) -> str:
+    """Why a run's synchronous groups do not reduce before the shards (comm.aggregate), or ""
+    when they do: the algorithm has no rounds of whole groups, comm.overlap pushes layer by
+    layer, or security.curve is on and comm.collective_trusted is not (gloo is not CurveZMQ)."""
+    algo = ALGORITHMS.get(cfg.algorithm.name)
+    if cfg.comm.aggregate == "off":
+        return "comm.aggregate: off"
+    if algo is None or not algo.aggregates or algo.worker_loop != "gradients":
+        return f"algorithm.name: {cfg.algorithm.name} has no rounds of whole groups"
+    if cfg.comm.overlap:
+        return "comm.overlap: true pushes each layer as backward produces it"
+    if cfg.security.curve and not cfg.comm.collective_trusted:
+        return "security.curve: true and comm.collective_trusted: false (gloo is not CurveZMQ)"
+    return ""
 
 
 def algorithm(name: str) -> Algorithm:

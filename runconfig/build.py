@@ -29,6 +29,7 @@ def fail(path: str, message: str) -> None:
 
 
 BAD = object()  # a value that failed to build (already reported)
+ON_OFF = frozenset({"comm.aggregate"})  # string settings whose values include on and off
 _YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -51,6 +52,8 @@ def _build(tp: Any, value: Any, path: str, problems: Problems) -> Any:
         (item,) = typing.get_args(tp)
         items = [_build(item, v, f"{path}.{i}", problems) for i, v in enumerate(value)]
         return BAD if any(v is BAD for v in items) else items
+    if tp is str and isinstance(value, bool) and path in ON_OFF:
+        return "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):

@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Any, Callable
 
-from .algorithms import ALGORITHMS
+from .algorithms import ALGORITHMS, aggregation_off_because
 from .factories import FACTORY, FactoryError, closest, load_factory
 from .schema import BUILTIN_MODELS, CHOICES, DATASETS, SCHEDULES, TASKS, RunConfig
 
@@ -282,6 +282,17 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
     if isinstance(cfg.sparse.tables, list) and cfg.sparse.tables:
         out += [p for p in [sparse_tables_problem(cfg)] if p]
     out += _check_schedule_keys(cfg)
+    if cfg.comm.aggregate == "on" and aggregation_off_because(cfg):
+        out.append(
+            f"comm.aggregate: on needs a synchronous group reducing whole gradients (sync, "
+            f"balanced, grouping); here {aggregation_off_because(cfg)} (use auto or off)"
+        )
+    if cfg.comm.collective_timeout_s is not None and not cfg.comm.collective_timeout_s > 0:
+        out.append(
+            f"comm.collective_timeout_s: must be > 0 seconds or null, got {cfg.comm.collective_timeout_s!r}"
+        )
+    if not 0 <= cfg.comm.collective_port <= 65535:
+        out.append(f"comm.collective_port: must be 0-65535, got {cfg.comm.collective_port!r}")
     if cfg.comm.compression == "topk" and cfg.comm.topk_ratio <= 0.0:
         out.append("comm.topk_ratio: must be > 0 with comm.compression: topk")
     if optimizer.schedule.name == "cosine" and optimizer.schedule.total_steps <= 0:

@@ -361,6 +361,24 @@ class CommConfig:
         "ipc",
         help="hetps run on one host: scheduler and shards bind ipc (unix sockets) | tcp (loopback)",
     )
+    aggregate: str = setting(
+        "auto",
+        help="auto | on | off: a synchronous group (sync, balanced, grouping) sums its gradients "
+        "with a gloo all-reduce and pushes each shard one slice per round (auto: where it applies)",
+    )
+    collective_timeout_s: float | None = setting(
+        None,
+        help="longest wait of a group's collective (null: 20 of its slowest member's steps, >= 10 s)",
+    )
+    collective_port: int = setting(
+        0,
+        help="port of each worker's collective store (0: any free port; N: N + the worker's rank)",
+    )
+    collective_trusted: bool = setting(
+        False,
+        help="gloo traffic is not CurveZMQ: with security.curve, aggregate only when this says the "
+        "workers' network is trusted",
+    )
 
 
 @dataclass(frozen=True)
@@ -452,4 +470,5 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "cluster.nonfinite": ("reject", "skip", "clip"),
     "comm.compression": ("none", "fp16", "topk"),
     "comm.local_transport": ("ipc", "tcp"),
+    "comm.aggregate": ("auto", "on", "off"),
 }

@@ -554,6 +554,7 @@ class Coordinator(Service):
     def _publish(self, plan: ClusterPlan) -> None:
         """Make `plan` the current one: written to the run log and the state
         file, sent to the nodes waiting for a newer plan than theirs."""
+        plan = planning.with_group_since(plan, self.plan)
         self.plan = plan
         self.plan_checked = self.clock()
         self.runlog.write_plan(plan.to_dict())

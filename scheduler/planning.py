@@ -54,7 +54,7 @@ def first_plan(
         plan_id=1,
         algorithm=cfg.algorithm.name,
         algorithm_params=resolved_params(cfg.algorithm),
-        workers=[NodeEntry(n.node_id, n.rank) for n in workers],
+        workers=[NodeEntry(n.node_id, n.rank, n.address) for n in workers],
         shards=[NodeEntry(n.node_id, n.rank, n.address) for n in shards],
         tensors=specs,
         tables=tables,
@@ -79,11 +79,26 @@ def replanned(
     return dataclasses.replace(
         plan,
         plan_id=plan.plan_id + 1,
-        workers=[NodeEntry(n.node_id, n.rank) for n in workers],
+        workers=[NodeEntry(n.node_id, n.rank, n.address) for n in workers],
         speeds={**plan.speeds, **{str(w): round(s, 3) for w, s in speeds.items()}},
         info={"reason": reason},
         **formation.plan_fields(speeds, params),
     )
+
+
+def with_group_since(plan: ClusterPlan, previous: ClusterPlan | None) -> ClusterPlan:
+    """`plan` with `group_since`: for each group of two or more, keyed by its first
+    member, the plan since which it has had exactly these members (carried over from
+    `previous` when the group is unchanged, else this plan's id). Members name the group's
+    collectives by it (worker/group_reduce.py), so a member that skipped plans agrees."""
+    before = {}
+    if previous is not None:
+        for g in previous.groups:
+            key = str(g[0]) if g else ""
+            if key in previous.group_since:
+                before[tuple(g)] = previous.group_since[key]
+    since = {str(g[0]): before.get(tuple(g), plan.plan_id) for g in plan.groups if len(g) > 1}
+    return dataclasses.replace(plan, group_since=since)
 
 
 @dataclass

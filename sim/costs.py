@@ -16,6 +16,7 @@ From the real run directory's `metrics.jsonl` step records:
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,3 +103,17 @@ def group_allreduce_s(nbytes: int, links: Sequence[Link]) -> float:
     rate = min([GLOO_BYTES_PER_S, *rates])
     latencies = sorted((link.latency_s for link in links), reverse=True)
     return allreduce_s(nbytes, len(links), rate, GLOO_HOP_S + sum(latencies[:2]))
+
+
+def group_broadcast_s(nbytes: int, links: Sequence[Link]) -> float:
+    """Seconds a broadcast of `nbytes` from one member to the others takes over their virtual
+    links: a binomial tree (gloo's broadcast; MPICH's cost lg(p)·(latency + bytes/rate)), so
+    ceil(log2 k) rounds, each the whole message at the slowest member's rate plus one hop (as
+    `group_allreduce_s`). 0 for one member. Pure."""
+    k = len(links)
+    if k <= 1:
+        return 0.0
+    rates = [link.mbps * 1e6 / 8 for link in links if link.mbps > 0]
+    rate = min([GLOO_BYTES_PER_S, *rates])
+    latencies = sorted((link.latency_s for link in links), reverse=True)
+    return math.ceil(math.log2(k)) * (nbytes / rate + GLOO_HOP_S + sum(latencies[:2]))

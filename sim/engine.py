@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from hetps.proto.codec import decode
-from hetps.proto.messages import Bye, Error, Heartbeat, Init, Pull, Register, Report
+from hetps.proto.messages import Bye, Error, Heartbeat, Init, Pull, Push, Register, Report
 from hetps.proto.plan import schema_hash
 from hetps.proto.records import NodeStats, read_step_records
 from hetps.ps.shard import Shard
-from hetps.runconfig.algorithms import algorithm
+from hetps.runconfig.algorithms import aggregation_off_because, algorithm
 from hetps.runconfig.load import dump_config
 from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
 from hetps.scheduler.coordinator import Coordinator
@@ -43,6 +43,7 @@ from hetps.training.step import task_for
 from hetps.training.task import watched_metric
 
 from .events import EventQueue, Link, ServiceQueue, nbytes_of, speed_factor, transfer
+from .group_rounds import GroupRounds
 from .local_workers import SimDilocoWorker, SimLocalWorker
 from .model_file import SimModelFiles
 from .rows import SimRows
@@ -144,6 +145,15 @@ class Simulation:
         # (rank, virtual s)
         self.kills = [(int(k.node[len("worker") :]), k.at_s) for k in cfg.cluster.kill]
         self.stalled = False
+        # comm.aggregate: synchronous groups reduce before the shards (group_rounds.py)
+        self.group_rounds = (
+            None
+            if aggregation_off_because(cfg)
+            else GroupRounds(
+                algorithm(cfg.algorithm.name).aggregates == "by_samples",
+                frozenset(n for n, (_, kind) in self.state.tensors.items() if kind != "param"),
+            )
+        )
 
     # ------------------------------------------------------------ start-up: register, plan, INIT
     def start(self) -> None:
@@ -298,10 +308,22 @@ class Simulation:
         msg = decode(frames).msg
         if isinstance(msg, Error):
             raise RuntimeError(f"shard {i} refused worker {w.member.rank}: {msg.message}")
-        if w.take_reply(i, msg, nbytes):
+        if self.group_rounds is not None:
+            seconds, members = self.group_rounds.reply_to(dst, i, msg, nbytes)
+            if members:  # an aggregated round's reply: every member gets it, broadcast
+                self.q.after(seconds, self._share, members, i, msg, nbytes)
+                return
+        self._take(w, i, msg, nbytes)
+
+    def _take(self, w: SimWorker, i: int, msg, nbytes: int) -> None:
+        if w.alive and w.take_reply(i, msg, nbytes):
             w.finish_step(self.q.now)
             self._hear_step_limit()
             self._step(w)
+
+    def _share(self, members: list, i: int, msg, nbytes: int) -> None:
+        for w in members:
+            self._take(w, i, msg, nbytes)
 
     def _step(self, w: SimWorker) -> None:
         if self.coord.stop_reason is not None or not w.alive:
@@ -314,11 +336,33 @@ class Simulation:
         if not w.alive or self.coord.stop_reason is not None:
             return
         messages = w.pushes(self.q.now)
+        members = self.group_rounds.group(w, self.workers) if self.group_rounds else None
         for i, msg in messages:
-            self._send(w, i, msg)
-        if not messages:  # a local step that ends no round: the next one follows at once
+            if members is None or not isinstance(msg, Push):  # rows go per worker
+                self._send(w, i, msg)
+        if members is not None:
+            group = self.group_rounds.arrive(w, members)
+            if group is not None:
+                seconds, pushes = self.group_rounds.reduce(group, self.q.now, self.coord.plan)
+                self.q.after(seconds, self._send_group, pushes)
+        elif not messages:  # a local step that ends no round: the next one follows at once
             self._hear_step_limit()
             self._step(w)
+
+    def _send_group(self, pushes: list) -> None:
+        """An aggregated round's pushes, each by its member; a pusher that died meanwhile
+        leaves the others to pull that shard's values (a real group's share fails then)."""
+        for w, i, push in pushes:
+            if w.alive:
+                self._send(w, i, push)
+            else:
+                for _, members in self.group_rounds.orphaned(w.member.node_id):
+                    self._pull_instead(i, members)
+
+    def _pull_instead(self, i: int, members: list) -> None:
+        for m in members:
+            if m.alive:
+                self._send(m, i, Pull(plan_id=m.client.plan.plan_id, clock=m.clock))
 
     def _hear_step_limit(self) -> None:
         """`stop.max_steps` reached: every node beats now, so the coordinator stops on the
@@ -423,6 +467,14 @@ class Simulation:
             if w.member.rank == rank:
                 # silent from now on: the coordinator declares it dead after dead_after_s
                 w.alive = False
+                if self.group_rounds is not None:
+                    # its group's collective fails: the members waiting push on their own, and
+                    # those waiting for a reply it was to share pull it
+                    for m in self.group_rounds.release(w.member.node_id):
+                        for i, msg in m.pushes(self.q.now):
+                            self._send(m, i, msg)
+                    for i, members in self.group_rounds.orphaned(w.member.node_id):
+                        self._pull_instead(i, members)
 
     # ------------------------------------------------------------ the loop and the end
     def run(self) -> None:

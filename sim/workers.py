@@ -104,6 +104,10 @@ class SimWorker:
         self.step_started = self.pushed_at = 0.0
         self.loss = 0.0
         self.compute_s = 0.0
+        # comm.aggregate (group_rounds.py): its last step was reduced with its group, which then
+        # agreed on the plan every member switches to before the next (None: stay)
+        self.in_group = False
+        self.agreed_plan: ClusterPlan | None = None
 
     def use_plan(self, plan: ClusterPlan) -> None:
         """Switch to a newer `plan` between steps (GradientStep.use_plan)."""
@@ -159,7 +163,7 @@ class SimWorker:
         acked = max((now - held for _, held in acks), default=now)
         push_s, step_s = max(0.0, acked - self.pushed_at), now - self.step_started
         self.clock += 1
-        self.staleness = max(a.staleness for a, _ in acks)
+        self.staleness = max((a.staleness for a, _ in acks), default=self.staleness)
         self.known_plan_id = max([self.known_plan_id] + [a.plan_id for a, _ in acks])
         self.timer.update(self.compute_s, push_s, step_s)
         self.records.append(
@@ -178,15 +182,20 @@ class SimWorker:
 
     def follow_plan(self, newest: ClusterPlan) -> bool:
         """Between steps, switch to `newest` if this worker knows of a newer
-        plan; False (and not alive) when it is not a worker of it."""
-        if (
-            self.known_plan_id > self.client.plan.plan_id
-            and newest.plan_id > self.client.plan.plan_id
-        ):
-            if self.member.node_id not in newest.worker_ids():
-                self.alive = False
-                return False
-            self.use_plan(newest)
+        plan; False (and not alive) when it is not a worker of it. After an aggregated step,
+        only to the plan its group agreed on (group_rounds.py), so the members stay together."""
+        current = self.client.plan.plan_id
+        if self.in_group:
+            agreed, self.agreed_plan, self.in_group = self.agreed_plan, None, False
+            if agreed is None or agreed.plan_id <= current:
+                return True
+            newest = agreed
+        elif not (self.known_plan_id > current and newest.plan_id > current):
+            return True
+        if self.member.node_id not in newest.worker_ids():
+            self.alive = False
+            return False
+        self.use_plan(newest)
         return True
 
     def start_step(self, now: float, newest: ClusterPlan) -> float | None:

@@ -128,11 +128,11 @@ class PSClient:
             "delayed": sum(f.delayed for f in self.faults),
         }
 
-    def _split(self, tensors: Mapping[str, torch.Tensor]) -> list[dict]:
+    def split(self, tensors: Mapping[str, torch.Tensor]) -> list[dict]:
         """Per shard, the tensors it owns; chunked tensors become views of their parts."""
         return split_for_shards(self.plan, tensors, self.part_sizes, self.names)
 
-    def _join(self, values: Tensors) -> Tensors:
+    def join(self, values: Tensors) -> Tensors:
         """Reassemble chunked tensors from their parts (one copy each); the runs
         of `values` (`Tensors.merge`) that hold no part are kept."""
         if not self.plan.chunks:
@@ -145,14 +145,14 @@ class PSClient:
 
     def init(self, values: Mapping[str, torch.Tensor]) -> None:
         """Offer initial values to every shard; the first offer a shard gets wins."""
-        parts = self._split(values)
+        parts = self.split(values)
         wait_all(self._send_dense(lambda i: Init(plan_id=self.plan.plan_id, tensors=parts[i])))
 
     def pull(self, clock: int) -> Tensors:
         """Current values from every shard (may wait, per the algorithm).
         Returned tensors are read-only views of received frames."""
         sent = self._send_dense(lambda i: Pull(plan_id=self.plan.plan_id, clock=clock))
-        return self._join(
+        return self.join(
             Tensors.merge(
                 self._params_reply(i, reply).tensors for i, reply in zip(self.dense, wait_all(sent))
             )
@@ -163,7 +163,14 @@ class PSClient:
         return [(self.shards[i], self.shards[i].send(message(i))) for i in self.dense]
 
     def _push(
-        self, i: int, part: dict, clock: int, n_samples: int, info: dict | None, pull: bool = False
+        self,
+        i: int,
+        part: dict,
+        clock: int,
+        n_samples: int,
+        info: dict | None,
+        pull: bool = False,
+        members: list[tuple[int, int]] | None = None,
     ) -> Push:
         if self.compressor is not None:
             part = self.compressor.compress(part, self.compressible)
@@ -175,6 +182,7 @@ class PSClient:
             info=PushInfo.read(info or {}),
             pull=pull,
             tensors=part,
+            members=members or [],
         )
 
     def compression_stats(self) -> dict:
@@ -191,7 +199,7 @@ class PSClient:
     ) -> list[Ack]:
         """Push without pulling (e.g. a last model when the run stops); returns the ACKs of
         the shards that hold a dense tensor, in shard order."""
-        parts = self._split(tensors)
+        parts = self.split(tensors)
         return wait_all(self._send_dense(lambda i: self._push(i, parts[i], clock, n_samples, info)))
 
     def push_pull(
@@ -207,18 +215,18 @@ class PSClient:
         and values (the ACKs of the shards that hold a dense tensor, in shard order).
         Every shard's request goes out before any reply is awaited."""
         started = time.monotonic()
-        parts = self._split(tensors)
+        parts = self.split(tensors)
         steps = {i: self.send_step(i, parts[i], clock, n_samples, info) for i in self.dense}
         # all ACKs first, then values; while one shard is awaited the others' requests are tended
-        acked = {i: self.await_ack(i, step, self._others(i)) for i, step in steps.items()}
+        acked = {i: self.await_ack(i, step, self.others(i)) for i, step in steps.items()}
         # one value that keeps the runs the decoders found, so a flat model loads each with one copy
         values = Tensors.merge(
-            self.await_values(i, step, acked[i][2], self._others(i)).tensors
+            self.await_values(i, step, acked[i][2], self.others(i)).tensors
             for i, step in steps.items()
         )
         acked = list(acked.values())
         self.last_push_s = max(0.0, max(at for _, at, _ in acked) - started) if acked else 0.0
-        return [ack for ack, _, _ in acked], self._join(values)
+        return [ack for ack, _, _ in acked], self.join(values)
 
     def send_step(
         self,
@@ -228,20 +236,21 @@ class PSClient:
         n_samples: int,
         info: dict | None,
         build_lock: ContextManager = contextlib.nullcontext(),
+        members: list[tuple[int, int]] | None = None,
     ) -> tuple[int, int | None]:
         """Send shard `i`'s part of a step: a PUSH asking for the next values
         (fused), or a PUSH and a PULL right behind it. Returns (push id, pull
         id or None). `build_lock` is held while the push is built (compression
-        state shared between threads)."""
+        state shared between threads). `members`: a group's aggregated push (Push.members)."""
         with build_lock:
-            push = self._push(i, part, clock, n_samples, info, pull=self.fuse_pull)
+            push = self._push(i, part, clock, n_samples, info, self.fuse_pull, members)
         c = self.shards[i]
         push_id = c.send(push)
         if self.fuse_pull:
             return push_id, None
         return push_id, c.send(Pull(plan_id=self.plan.plan_id, clock=clock + 1), after=push_id)
 
-    def _others(self, i: int) -> list[RpcClient]:
+    def others(self, i: int) -> list[RpcClient]:
         return [self.shards[j] for j in self.dense if j != i]
 
     def await_ack(

@@ -20,7 +20,12 @@ from hetps.proto.plan import schema_hash
 from hetps.proto.rpc import Aborted, RemoteError, RequestTimeout
 from hetps.proto.transport import TransportError
 from hetps.runconfig.agreement import agreed_values
-from hetps.runconfig.algorithms import AlgorithmMismatch, algorithm, check_plan_algorithm
+from hetps.runconfig.algorithms import (
+    AlgorithmMismatch,
+    aggregation_off_because,
+    algorithm,
+    check_plan_algorithm,
+)
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.runtime.daemon import scheduler_lost_exit, transport_options
 from hetps.runtime.devices import pick_device, use_device
@@ -36,6 +41,7 @@ from hetps.training.step import task_for
 
 from .diloco import DilocoTrainer
 from .evaluator import Evaluator
+from .group_reduce import MemberStore
 from .local import LocalSgdTrainer
 from .overlap import OverlapTrainer
 from .trainer import Trainer, profile_speed
@@ -135,7 +141,20 @@ def run_node(
                 )
             )
             phases.mark("profile")
+            # comm.aggregate: the store where the groups this worker leads rendezvous
+            store = (
+                MemberStore(
+                    cfg.comm.collective_port + max(args.rank, 0) if cfg.comm.collective_port else 0,
+                    scheduler,
+                    cfg.cluster.startup_timeout_s,
+                )
+                if not args.evaluator
+                and trainer_class(cfg) is Trainer
+                and not aggregation_off_because(cfg)
+                else None
+            )
         member.join(
+            address=store.address if store is not None else "",
             tensor_specs=list(specs),
             schema_hash=schema_hash(specs),
             speed=speed,

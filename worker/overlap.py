@@ -112,7 +112,7 @@ class ShardLink:
 
     def _exchange(self, job: Exchange) -> None:
         client, i = self.client, self.index
-        part = client._split(job.tensors)[i]
+        part = client.split(job.tensors)[i]
         step = client.send_step(i, part, job.clock, job.n_samples, None, self.build_lock)
         job.ack, job.acked_at, reply = client.await_ack(i, step)
         job.values = client.await_values(i, step, reply).tensors

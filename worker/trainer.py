@@ -16,7 +16,8 @@ import time
 from hetps.proto.compression import make_compressor
 from hetps.proto.messages import Ack
 from hetps.proto.plan import ClusterPlan
-from hetps.runconfig.algorithms import algorithm
+from hetps.proto.tensors import Tensors
+from hetps.runconfig.algorithms import aggregation_off_because, algorithm
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.runtime.emulation import Slowdown, work_clock
 from hetps.runtime.membership import Membership
@@ -26,9 +27,11 @@ from hetps.training.step import GradientStep, autocast, batch_loss
 from hetps.training.straggler import straggle
 from hetps.training.task import Classification, Task
 from hetps.training.timing import StepTimer
+from hetps.worker.collective_group import CollectiveError
 from hetps.worker.row_exchange import RowExchange
 
 from .client import PSClient
+from .group_reduce import GroupReduce
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +133,28 @@ class Trainer:
         # the placement never changes for a client (PSClient.adopt)
         if self.FLAT and compressor is None:
             state.lay_out_flat(self.client.names)
+        # comm.aggregate: the group reduces before the shards (group_reduce.py); built lazily,
+        # at the first step of each group, so that a rendezvous that fails is one step's failure
+        self.reducer = (
+            GroupReduce(
+                member.node_id,
+                plan.run_id or "run",
+                cfg.comm.collective_timeout_s,
+                cfg.data.batch_size,
+                weighted=algo.aggregates == "by_samples",
+            )
+            if type(self) is Trainer and not aggregation_off_because(cfg)
+            else None
+        )
+        self.agreed_plan = plan.plan_id  # the newest plan the group agreed on (next_plan)
+        self.buffer_names = frozenset(
+            n for n, (_, kind) in state.tensors.items() if kind != "param"
+        )
+        # each dense shard's reply: (name, shape, dtype) in its order (the placement is fixed)
+        parts = self.client.split(state.values())
+        self.reply_layout = {
+            i: [(n, t.shape, t.dtype) for n, t in parts[i].items()] for i in self.client.dense
+        }
 
     def use_plan(self, plan: ClusterPlan) -> None:
         """Switch to a newer `plan` between steps: the client's, and this worker's
@@ -160,6 +185,7 @@ class Trainer:
             **self.client.fault_stats(),
             **self.client.compression_stats(),
             "samples_per_s": work.step_samples / self.timer.step_s if self.timer.step_s else 0.0,
+            **(self.reducer.stats() if self.reducer is not None else {}),
         }
 
     def compute(self) -> float:
@@ -180,14 +206,90 @@ class Trainer:
         """Push this step's gradients and buffers, then load the values for the
         next step (blocking). Returns the push ACKs and the seconds until they came.
         The step's row gradients go first: a shard that closes a round with them has them
-        before any member's dense values for the next step leave."""
+        before any member's dense values for the next step leave. In a group that
+        aggregates (comm.aggregate), the group's mean goes once to each shard
+        (`exchange_in_group`)."""
         if self.rows is not None:
             self.rows.push(self.work.step_samples)
+        if self.reducer is not None:
+            self.reducer.use_plan(self.client.plan)  # blocking: the group's rendezvous, once
+            if self.reducer.active():
+                return self.exchange_in_group()
         acks, values = self.client.push_pull(
             self.state.outgoing(), self.clock, self.work.step_samples
         )
         self.state.load(values)
         return acks, self.client.last_push_s
+
+    def exchange_in_group(self) -> tuple[list[Ack], float]:
+        """One aggregated round (group_reduce.py): reduce with the group, push the slices this
+        member pushes, share the replies. Raises CollectiveError; a member whose reduction
+        failed pushed nothing."""
+        started = time.monotonic()
+        red, client = self.reducer, self.client
+        red.last_collective_s = 0.0
+        got = red.reduce(
+            self.state.outgoing(),
+            self.clock,
+            self.work.step_samples,
+            self.member.latest_plan_id,
+            self.buffer_names,
+        )
+        parts = client.split(got.tensors)
+        mine = {
+            i: client.send_step(i, parts[i], self.clock, got.n_samples, None, members=got.members)
+            for pos, i in enumerate(client.dense)
+            if red.pusher_of(pos) == red.rank
+        }
+        replies = {}
+        for i, step in mine.items():
+            ack, _, fused = client.await_ack(i, step, client.others(i))
+            replies[i] = (ack, client.await_values(i, step, fused, client.others(i)))
+        acked_s = time.monotonic() - started
+        acks, values = [], []
+        try:
+            for pos, i in enumerate(client.dense):
+                ack, version, tensors = red.share(pos, replies.get(i), self.reply_layout[i])
+                client.versions[i] = version
+                acks.append(ack)
+                values.append(tensors)
+        except CollectiveError:
+            if mine:  # this member's slices were applied; another member's may not have been
+                red.counts["partial_rounds"] += 1
+            raise
+        red.counts["group_rounds"] += 1
+        red.counts["pushes_saved"] += len(client.dense) - len(mine)
+        self.state.load(client.join(Tensors.merge(values)))
+        self.agreed_plan = got.newest_plan  # every member switches after this same step
+        return acks, acked_s
+
+    def next_plan(self) -> ClusterPlan | None:
+        """A newer plan to switch to before this step, or None. A member of a group that
+        aggregates switches only at the step its group agreed on (the newest plan any member
+        had heard of at the last reduction), so that none waits in a group the others left."""
+        current = self.client.plan.plan_id
+        if self.reducer is not None and self.reducer.active() and self.agreed_plan <= current:
+            return None
+        return self.member.newer_plan(current)
+
+    def recover(self, exc: CollectiveError) -> None:
+        """A collective failed (a member died, froze or left): drop the group, wait for a newer
+        plan (the scheduler re-plans once it declares the member dead) or, failing that within
+        `cluster.dead_after_s` x 2, rebuild the same group; then re-sync from the shards. This
+        step's gradient is dropped: a member whose reduction failed pushed nothing."""
+        log.warning("collective failed (%s): waiting for a newer plan or a rebuilt group", exc)
+        self.reducer.broken()
+        deadline = time.monotonic() + 2 * self.cfg.cluster.dead_after_s
+        while not self.should_abort() and time.monotonic() < deadline:
+            newer = self.member.newer_plan(self.client.plan.plan_id)
+            if newer is not None:
+                if self.member.node_id in newer.worker_ids():
+                    self.use_plan(newer)
+                    log.info("switched to plan %d after a failed collective", newer.plan_id)
+                break
+            self.member.stop_requested.wait(0.1)
+        if not self.should_abort() and self.member.node_id in self.client.plan.worker_ids():
+            self.state.load(self.client.pull(self.clock))
 
     def record(self, loss: float, compute_s: float, started: float) -> dict:
         """The step record sent to the scheduler."""
@@ -205,7 +307,7 @@ class Trainer:
     def run(self) -> None:
         self.start()
         while not self.member.stop_requested.is_set():
-            newer = self.member.newer_plan(self.client.plan.plan_id)
+            newer = self.next_plan()
             if newer is not None and self.member.node_id not in newer.worker_ids():
                 log.warning("not a worker of plan %d any more: stopping", newer.plan_id)
                 break
@@ -216,7 +318,11 @@ class Trainer:
             loss = self.compute()
             compute_s = self.slowdown.stretch(work_clock(self.device) - work_started)
             compute_s += straggle(self.cfg, self.work.index, self.clock, compute_s)
-            acks, push_s = self.exchange()
+            try:
+                acks, push_s = self.exchange()
+            except CollectiveError as exc:
+                self.recover(exc)
+                continue
             self.clock += 1
             if acks:
                 self.staleness = max(a.staleness for a in acks)
@@ -227,6 +333,8 @@ class Trainer:
             self.member.add_record(self.record(loss, compute_s, started))
 
     def close(self) -> None:
+        if self.reducer is not None:
+            self.reducer.close()
         self.client.close()
         if self.rows is not None:
             self.rows.close()

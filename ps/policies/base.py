@@ -75,6 +75,8 @@ class ConsistencyPolicy(ABC):
         ProtocolError before any state changes), then the worker's clock moves
         past it."""
         self.check_member(worker)
+        if push.members:
+            self.check_members(worker, push)
         tensors, buffers = self.split(push)
         staleness = self.store.version - push.base_version
         if push.clock < self.pushed.get(worker, 0):
@@ -82,8 +84,19 @@ class ConsistencyPolicy(ABC):
             return Accepted(tensors, buffers, staleness, duplicate=True)
         self.admit(worker, push)
         self.pushed[worker] = push.clock + 1
+        for member, clock in push.members:  # an aggregated push moves every member's clock
+            self.pushed[member] = max(self.pushed.get(member, 0), clock + 1)
         self.counts["accepted"] += 1
+        if push.members:
+            self.counts["aggregated"] = self.counts.get("aggregated", 0) + 1
         return Accepted(tensors, buffers, staleness)
+
+    def check_members(self, worker: int, push: Push) -> None:
+        """An aggregated push (Push.members): only where the policy reduces inside groups, with
+        the sender among members of one group of the plan (BAD_STATE otherwise)."""
+        raise ProtocolError(
+            Status.BAD_STATE, f"{self.name} takes no aggregated push (members): groups of one"
+        )
 
     def admit(self, worker: int, push: Push) -> None:
         """Hook: refuse a new push by raising ProtocolError (no state changed yet)."""
@@ -194,12 +207,19 @@ class Round:
     borrowed: ClassVar[bool] = False
 
     def add(
-        self, worker: int, grads: dict, buffers: dict, weight: float = 1.0, borrow: bool = False
+        self,
+        worker: int,
+        grads: dict,
+        buffers: dict,
+        weight: float = 1.0,
+        borrow: bool = False,
+        members: Iterable[int] = (),
     ) -> None:
         """Add a member's push; its gradients count `weight` times (1: plain sum).
         `borrow`: the caller closes the round before the push's memory may
         change (in the same call), so a first push is kept as it is, not
-        copied; `means` copies it only if it must divide."""
+        copied; `means` copies it only if it must divide. `members`: the nodes an
+        aggregated push stands for (its gradients their mean, `weight` their total)."""
         if weight != 1.0:  # exactly the plain sum when every weight is 1
             grads = {n: t * weight if t.is_floating_point() else t for n, t in grads.items()}
         self.weight += weight
@@ -221,6 +241,7 @@ class Round:
         for n in buffers:
             self.buffer_counts[n] = self.buffer_counts.get(n, 0) + 1
         self.members.add(worker)
+        self.members.update(members)
 
     def means(self, over: int = 0) -> tuple[dict, dict]:
         """The mean gradient (sum / `over`, default the members) and the mean

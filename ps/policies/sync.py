@@ -6,7 +6,8 @@ pushed once; the mean gradient is applied with the shared update path (base.py).
 
 from __future__ import annotations
 
-from hetps.proto.messages import Push
+from hetps.proto.codec import ProtocolError
+from hetps.proto.messages import Push, Status
 from hetps.proto.plan import ClusterPlan
 from hetps.ps.store import TensorStore
 from hetps.ps.updater import Updater
@@ -43,6 +44,23 @@ class GroupingPolicy(ConsistencyPolicy):
     def groups_of(self, plan: ClusterPlan) -> list[list[int]]:
         return [list(g) for g in plan.groups] or [plan.worker_ids()]
 
+    def check_members(self, worker: int, push: Push) -> None:
+        """Under this plan: the sender and its group's members. Made under an older plan (it
+        arrives after a re-plan, applied as its share of that plan's group): the sender among
+        nodes this shard has taken pushes from or serves."""
+        g = self.group_of.get(worker)
+        nodes = {n for n, _ in push.members}
+        if push.plan_id < self.plan_id:
+            known = set(self.pushed) | set(self.workers)
+            if worker in nodes and nodes <= known:
+                return
+        if worker not in nodes or any(self.group_of.get(n) != g for n in nodes):
+            raise ProtocolError(
+                Status.BAD_STATE,
+                f"aggregated push from node {worker}: members {sorted(nodes)[:8]} are not "
+                f"all of its group {self.groups[g] if g is not None else '?'} in plan {self.plan_id}",
+            )
+
     def _set_groups(self, plan: ClusterPlan) -> None:
         self.groups = self.groups_of(plan)
         self.group_of = {w: g for g, members in enumerate(self.groups) for w in members}
@@ -76,7 +94,14 @@ class GroupingPolicy(ConsistencyPolicy):
             # round the others' pushes already left): applied alone, as the flush would have;
             # joining a new round would misalign rounds across shards
             late = Round()
-            late.add(worker, got.tensors, got.buffers, self.weight_of(push), borrow=True)
+            late.add(
+                worker,
+                got.tensors,
+                got.buffers,
+                self.weight_of(push),
+                True,
+                self.members_of(worker, push),
+            )
             # its share of the old group's round, not a whole group's update: after a re-plan
             # every member's push in flight arrives late, and 64 of them applied whole, each a
             # step at the group's lr, threw a trained model back to chance (docs/algorithms.md)
@@ -88,8 +113,11 @@ class GroupingPolicy(ConsistencyPolicy):
         rnd = self.rounds.setdefault(g, Round(clock=push.clock))
         group = self.groups[g]
         # the set test only where the count says it may close (each push used to build two sets)
-        closes = len(rnd.members) + 1 >= len(group) and rnd.members | {worker} >= set(group)
-        rnd.add(worker, got.tensors, got.buffers, self.weight_of(push), borrow=closes)
+        joining = self.members_of(worker, push)
+        closes = len(rnd.members) + len(joining) >= len(group) and rnd.members | joining >= set(
+            group
+        )
+        rnd.add(worker, got.tensors, got.buffers, self.weight_of(push), closes, joining)
         if closes:
             self._close(g)
             self.restored = False  # a full round again: pushes pair by arrival as before
@@ -121,9 +149,16 @@ class GroupingPolicy(ConsistencyPolicy):
         # is applied (the version moves with it) or the plan changes (the shard re-checks then)
         return self.store.version
 
+    @staticmethod
+    def members_of(worker: int, push: Push) -> set[int]:
+        """The nodes whose gradients `worker`'s push carries: an aggregated push's members, else
+        the sender."""
+        return {n for n, _ in push.members} if push.members else {worker}
+
     def weight_of(self, push: Push) -> float:
-        """How much a push's gradient counts in its round's mean (1: plain mean)."""
-        return 1.0
+        """How much a push's gradient counts in its round's mean (1: plain mean; an aggregated
+        push is its members' mean, so it counts once per member)."""
+        return float(len(push.members)) if push.members else 1.0
 
     def divisor(self, rnd: Round) -> float:
         """What a round's gradient sum is divided by (0: its members)."""

@@ -50,11 +50,11 @@ def test_client_split_and_join_round_trip():
     )
     client = PSClient(plan, 3, ClusterConfig())
     values = {s.name: torch.randn(s.shape) for s in SPECS}
-    per_shard = client._split(values)
+    per_shard = client.split(values)
     assert sorted(n for part in per_shard for n in part) == sorted(s.name for s in specs)
     for i, part in enumerate(per_shard):
         assert all(placement[n] == i for n in part)
-    joined = client._join(
+    joined = client.join(
         Tensors.merge({n: t.clone() for n, t in part.items()} for part in per_shard)
     )
     assert set(joined) == set(values)

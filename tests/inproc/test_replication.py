@@ -424,7 +424,7 @@ def test_a_plan_switch_reaches_the_backup_where_it_happened_in_the_push_order():
 
     settle()
     push = client.shards[0].send(
-        client._push(0, client._split(grads(cluster.model, 2))[0], 1, 8, None)
+        client._push(0, client.split(grads(cluster.model, 2))[0], 1, 8, None)
     )
     settle()
     assert isinstance(client.shards[0].wait(push, timeout_s=TIMEOUT_S), Ack)

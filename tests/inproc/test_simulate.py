@@ -64,11 +64,13 @@ def test_same_config_and_seed_give_the_same_summary(tmp_path, digits):
 
 def test_sync_rounds_take_the_slowest_worker_in_virtual_time(tmp_path, digits):
     # 2 workers of 16 samples at 1 ms/sample: 16 ms and 48 ms steps, no network cost: a round is 48 ms
+    # (unaggregated: an aggregated round adds its collectives, test_simulate_aggregation.py)
     summary, run_dir = run(
         tmp_path,
         digits,
         "sync",
         "algorithm.name=sync",
+        "comm.aggregate=off",
         "sim.sample_s=0.001",
         "cluster.workers=[{slowdown: 1}, {slowdown: 3}]",
         "stop.max_seconds=0.96",

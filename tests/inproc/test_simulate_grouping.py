@@ -30,6 +30,7 @@ REGROUP = [
     "sim.shard_bytes_per_s=1e9",
     "sim.shard_apply_s=0",
     "sim.shard_apply_bytes_per_s=1e15",
+    "comm.aggregate=off",  # counts one push per worker step (aggregated: test_simulate_aggregation.py)
 ]
 
 

@@ -22,6 +22,7 @@ from hetps.training.data import load_datasets
 # push (246,824 bytes) takes 1.2 ms of shard service, 8 of them per 6.4 ms round of compute
 SLOW_SHARDS = [
     "algorithm.name=sync",
+    "comm.aggregate=off",  # every worker's push reaches the shards: what placement spreads
     "cluster.workers={count: 8}",
     "cluster.shards={count: 4}",
     "sim.sample_s=0.0002",
@@ -87,6 +88,7 @@ def test_an_optimizer_step_holds_the_shard_for_its_fixed_cost_plus_its_parameter
 
 # a tiny model (one linear layer), one shard, costs in round numbers; bytes received cost nothing
 TINY = [
+    "comm.aggregate=off",  # one push per worker (aggregated rounds: test_simulate_aggregation.py)
     "model.name=mlp",
     "model.kwargs={hidden: []}",
     "cluster.workers={count: 3}",

@@ -289,7 +289,7 @@ def test_a_copy_holds_the_primarys_state_bit_for_bit():
         for clock in range(2):
             reqs = [
                 c.shards[0].send(
-                    c._push(0, c._split(grads(cluster.model, 10 * clock + n))[0], clock, 8, None)
+                    c._push(0, c.split(grads(cluster.model, 10 * clock + n))[0], clock, 8, None)
                 )
                 for c, n in ((client_a, A), (client_b, B))
             ]
@@ -298,7 +298,7 @@ def test_a_copy_holds_the_primarys_state_bit_for_bit():
                 for c, r in zip((client_a, client_b), reqs)
             )
         open_a = client_a.shards[0].send(
-            client_a._push(0, client_a._split(grads(cluster.model, 99))[0], 2, 8, None)
+            client_a._push(0, client_a.split(grads(cluster.model, 99))[0], 2, 8, None)
         )
         assert isinstance(client_a.shards[0].wait(open_a, timeout_s=TIMEOUT_S), Ack)
     finally:
@@ -331,7 +331,7 @@ def test_a_copy_holds_the_primarys_state_bit_for_bit():
         }
         assert_same_state(primary, copy)
         push = client_b.shards[0].send(
-            client_b._push(0, client_b._split(grads(cluster.model, 98))[0], 2, 8, None)
+            client_b._push(0, client_b.split(grads(cluster.model, 98))[0], 2, 8, None)
         )
         settle()
         assert isinstance(client_b.shards[0].wait(push, timeout_s=TIMEOUT_S), Ack)
