@@ -63,6 +63,18 @@ class ParkedPull:
     since: float = 0.0  # monotonic time it was parked
 
 
+def per_group_round(counts: dict, policy: dict) -> dict:
+    """Under rounds of groups (sync, balanced, grouping): the pushes and push bytes this shard
+    took in per group update: the group's size without comm.aggregate, 1 and a mean's bytes with."""
+    rounds = sum(policy.get("group_updates", {}).values())
+    if not rounds:
+        return {}
+    return {
+        "pushes_per_round": round(counts["pushes"] / rounds, 3),
+        "push_bytes_per_round": round(counts["push_bytes"] / rounds),
+    }
+
+
 class Shard(Service):
     """The dense tensors the plan placed on this shard, updated by the algorithm's policy,
     and (through `rows`) this shard's rows of the sparse tables. `clock`: seconds for
@@ -104,6 +116,7 @@ class Shard(Service):
         self.holds = HoldLedger(clock)
         self.counts = {
             "pushes": 0,
+            "push_bytes": 0,  # bytes of the tensors those pushes carried
             "pulls": 0,
             "nonfinite": 0,
             "retried": 0,
@@ -165,6 +178,7 @@ class Shard(Service):
             **saved,
             **policy,
             **self.holds.report(self.policy, self.parked.values()),
+            **per_group_round(self.counts, policy),
         }
 
     def adopt(self, plan: ClusterPlan) -> None:
@@ -263,6 +277,7 @@ class Shard(Service):
         staleness = self.policy.on_push(env.src, push)
         self._stretch(work_clock() - started)
         self.counts["pushes"] += 1
+        self.counts["push_bytes"] += sum(t.nbytes for t in push.tensors.values())
         self._serve_parked(released_by=env.src)
         ack = Ack(
             version=self.store.version,

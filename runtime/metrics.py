@@ -73,6 +73,21 @@ METRICS = {
         "hetps_bytes_received_total", "counter", "Bytes received from the shards."
     ),
     "plan_id": Spec("hetps_plan_id", "gauge", "Id of the cluster plan this node follows."),
+    "collective_s": Spec(
+        "hetps_collective_seconds_total",
+        "counter",
+        "Seconds this worker spent in its group's collectives (comm.aggregate).",
+    ),
+    "collective_group_rounds": Spec(
+        "hetps_collective_group_rounds_total",
+        "counter",
+        "Rounds this worker reduced with its group before the shards (comm.aggregate).",
+    ),
+    "collective_failures": Spec(
+        "hetps_collective_failures_total",
+        "counter",
+        "Collectives of this worker's group that failed or timed out.",
+    ),
     # shard
     "version": Spec("hetps_shard_version", "gauge", "Updates applied to this shard's tensors."),
     "group_updates": Spec(
@@ -83,6 +98,14 @@ METRICS = {
     ),
     "pushes": Spec("hetps_pushes_total", "counter", "Pushes this shard accepted."),
     "pulls": Spec("hetps_pulls_total", "counter", "Pulls this shard answered."),
+    "push_bytes": Spec(
+        "hetps_push_bytes_total", "counter", "Bytes of the tensors of the pushes this shard took."
+    ),
+    "aggregated": Spec(
+        "hetps_aggregated_pushes_total",
+        "counter",
+        "Pushes this shard took that carried a group's reduced gradient (comm.aggregate).",
+    ),
     "parked": Spec("hetps_parked_pulls", "gauge", "Pulls waiting for a round or a clock."),
     "pending": Spec(
         "hetps_pending_contributions", "gauge", "Contributions waiting in open rounds."

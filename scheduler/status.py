@@ -26,6 +26,36 @@ def count(stats: dict, key: str) -> int:
     return int(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0
 
 
+AGGREGATION_STATS = (
+    "aggregate",
+    "group_size",
+    "collective_s",
+    "collective_group_rounds",
+    "collective_pushes_saved",
+    "collective_failures",
+    "collective_partial_rounds",
+)
+
+
+def aggregation_summary(workers) -> dict:
+    """comm.aggregate: per worker, its group's size, whether it reduced with it, the seconds
+    in collectives, rounds reduced, pushes it left to another member, collectives failed and
+    partial rounds (its slices pushed, another member's maybe not: docs/failure-model.md);
+    with the totals of the last three. Empty when no worker reduces in a group."""
+    per = {
+        f"worker{n.rank}": {k: n.stats.extra[k] for k in AGGREGATION_STATS if k in n.stats.extra}
+        for n in sorted(workers, key=lambda n: n.rank)
+        if "aggregate" in n.stats.extra
+    }
+    if not per:
+        return {}
+    totals = {
+        k: sum(v.get(f"collective_{k}", 0) for v in per.values())
+        for k in ("group_rounds", "failures", "partial_rounds")
+    }
+    return {**totals, "workers": per}
+
+
 def run_summary(coord: Coordinator) -> dict:
     """summary.json: results, traffic, shard statistics, failures."""
     workers = sorted(coord.members("worker", "evaluator"), key=lambda n: (n.role, n.rank))
@@ -73,6 +103,7 @@ def run_summary(coord: Coordinator) -> dict:
         "evals": coord.evals.count,
         "efficiency": run_efficiency(coord),
         "compression": compression_summary(coord.cfg.comm, per_node.values()),
+        "aggregation": aggregation_summary(coord.members("worker")),
         "shard_versions": {f"ps{n.rank}": count(n.stats, "version") for n in coord.members("ps")},
         "communication_rounds": max(
             (count(n.stats, "rounds") or count(n.stats, "version") for n in coord.members("ps")),

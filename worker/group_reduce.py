@@ -169,8 +169,9 @@ class GroupReduce:
         )  # fmt: skip
 
     def broken(self) -> None:
-        """A collective failed: drop the group; the next `use_plan` rebuilds it under a new epoch."""
-        self.counts["failures"] += 1
+        """A collective failed: drop the group; the next `use_plan` rebuilds it under a new
+        epoch. (Counted by the caller, once it knows the run is not stopping: a member that
+        stops first leaves the others' last collective to fail.)"""
         self.epoch += 1
         self.close()
         self.key = ()

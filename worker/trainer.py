@@ -277,9 +277,14 @@ class Trainer:
         plan (the scheduler re-plans once it declares the member dead) or, failing that within
         `cluster.dead_after_s` x 2, rebuild the same group; then re-sync from the shards. This
         step's gradient is dropped: a member whose reduction failed pushed nothing."""
-        log.warning("collective failed (%s): waiting for a newer plan or a rebuilt group", exc)
         self.reducer.broken()
         deadline = time.monotonic() + 2 * self.cfg.cluster.dead_after_s
+        # a member that stopped first fails the others' last collective: the stop follows
+        self.member.stop_requested.wait(min(1.0, self.cfg.cluster.heartbeat_s * 2))
+        if self.should_abort():
+            return
+        self.reducer.counts["failures"] += 1
+        log.warning("collective failed (%s): waiting for a newer plan or a rebuilt group", exc)
         while not self.should_abort() and time.monotonic() < deadline:
             newer = self.member.newer_plan(self.client.plan.plan_id)
             if newer is not None:
