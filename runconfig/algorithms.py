@@ -151,6 +151,14 @@ def aggregation_off_because(cfg) -> str:
     return ""
 
 
+def min_aggregated_group(cfg) -> int:
+    """The smallest group that reduces before the shards: 2 with comm.aggregate on,
+    comm.aggregate_min_group with auto (0: none, when aggregation is off or cannot apply)."""
+    if aggregation_off_because(cfg):
+        return 0
+    return 2 if cfg.comm.aggregate == "on" else max(2, cfg.comm.aggregate_min_group)
+
+
 def algorithm(name: str) -> Algorithm:
     """The table's record for `name`; raises ConfigError naming the allowed names."""
     try:

@@ -291,6 +291,11 @@ def _check_cross_fields(cfg: RunConfig) -> list[str]:
         out.append(
             f"comm.collective_timeout_s: must be > 0 seconds or null, got {cfg.comm.collective_timeout_s!r}"
         )
+    if cfg.comm.aggregate_min_group < 2:
+        out.append(
+            f"comm.aggregate_min_group: must be >= 2 (a group of one has nothing to reduce), "
+            f"got {cfg.comm.aggregate_min_group!r}"
+        )
     if not 0 <= cfg.comm.collective_port <= 65535:
         out.append(f"comm.collective_port: must be 0-65535, got {cfg.comm.collective_port!r}")
     if cfg.comm.compression == "topk" and cfg.comm.topk_ratio <= 0.0:

@@ -364,7 +364,13 @@ class CommConfig:
     aggregate: str = setting(
         "auto",
         help="auto | on | off: a synchronous group (sync, balanced, grouping) sums its gradients "
-        "with a gloo all-reduce and pushes each shard one slice per round (auto: where it applies)",
+        "with a gloo all-reduce and pushes each shard one slice per round (on: every group of two "
+        "or more; auto: groups of aggregate_min_group or more)",
+    )
+    aggregate_min_group: int = setting(
+        8,
+        help="comm.aggregate: auto reduces groups of at least this many members (smaller ones push "
+        "per worker: docs/results.md, Group aggregation)",
     )
     collective_timeout_s: float | None = setting(
         None,

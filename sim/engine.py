@@ -26,7 +26,7 @@ from hetps.proto.messages import Bye, Error, Heartbeat, Init, Pull, Push, Regist
 from hetps.proto.plan import schema_hash
 from hetps.proto.records import NodeStats, read_step_records
 from hetps.ps.shard import Shard
-from hetps.runconfig.algorithms import aggregation_off_because, algorithm
+from hetps.runconfig.algorithms import aggregation_off_because, algorithm, min_aggregated_group
 from hetps.runconfig.load import dump_config
 from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
 from hetps.scheduler.coordinator import Coordinator
@@ -152,6 +152,7 @@ class Simulation:
             else GroupRounds(
                 algorithm(cfg.algorithm.name).aggregates == "by_samples",
                 frozenset(n for n, (_, kind) in self.state.tensors.items() if kind != "param"),
+                min_aggregated_group(cfg),
             )
         )
 

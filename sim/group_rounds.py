@@ -70,8 +70,9 @@ class Shared:
 class GroupRounds:
     """The engine's bookkeeping of aggregated rounds (engine.py calls `arrive`, `reply_to`)."""
 
-    def __init__(self, weighted: bool, buffers: frozenset[str]):
+    def __init__(self, weighted: bool, buffers: frozenset[str], min_group: int = 2):
         self.weighted = weighted
+        self.min_group = min_group
         self.buffers = buffers
         self.gathering: dict[tuple[int, ...], Gathering] = {}
         self.in_flight: dict[int, Shared] = {}  # pusher node id -> its round
@@ -80,9 +81,11 @@ class GroupRounds:
         self.collective_s = 0.0
 
     def group(self, w, workers: dict) -> tuple[int, ...] | None:
-        """`w`'s group if it reduces this step: two or more members, all alive."""
+        """`w`'s group if it reduces this step: `min_group` or more members, all alive."""
         members = group_of(w.client.plan, w.member.node_id)
-        if len(members) < 2 or any(m not in workers or not workers[m].alive for m in members):
+        if len(members) < self.min_group or any(
+            m not in workers or not workers[m].alive for m in members
+        ):
             return None
         return members
 

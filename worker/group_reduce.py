@@ -108,10 +108,13 @@ class GroupReduce:
         timeout_s: float | None,
         batch: int,
         weighted: bool,
+        min_group: int = 2,
     ):
         """`timeout_s`: comm.collective_timeout_s (None: sized per group); `batch`: the step's
-        batch (sizes the timeout); `weighted`: balanced, whose mean is weighted by samples."""
+        batch (sizes the timeout); `weighted`: balanced, whose mean is weighted by samples;
+        `min_group`: smaller groups push per worker (runconfig.algorithms.min_aggregated_group)."""
         self.node_id = node_id
+        self.min_group = min_group
         self.run_id = run_id
         self.configured_timeout_s = timeout_s
         self.batch = batch
@@ -128,11 +131,14 @@ class GroupReduce:
 
     # ------------------------------------------------------------ the group under a plan
     def members_in(self, plan: ClusterPlan) -> list[int]:
-        """This worker's synchronous group in `plan` (sync, balanced: every worker); alone when a
-        member has no collective store to rendezvous in (e.g. it runs no aggregation)."""
+        """This worker's synchronous group in `plan` (sync, balanced: every worker); alone when the
+        group is smaller than `min_group` or a member has no collective store to rendezvous in
+        (e.g. it runs no aggregation)."""
         group = next((list(g) for g in plan.groups if self.node_id in g), [self.node_id])
         stores = {w.node_id: w.address for w in plan.workers}
-        return group if all(stores.get(w) for w in group) else [self.node_id]
+        if len(group) < self.min_group or not all(stores.get(w) for w in group):
+            return [self.node_id]
+        return group
 
     def active(self) -> bool:
         return len(self.members) > 1
@@ -155,13 +161,15 @@ class GroupReduce:
         self.timeout_s = collective_timeout_s(self.configured_timeout_s, plan, members, self.batch)
         if len(members) < 2:
             return
-        leader = next(w for w in plan.workers if w.node_id == members[0])
-        host, port = split_address(leader.address)
+        stores = {w.node_id: w.address for w in plan.workers}
+        host, port = split_address(stores[members[0]])
+        # gloo's own connections bind this worker's advertised host (its store's): the interface
+        # its peers reach it by; on one host, loopback
+        own, _ = split_address(stores[self.node_id])
         prefix = f"{self.run_id}/g{since}-{'-'.join(map(str, members))}/e{self.epoch}"
         started = time.monotonic()
         self.group = gloo_group(
-            host, port, prefix, self.rank, len(members), self.timeout_s,
-            host="127.0.0.1" if host in ("127.0.0.1", "localhost") else None,
+            host, port, prefix, self.rank, len(members), self.timeout_s, host=own
         )  # fmt: skip
         log.info(
             "group %s: rank %d of %d, built in %.2fs (timeout %.1fs)",

@@ -17,7 +17,7 @@ from hetps.proto.compression import make_compressor
 from hetps.proto.messages import Ack
 from hetps.proto.plan import ClusterPlan
 from hetps.proto.tensors import Tensors
-from hetps.runconfig.algorithms import aggregation_off_because, algorithm
+from hetps.runconfig.algorithms import aggregation_off_because, algorithm, min_aggregated_group
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.runtime.emulation import Slowdown, work_clock
 from hetps.runtime.membership import Membership
@@ -142,6 +142,7 @@ class Trainer:
                 cfg.comm.collective_timeout_s,
                 cfg.data.batch_size,
                 weighted=algo.aggregates == "by_samples",
+                min_group=min_aggregated_group(cfg),
             )
             if type(self) is Trainer and not aggregation_off_because(cfg)
             else None

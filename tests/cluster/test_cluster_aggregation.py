@@ -4,7 +4,8 @@ shards. The shards take one push per group-round, and the bytes they take per
 round fall by the group's size; a member killed (SIGKILL) or frozen (SIGSTOP)
 during its group's collectives never hangs the others: their collective fails,
 the scheduler re-plans without it and the run reaches its target; a scheduler
-restart leaves the groups reducing. Every fault is triggered by an event (steps
+restart leaves the groups reducing. (comm.aggregate: on, as these groups of 2
+and 4 are below auto's aggregate_min_group.) Every fault is triggered by an event (steps
 recorded), never by a sleep."""
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ def test_sync_shards_take_one_push_per_round_and_a_quarter_of_the_bytes(tmp_path
 
 def test_the_default_experiment_reduces_inside_its_groups_and_reaches_its_target(tmp_path):
     out = tmp_path / "run"
-    done = run_hetps(["run", "configs/default.yaml", "--out", str(out), "--quiet"], timeout_s=300)
+    done = run_hetps(
+        ["run", "configs/default.yaml", "--out", str(out), "--quiet", "comm.aggregate=on"],
+        timeout_s=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:] + log_tails(out)
     s = summary(out)
     assert s["status"] == "completed" and s["best_accuracy"] >= 0.95, s
@@ -98,6 +102,7 @@ def test_a_member_killed_or_frozen_during_its_groups_collectives_never_hangs_the
             str(run_dir),
             "--quiet",
             f"cluster.dead_after_s={DEAD_AFTER_S}",
+            "comm.aggregate=on",
             "comm.collective_timeout_s=3",
             "stop.max_seconds=200",
             "eval.every_s=0.5",
@@ -143,6 +148,7 @@ def test_a_scheduler_restart_leaves_the_groups_reducing(tmp_path):
             "--out",
             str(run_dir),
             "--quiet",
+            "comm.aggregate=on",
             "cluster.kill=[{node: scheduler, at_step: 60, restart_after_s: 1}]",
             "stop.max_seconds=200",
         ],
