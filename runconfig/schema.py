@@ -252,7 +252,7 @@ class StopConfig:
     )
     target_accuracy: float | None = setting(
         0.95,
-        help="classification shorthand for target {metric: accuracy, value: X}; null = never; the default applies to classification and pkg.module:factory tasks with an accuracy metric",
+        help="classification shorthand for target {metric: accuracy, value: X}; null = never; the default 0.95 applies only to tasks whose primary (first) metric is accuracy (classification, or a pkg.module:factory task's)",
     )
     target_patience: int = setting(
         1, help="stop at this many evaluations in a row at the target (1: the first)"
