@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetps.frontend.import_path import with_pythonpath
 from hetps.frontend.launcher import LocalCluster, default_run_dir, progress_for, run_local
 from hetps.frontend.report import Progress
 from hetps.proto.errors import ConfigError, HetpsError
@@ -29,7 +30,7 @@ from hetps.scheduler.outcome import EXIT_CODES
 from hetps.scheduler.runlog import parse_record, read_summary
 
 from .make_config import config
-from .shipping import as_name, import_roots, task_setting, with_pythonpath
+from .shipping import as_name, import_roots, task_setting
 
 EvalCallback = Callable[[dict], Any]  # an eval row of metrics.jsonl
 StepCallback = Callable[[dict], Any]  # a step record of metrics.jsonl

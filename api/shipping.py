@@ -10,7 +10,6 @@ imported by another process: it is refused, naming the fix (move it into a modul
 
 from __future__ import annotations
 
-import os
 import pickle
 import pickletools
 import sys
@@ -138,10 +137,3 @@ def import_roots(names: list[str]) -> list[str]:
         if str(root) not in roots:
             roots.append(str(root))
     return roots
-
-
-def with_pythonpath(env: dict[str, str], roots: list[str]) -> dict[str, str]:
-    """`env` with `roots` first on PYTHONPATH (those not on it already)."""
-    have = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    add = [r for r in roots if r not in have]
-    return {**env, "PYTHONPATH": os.pathsep.join(add + have)} if add else dict(env)

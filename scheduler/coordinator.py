@@ -31,7 +31,7 @@ from hetps.proto.rpc import Service
 from hetps.proto.transport import ServerTransport
 from hetps.runconfig.agreement import agreed_values
 from hetps.runconfig.algorithms import algorithm
-from hetps.runconfig.schema import RunConfig
+from hetps.runconfig.schema import RunConfig, StopConfig
 from hetps.runconfig.targets import reached, stop_target
 from hetps.runtime.failures import Failure
 
@@ -756,6 +756,22 @@ class Coordinator(Service):
         a metric stop.target names ends the run as failed, naming the task's metrics (a
         built-in task's names were checked with the config; a factory task's come only now)."""
         ev = self.evals
+        primary = next(iter(reading.metrics), None)
+        if (
+            self.cfg.stop.target is None
+            and ev.target == StopConfig().target_accuracy
+            and primary not in (None, "accuracy")
+        ):
+            # a scheduler started from the user's YAML never imports the task: the 0.95 default
+            # is classification's, as the config's own check settles it (targets.py)
+            log.warning(
+                "stop.target_accuracy's default %s dropped: the task's primary metric is %s, "
+                "not accuracy (set stop.target for a target)",
+                ev.target,
+                primary,
+            )
+            ev.target = None
+            return False
         if ev.target_metric in reading.metrics:
             return True
         names = ", ".join(reading.metrics) or "none"

@@ -260,3 +260,25 @@ def test_the_best_value_starts_again_when_another_metric_is_watched():
     track.take(read_eval(lm))
     # not min(5.0, 0.9): 0.9 was an accuracy
     assert (track.metric, track.best, track.higher_is_better) == ("perplexity", 5.0, False)
+
+
+def test_the_default_accuracy_target_is_dropped_when_the_tasks_primary_metric_is_another(tmp_path):
+    """A scheduler started from the user's YAML never imports a factory task: when its
+    reports say the task's primary (first) metric is macro_f1, the 0.95 accuracy default is
+    not its target, as the config's own check settles it (runconfig/targets.py); an accuracy
+    of 0.97 does not stop the run."""
+    with cluster(tmp_path, []) as c:
+        assert (c.coord.evals.target, c.coord.evals.target_metric) == (0.95, "accuracy")
+        c.now[0] += 2.0
+        node = c.ids["evaluator0"]
+        values = {
+            "metrics": {"macro_f1": 0.5, "accuracy": 0.97, "loss": 0.4},
+            "higher_is_better": {"macro_f1": True, "accuracy": True, "loss": False},
+            "watch": "macro_f1",
+            "loss": 0.4,
+            "final": False,
+        }
+        c.coord.on_report(
+            b"e", Envelope(Report(node_id=node, kind="eval", values=values), req_id=2, src=node)
+        )
+        assert c.coord.stop_reason is None and c.coord.evals.target is None
