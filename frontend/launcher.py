@@ -26,6 +26,7 @@ from pathlib import Path
 
 from hetps.proto.errors import HetpsError
 from hetps.proto.security import SecurityError
+from hetps.runconfig.algorithms import min_aggregated_group
 from hetps.runconfig.load import dump_config
 from hetps.runconfig.schema import RunConfig
 from hetps.runconfig.targets import stop_target
@@ -103,6 +104,7 @@ def progress_for(cfg: RunConfig, run_dir: Path) -> Progress:
         max_seconds=cfg.stop.max_seconds,
         max_steps=cfg.stop.max_steps,
         metric=configured_metric(cfg),
+        reduced_from=min_aggregated_group(cfg),
     )
 
 

@@ -48,6 +48,8 @@ class Progress:
     groups: list = field(default_factory=list)  # the latest plan's groups (node ids)
     stalls: dict = field(default_factory=dict)  # node -> its latest `stall` record
     _samples: list = field(default_factory=list)  # (t, total steps) over the last few seconds
+    # comm.aggregate: groups of this many members or more reduce before the shards (0: none)
+    reduced_from: int = 0
     segment: int = 1  # a resumed run's segment (from its `segment` record)
     segment_t: float = 0.0  # the run's time when this segment began
 
@@ -121,6 +123,11 @@ class Progress:
             if len(self.groups) == 1
             else ""
         )
+        reduced = [g for g in self.groups if self.reduced_from and len(g) >= self.reduced_from]
+        if reduced:  # say so: their pushes reach the shards once per group-round
+            groups += (
+                " reduced" if len(reduced) == len(self.groups) else f" ({len(reduced)} reduced)"
+            )
         plan = f"  plan {self.plan[0]}{groups}" if self.planned else ""
         # a resumed run: the run's time, and this segment's against the time limit
         clock = (

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from hetps.runconfig.algorithms import min_aggregated_group
 from hetps.runconfig.schema import RunConfig
 from hetps.runconfig.targets import stop_target
 
@@ -38,6 +39,7 @@ class SimProgress:
             target=(stop_target(cfg.stop) or (None, None))[1],
             max_seconds=cfg.stop.max_seconds,
             max_steps=cfg.stop.max_steps,
+            reduced_from=min_aggregated_group(cfg),
         )
 
     def __call__(self) -> None:

@@ -201,3 +201,19 @@ def test_progress_line_shows_the_plan_and_its_groups(tmp_path):
         )
     progress.poll()
     assert progress.line().endswith("plan 2: 1 group") and "[    2.0s/60s]" in progress.line()
+
+
+def test_progress_line_says_which_groups_reduce_before_the_shards(tmp_path):
+    """comm.aggregate: groups of `reduced_from` members or more push once per group-round."""
+    path = tmp_path / "metrics.jsonl"
+    progress = Progress(path, target=0.95, max_seconds=60, reduced_from=3)
+    with open(path, "w") as f:
+        plan = {"kind": "plan", "t": 0.0, "plan_id": 1, "groups": [[4, 5, 6], [7, 8]]}
+        f.write(json.dumps(plan) + "\n")
+        f.write(json.dumps(step(1.0, 0, 3, 0)) + "\n")
+    progress.poll()
+    assert progress.line().endswith("plan 1: groups 3+2 (1 reduced)"), progress.line()
+    with open(path, "a") as f:
+        f.write(json.dumps({**plan, "t": 2.0, "plan_id": 2, "groups": [[4, 5, 6, 7, 8]]}) + "\n")
+    progress.poll()
+    assert progress.line().endswith("plan 2: 1 group reduced"), progress.line()
