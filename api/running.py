@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetps.frontend.import_path import with_pythonpath
 from hetps.frontend.launcher import LocalCluster, default_run_dir, progress_for, run_local
 from hetps.frontend.report import Progress
 from hetps.proto.errors import ConfigError, HetpsError
 from hetps.runconfig.load import config_to_dict, load_config
 from hetps.runconfig.schema import RunConfig
+from hetps.runtime.import_path import with_pythonpath
 from hetps.scheduler.outcome import EXIT_CODES
 from hetps.scheduler.runlog import parse_record, read_summary
 

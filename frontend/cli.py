@@ -29,8 +29,7 @@ import sys
 from pathlib import Path
 
 from hetps.runtime.daemon import load_or_exit
-
-from .import_path import import_beside
+from hetps.runtime.import_path import import_beside
 
 ROLE_MODULES = {"ps": "hetps.ps", "worker": "hetps.worker", "export": "hetps.training.export"}
 

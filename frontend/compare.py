@@ -35,10 +35,10 @@ from pathlib import Path
 from hetps.runconfig.load import apply_override, config_from_dict, load_config, load_raw
 from hetps.runconfig.schema import ConfigError
 from hetps.runconfig.targets import reached
+from hetps.runtime.import_path import import_beside
 from hetps.scheduler.efficiency import useful_efficiency
 from hetps.scheduler.runlog import fits, read_metrics
 
-from .import_path import import_beside
 from .launcher import run_local
 from .plots import X_AXES, plot_compare
 from .report import format_summary

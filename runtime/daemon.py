@@ -23,6 +23,7 @@ from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ConfigError, NodeConfig, RunConfig
 
 from .curve_setup import KeysSettingError, configure
+from .import_path import import_beside
 
 # exit statuses of the shard, worker and evaluator daemons (and the scheduler's 1 when the
 # cluster never formed): 0 a clean stop the scheduler asked for; 1 a peer unreachable in time;
@@ -200,7 +201,12 @@ def run_dir_problem(path: Path) -> str | None:
 
 def load_or_exit(path: str | None, overrides: list[str], import_targets: bool = False) -> RunConfig:
     """Load the config; on errors print one line per problem and exit with status 2.
-    `import_targets`: also import `package.module:factory` models and datasets."""
+    `import_targets`: also import `package.module:factory` models and datasets. The config
+    file's folder and the current directory come first on the import path, as for the
+    `hetps run` commands (import_path.py): `hetps worker --config exp.yaml` on another host
+    imports exp.yaml's own modules."""
+    if path:
+        import_beside(path)
     try:
         return load_config(path, overrides, import_targets)
     except ConfigError as exc:

@@ -76,6 +76,16 @@ def test_a_module_in_the_current_directory_imports_too(project, tmp_path):
     assert done.returncode == 0, done.stderr
 
 
+def test_a_daemon_started_by_hand_imports_the_module_beside_its_config(project):
+    """`hetps worker --config` on another host (the multi-host path), run from the folder above
+    the config with no PYTHONPATH: its --check builds the config's factories, which import."""
+    done = hetps_cli(
+        "worker", "--config", str(project / "sine.yaml"), "--check", "--rank", "0",
+        "--scheduler", "tcp://127.0.0.1:5999", cwd=project.parent,
+    )  # fmt: skip
+    assert done.returncode == 0 and "hetps worker: ok rank=0" in done.stdout, done.stderr
+
+
 @pytest.mark.parametrize(
     "command", [["simulate"], ["compare", "--algorithms", "sync,async", "--simulate"]]
 )
@@ -91,7 +101,7 @@ def test_simulate_and_compare_import_it_too(project, tmp_path, command):
 def test_import_beside_puts_both_folders_on_the_path_of_the_processes_started(
     tmp_path, monkeypatch
 ):
-    from hetps.frontend.import_path import import_beside
+    from hetps.runtime.import_path import import_beside
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))

@@ -1,7 +1,8 @@
 """Where the commands find a user's own modules: `model.name: mytask:Net` in a config
 with mytask.py beside it imports with no PYTHONPATH to set.
 
-`hetps config/run/compare/simulate CONFIG` put the config file's folder and the current
+`hetps config/run/compare/simulate CONFIG` and the daemons (`hetps worker --config CONFIG`,
+runtime/daemon.py `load_or_exit`) put the config file's folder and the current
 directory first on sys.path (as `python script.py` puts the script's folder) and on
 PYTHONPATH, so that every process the command starts imports the module as the command
 did: the forked daemons take the command's sys.path, those started by exec (the scheduler,
