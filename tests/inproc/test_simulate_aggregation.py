@@ -11,13 +11,12 @@ import json
 import math
 
 import pytest
+from test_simulate import digits  # noqa: F401  (the fixture: mnist-5k loaded once)
+from test_simulate import run as simulate_run
 
-from hetps.runconfig.load import load_config
 from hetps.scheduler.runlog import read_metrics
 from hetps.sim.costs import group_allreduce_s, group_broadcast_s
-from hetps.sim.engine import simulate
 from hetps.sim.events import Link
-from hetps.training.data import load_datasets
 
 FREE_SHARDS = [
     "sim.shard_bytes_per_s=1e15",
@@ -25,26 +24,13 @@ FREE_SHARDS = [
     "sim.shard_apply_s=0",
     "sim.shard_apply_bytes_per_s=1e15",
 ]
-BASE = [
-    "data.batch_size=16",
-    "eval.every_s=0.25",
-    "stop.target_accuracy=null",
-    "cluster.heartbeat_s=0.1",
-    "cluster.dead_after_s=0.5",
-    "optimizer.lr=0.05",
-    "comm.aggregate=on",
-    "sim.sample_s=0.001",
-]
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_datasets(load_config(None).data, 0)
 
 
 def run(tmp_path, digits, name, *overrides):
-    cfg = load_config(None, BASE + list(overrides))
-    return simulate(cfg, tmp_path / name, data=digits), tmp_path / name
+    """test_simulate.py's run, its groups reducing (comm.aggregate: on) at 1 ms a sample."""
+    return simulate_run(
+        tmp_path, digits, name, "comm.aggregate=on", "sim.sample_s=0.001", *overrides
+    )
 
 
 def steps_of(run_dir, worker: int) -> list[dict]:
