@@ -339,6 +339,14 @@ def _plot_loss(
     ax.legend(fontsize=8)
 
 
+def workers_label(members: list) -> str:
+    """A group's workers for a legend: their ranks while few, else how many (a legend of 84
+    ranks leaves no room for the plot)."""
+    if len(members) <= 8:
+        return "workers " + ", ".join(map(str, members))
+    return f"{len(members)} workers: {members[0]}, {members[1]}, ... {members[-1]}"
+
+
 def plot_groups(
     run_dir: Path, records: list[dict] | None = None, clock: str = "wall-clock time"
 ) -> Path:
@@ -351,8 +359,8 @@ def plot_groups(
     members = lane_members(records, lanes)
     several_plans = len({plan for plan, _ in lanes}) > 1
     names = {
-        (plan, group): (f"plan {plan}, " if several_plans else "") + f"group {group} (workers "
-        f"{', '.join(map(str, members[(plan, group)]))}): {len(ts)}"
+        (plan, group): (f"plan {plan}, " if several_plans else "")
+        + f"group {group} ({workers_label(members[(plan, group)])}): {len(ts)}"
         for (plan, group), ts in lanes.items()
     }
     ticks = bool(lanes) and max(map(len, lanes.values())) <= TICKS_UP_TO

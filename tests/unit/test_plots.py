@@ -217,3 +217,10 @@ def test_progress_line_says_which_groups_reduce_before_the_shards(tmp_path):
         f.write(json.dumps({**plan, "t": 2.0, "plan_id": 2, "groups": [[4, 5, 6, 7, 8]]}) + "\n")
     progress.poll()
     assert progress.line().endswith("plan 2: 1 group reduced"), progress.line()
+
+
+def test_a_big_groups_legend_names_how_many_workers_not_every_rank():
+    from hetps.frontend.plots import workers_label
+
+    assert workers_label([4, 5]) == "workers 4, 5"
+    assert workers_label(list(range(10, 94))) == "84 workers: 10, 11, ... 93"
