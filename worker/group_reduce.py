@@ -147,11 +147,8 @@ class GroupReduce:
         """The group of `plan`; rebuilt (a rendezvous of every member) only when its
         members or their store changed since the group was built."""
         members = self.members_in(plan)
-        since = (
-            plan.group_since.get(str(min(members)), plan.plan_id)
-            if plan.group_since
-            else plan.plan_id
-        )
+        # keyed by the group's first member as the plan lists it (scheduler/planning.py)
+        since = plan.group_since.get(str(members[0]), plan.plan_id)
         key = (tuple(members), since, self.epoch)
         if key == self.key and (self.group is not None or len(members) < 2):
             return
