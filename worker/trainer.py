@@ -269,7 +269,8 @@ class Trainer:
         aggregates switches only at the step its group agreed on (the newest plan any member
         had heard of at the last reduction), so that none waits in a group the others left."""
         current = self.client.plan.plan_id
-        if self.reducer is not None and self.reducer.active() and self.agreed_plan <= current:
+        live = self.reducer is not None and self.reducer.group is not None  # a broken one: not
+        if live and self.agreed_plan <= current:
             return None
         return self.member.newer_plan(current)
 
@@ -288,10 +289,11 @@ class Trainer:
         log.warning("collective failed (%s): waiting for a newer plan or a rebuilt group", exc)
         while not self.should_abort() and time.monotonic() < deadline:
             newer = self.member.newer_plan(self.client.plan.plan_id)
+            if newer is not None and self.member.node_id not in newer.worker_ids():
+                return  # not a worker of it: the run loop finds it again (next_plan) and stops
             if newer is not None:
-                if self.member.node_id in newer.worker_ids():
-                    self.use_plan(newer)
-                    log.info("switched to plan %d after a failed collective", newer.plan_id)
+                self.use_plan(newer)
+                log.info("switched to plan %d after a failed collective", newer.plan_id)
                 break
             self.member.stop_requested.wait(0.1)
         if not self.should_abort() and self.member.node_id in self.client.plan.worker_ids():
