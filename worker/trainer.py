@@ -281,23 +281,24 @@ class Trainer:
         step's gradient is dropped: a member whose reduction failed pushed nothing."""
         self.reducer.broken()
         deadline = time.monotonic() + 2 * self.cfg.cluster.dead_after_s
-        # a member that stopped first fails the others' last collective: the stop follows
-        self.member.stop_requested.wait(min(1.0, self.cfg.cluster.heartbeat_s * 2))
-        if self.should_abort():
-            return
-        self.reducer.counts["failures"] += 1
-        log.warning("collective failed (%s): waiting for a newer plan or a rebuilt group", exc)
+        log.info("collective failed (%s): waiting for a newer plan or a rebuilt group", exc)
+        newer = None
         while not self.should_abort() and time.monotonic() < deadline:
             newer = self.member.newer_plan(self.client.plan.plan_id)
-            if newer is not None and self.member.node_id not in newer.worker_ids():
-                return  # not a worker of it: the run loop finds it again (next_plan) and stops
             if newer is not None:
-                self.use_plan(newer)
-                log.info("switched to plan %d after a failed collective", newer.plan_id)
                 break
             self.member.stop_requested.wait(0.1)
-        if not self.should_abort() and self.member.node_id in self.client.plan.worker_ids():
-            self.state.load(self.client.pull(self.clock))
+        if self.should_abort():
+            # a member that stopped first fails the others' last collective: no failure
+            return
+        self.reducer.counts["failures"] += 1
+        log.warning("collective failed (%s); %s", exc, "a newer plan" if newer else "rebuilding")
+        if newer is not None and self.member.node_id not in newer.worker_ids():
+            return  # not a worker of it: the run loop finds it again (next_plan) and stops
+        if newer is not None:
+            self.use_plan(newer)
+            log.info("switched to plan %d after a failed collective", newer.plan_id)
+        self.state.load(self.client.pull(self.clock))
 
     def record(self, loss: float, compute_s: float, started: float) -> dict:
         """The step record sent to the scheduler."""
