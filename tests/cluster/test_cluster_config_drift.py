@@ -101,17 +101,24 @@ def test_each_kind_of_drift_is_refused_naming_the_keys_and_the_run_goes_on(tmp_p
         assert "still waiting for {'ps': 1, 'worker': 2}" in sched_log, sched_log[-3000:]
         refused = {r["node"] for r in records(run_dir, "refused")}
         assert refused == {"ps0", "worker1", "worker2"}, records(run_dir, "refused")
-        # the nodes that agree form the cluster and train
+        # the nodes that agree form the cluster and train; the evaluator first, registered before
+        # the plan (the scheduler does not wait for it, and 40 steps of an MLP take under a
+        # second: an evaluator that joined later once found the run already over)
+        start(["worker", "--evaluator"], [])
+        wait_for(
+            lambda: "registered evaluator" in (tmp_path / "0.log").read_text(),
+            180,
+            "the evaluator's registration",
+        )
         start(["ps", "--rank", "0"], [])
         start(["worker", "--rank", "0"], [])
         start(["worker", "--rank", "1"], [])
-        start(["worker", "--evaluator"], [])
         wait_for(lambda: records(run_dir, "eval"), 180, "an evaluation of the agreeing cluster")
         daemons.procs[0].send_signal(signal.SIGTERM)
         codes = daemons.wait(120)
     finally:
         daemons.close()
-    assert codes[-4:] == [0, 0, 0, 0] and codes[0] == 0, daemons.tails()
+    assert codes[-4:] == [0, 0, 0, 0] and codes[0] == 0, daemons.tails()  # evaluator, ps, workers
     s = summary(run_dir)
     # the agreeing workers trained; the refused worker 2 never took part
     assert set(s["per_node"]) == {"worker0", "worker1", "evaluator0"}, s["per_node"]
