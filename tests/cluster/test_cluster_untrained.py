@@ -17,14 +17,18 @@ CONFIG = str(REPO / "configs" / "sync.yaml")
 SMALL = ["cluster.workers=2", "cluster.shards=1", "cluster.profile_steps=2"]
 FAILURE_WAIT_S = 10.0  # from the shard's failure report to the end of the run, at most
 
-# a schedule that cannot be built in a daemon (`--scheduler` on its command line), as one
-# reading a file only the host of `hetps run` has: the config check and the dry step pass
+# a schedule that cannot be built in a shard daemon (`--scheduler` on its command line, the
+# shard's module first: `hetps.ps` forked, .../ps/__main__.py exec'd), as one reading a file
+# only the shards' hosts lack: the config check, the workers' own check and the dry step pass
+# (a worker failing too would race the shard to be the run's named failure)
 SHARD_ONLY = """
+import os
 import sys
 import torch
 
 def cosine(optimizer, t_max):
-    if "--scheduler" in sys.argv:
+    shard = sys.argv[0] == "hetps.ps" or sys.argv[0].endswith(os.path.join("ps", "__main__.py"))
+    if "--scheduler" in sys.argv and shard:
         raise FileNotFoundError("/nonexistent/schedule.json")
     return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=t_max)
 """
