@@ -121,13 +121,13 @@ class GroupReduce:
         self.weighted = weighted
         self.group: GlooGroup | None = None
         self.key: tuple = ()  # what the current group was built for
+        self.seen: tuple = ()  # (plan id, epoch) of the last use_plan: a step's call is then free
         self.members: list[int] = []
         self.rank = 0
         self.epoch = 0  # bumped by every failure: the rebuilt group's prefix differs
         self.timeout_s = MIN_TIMEOUT_S
         self.counts = {"group_rounds": 0, "pushes_saved": 0, "failures": 0, "partial_rounds": 0}
         self.collective_s = 0.0  # seconds in collectives, all steps
-        self.last_collective_s = 0.0
 
     # ------------------------------------------------------------ the group under a plan
     def members_in(self, plan: ClusterPlan) -> list[int]:
@@ -145,7 +145,13 @@ class GroupReduce:
 
     def use_plan(self, plan: ClusterPlan) -> None:
         """The group of `plan`; rebuilt (a rendezvous of every member) only when its
-        members or their store changed since the group was built."""
+        members or their store changed since the group was built. Called every step: for the
+        plan it last saw (and no failure since) it returns at once."""
+        if (plan.plan_id, self.epoch) == self.seen and (
+            self.group is not None or len(self.members) < 2
+        ):
+            return
+        self.seen = (plan.plan_id, self.epoch)
         members = self.members_in(plan)
         # keyed by the group's first member as the plan lists it (scheduler/planning.py)
         since = plan.group_since.get(str(members[0]), plan.plan_id)
@@ -292,7 +298,6 @@ class GroupReduce:
     def _charge(self, started: float) -> None:
         spent = time.monotonic() - started
         self.collective_s += spent
-        self.last_collective_s += spent
 
     def stats(self) -> dict:
         return {

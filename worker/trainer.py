@@ -152,9 +152,10 @@ class Trainer:
             n for n, (_, kind) in state.tensors.items() if kind != "param"
         )
         # each dense shard's reply: (name, shape, dtype) in its order (the placement is fixed)
-        parts = self.client.split(state.values())
+        parts = self.client.split(state.values()) if self.reducer is not None else []
         self.reply_layout = {
-            i: [(n, t.shape, t.dtype) for n, t in parts[i].items()] for i in self.client.dense
+            i: [(n, t.shape, t.dtype) for n, t in parts[i].items()]
+            for i in (self.client.dense if parts else ())
         }
 
     def use_plan(self, plan: ClusterPlan) -> None:
@@ -228,7 +229,6 @@ class Trainer:
         failed pushed nothing."""
         started = time.monotonic()
         red, client = self.reducer, self.client
-        red.last_collective_s = 0.0
         got = red.reduce(
             self.state.outgoing(),
             self.clock,
