@@ -11,6 +11,7 @@ per-tensor form (flat_state.py).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Mapping
 
 import torch
@@ -69,6 +70,10 @@ class Updater:
             and len(self.optimizer.param_groups) == 1
         )
         self._stepped = False
+        # per-group optimizer state (`algorithm.optimizer_state: per_group`): key -> the state
+        # (torch.optim's `optimizer.state`) its updates step; the live one is `optimizer.state`
+        self.states: dict[int, defaultdict] = {}
+        self.state_key: int | None = None
 
     @property
     def lr(self) -> float:
@@ -94,39 +99,101 @@ class Updater:
                 g["momentum"] = momentum
         return kept
 
-    def state_dict(self) -> dict:
-        optimizer = self.optimizer.state_dict() if self.optimizer else None
+    # ------------------------------------------------------------ per-group optimizer state
+    def use_state(self, key: int | None) -> None:
+        """Step the optimizer state of `key` from now on (a new key starts empty, as a
+        fresh optimizer); None: the one state every update shares."""
+        if self.optimizer is None or key == self.state_key:
+            return
+        if key is None:
+            self.optimizer.state = defaultdict(dict)
+        else:
+            self.optimizer.state = self.states.setdefault(key, defaultdict(dict))
+        self.state_key = key
+
+    def regroup_states(self, parts: Mapping[int, list[tuple[int, float]]]) -> None:
+        """The per-group states for new groups: new key -> [(old key, weight), ...]; each new
+        state is the weighted mean of the old ones (momentum buffers, Adam's moments and
+        step count), so a group re-formed from others keeps their momentum; a key without
+        parts (or only empty ones) starts empty."""
+        if self.optimizer is None or not self.states:
+            return
+        merged: dict[int, defaultdict] = {}
+        for key, weighted in parts.items():
+            sources = [(self.states[o], w) for o, w in weighted if self.states.get(o) and w > 0]
+            state: defaultdict = defaultdict(dict)
+            total = sum(w for _, w in sources)
+            for param in {p for src, _ in sources for p in src}:
+                having = [(src[param], w) for src, w in sources if param in src]
+                weight = sum(w for _, w in having)
+                state[param] = {
+                    name: _weighted_mean([(e[name], w / weight) for e, w in having])
+                    for name in having[0][0]
+                }
+            if total > 0:
+                merged[key] = state
+        self.states = merged
+        self.state_key = None
+        self.optimizer.state = defaultdict(dict)
+
+    def _optimizer_state(self) -> dict:
+        optimizer = self.optimizer.state_dict()
         if self.arena is not None:
             optimizer = per_tensor_state(optimizer, self.arena, self.names)
+        return optimizer
+
+    def state_dict(self) -> dict:
+        optimizer = self._optimizer_state() if self.optimizer else None
+        groups = {}
+        if self.optimizer is not None and self.states:
+            live = self.optimizer.state
+            try:
+                for key, state in self.states.items():
+                    self.optimizer.state = state
+                    groups[key] = self._optimizer_state()["state"]
+            finally:
+                self.optimizer.state = live
         return {
             "updates": self.updates,
             "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            **({"group_states": groups} if groups else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.updates = int(state["updates"])
         if self.optimizer is not None:
-            optimizer = state["optimizer"]
-            if self.arena is not None:
-                optimizer = flat_state(optimizer, self.arena, self.names)
-                for group, live in zip(optimizer["param_groups"], self.optimizer.param_groups):
-                    # how this layout steps, whoever wrote the state
-                    group["foreach"] = live["foreach"]
-            self.optimizer.load_state_dict(optimizer)
+            self.states, self.state_key = {}, None
+            for key, entries in state.get("group_states", {}).items():
+                self._load_optimizer({**state["optimizer"], "state": entries})
+                self.states[int(key)] = self.optimizer.state
+            self._load_optimizer(state["optimizer"])
+            if self.states:  # the shared state is no group's: the next update picks its own
+                self.optimizer.state = defaultdict(dict)
             self.scheduler.load_state_dict(state["scheduler"])
+
+    def _load_optimizer(self, optimizer: dict) -> None:
+        if self.arena is not None:
+            optimizer = flat_state(optimizer, self.arena, self.names)
+            for group, live in zip(optimizer["param_groups"], self.optimizer.param_groups):
+                # how this layout steps, whoever wrote the state
+                group["foreach"] = live["foreach"]
+        self.optimizer.load_state_dict(optimizer)
 
     def apply(
         self,
         grads: Mapping[str, torch.Tensor],
         lr_scale: float = 1.0,
         momentum: float | None = None,
+        state_key: int | None = None,
     ) -> None:
         """One optimizer step. `grads` must hold every parameter; they are only read.
         `momentum`: this step's momentum (SGD) or first beta (Adam) instead of the
-        configured one, the buffers kept (None: as configured)."""
+        configured one, the buffers kept (None: as configured). `state_key`: step that
+        group's optimizer state (`use_state`; None: the shared one)."""
         if self.optimizer is None:
             return
+        self.use_state(state_key)
         if self.arena is None:
             targets = list(self.params.values())
             for name, p in self.params.items():
@@ -175,6 +242,18 @@ class Updater:
                     continue
             torch._foreach_copy_([self._grad_views[n] for n in names], [grads[n] for n in names])
             flat.grad = own
+
+
+def _weighted_mean(parts: list[tuple[object, float]]):
+    """sum(w * value) for tensors (weights summing to 1; floats kept in their dtype);
+    anything else (an int, a flag) is taken from the first part."""
+    first = parts[0][0]
+    if not isinstance(first, torch.Tensor) or not first.is_floating_point():
+        return first.clone() if isinstance(first, torch.Tensor) else first
+    out = torch.zeros_like(first)
+    for value, w in parts:
+        out.add_(value, alpha=w)
+    return out
 
 
 def _widened(run: torch.Tensor, numel: int) -> torch.Tensor | None:

@@ -42,6 +42,20 @@ class AsyncParams:
     scale_lr: bool = setting(
         False, help="staleness-aware: a push computed k updates ago is applied with lr / max(1, k)"
     )
+    lr_share: bool = setting(
+        False,
+        help="the lr in the config is sync's: a push is applied with lr / P (its share of a "
+        "round of P workers; linear scaling)",
+    )
+    delay_compensation: float = setting(
+        0.0,
+        help="DC-ASGD's lambda (Zheng et al. 2017): an update's gradient g becomes "
+        "g + lambda * g * g * (w_now - w_stale), w_stale the values the shard served "
+        "after its sender's previous update; 0 = off",
+    )
+
+    def __post_init__(self):
+        _check_params("algorithm", self, {}, {"delay_compensation": 0.0})
 
 
 @dataclass(frozen=True)
@@ -52,9 +66,20 @@ class SspParams:
     scale_lr: bool = setting(
         False, help="staleness-aware: a push computed k updates ago is applied with lr / max(1, k)"
     )
+    lr_share: bool = setting(
+        False,
+        help="the lr in the config is sync's: a push is applied with lr / P (its share of a "
+        "round of P workers; linear scaling)",
+    )
+    delay_compensation: float = setting(
+        0.0,
+        help="DC-ASGD's lambda (Zheng et al. 2017): an update's gradient g becomes "
+        "g + lambda * g * g * (w_now - w_stale), w_stale the values the shard served "
+        "after its sender's previous update; 0 = off",
+    )
 
     def __post_init__(self):
-        _check_params("algorithm", self, {}, {"staleness": 0})
+        _check_params("algorithm", self, {}, {"staleness": 0, "delay_compensation": 0.0})
 
 
 @dataclass(frozen=True)
@@ -71,6 +96,22 @@ class GroupingParams:
         help="a group's update uses momentum max(0, m - (1 - 1/G)) for G groups: explicit plus "
         "the asynchrony's implicit momentum stays at the configured m (Adam: its first beta)",
     )
+    lr_share: bool = setting(
+        False,
+        help="the lr in the config is sync's: a group's update uses lr x members / P (its share "
+        "of a round of all P workers; linear scaling), times 1 / staleness with scale_lr",
+    )
+    optimizer_state: str = setting(
+        "shared",
+        help="shared: one optimizer state (momentum, Adam's moments) for every group's updates | "
+        "per_group: each group steps its own state, the parameters shared",
+    )
+    delay_compensation: float = setting(
+        0.0,
+        help="DC-ASGD's lambda (Zheng et al. 2017): an update's gradient g becomes "
+        "g + lambda * g * g * (w_now - w_stale), w_stale the values the shard served "
+        "after its sender's previous update; 0 = off",
+    )
     regroup: bool = setting(True, help="re-form groups while training when speeds drift")
     hysteresis: float = setting(0.3, help="relative speed change that may trigger re-grouping")
     regroup_every_s: float = setting(
@@ -85,9 +126,10 @@ class GroupingParams:
         _check_params(
             "algorithm",
             self,
-            {"choose_k": ("ratio", "ch")},
+            {"choose_k": ("ratio", "ch"), "optimizer_state": ("shared", "per_group")},
             {
                 "groups": 0,
+                "delay_compensation": 0.0,
                 "max_groups": 1,
                 "hysteresis": 0.0,
                 "regroup_every_s": 0.0,

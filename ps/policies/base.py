@@ -65,6 +65,8 @@ class ConsistencyPolicy(ABC):
         self.plan_id = plan.plan_id
         self.pushed: dict[int, int] = {}  # worker -> clock of its next new push
         self.counts = {"accepted": 0, "duplicates": 0}
+        # delay compensation: sender key -> the parameter values right after its last update
+        self.served: dict[int, dict] = {}
 
     # ------------------------------------------------------------ the shared acceptance path
     def accept(self, worker: int, push: Push) -> Accepted:
@@ -126,13 +128,41 @@ class ConsistencyPolicy(ABC):
         buffer_weight: float,
         lr_scale: float = 1.0,
         momentum: float | None = None,
+        state_key: int | None = None,
     ) -> None:
         """One optimizer step on `grads` (lr times `lr_scale`; `momentum` instead of the
-        configured one, None: as configured), buffers moved toward `buffers` with
-        `buffer_weight`, the shard's version bumped."""
-        self.updater.apply(grads, lr_scale=lr_scale, momentum=momentum)
+        configured one, None: as configured; `state_key`: the optimizer state of that group,
+        None: the shared one), buffers moved toward `buffers` with `buffer_weight`, the
+        shard's version bumped."""
+        self.updater.apply(grads, lr_scale=lr_scale, momentum=momentum, state_key=state_key)
         self.store.mix_buffers(buffers, buffer_weight)
         self.store.mark_updated(grads)
+
+    # ------------------------------------------------------------ delay compensation (DC-ASGD)
+    def compensated(self, key: int, grads: dict) -> dict:
+        """`grads` with `algorithm.delay_compensation` lambda > 0 (Zheng et al., "Asynchronous
+        Stochastic Gradient Descent with Delay Compensation", ICML 2017): g + lambda * g * g *
+        (w_now - w_stale), w_stale the values right after `key`'s previous update (what the
+        shard served it then; `remember_served`). Unchanged without lambda or before `key`'s
+        first update. New tensors: a push's memory is only read."""
+        lam = getattr(self.params, "delay_compensation", 0.0)
+        stale = self.served.get(key) if lam else None
+        if stale is None:
+            return grads
+        now = self.store.tensors
+        return {
+            n: torch.addcmul(g, g * g, now[n] - stale[n], value=lam)
+            if g.is_floating_point()
+            else g
+            for n, g in grads.items()
+        }
+
+    def remember_served(self, key: int) -> None:
+        """Keep the parameter values after `key`'s update, its next gradient's w_stale."""
+        if getattr(self.params, "delay_compensation", 0.0):
+            self.served[key] = {
+                n: self.store.tensors[n].detach().clone() for n in self.store.param_names()
+            }
 
     # ------------------------------------------------------------ plan changes, stats, checkpoints
     def adopt(self, plan: ClusterPlan) -> None:

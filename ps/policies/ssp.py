@@ -29,18 +29,20 @@ class AsyncPolicy(ConsistencyPolicy):
         got = self.accept(worker, push)
         if not got.duplicate:
             self.apply_update(
-                got.tensors,
+                self.compensated(worker, got.tensors),
                 got.buffers,
                 1.0 / len(self.workers),
                 self.staleness_scale(got.staleness),
             )
+            self.remember_served(worker)
         return got.staleness
 
     def staleness_scale(self, staleness: int) -> float:
         """1 / staleness with `scale_lr` (Zhang et al. 2016, staleness-aware
         async SGD: a gradient computed k updates ago moves the model 1/k as
-        far), else 1."""
-        return 1.0 / max(1, staleness) if self.params.scale_lr else 1.0
+        far), else 1; times 1 / P with `lr_share` (one push of a round of P)."""
+        share = 1.0 / len(self.workers) if self.params.lr_share else 1.0
+        return share / max(1, staleness) if self.params.scale_lr else share
 
     def pull_ready(self, worker: int, clock: int) -> bool:
         return True

@@ -72,10 +72,25 @@ class GroupingPolicy(ConsistencyPolicy):
         for g in list(self.rounds):
             self._close(g)  # flush: partial rounds are applied with the members they have
         self.late_share = {w: len(members) for members in self.groups for w in members}
+        old_group_of = dict(self.group_of)
         super().adopt(plan)
         self.restored = False  # a new worker set: clocks need not line up any more
         self._set_groups(plan)
         self.last_update_at = {g: self.store.version for g in range(len(self.groups))}
+        # the groups' snapshots were of other members: each new group's first update is plain
+        self.served = {}
+        if self.state_key(0) is not None:
+            # a new group steps the mean of its members' old groups' states, by members
+            parts = {}
+            for g, members in enumerate(self.groups):
+                came = [old_group_of[w] for w in members if w in old_group_of]
+                parts[g] = [(o, float(came.count(o))) for o in sorted(set(came))]
+            self.updater.regroup_states(parts)
+
+    def state_key(self, g: int) -> int | None:
+        """The optimizer state group `g`'s updates step: its own with `optimizer_state:
+        per_group`, else the shared one (None)."""
+        return g if getattr(self.params, "optimizer_state", "shared") == "per_group" else None
 
     def on_push(self, worker: int, push: Push) -> int:
         got = self.accept(worker, push)
@@ -131,12 +146,15 @@ class GroupingPolicy(ConsistencyPolicy):
         grads, buffers = rnd.means(over or self.divisor(rnd))
         staleness = 1 + self.store.version - self.last_update_at.get(g, 0)
         self.apply_update(
-            grads,
+            self.compensated(g, grads),
             buffers,
             len(rnd.members) / max(1, len(self.workers)),
-            self.lr_scale(staleness),
+            # a late push stands for its old group's round (`over` members)
+            self.lr_scale(staleness, over or len(rnd.members)),
             self.group_momentum(),
+            self.state_key(g),
         )
+        self.remember_served(g)
         self.last_update_at[g] = self.store.version
         self.group_updates[g] = self.group_updates.get(g, 0) + 1
         self.staleness_sum[g] = self.staleness_sum.get(g, 0) + staleness
@@ -164,9 +182,11 @@ class GroupingPolicy(ConsistencyPolicy):
         """What a round's gradient sum is divided by (0: its members)."""
         return 0
 
-    def lr_scale(self, staleness: int) -> float:
-        """The group update's lr factor: 1 / staleness (`scale_lr`)."""
-        return 1.0 / staleness if self.params.scale_lr else 1.0
+    def lr_scale(self, staleness: int, members: float) -> float:
+        """The group update's lr factor: members / P with `lr_share` (the update's share of
+        a round of all P workers), times 1 / staleness with `scale_lr`."""
+        share = members / max(1, len(self.workers)) if self.params.lr_share else 1.0
+        return share / staleness if self.params.scale_lr else share
 
     def group_momentum(self) -> float | None:
         """A group update's momentum with `momentum_correction`: G groups updating
@@ -210,7 +230,7 @@ class SyncPolicy(GroupingPolicy):
     def groups_of(self, plan: ClusterPlan) -> list[list[int]]:
         return [plan.worker_ids()]
 
-    def lr_scale(self, staleness: int) -> float:
+    def lr_scale(self, staleness: int, members: float) -> float:
         return 1.0  # one group: nobody else updates in between
 
     def group_momentum(self) -> float | None:

@@ -121,9 +121,10 @@ def test_the_plan_carries_the_resolved_parameters(tmp_path):
         plan = coord.plan
     finally:
         server.close()
-    assert (plan.algorithm, plan.algorithm_params) == ("ssp", {"staleness": 5, "scale_lr": False})
+    resolved = {"staleness": 5, "scale_lr": False, "lr_share": False, "delay_compensation": 0.0}
+    assert (plan.algorithm, plan.algorithm_params) == ("ssp", resolved)
     # it travels in PLAN messages
-    assert plan.to_dict()["algorithm_params"] == {"staleness": 5, "scale_lr": False}
+    assert plan.to_dict()["algorithm_params"] == resolved
 
 
 def plan_for(overrides: list[str]):
