@@ -193,6 +193,9 @@ class Params(Message):
     # None (on the wire an empty map) in a plain pull's reply
     ack: FusedAck | None = field(default=None, metadata=read_as("dict", FusedAck.read, write_ack))
     tensors: dict = field(default_factory=dict)
+    # the lr the shard's optimizer steps with now (its schedule's, before any policy scaling);
+    # 0.0 without one. An older decoder leaves the field out (unknown header keys are ignored)
+    lr: float = 0.0
 
 
 @dataclass(frozen=True)

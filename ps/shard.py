@@ -27,6 +27,7 @@ from hetps.runconfig.algorithms import algorithm, check_plan_algorithm
 from hetps.runconfig.schema import NodeConfig, RunConfig
 from hetps.runtime.checkpoint import Checkpointer
 from hetps.runtime.emulation import Slowdown, work_clock
+from hetps.runtime.optim import schedule_batch
 
 from .future_pushes import FuturePushes
 from .hold_ledger import HoldLedger
@@ -232,7 +233,11 @@ class Shard(Service):
 
     def _make_policy(self) -> None:
         updater = Updater(
-            self.store.tensors, self.store.param_names(), self.cfg.optimizer, self.store.arena
+            self.store.tensors,
+            self.store.param_names(),
+            self.cfg.optimizer,
+            self.store.arena,
+            schedule_batch(self.cfg),
         )
         self._scanned_mark = _UNSCANNED
         self.policy = POLICIES[self.algorithm.policy](
@@ -479,7 +484,12 @@ class Shard(Service):
                 info=a.info,
                 held_s=round(self.clock() - pull.since, 6),
             )
-        return Params(version=self.store.version, ack=ack, tensors=self.store.snapshot())
+        return Params(
+            version=self.store.version,
+            ack=ack,
+            tensors=self.store.snapshot(),
+            lr=self.policy.updater.lr if self.policy else 0.0,
+        )
 
     def reply(self, peer: bytes, req_id: int, msg):
         if not isinstance(msg, Params):

@@ -26,9 +26,13 @@ from .flat_state import flat_state, per_tensor_state
 
 
 class Updater:
-    """Applies gradients to the store's parameters with the optimizer, one
-    scheduler step per update. `lr_scale` lets a policy damp an update.
-    `arena`: the tensors are its views; the optimizer updates its flat runs."""
+    """Applies gradients to the store's parameters with the optimizer. The lr
+    schedule steps once per `samples_per_step` samples applied (the global batch,
+    `optimizer.schedule.clock: samples`: a sync round is one step, a grouping
+    group's update of k of P workers k / P of one), or once per update
+    (`samples_per_step` 0, or an update that names no samples). `lr_scale` lets a
+    policy damp an update. `arena`: the tensors are its views; the optimizer
+    updates its flat runs."""
 
     def __init__(
         self,
@@ -36,7 +40,11 @@ class Updater:
         names: list[str],
         cfg: OptimizerConfig,
         arena: Arena | None = None,
+        samples_per_step: int = 0,
     ):
+        self.samples_per_step = samples_per_step
+        self.samples = 0  # applied, counted by the schedule's clock
+        self.schedule_steps = 0
         self.names = list(names)
         self.params = {n: tensors[n] for n in names}
         self.arena = arena if names and arena is not None and arena.flat else None
@@ -155,6 +163,8 @@ class Updater:
                 self.optimizer.state = live
         return {
             "updates": self.updates,
+            "samples": self.samples,
+            "schedule_steps": self.schedule_steps,
             "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             **({"group_states": groups} if groups else {}),
@@ -162,6 +172,9 @@ class Updater:
 
     def load_state_dict(self, state: dict) -> None:
         self.updates = int(state["updates"])
+        # a checkpoint from before the schedule's clock: it stepped once per update
+        self.samples = int(state.get("samples", 0))
+        self.schedule_steps = int(state.get("schedule_steps", self.updates))
         if self.optimizer is not None:
             self.states, self.state_key = {}, None
             for key, entries in state.get("group_states", {}).items():
@@ -186,11 +199,13 @@ class Updater:
         lr_scale: float = 1.0,
         momentum: float | None = None,
         state_key: int | None = None,
+        samples: int = 0,
     ) -> None:
         """One optimizer step. `grads` must hold every parameter; they are only read.
         `momentum`: this step's momentum (SGD) or first beta (Adam) instead of the
         configured one, the buffers kept (None: as configured). `state_key`: step that
-        group's optimizer state (`use_state`; None: the shared one)."""
+        group's optimizer state (`use_state`; None: the shared one). `samples`: the
+        samples the update stands for, the schedule's clock."""
         if self.optimizer is None:
             return
         self.use_state(state_key)
@@ -219,8 +234,20 @@ class Updater:
                 g["lr"] = lr
         for p in targets:
             p.grad = None  # never keep a reference to a peer's frame
-        self.scheduler.step()
+        self._advance_schedule(samples)
         self.updates += 1
+
+    def _advance_schedule(self, samples: int) -> None:
+        """Step the lr schedule for an update of `samples` samples: once per update without
+        a samples clock, else once per `samples_per_step` applied in all."""
+        if self.samples_per_step <= 0 or samples <= 0:
+            self.scheduler.step()
+            self.schedule_steps += 1
+            return
+        self.samples += samples
+        while (self.schedule_steps + 1) * self.samples_per_step <= self.samples:
+            self.scheduler.step()
+            self.schedule_steps += 1
 
     def _gather(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Each flat run's gradient: the pushed memory itself when it already

@@ -96,10 +96,19 @@ class ScheduleConfig:
     kwargs: dict = setting(
         default_factory=dict, help="pkg.module:factory schedules: passed to the factory"
     )
-    warmup_steps: int = setting(0, help="linear warm-up, in shard updates")
-    step_size: int = setting(1000, help="step: multiply by gamma every step_size updates")
-    gamma: float = setting(0.1, help="`step`: the factor applied every `step_size` updates")
-    total_steps: int = setting(0, help="cosine: updates over which lr decays to 0 (required)")
+    clock: str = setting(
+        "samples",
+        help="what a schedule step is: samples = one global batch (data.batch_size x "
+        "data.accumulate x the configured workers; balanced: its global_batch) of samples the "
+        "shards applied, a sync update, so one config is one schedule under every algorithm | "
+        "updates = one shard update (grouping and async make many more)",
+    )
+    warmup_steps: int = setting(0, help="linear warm-up, in schedule steps (clock)")
+    step_size: int = setting(1000, help="step: multiply by gamma every step_size schedule steps")
+    gamma: float = setting(0.1, help="`step`: the factor applied every `step_size` steps")
+    total_steps: int = setting(
+        0, help="cosine: schedule steps over which lr decays to 0 (required)"
+    )
 
 
 @dataclass(frozen=True)
@@ -472,6 +481,7 @@ class RunConfig:
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.autocast": ("none", "bfloat16", "float16"),
     "optimizer.name": ("sgd", "adam", "adamw"),
+    "optimizer.schedule.clock": ("samples", "updates"),
     "sparse.optimizer.name": ("sgd", "adagrad", "rowwise_adagrad", "adam"),
     "cluster.nonfinite": ("reject", "skip", "clip"),
     "comm.compression": ("none", "fp16", "topk"),

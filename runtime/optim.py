@@ -63,8 +63,20 @@ def lr_factor(cfg: ScheduleConfig) -> Callable[[int], float]:
     return factor
 
 
+def schedule_batch(cfg) -> int:
+    """Samples per schedule step under `optimizer.schedule.clock: samples` (0: the schedule
+    steps once per update, `clock: updates`): the global batch of a sync round of the
+    configured workers, data.batch_size x data.accumulate x workers (balanced: its
+    global_batch x data.accumulate)."""
+    if cfg.optimizer.schedule.clock != "samples":
+        return 0
+    global_batch = getattr(cfg.algorithm.params, "global_batch", 0)
+    per_round = global_batch or cfg.data.batch_size * max(1, len(cfg.cluster.workers))
+    return per_round * cfg.data.accumulate
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig):
-    """The schedule of `optimizer`'s lr: call .step() once per update. A
+    """The schedule of `optimizer`'s lr: call .step() once per schedule step. A
     builtin name: a LambdaLR stepping `lr_factor(cfg)`; `package.module:factory`:
     `factory(optimizer, **cfg.kwargs)`, any object with `step()`, `state_dict()`
     and `load_state_dict()` (a torch.optim.lr_scheduler scheduler other than
@@ -97,41 +109,6 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig):
             f"{', '.join(missing)}"
         )
     return scheduler
-
-
-class ScheduledLr:
-    """The lr a shard's optimizer holds after a number of updates under `cfg` (its schedule,
-    builtin or a factory's, stepped once per update as ps/updater.py steps it), computed on a
-    stand-in parameter: what the evaluator reports as `lr` beside the metrics. Stepping on
-    from the last count costs one schedule step per update; a smaller count starts over (a
-    restored shard). Not thread-safe."""
-
-    def __init__(self, cfg: OptimizerConfig):
-        self.cfg = cfg
-        self.updates = 0
-        self.failed = False  # the schedule raised (e.g. OneCycleLR past its total_steps)
-        self._start()
-
-    def _start(self) -> None:
-        self.optimizer = build_optimizer([torch.zeros(1, requires_grad=True)], self.cfg)
-        self.scheduler = build_lr_scheduler(self.optimizer, self.cfg.schedule)
-        self.failed = False
-        # no gradient, nothing changes: the schedule may step without torch's "lr_scheduler.step()
-        # before optimizer.step()" warning, as a shard's steps after its optimizer's
-        self.optimizer.step()
-        self.updates = 0
-
-    def at(self, updates: int) -> float | None:
-        """The lr after `updates` updates; None once the schedule raised on a step."""
-        if updates < self.updates:
-            self._start()
-        while self.updates < updates and not self.failed:
-            try:
-                self.scheduler.step()
-            except Exception:  # the user's schedule may raise anything; the shard's would too
-                self.failed = True
-            self.updates += 1
-        return None if self.failed else float(self.optimizer.param_groups[0]["lr"])
 
 
 def check_optimizer(cfg: OptimizerConfig) -> None:

@@ -88,6 +88,7 @@ class PSClient:
         # ps-lite, a server that holds no key of a request is not asked); the placement is fixed
         self.dense = [i for i, names in enumerate(self.names) if names]
         self.versions = [0] * len(plan.shards)  # version of each shard's values we hold
+        self.lrs = [0.0] * len(plan.shards)  # each shard's lr when it sent them (Params.lr)
         # seconds from sending the last push_pull until its pushes were acked
         self.last_push_s = 0.0
         self.part_sizes = part_sizes(plan)
@@ -286,6 +287,7 @@ class PSClient:
                 f"not the {'values and ACK' if fused else 'values'} asked for",
             )
         self.versions[i] = reply.version
+        self.lrs[i] = reply.lr
         return reply
 
     def close(self) -> None:

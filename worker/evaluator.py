@@ -2,8 +2,8 @@
 `eval.every_s` seconds, measures the task's metrics on the whole test split
 (task.py: sums over every batch, then reduced), and reports them to the
 scheduler, so every algorithm gets the same metric-versus-time curve, with the
-lr the shards' schedule holds at the versions measured (`lr`, beside the metrics;
-runtime/optim.py ScheduledLr).
+lr the shards' optimizer held when they sent the values measured (`lr`, beside the
+metrics: PARAMS' `lr` of the shard with the newest version).
 When the run stops it evaluates once more, so the final numbers describe the
 final model (not when the scheduler was lost: nobody would record them), and
 (given `model_out`) writes exactly that model to MODEL_OUT/model.safetensors and
@@ -41,7 +41,6 @@ from hetps.proto.rpc import Aborted
 from hetps.runconfig.algorithms import algorithm
 from hetps.runconfig.schema import RunConfig
 from hetps.runtime.membership import Membership
-from hetps.runtime.optim import ScheduledLr
 from hetps.training.data import ArrayDataset
 from hetps.training.export import describe, state_copy, write_state
 from hetps.training.measure import better, measure, report_values, test_loader
@@ -149,12 +148,11 @@ class Evaluator:
                     (self.final_client, None, final_cluster),
                 )
             )
-        # the shards' lr at the versions an evaluation measured, reported as `lr` beside the
-        # metrics: under the algorithms whose shards step the configured optimizer once per
-        # update (gradient pushes). Model averaging and diloco schedule it on each worker's
-        # local steps, which the evaluator does not see: their rows carry no lr
-        gradients = algorithm(cfg.algorithm.name).worker_loop == "gradients"
-        self.scheduled_lr = ScheduledLr(cfg.optimizer) if gradients else None
+        # the shards' lr when they sent the values an evaluation measured, reported as `lr`
+        # beside the metrics: under the algorithms whose shards step the configured optimizer
+        # (gradient pushes). Model averaging and diloco schedule it on each worker's local
+        # steps, which the evaluator does not see: their rows carry no lr
+        self.reports_lr = algorithm(cfg.algorithm.name).worker_loop == "gradients"
         self.evals = 0
         self.batches = None  # the test split's loader, made at the first evaluation
         self.metrics: dict[str, float] = {}  # of the latest evaluation
@@ -204,7 +202,10 @@ class Evaluator:
             self.best = BestEvaluation(
                 metrics, list(client.versions), state_copy(self.full_state(rows))
             )
-        lr = self.scheduled_lr.at(max(client.versions, default=0)) if self.scheduled_lr else None
+        lr = None
+        if self.reports_lr and client.versions:
+            newest = max(range(len(client.versions)), key=client.versions.__getitem__)
+            lr = client.lrs[newest]
         self.member.report(
             "eval",
             report_values(

@@ -129,12 +129,15 @@ class ConsistencyPolicy(ABC):
         lr_scale: float = 1.0,
         momentum: float | None = None,
         state_key: int | None = None,
+        samples: int = 0,
     ) -> None:
         """One optimizer step on `grads` (lr times `lr_scale`; `momentum` instead of the
         configured one, None: as configured; `state_key`: the optimizer state of that group,
-        None: the shared one), buffers moved toward `buffers` with `buffer_weight`, the
-        shard's version bumped."""
-        self.updater.apply(grads, lr_scale=lr_scale, momentum=momentum, state_key=state_key)
+        None: the shared one; `samples`: the samples it stands for, the lr schedule's clock),
+        buffers moved toward `buffers` with `buffer_weight`, the shard's version bumped."""
+        self.updater.apply(
+            grads, lr_scale=lr_scale, momentum=momentum, state_key=state_key, samples=samples
+        )
         self.store.mix_buffers(buffers, buffer_weight)
         self.store.mark_updated(grads)
 
@@ -151,9 +154,7 @@ class ConsistencyPolicy(ABC):
             return grads
         now = self.store.tensors
         return {
-            n: torch.addcmul(g, g * g, now[n] - stale[n], value=lam)
-            if g.is_floating_point()
-            else g
+            n: torch.addcmul(g, g * g, now[n] - stale[n], value=lam) if g.is_floating_point() else g
             for n, g in grads.items()
         }
 
@@ -233,6 +234,7 @@ class Round:
     buffer_counts: dict = field(default_factory=dict)  # buffers are optional: count who sent each
     clock: int = -1  # clock of the push that opened it (used while a restored shard realigns)
     weight: float = 0.0  # sum of the members' weights (balanced: samples)
+    samples: int = 0  # the pushes' n_samples: the lr schedule's clock
     # set per round by `add(borrow=True)`: `grads` is a peer's memory
     borrowed: ClassVar[bool] = False
 
@@ -244,12 +246,15 @@ class Round:
         weight: float = 1.0,
         borrow: bool = False,
         members: Iterable[int] = (),
+        samples: int = 0,
     ) -> None:
         """Add a member's push; its gradients count `weight` times (1: plain sum).
         `borrow`: the caller closes the round before the push's memory may
         change (in the same call), so a first push is kept as it is, not
         copied; `means` copies it only if it must divide. `members`: the nodes an
-        aggregated push stands for (its gradients their mean, `weight` their total)."""
+        aggregated push stands for (its gradients their mean, `weight` their total).
+        `samples`: the push's n_samples."""
+        self.samples += samples
         if weight != 1.0:  # exactly the plain sum when every weight is 1
             grads = {n: t * weight if t.is_floating_point() else t for n, t in grads.items()}
         self.weight += weight

@@ -76,7 +76,7 @@ class EagerPolicy(ConsistencyPolicy):
         if too_stale and self.params.too_stale == "drop":
             self.counts["dropped"] += 1
             return staleness
-        self.round.add(worker, got.tensors, got.buffers)
+        self.round.add(worker, got.tensors, got.buffers, samples=push.n_samples)
         self.counts["contributions"] += 1
         if staleness <= 0:
             self.fresh.add(worker)
@@ -103,7 +103,7 @@ class EagerPolicy(ConsistencyPolicy):
         if self.is_barrier(self.store.version):
             self.counts["barriers"] += 1
         grads, buffers = rnd.means(over=p)
-        self.apply_update(grads, buffers, len(rnd.members) / p)
+        self.apply_update(grads, buffers, len(rnd.members) / p, samples=rnd.samples)
         self.counts["rounds"] += 1
         self.round, self.fresh = Round(), set()
         self.initiator = self._draw()

@@ -33,6 +33,7 @@ class AsyncPolicy(ConsistencyPolicy):
                 got.buffers,
                 1.0 / len(self.workers),
                 self.staleness_scale(got.staleness),
+                samples=push.n_samples,
             )
             self.remember_served(worker)
         return got.staleness

@@ -116,6 +116,7 @@ class GroupingPolicy(ConsistencyPolicy):
                 self.weight_of(push),
                 True,
                 self.members_of(worker, push),
+                push.n_samples,
             )
             # its share of the old group's round, not a whole group's update: after a re-plan
             # every member's push in flight arrives late, and 64 of them applied whole, each a
@@ -132,7 +133,9 @@ class GroupingPolicy(ConsistencyPolicy):
         closes = len(rnd.members) + len(joining) >= len(group) and rnd.members | joining >= set(
             group
         )
-        rnd.add(worker, got.tensors, got.buffers, self.weight_of(push), closes, joining)
+        rnd.add(
+            worker, got.tensors, got.buffers, self.weight_of(push), closes, joining, push.n_samples
+        )
         if closes:
             self._close(g)
             self.restored = False  # a full round again: pushes pair by arrival as before
@@ -153,6 +156,7 @@ class GroupingPolicy(ConsistencyPolicy):
             self.lr_scale(staleness, over or len(rnd.members)),
             self.group_momentum(),
             self.state_key(g),
+            rnd.samples,
         )
         self.remember_served(g)
         self.last_update_at[g] = self.store.version

@@ -307,9 +307,9 @@ def test_a_shard_hands_the_decoded_push_and_its_runs_to_the_optimizer(
     seen = []
     real_apply = Updater.apply
 
-    def recording(self, grads, lr_scale=1.0, momentum=None, state_key=None):
+    def recording(self, grads, *args, **kwargs):
         seen.append(isinstance(grads, Tensors) and bool(grads.runs))
-        return real_apply(self, grads, lr_scale, momentum, state_key)
+        return real_apply(self, grads, *args, **kwargs)
 
     monkeypatch.setattr(Updater, "apply", recording)
     harness = harnesses(

@@ -164,7 +164,13 @@ class ShardHarness:
             assert isinstance(ack, Ack) and ack.info["first"] is True
 
     def push(
-        self, node: int, clock: int, tensors: dict, base_version: int = 0, info: dict | None = None
+        self,
+        node: int,
+        clock: int,
+        tensors: dict,
+        base_version: int = 0,
+        info: dict | None = None,
+        n_samples: int = 0,
     ) -> list[Ack]:
         """One push to every shard (its part of `tensors`); the replies in shard order."""
         return [
@@ -174,6 +180,7 @@ class ShardHarness:
                     plan_id=self.plan_id,
                     clock=clock,
                     base_version=base_version,
+                    n_samples=n_samples,
                     info=PushInfo.read(info or {}),  # raises ProtocolError, as a worker's would
                     tensors=self.part(tensors, i),
                 ),

@@ -1,20 +1,14 @@
 """The callbacks of `hetps.run` beside on_eval: on_step (the step records of every worker's
 steps numbered a multiple of step_every, in metrics.jsonl's order with the evaluations),
-on_end (the Result, once), and the learning rate an evaluation row carries (the shards'
-schedule at the measured versions: runtime/optim.py ScheduledLr)."""
+and on_end (the Result, once). The lr an evaluation row carries is the shards' (PARAMS' `lr`):
+tests/inproc/test_schedule_clock.py."""
 
 from __future__ import annotations
 
 import json
 import types
-import warnings
 
-import pytest
-import torch
-
-from hetps.runconfig.schema import OptimizerConfig, ScheduleConfig
 from hetps.running import Callbacks, EvalRows, read_result
-from hetps.runtime.optim import ScheduledLr, build_lr_scheduler, build_optimizer
 
 
 def write(path, *records):
@@ -89,49 +83,3 @@ def test_the_lr_of_a_row_is_no_metric_of_the_result(tmp_path):
     assert read_result(tmp_path, 0, [row]).metrics == {"macro_f1": 0.9}
     (tmp_path / "summary.json").write_text('{"status": "completed"}')
     assert read_result(tmp_path, 0, [row]).metrics == {"macro_f1": 0.9}
-
-
-def shard_lrs(cfg: OptimizerConfig, updates: int) -> list[float]:
-    """A shard's lr after each of 0..updates updates, stepped as ps/updater.py steps it."""
-    param = torch.zeros(1, requires_grad=True)
-    optimizer = build_optimizer([param], cfg)
-    scheduler = build_lr_scheduler(optimizer, cfg.schedule)
-    out = [optimizer.param_groups[0]["lr"]]
-    for _ in range(updates):
-        param.grad = torch.ones(1)
-        optimizer.step()
-        scheduler.step()
-        out.append(optimizer.param_groups[0]["lr"])
-    return out
-
-
-@pytest.mark.parametrize(
-    "schedule",
-    [
-        ScheduleConfig(name="cosine", warmup_steps=5, total_steps=40),
-        ScheduleConfig(name="step", step_size=7, gamma=0.5),
-        ScheduleConfig(
-            name="hetps.examples.sines:warmup_cosine", kwargs={"total_steps": 30, "warmup_steps": 5}
-        ),
-    ],
-    ids=["cosine", "step", "factory"],
-)
-def test_scheduled_lr_is_the_shards_lr_after_that_many_updates(schedule):
-    cfg = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, schedule=schedule)
-    expected = shard_lrs(cfg, 45)
-    lr = ScheduledLr(cfg)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
-        got = {n: lr.at(n) for n in (0, 3, 3, 12, 45)}
-        assert lr.at(10) == pytest.approx(expected[10])  # fewer: a restored shard, started over
-    assert got == pytest.approx({n: expected[n] for n in got})
-
-
-def test_scheduled_lr_is_none_once_the_schedule_raises():
-    schedule = ScheduleConfig(
-        name="torch.optim.lr_scheduler:OneCycleLR", kwargs={"max_lr": 0.1, "total_steps": 5}
-    )
-    lr = ScheduledLr(OptimizerConfig(name="sgd", lr=0.1, schedule=schedule))
-    assert lr.at(4) is not None
-    assert lr.at(8) is None  # OneCycleLR refuses a step past total_steps, as the shard's would
-    assert lr.at(2) is not None  # fewer updates: started over
