@@ -264,6 +264,7 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     _plot_loss(
         ax_loss, records, xs, losses, clock, "cross-entropy" if metric == ACCURACY else "loss"
     )
+    _plot_lr(ax_loss, evals)
     fig.suptitle(run_title(summary, title))
     fig.tight_layout()
     out = run_dir / run_plot_name(metric)
@@ -337,6 +338,27 @@ def _plot_loss(
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def _plot_lr(ax, evals: list[dict]) -> None:
+    """The shards' lr at each evaluation (the rows' `lr`), on a second axis of the loss plot;
+    nothing when no row carries one (model averaging, diloco)."""
+    rows = [r for r in evals if fits(r, lr=float)]
+    if not rows:
+        return
+    twin = ax.twinx()
+    twin.step(
+        [float(r["t"]) for r in rows],
+        [float(r["lr"]) for r in rows],
+        where="post",
+        color="tab:gray",
+        linestyle="--",
+        linewidth=1,
+        label="lr (the shards')",
+    )
+    twin.set_ylabel("learning rate")
+    twin.set_ylim(bottom=0)
+    twin.legend(loc="lower left", fontsize=8)
 
 
 def workers_label(members: list) -> str:

@@ -42,6 +42,7 @@ class Progress:
     # None: not known before the first evaluation
     metric: str | None = ACCURACY
     value: float | None = None  # its latest value
+    lr: float | None = None  # the shards' lr at the latest evaluation (its row's `lr`)
     t: float = 0.0
     rate: float = 0.0
     plan: tuple = (0, 0)  # (plan id, number of groups) of the latest plan
@@ -81,6 +82,7 @@ class Progress:
             self.steps[rec["worker"]] = max(self.steps.get(rec["worker"], 0), rec["step"])
         elif kind == "eval" and (watched := row_value(rec)) is not None:
             self.metric, self.value = watched
+            self.lr = rec["lr"] if fits(rec, lr=float) else self.lr
         elif kind == "register" and fits(rec, node=str):
             # the scheduler's evaluator0 is hetps run's evaluator
             node = "evaluator" if rec["node"].startswith("evaluator") else rec["node"]
@@ -113,6 +115,7 @@ class Progress:
         # "test acc" as ever for classification; any other metric by its name
         name = "acc" if self.metric == ACCURACY else self.metric or "metric"
         target = f" (target {self.target})" if self.target is not None else ""
+        target += f"  lr {self.lr:.3g}" if self.lr is not None else ""
         steps = f"/{self.max_steps}" if self.max_steps else ""
         # async and ssp: one per worker
         several = len(self.groups) > 1 and max(map(len, self.groups)) > 1

@@ -243,3 +243,35 @@ def test_the_config_knows_the_built_in_tasks_metrics_as_the_tasks_name_them():
     assert [list(m)[0] for m in TASK_METRICS.values()] == [
         built[name].metrics[0].name for name in TASK_METRICS
     ]
+
+
+def test_the_progress_line_and_the_run_plot_show_the_shards_lr(tmp_path, monkeypatch):
+    """An evaluation row's `lr` (the shards' lr when they sent the values measured) is on
+    the progress line and drawn on a second axis of the loss plot; a row without one (model
+    averaging) draws none."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [
+        {"kind": "plan", "t": 0.01, "plan_id": 1, "groups": [[3, 4]]},
+        {**lm_row(2.0, 7.9, 40), "lr": 0.0125},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    progress = Progress(path, expected=["worker0"], target=3.0, max_seconds=60)
+    progress.poll()
+    assert "(target 3.0)  lr 0.0125" in progress.line(), progress.line()
+    drawn: list[list[float]] = []
+    real = matplotlib.axes.Axes.step
+
+    def spy(self, x, y, *args, **kwargs):
+        drawn.append(list(y))
+        return real(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "step", spy)
+    for lr in (None, 0.05):
+        run_dir = tmp_path / f"run-{lr}"
+        run_dir.mkdir()
+        evals = [lm_row(2.0, 40.0, 100), lm_row(4.0, 3.5, 200)]
+        evals = [{**r, "lr": lr} if lr else r for r in evals]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+        (run_dir / "summary.json").write_text(json.dumps(lm_summary()))
+        plot_run(run_dir)
+    assert drawn == [[0.05, 0.05]]
