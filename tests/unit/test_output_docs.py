@@ -16,7 +16,7 @@ from hetps.frontend.plots import run_plot_name
 from hetps.training.task import Classification, evaluate_task
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/simulation.md"])
+@pytest.mark.parametrize("doc", ["docs/run-directory.md", "docs/simulation.md"])
 def test_the_docs_name_the_metric_plot_as_the_run_writes_it(doc):
     text = (REPO / doc).read_text()
     assert "`<metric>_vs_time.png`" in text
