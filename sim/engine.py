@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hetps.proto.codec import decode
-from hetps.proto.messages import Bye, Error, Heartbeat, Init, Pull, Push, Register, Report
+from hetps.proto.messages import Bye, Error, Heartbeat, Init, Pull, Push, Register, Report, Status
 from hetps.proto.plan import schema_hash
 from hetps.proto.records import NodeStats, read_step_records
 from hetps.ps.shard import Shard
@@ -145,6 +145,7 @@ class Simulation:
         # (rank, virtual s)
         self.kills = [(int(k.node[len("worker") :]), k.at_s) for k in cfg.cluster.kill]
         self.stalled = False
+        self.left: set[int] = set()  # workers that left on a shard's refusal (`_leave`)
         # comm.aggregate: synchronous groups reduce before the shards (group_rounds.py)
         self.group_rounds = (
             None
@@ -308,7 +309,8 @@ class Simulation:
             return
         msg = decode(frames).msg
         if isinstance(msg, Error):
-            raise RuntimeError(f"shard {i} refused worker {w.member.rank}: {msg.message}")
+            self._leave(w, i, msg)
+            return
         if self.group_rounds is not None:
             seconds, members = self.group_rounds.reply_to(dst, i, msg, nbytes)
             if members:  # an aggregated round's reply: every member gets it, broadcast
@@ -477,6 +479,24 @@ class Simulation:
                     for i, members in self.group_rounds.orphaned(w.member.node_id):
                         self._pull_instead(i, members)
 
+    def _leave(self, w: SimWorker, i: int, refusal: Error) -> None:
+        """A worker whose request shard `i` refused leaves on that error, as a real worker's
+        daemon does (worker/lifecycle.py leave_on_error): silent from now on, its group's
+        collective released, and a BYE naming the error and its status, so the coordinator
+        re-plans without it or, when it was the last worker, ends the run (diverged for
+        NaN/Inf pushes, `cluster.nonfinite: reject`)."""
+        self._kill(w.member.rank)
+        self.left.add(w.member.node_id)
+        status = Status(refusal.status)
+        error = f"ps{i} refused PUSH: {status.name}: {refusal.message}"
+        bye = Bye(
+            node_id=w.member.node_id,
+            stats=NodeStats.read(w.stats()),
+            error=error,
+            refused=int(status),
+        )
+        call(self.coord, w.member.node_id, self.ids, bye)
+
     # ------------------------------------------------------------ the loop and the end
     def run(self) -> None:
         """Run to the coordinator's stop (target, limits, divergence), then the
@@ -492,6 +512,8 @@ class Simulation:
         if self.cfg.eval.enabled:
             self._evaluate(final=True)
         for w in self.workers.values():
+            if w.member.node_id in self.left:
+                continue  # it said BYE when it left
             beat = Heartbeat(
                 node_id=w.member.node_id,
                 stats=NodeStats.read(w.stats()),

@@ -231,3 +231,24 @@ def test_the_step_limit_stops_on_the_step_that_reaches_it(tmp_path, digits, algo
     assert summary["stop_reason"] == "step limit 40"
     # the step that reached it, and those other workers finished meanwhile
     assert 40 <= summary["global_steps"] < 40 + 4, summary["global_steps"]
+
+
+def test_nan_pushes_end_the_simulated_run_diverged_as_a_real_one(tmp_path, digits):
+    """Shards refuse NaN/Inf pushes (cluster.nonfinite: reject); each simulated worker then
+    leaves on that error with a BYE, as a real worker's daemon does, and the last to leave
+    ends the run diverged (was: a RuntimeError traceback and no summary)."""
+    summary, run_dir = run(
+        tmp_path,
+        digits,
+        "nan",
+        "algorithm.name=async",
+        "optimizer.lr=1e6",
+        "cluster.workers=2",
+        "stop.max_seconds=5",
+        "sim.sample_s=0.0005",
+    )
+    assert summary["status"] == "diverged", summary.get("detail")
+    failures = summary["failures"]
+    assert len(failures) == 2 and all("NONFINITE" in f["error"] for f in failures), failures
+    assert "optimizer.lr" in summary["detail"]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "diverged"
