@@ -102,9 +102,9 @@ class GroupingParams:
         "of a round of all P workers; linear scaling), times 1 / staleness with scale_lr",
     )
     optimizer_state: str = setting(
-        "shared",
-        help="shared: one optimizer state (momentum, Adam's moments) for every group's updates | "
-        "per_group: each group steps its own state, the parameters shared",
+        "per_group",
+        help="per_group: each group steps its own optimizer state (momentum, Adam's moments), "
+        "the parameters shared | shared: one state for every group's updates",
     )
     delay_compensation: float = setting(
         0.0,

@@ -90,7 +90,7 @@ class GroupingPolicy(ConsistencyPolicy):
     def state_key(self, g: int) -> int | None:
         """The optimizer state group `g`'s updates step: its own with `optimizer_state:
         per_group`, else the shared one (None)."""
-        return g if getattr(self.params, "optimizer_state", "shared") == "per_group" else None
+        return g if getattr(self.params, "optimizer_state", None) == "per_group" else None
 
     def on_push(self, worker: int, push: Push) -> int:
         got = self.accept(worker, push)

@@ -430,7 +430,11 @@ def test_grouping_momentum_correction_lowers_each_group_updates_momentum(cluster
     opt_keys = ["optimizer.lr=0.1", f"optimizer.momentum={m}", "optimizer.weight_decay=1e-3"]
     c = clusters(
         "grouping",
-        [*opt_keys, f"algorithm.momentum_correction={str(correct).lower()}"],
+        [
+            *opt_keys,
+            f"algorithm.momentum_correction={str(correct).lower()}",
+            "algorithm.optimizer_state=shared",
+        ],
         n_workers=groups,
         groups=[[w] for w in W[:groups]],
     )
