@@ -236,7 +236,7 @@ TASKS = [
     ),
 ]
 
-# the criterion: grouping at least this much sooner than sync on these rows
+# the criterion: grouping at least this much sooner than sync on these rows
 SPEEDUP_ROWS = {"mnist-64-sim-free": 1.5}
 
 LABEL = re.compile(r"[A-Za-z0-9_.-]+")
@@ -519,7 +519,7 @@ def markdown(rows: list[dict], entries: list[Entry], header: dict) -> str:
         "",
         *table(lambda c: "-" if "not_applicable" in c else f"{c['real_s']:.0f}"),
         "",
-        "The issue's criterion (grouping's median at most sync's; 1.5x sooner on the "
+        "The criterion (grouping's median at most sync's; 1.5x sooner on the "
         "64-worker free-shard row):",
         "",
         *(criterion(rows) or ["- (no row has both grouping and sync)"]),
