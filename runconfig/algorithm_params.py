@@ -32,6 +32,30 @@ def _check_params(prefix: str, params, choices: dict, at_least: dict) -> None:
         raise ConfigError(problems)
 
 
+# the settings async, ssp and grouping share (a new field object for each class)
+def push_scale_lr():
+    return setting(
+        False, help="staleness-aware: a push computed k updates ago is applied with lr / max(1, k)"
+    )
+
+
+def push_lr_share():
+    return setting(
+        False,
+        help="the lr in the config is sync's: a push is applied with lr / P (its share of a "
+        "round of P workers; linear scaling)",
+    )
+
+
+def delay_compensation():
+    return setting(
+        0.0,
+        help="DC-ASGD's lambda (Zheng et al. 2017): an update's gradient g becomes "
+        "g + lambda * g * g * (w_now - w_stale), w_stale the values the shard served "
+        "after its sender's previous update; 0 = off",
+    )
+
+
 @dataclass(frozen=True)
 class SyncParams:
     """Sync-SGD has no parameters."""
@@ -39,20 +63,9 @@ class SyncParams:
 
 @dataclass(frozen=True)
 class AsyncParams:
-    scale_lr: bool = setting(
-        False, help="staleness-aware: a push computed k updates ago is applied with lr / max(1, k)"
-    )
-    lr_share: bool = setting(
-        False,
-        help="the lr in the config is sync's: a push is applied with lr / P (its share of a "
-        "round of P workers; linear scaling)",
-    )
-    delay_compensation: float = setting(
-        0.0,
-        help="DC-ASGD's lambda (Zheng et al. 2017): an update's gradient g becomes "
-        "g + lambda * g * g * (w_now - w_stale), w_stale the values the shard served "
-        "after its sender's previous update; 0 = off",
-    )
+    scale_lr: bool = push_scale_lr()
+    lr_share: bool = push_lr_share()
+    delay_compensation: float = delay_compensation()
 
     def __post_init__(self):
         _check_params("algorithm", self, {}, {"delay_compensation": 0.0})
@@ -63,20 +76,9 @@ class SspParams:
     staleness: int = setting(
         2, help="a worker may be at most this many clocks ahead of the slowest"
     )
-    scale_lr: bool = setting(
-        False, help="staleness-aware: a push computed k updates ago is applied with lr / max(1, k)"
-    )
-    lr_share: bool = setting(
-        False,
-        help="the lr in the config is sync's: a push is applied with lr / P (its share of a "
-        "round of P workers; linear scaling)",
-    )
-    delay_compensation: float = setting(
-        0.0,
-        help="DC-ASGD's lambda (Zheng et al. 2017): an update's gradient g becomes "
-        "g + lambda * g * g * (w_now - w_stale), w_stale the values the shard served "
-        "after its sender's previous update; 0 = off",
-    )
+    scale_lr: bool = push_scale_lr()
+    lr_share: bool = push_lr_share()
+    delay_compensation: float = delay_compensation()
 
     def __post_init__(self):
         _check_params("algorithm", self, {}, {"staleness": 0, "delay_compensation": 0.0})
@@ -106,12 +108,7 @@ class GroupingParams:
         help="per_group: each group steps its own optimizer state (momentum, Adam's moments), "
         "the parameters shared | shared: one state for every group's updates",
     )
-    delay_compensation: float = setting(
-        0.0,
-        help="DC-ASGD's lambda (Zheng et al. 2017): an update's gradient g becomes "
-        "g + lambda * g * g * (w_now - w_stale), w_stale the values the shard served "
-        "after its sender's previous update; 0 = off",
-    )
+    delay_compensation: float = delay_compensation()
     regroup: bool = setting(True, help="re-form groups while training when speeds drift")
     hysteresis: float = setting(0.3, help="relative speed change that may trigger re-grouping")
     regroup_every_s: float = setting(
