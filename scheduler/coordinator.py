@@ -321,8 +321,12 @@ class Coordinator(Service):
             )
         # typed at decode (records.read_step_record). A step is written as the sender's (its rank,
         # whatever the record says) and never before the run's clock began (a record kept across a
-        # scheduler restart that lost its state file)
+        # scheduler restart that lost its state file); once: a heartbeat whose ACK came too late
+        # for the worker is sent again with its records, which this scheduler already wrote
         for rec in env.msg.records if node.role == "worker" else ():
+            if rec["step"] <= node.recorded_step:
+                continue
+            node.recorded_step = rec["step"]
             ago = rec.pop("ago")
             rec["worker"] = node.rank
             self.runlog.record("step", t=round(max(0.0, now - ago), 4), **rec)

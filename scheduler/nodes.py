@@ -28,6 +28,8 @@ class Node:
     host: str = ""  # as the node reported it when it registered
     replica_address: str = ""  # a shard with cluster.replicas: where it serves the backup it holds
     spare_slots: list = field(default_factory=list)  # a spare: the addresses of its backup sockets
+    # a worker: the highest step of its step records written to metrics.jsonl
+    recorded_step: int = -1
 
     def __post_init__(self):
         self.stats = NodeStats.read(self.stats)  # a restored state holds the plain map

@@ -63,7 +63,7 @@ CONFIG = REPO / "configs" / "sync.yaml"
 
 # `hetps run`'s progress line once training began (frontend/report.py Progress.line)
 PROGRESS = re.compile(
-    r"^\[\s*[\d.]+s/[\d.]+s\] steps\s+\d+/\d+  test (\S+) +(\S+)  +[\d.]+ steps/s  plan \d+"
+    r"^\[\s*[\d.]+s/[\d.]+s\] steps\s+\d+/\d+  test (\S+) +(\S+)(?:  lr \S+)?  +[\d.]+ steps/s  plan \d+"
 )
 
 

@@ -300,3 +300,23 @@ def test_a_scheduler_dead_for_good_leaves_its_counts_in_its_state_file(tmp_path)
     assert (s["evals"], s["final_accuracy"], s["best_accuracy"]) == (2, 0.72, 0.72)
     assert s["wall_s"] == pytest.approx(2.0, abs=0.01) and s["failures"] == []
     assert saved_summary({"nodes": [], "evals": {"bogus": 1}})["global_steps"] == 0  # odd file
+
+
+# ---------------------------------------------------------------- step records written once
+def test_a_heartbeat_sent_again_writes_its_step_records_once(tmp_path):
+    """A worker whose heartbeat ACK came too late sends its records again with the next beat
+    (runtime/membership.py requeues them): the scheduler, which had written them, writes only
+    the newer ones, so each worker's steps in metrics.jsonl are in order and once."""
+    from hetps.scheduler.runlog import read_metrics
+
+    with cluster(tmp_path, []) as c:
+        first = [{"step": s, "ago": 0.0, "loss": 1.0} for s in (1, 2, 3)]
+        c.beat("worker0", records=first)
+        c.beat("worker0", records=[*first, {"step": 4, "ago": 0.0, "loss": 1.0}])
+        c.beat("worker1", records=[{"step": 1, "ago": 0.0, "loss": 1.0}])
+        steps = [
+            (r["worker"], r["step"])
+            for r in read_metrics(tmp_path / "metrics.jsonl")
+            if r["kind"] == "step"
+        ]
+    assert steps == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 1)]
