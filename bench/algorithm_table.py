@@ -72,6 +72,7 @@ runs to `stop.max_seconds`: at 64 workers 8 virtual s, 2 to 7 min a piece.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -537,13 +538,11 @@ def markdown(rows: list[dict], entries: list[Entry], header: dict) -> str:
 
 def _machine() -> str:
     cpu = platform.processor() or platform.machine()
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    except OSError:
-        pass
     try:
         torch = metadata.version("torch")
     except metadata.PackageNotFoundError:

@@ -129,8 +129,9 @@ class Updater:
         merged: dict[int, defaultdict] = {}
         for key, weighted in parts.items():
             sources = [(self.states[o], w) for o, w in weighted if self.states.get(o) and w > 0]
+            if not sources:
+                continue
             state: defaultdict = defaultdict(dict)
-            total = sum(w for _, w in sources)
             for param in {p for src, _ in sources for p in src}:
                 having = [(src[param], w) for src, w in sources if param in src]
                 weight = sum(w for _, w in having)
@@ -138,8 +139,7 @@ class Updater:
                     name: _weighted_mean([(e[name], w / weight) for e, w in having])
                     for name in having[0][0]
                 }
-            if total > 0:
-                merged[key] = state
+            merged[key] = state
         self.states = merged
         self.state_key = None
         self.optimizer.state = defaultdict(dict)

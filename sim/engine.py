@@ -488,7 +488,7 @@ class Simulation:
         self._kill(w.member.rank)
         self.left.add(w.member.node_id)
         status = Status(refusal.status)
-        error = f"ps{i} refused PUSH: {status.name}: {refusal.message}"
+        error = f"ps{i} refused a request: {status.name}: {refusal.message}"
         bye = Bye(
             node_id=w.member.node_id,
             stats=NodeStats.read(w.stats()),

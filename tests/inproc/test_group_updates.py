@@ -148,59 +148,23 @@ def test_a_regrouping_gives_each_new_group_its_members_mean_state(clusters):
         torch.testing.assert_close(got[n], before[n] - 0.1 * buf, **TIGHT)
 
 
-@pytest.mark.parametrize("lam", [0.5, 0.0])
-def test_grouping_delay_compensation_is_dc_asgd(clusters, lam):
-    """DC-ASGD (Zheng et al. 2017): a group's gradient g becomes g + lambda g*g*(w_now -
-    w_stale), w_stale the values right after that group's previous update (what its members
-    were served); a group's first update is plain. lambda 0: plain."""
-    c = clusters(
-        "grouping",
-        [
-            "optimizer.name=sgd",
-            "optimizer.lr=0.1",
-            "optimizer.momentum=0",
-            "optimizer.weight_decay=0",
-            "algorithm.scale_lr=false",
-            f"algorithm.delay_compensation={lam}",
-        ],
-        n_workers=2,
-        groups=[[W[0]], [W[1]]],
-    )
+PLAIN_SGD = [
+    "optimizer.name=sgd",
+    "optimizer.lr=0.1",
+    "optimizer.momentum=0",
+    "optimizer.weight_decay=0",
+]
+
+
+def assert_dc_asgd(c: Cluster, lam: float, pushes: list[tuple[int, int]]) -> None:
+    """Push (clock, sender k) in order, each worker W[k] alone in its group (or under async),
+    and check the shard against DC-ASGD by hand at lr 0.1: k's gradient g becomes g +
+    lambda g*g*(w_now - w_stale), w_stale the values right after k's previous update; k's
+    first update is plain."""
     names = c.params()
     w = {n: c.initial[n].clone() for n in names}
     served: dict[int, dict] = {}
-    for clock, g in [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0)]:
-        grad = c.grad(10 * clock + g)
-        c.push(W[g], clock, grad)
-        d = {n: grad[n] for n in names}
-        if g in served:
-            d = {n: d[n] + lam * d[n] * d[n] * (w[n] - served[g][n]) for n in names}
-        w = {n: w[n] - 0.1 * d[n] for n in names}
-        served[g] = {n: t.clone() for n, t in w.items()}
-    got = c.values()
-    for n in names:
-        torch.testing.assert_close(got[n], w[n], **TIGHT)
-
-
-@pytest.mark.parametrize("algorithm", ["async", "ssp"])
-def test_async_delay_compensation_uses_each_workers_last_values(clusters, algorithm):
-    lam = 2.0
-    c = clusters(
-        algorithm,
-        [
-            "optimizer.name=sgd",
-            "optimizer.lr=0.1",
-            "optimizer.momentum=0",
-            "optimizer.weight_decay=0",
-            f"algorithm.delay_compensation={lam}",
-            *(["algorithm.staleness=5"] if algorithm == "ssp" else []),
-        ],
-        n_workers=2,
-    )
-    names = c.params()
-    w = {n: c.initial[n].clone() for n in names}
-    served: dict[int, dict] = {}
-    for clock, k in [(0, 0), (0, 1), (1, 0), (2, 0), (1, 1)]:
+    for clock, k in pushes:
         grad = c.grad(10 * clock + k)
         c.push(W[k], clock, grad)
         d = {n: grad[n] for n in names}
@@ -211,6 +175,29 @@ def test_async_delay_compensation_uses_each_workers_last_values(clusters, algori
     got = c.values()
     for n in names:
         torch.testing.assert_close(got[n], w[n], **TIGHT)
+
+
+@pytest.mark.parametrize("lam", [0.5, 0.0])
+def test_grouping_delay_compensation_is_dc_asgd(clusters, lam):
+    """A group's gradient is compensated with the values right after that group's previous
+    update (what its members were served). lambda 0: plain."""
+    c = clusters(
+        "grouping",
+        [*PLAIN_SGD, "algorithm.scale_lr=false", f"algorithm.delay_compensation={lam}"],
+        n_workers=2,
+        groups=[[W[0]], [W[1]]],
+    )
+    assert_dc_asgd(c, lam, [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0)])
+
+
+@pytest.mark.parametrize("algorithm", ["async", "ssp"])
+def test_async_delay_compensation_uses_each_workers_last_values(clusters, algorithm):
+    lam = 2.0
+    staleness = ["algorithm.staleness=5"] if algorithm == "ssp" else []
+    c = clusters(
+        algorithm, [*PLAIN_SGD, f"algorithm.delay_compensation={lam}", *staleness], n_workers=2
+    )
+    assert_dc_asgd(c, lam, [(0, 0), (0, 1), (1, 0), (2, 0), (1, 1)])
 
 
 def test_lr_share_scales_each_update_by_its_members_share(clusters):
