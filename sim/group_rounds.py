@@ -145,6 +145,13 @@ class GroupRounds:
         for w in group:
             w.pushed_at = now
             w.in_group = True
+            c = w.collective or _counts()
+            c["aggregate"], c["group_size"] = True, len(group)
+            c["collective_s"] += seconds
+            c["group_rounds"] += 1
+            # the shards another member pushed for it (GroupReduce's pushes_saved)
+            c["pushes_saved"] += sum(1 for p in pushers.values() if p is not w)
+            w.collective = c
         shared = Shared(group, pushers)
         for w in set(pushers.values()):
             self.in_flight[w.member.node_id] = shared
@@ -177,7 +184,20 @@ class GroupRounds:
             nbytes_of_reply(reply, nbytes), [w.link for w in shared.members]
         )
         self.collective_s += seconds
+        for w in shared.members:
+            if w.collective is not None:
+                w.collective["collective_s"] += seconds
         return seconds, shared.members
+
+
+def _counts() -> dict:
+    return {
+        "aggregate": True,
+        "group_size": 1,
+        "collective_s": 0.0,
+        "group_rounds": 0,
+        "pushes_saved": 0,
+    }
 
 
 def nbytes_of_reply(reply, nbytes: int) -> int:

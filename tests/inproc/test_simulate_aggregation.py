@@ -70,6 +70,17 @@ def test_a_sync_round_is_the_slowest_compute_then_the_all_reduce_then_the_broadc
         [round_s, 2 * round_s, 3 * round_s], rel=1e-3
     )
     assert steps_of(run_dir, 1)[0]["t"] == pytest.approx(round_s, rel=1e-3)
+    # summary.json's `aggregation`, as a real run reports it: every member counts the round,
+    # the one shard is pushed by member 0, so member 1 left one push to it per round
+    agg = s["aggregation"]
+    assert agg["group_rounds"] == 2 * rounds and agg["failures"] == agg["partial_rounds"] == 0
+    w0, w1 = agg["workers"]["worker0"], agg["workers"]["worker1"]
+    assert w0["group_size"] == w1["group_size"] == 2 and w0["aggregate"] and w1["aggregate"]
+    assert w0["collective_pushes_saved"] == 0 and w1["collective_pushes_saved"] == rounds
+    # each round's all-reduce and broadcast, charged to both (the last reply's broadcast may be
+    # the only one after the last all-reduce: within one round)
+    each = group_allreduce_s(nbytes + 48, links) + group_broadcast_s(nbytes, links)
+    assert w1["collective_s"] == pytest.approx(rounds * each, abs=each)
 
 
 def test_a_sync_run_is_the_same_run_with_aggregation_or_without(tmp_path, digits):
