@@ -33,8 +33,8 @@ test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check --quiet . || status=1; \
 	$(VENV)/bin/mypy proto || status=1; \
 	$(PY) -m pytest -q -n $(WORKERS) -m "not cluster" $(ARGS) || [ $$? -eq 5 ] || status=1; \
-	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "cluster and not exclusive" $(ARGS) || [ $$? -eq 5 ] || status=1; \
-	$(PY) -m pytest -q -m exclusive $(ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal --durations=10 -m "cluster and not exclusive" $(ARGS) || [ $$? -eq 5 ] || status=1; \
+	$(PY) -m pytest -q --durations=5 -m exclusive $(ARGS) || [ $$? -eq 5 ] || status=1; \
 	exit $$status
 
 lint: $(VENV)/.installed-test

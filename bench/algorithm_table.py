@@ -48,25 +48,23 @@ default); `--set comm.aggregate=off` compares with the tables made before
 2026-12-02.
 
 Cost, measured 2026-12-02 on the 2-core development machine (x86_64, torch
-2.14.1, other engineers' jobs running, load average 1 to 3), real seconds per
-piece (one task, entry and seed: one compare subprocess, start-up included);
-a row is entries x seeds pieces, run one after another:
+2.14.1), real minutes per row, every entry x 3 seeds (one compare
+subprocess a piece, start-up included). The real rows ran alone; the
+simulated ones two or three at a time at `nice 19`, so alone they take
+about half as long:
 
-| task | sync | async | grouping | grouping-mc | diloco | a row, 5 entries x 3 seeds |
-|---|---|---|---|---|---|---|
-| regression-4-sim | 7 | 4 (NaN) | 5 | 5 | 5 | about 1.5 min |
-| sines-4-sim | 6 | 23 (time limit) | 7 | 22 (time limit) | 6 | about 3 min |
-| ctr-4-sim | 12 | 10 | 10 | 10 | 2 (n/a) | about 2.5 min |
-| charlm-4-sim | 14 | 42 | 15 | 18 | 24 | about 6 min |
-| mnist-4-real | 12 | | 13 | | | 3 to 10 min (40 s limit a run) |
-| mnist-64-sim | 27 (1.5 virtual s) | 11 (diverged) | 39 (0.95) | | 43 (0.65) | 10 to 30 min |
-| mnist-256-sim | 147 (7.0 virtual s) | | | | | 40 to 60 min |
+| task | a row, 9 entries x 3 seeds | the slowest pieces |
+|---|---|---|
+| mnist-4-real, mnist-6-real | about 5 min each | async (40 s limit a run) |
+| regression-4-sim, sines-4-sim, ctr-4-sim | 5 to 8 min each | async (time limit) |
+| charlm-4-sim | about 8 min | async (12.75 virtual s) |
+| mnist-64-sim-free, mnist-64-sim | 17 and 24 min | grouping-mc, async-share, diloco |
+| mnist-256-sim | about 60 min | sync (7 virtual s), grouping-shared and async-share (never: 10 virtual s) |
 
-mnist-6-real and mnist-64-sim-free were not timed (expect about
-mnist-4-real's and mnist-64-sim's); the whole table, 3 seeds: about 2 hours.
-A simulated piece costs 14 (sync) to 55 (diloco) real s per virtual s at 64
-workers, about 20 (sync) at 256, and an entry that never reaches its target
-runs to `stop.max_seconds`: at 64 workers 8 virtual s, 2 to 7 min a piece.
+The whole table, 3 seeds: about 2.5 hours. A simulated piece costs 14
+(sync) to 55 (diloco) real s per virtual s at 64 workers, about 20 (sync)
+at 256, and an entry that never reaches its target runs to
+`stop.max_seconds`.
 """
 
 from __future__ import annotations
@@ -110,16 +108,19 @@ class Task:
     overrides: tuple[str, ...] = ()
 
 
-# The columns. One line per option: more grouping options go here once
-# runconfig/algorithm_params.py has their keys (an unknown key is a config error), e.g.
-#   Entry("grouping-pg", "grouping", ("algorithm.optimizer_state=per_group",)),
-#   Entry("grouping-dc", "grouping", ("algorithm.delay_compensation=0.5",)),
-# or, without editing this file: --entry grouping-pg:grouping:algorithm.optimizer_state=per_group
+# The columns: each algorithm at its defaults, and each option of the
+# asynchrony-aware updates (docs/algorithms.md, "Updates across groups") on
+# its own. More without editing this file:
+#   --entry grouping-dc1:grouping:algorithm.delay_compensation=1.0
 ENTRIES = [
     Entry("sync", "sync"),
     Entry("async", "async"),
+    Entry("async-share", "async", ("algorithm.lr_share=true",)),
     Entry("grouping", "grouping"),
+    Entry("grouping-shared", "grouping", ("algorithm.optimizer_state=shared",)),
     Entry("grouping-mc", "grouping", ("algorithm.momentum_correction=true",)),
+    Entry("grouping-dc", "grouping", ("algorithm.delay_compensation=0.5",)),
+    Entry("grouping-share", "grouping", ("algorithm.lr_share=true",)),
     Entry("diloco", "diloco"),
 ]
 
