@@ -341,7 +341,7 @@ class Simulation:
         messages = w.pushes(self.q.now)
         members = self.group_rounds.group(w, self.workers) if self.group_rounds else None
         if w.collective is not None:
-            w.collective["aggregate"] = members is not None
+            w.collective.aggregate = members is not None
         for i, msg in messages:
             if members is None or not isinstance(msg, Push):  # rows go per worker
                 self._send(w, i, msg)

@@ -145,13 +145,11 @@ class GroupRounds:
         for w in group:
             w.pushed_at = now
             w.in_group = True
-            c = w.collective or _counts()
-            c["aggregate"], c["group_size"] = True, len(group)
-            c["collective_s"] += seconds
-            c["group_rounds"] += 1
-            # the shards another member pushed for it (GroupReduce's pushes_saved)
-            c["pushes_saved"] += sum(1 for p in pushers.values() if p is not w)
-            w.collective = c
+            c = w.collective = w.collective or CollectiveCounts()
+            c.aggregate, c.group_size = True, len(group)
+            c.collective_s += seconds
+            c.group_rounds += 1
+            c.pushes_saved += sum(1 for p in pushers.values() if p is not w)
         shared = Shared(group, pushers)
         for w in set(pushers.values()):
             self.in_flight[w.member.node_id] = shared
@@ -186,18 +184,31 @@ class GroupRounds:
         self.collective_s += seconds
         for w in shared.members:
             if w.collective is not None:
-                w.collective["collective_s"] += seconds
+                w.collective.collective_s += seconds
         return seconds, shared.members
 
 
-def _counts() -> dict:
-    return {
-        "aggregate": True,
-        "group_size": 1,
-        "collective_s": 0.0,
-        "group_rounds": 0,
-        "pushes_saved": 0,
-    }
+@dataclass
+class CollectiveCounts:
+    """One simulated member's collective counts, once it first reduced; `stats` is what a
+    real worker's GroupReduce.stats reports (a simulated collective never fails)."""
+
+    aggregate: bool = True  # its last push was its group's (engine.py sets it every push)
+    group_size: int = 1
+    collective_s: float = 0.0  # all-reduces and shared replies' broadcasts
+    group_rounds: int = 0
+    pushes_saved: int = 0  # the shards another member pushed for it
+
+    def stats(self) -> dict:
+        return {
+            "aggregate": self.aggregate,
+            "group_size": self.group_size if self.aggregate else 1,
+            "collective_s": round(self.collective_s, 6),
+            "collective_group_rounds": self.group_rounds,
+            "collective_pushes_saved": self.pushes_saved,
+            "collective_failures": 0,
+            "collective_partial_rounds": 0,
+        }
 
 
 def nbytes_of_reply(reply, nbytes: int) -> int:

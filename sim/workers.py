@@ -28,6 +28,7 @@ from hetps.training.straggler import straggler_of
 from hetps.training.timing import StepTimer
 
 from .events import Link, speed_factor
+from .group_rounds import CollectiveCounts
 
 
 def base_step_s(cfg: RunConfig, node: NodeConfig, batch: int | None = None) -> float:
@@ -108,10 +109,9 @@ class SimWorker:
         # agreed on the plan every member switches to before the next (None: stay)
         self.in_group = False
         self.agreed_plan: ClusterPlan | None = None
-        # its collective counts once it first reduced (group_rounds.py; `aggregate`: its last
-        # push was its group's), reported as a real worker's GroupReduce.stats (summary.json's
-        # `aggregation`); None: never reduced
-        self.collective: dict | None = None
+        # its collective counts once it first reduced (group_rounds.CollectiveCounts), for
+        # summary.json's `aggregation`; None: never reduced
+        self.collective: CollectiveCounts | None = None
 
     def use_plan(self, plan: ClusterPlan) -> None:
         """Switch to a newer `plan` between steps (GradientStep.use_plan)."""
@@ -271,21 +271,5 @@ class SimWorker:
             "speed": self.timer.speed(bs),
             "push_s": self.timer.push_s,
             "samples_per_s": bs / self.timer.step_s if self.timer.step_s else 0.0,
-            **self.collective_stats(),
-        }
-
-    def collective_stats(self) -> dict:
-        """What worker/group_reduce.py's GroupReduce.stats reports, for summary.json's
-        `aggregation` (a simulated collective never fails)."""
-        c = self.collective
-        if c is None:
-            return {}
-        return {
-            "aggregate": c["aggregate"],
-            "group_size": c["group_size"] if c["aggregate"] else 1,
-            "collective_s": round(c["collective_s"], 6),
-            "collective_group_rounds": c["group_rounds"],
-            "collective_pushes_saved": c["pushes_saved"],
-            "collective_failures": 0,
-            "collective_partial_rounds": 0,
+            **(self.collective.stats() if self.collective else {}),
         }
