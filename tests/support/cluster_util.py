@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from hetps.frontend.cli import ROLE_MODULES
 from hetps.frontend.shared_forks import ENV_VAR, RemoteDaemon, SharedForkServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -182,9 +183,14 @@ class Daemons:
     def start(self, args: list[str], env: dict | None = None) -> None:
         path = self.log_dir / f"{len(self.procs)}.log"
         if self.forks:
+            # `hetps ps|worker` execs `python -m hetps.ps|worker` (frontend/cli.py): forked, the
+            # daemon is that module itself, or the exec would import torch again (~4 s of CPU)
+            module, rest = (
+                (ROLE_MODULES[args[0]], args[1:]) if args[0] in ROLE_MODULES else (CLI, args)
+            )
             with contextlib.chdir(self.log_dir):  # the daemon starts where the request is made
                 daemon = SharedForkServer(self.forks).start(
-                    CLI, [*args, *self.overrides], path, env or {}
+                    module, [*rest, *self.overrides], path, env or {}
                 )
             self.procs.append(daemon)
             return
