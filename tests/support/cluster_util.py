@@ -171,7 +171,7 @@ class Daemons:
     by tests/conftest.py for cluster tests) each daemon is forked from it, as
     `hetps run` forks its own: a real process all the same, spared torch's
     import (~4 s of CPU each). `fork=False` execs every one, as a user on
-    another host starts it."""
+    another host starts it; `start(..., fork=False)` execs that one only."""
 
     def __init__(self, log_dir: Path, overrides: list[str], fork: bool = True):
         self.log_dir = log_dir
@@ -180,9 +180,9 @@ class Daemons:
         self.procs: list[subprocess.Popen | RemoteDaemon] = []
         self.logs: list = []
 
-    def start(self, args: list[str], env: dict | None = None) -> None:
+    def start(self, args: list[str], env: dict | None = None, fork: bool = True) -> None:
         path = self.log_dir / f"{len(self.procs)}.log"
-        if self.forks:
+        if self.forks and fork:
             # `hetps ps|worker` execs `python -m hetps.ps|worker` (frontend/cli.py): forked, the
             # daemon is that module itself, or the exec would import torch again (~4 s of CPU)
             module, rest = (
