@@ -10,6 +10,9 @@ PY     := $(VENV)/bin/python
 CONFIG ?= configs/default.yaml
 ARGS   ?=
 WORKERS ?= 2
+# bytecode caches are written (hetps' modules, and the tests' assertion-rewritten ones): where the
+# environment forbids them, every pytest process and every `hetps` it starts compiles them again
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: run test test-unit test-inproc test-cluster lint format install bench clean
 
