@@ -31,8 +31,8 @@ from pathlib import Path
 
 # What every daemon imports before its first step; loaded once, in the fork server
 # (torch._dynamo: torch.optim imports it when a shard builds its optimizer, ~1.3 s of CPU).
-# (The scheduler is exec'd, not forked from a run's own server: it imports no torch. The daemons' `__main__` modules parse
-# flags only; their bodies are ps/serving.py and worker/lifecycle.py.)
+# (The scheduler is exec'd, not forked from a run's own server: it imports no torch. The daemons'
+# `__main__` modules parse flags only; their bodies are ps/serving.py and worker/lifecycle.py.)
 PRELOAD = [
     "torch",
     "torch._dynamo",
