@@ -5,13 +5,24 @@ primary metric is accuracy; `hetps config` refuses, exit 2 and one line each, wh
 only the config, the task and the model: metric names, sparse-table choices, factories'
 keywords, a built-in schedule's key beside a factory, a node list of bare numbers; a
 factory name with no close match lists the module's own callables. On real processes
-(the daemons import the module too; the check's log is clean): tests/cluster/test_cluster_newcomer.py."""
+(the daemons import the module too; the check's log is clean): tests/cluster/test_cluster_newcomer.py.
+
+One test runs the console script a user types (a fresh interpreter, no PYTHONPATH); the others
+call the entry point it calls (`hetps.frontend.cli.main`, the worker's `main` that `hetps
+worker` hands over to) in this process, from the same folder with PYTHONPATH unset and the
+import path restored afterwards: the same argv, output and exit status, without a torch import
+per command."""
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import importlib
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +35,7 @@ from hetps.runconfig.load import config_to_dict, load_config
 from hetps.training.task import load_task, watched_metric
 
 HETPS = Path(sys.executable).with_name("hetps")  # the console script a user runs
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -37,14 +49,57 @@ def project(tmp_path) -> Iterator[Path]:
     sys.modules.pop("mytask", None)  # imported by the tests that load the config here
 
 
-def hetps_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`hetps ARGS` from `cwd`, with no PYTHONPATH: the user's modules are found as a user's are."""
+def hetps_console(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`hetps ARGS` from `cwd`, the console script in a fresh interpreter with no PYTHONPATH: the
+    user's modules are found as a user's are."""
     if not HETPS.exists():
         pytest.skip(f"no console script {HETPS} (not an installed environment)")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run(
         [str(HETPS), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
+
+
+def hetps_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`hetps ARGS` from `cwd`, with no PYTHONPATH, in this process: the entry point the console
+    script calls (`hetps worker`: the worker's own, which it hands over to), from `cwd`, with
+    nothing of the user's folders on the import path beforehand. Afterwards the directory, the
+    import path, the environment and the modules imported from outside the repository and the
+    standard library (the user's) are as before: the next call imports them anew."""
+    from hetps.frontend.cli import main as cli_main
+    from hetps.worker.__main__ import main as worker_main
+
+    main = (lambda argv: worker_main(argv[1:])) if args[0] == "worker" else cli_main
+    cwd, before = Path(cwd).absolute(), os.getcwd()
+    path, env, modules = list(sys.path), dict(os.environ), set(sys.modules)
+    # files, not StringIO: the worker registers its stack dump on SIGUSR1 with stderr's fd
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    try:
+        os.chdir(cwd)
+        os.environ.pop("PYTHONPATH", None)
+        # as a fresh `hetps`: neither folder of the user's is on the path until the command puts it
+        sys.path[:] = [p for p in path if p not in ("", ".") and Path(p).absolute() != cwd]
+        importlib.invalidate_caches()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # a config error (load_or_exit), argparse, --check
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        out.seek(0), err.seek(0)
+        done = subprocess.CompletedProcess(["hetps", *args], code, out.read(), err.read())
+    finally:
+        if args[0] == "worker":
+            faulthandler.unregister(signal.SIGUSR1)  # the worker's (runtime/daemon.py)
+        out.close(), err.close()
+        os.chdir(before)
+        sys.path[:] = path
+        os.environ.clear()
+        os.environ.update(env)
+        for name in set(sys.modules) - modules:
+            file = getattr(sys.modules[name], "__file__", None) or ""
+            if not file.startswith((str(ROOT), sys.base_prefix)):
+                del sys.modules[name]
+    return done
 
 
 def config_errors(project: Path, *overrides: str) -> list[str]:
@@ -64,7 +119,10 @@ def resolved(project: Path, *overrides: str) -> dict:
 
 
 def test_a_module_beside_the_config_imports_without_pythonpath(project):
-    cfg = resolved(project)  # run from the folder above: only the config's folder has mytask
+    # the console script itself, in a fresh interpreter (the others call its entry point here)
+    done = hetps_console("config", str(project / "sine.yaml"), cwd=project.parent)
+    assert done.returncode == 0, done.stderr
+    cfg = yaml.safe_load(done.stdout)  # run from the folder above: only the config's folder has it
     assert (cfg["task"]["name"], cfg["model"]["name"]) == ("mytask:MacroF1", "mytask:Conv1DNet")
 
 
