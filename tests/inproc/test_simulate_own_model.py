@@ -1,5 +1,7 @@
 """`hetps simulate` on the user's own model, through the real command (a
-subprocess): the workers' compute per sample measured on this machine with
+subprocess, for the measured run three tests read; the others call the command's
+entry point, `hetps.frontend.cli.main`, in this process with the same argv and
+folder): the workers' compute per sample measured on this machine with
 that model unless the config sets `sim.sample_s` (one line says which), a
 progress line, the trained model written to the run directory, and
 `--replay RUN_DIR --workers N` appending workers of the measured speeds.
@@ -10,6 +12,9 @@ machine; the tests check where it came from and that the run used it.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
 import os
 import re
@@ -22,6 +27,7 @@ import torch
 import yaml
 
 import hetps
+from hetps.frontend.cli import main as hetps_main
 from hetps.frontend.sample_cost import LENET5_SAMPLE_S
 from hetps.runconfig.load import load_config
 from hetps.scheduler.runlog import read_metrics, records_of
@@ -66,6 +72,34 @@ def hetps_simulate(folder: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def hetps_in_process(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """`hetps ARGS` (`hetps_simulate`'s, with the command named) in this process, from `folder`
+    with it first on the import path; afterwards the directory, the import path, the
+    environment and the modules imported from outside the repository and the standard library
+    (the user's) are as before."""
+    before, path, env, modules = os.getcwd(), list(sys.path), dict(os.environ), set(sys.modules)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.chdir(folder)
+        sys.path.insert(0, str(folder))
+        importlib.invalidate_caches()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = hetps_main(list(args))
+            except SystemExit as exc:  # argparse: --help, a usage error
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        os.chdir(before)
+        sys.path[:] = path
+        os.environ.clear()
+        os.environ.update(env)
+        for name in set(sys.modules) - modules:
+            file = getattr(sys.modules[name], "__file__", None) or ""
+            if not file.startswith((str(ROOT), sys.base_prefix)):
+                del sys.modules[name]
+    return subprocess.CompletedProcess(["hetps", *args], code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def own_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("own")
@@ -105,7 +139,9 @@ def test_sample_s_is_measured_on_the_users_model_and_used(measured):
 
 
 def test_a_sample_s_the_config_sets_is_used_and_named(own_model):
-    done = hetps_simulate(own_model, "tiny.yaml", "sim.sample_s=0.0002", "--out", "given")
+    done = hetps_in_process(
+        own_model, "simulate", "tiny.yaml", "sim.sample_s=0.0002", "--out", "given"
+    )
     assert done.returncode == 0, done.stderr
     assert "sim.sample_s 0.0002 s per sample (LeNet-5's figure), from the config" in done.stderr
     assert "measured" not in done.stderr
@@ -162,8 +198,16 @@ def test_replay_workers_appends_workers_of_the_measured_speeds(own_model, tmp_pa
         given,
     )
     out = tmp_path / "five"
-    done = hetps_simulate(
-        own_model, "tiny.yaml", "--replay", str(given), "--workers", "5", "--out", str(out)
+    done = hetps_in_process(
+        own_model,
+        "simulate",
+        "tiny.yaml",
+        "--replay",
+        str(given),
+        "--workers",
+        "5",
+        "--out",
+        str(out),
     )
     assert done.returncode == 0, done.stderr
     assert "simulating 5 workers" in done.stderr and "replace cluster.workers" in done.stderr
@@ -181,12 +225,12 @@ def test_replay_workers_appends_workers_of_the_measured_speeds(own_model, tmp_pa
 
 
 def test_workers_without_replay_is_refused(own_model):
-    done = hetps_simulate(own_model, "tiny.yaml", "--workers", "3")
+    done = hetps_in_process(own_model, "simulate", "tiny.yaml", "--workers", "3")
     assert done.returncode == 2 and "--workers N (N >= 1) goes with --replay" in done.stderr
 
 
 def test_help_says_replay_replaces_the_workers_and_how_to_add_more(own_model):
-    done = hetps_simulate(own_model, "--help")
+    done = hetps_in_process(own_model, "simulate", "--help")
     assert done.returncode == 0
     text = " ".join(done.stdout.split())
     assert "It REPLACES cluster.workers" in text
@@ -195,15 +239,10 @@ def test_help_says_replay_replaces_the_workers_and_how_to_add_more(own_model):
 
 
 def test_compare_simulate_measures_once_and_runs_every_entry_with_that_figure(own_model):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(own_model), str(ROOT)])}
-    done = subprocess.run(
-        [sys.executable, "-m", "hetps.frontend.cli", "compare", "tiny.yaml", "--simulate"]
-        + ["--algorithms", "sync,async", "--out", "compared", "stop.max_seconds=0.1"],
-        cwd=own_model,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    done = hetps_in_process(
+        own_model,
+        *["compare", "tiny.yaml", "--simulate"],
+        *["--algorithms", "sync,async", "--out", "compared", "stop.max_seconds=0.1"],
     )
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if "sim.sample_s" in line]
