@@ -8,18 +8,23 @@ process is reaped.
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import socket
+import subprocess
 import threading
 
 import pytest
 import zmq
 import zmq.auth
-from cluster_util import run_hetps
 from security_util import CONFIG, HANDSHAKE_S, REPLY_S, SILENCE_S, curve_keys, curve_overrides
 
+from hetps.frontend.cli import main as hetps_main
+from hetps.proto import security
 from hetps.proto.transport import make_client, make_server
 from hetps.runconfig.load import load_config
 from hetps.runtime import curve_setup
+from hetps.worker.__main__ import main as worker_main
 
 
 @pytest.fixture
@@ -32,9 +37,25 @@ def keys_dir(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- hetps keys and missing keys
 
 
-def test_keys_command_writes_pairs_allow_list_and_private_modes(tmp_path):
+def run_hetps(capfd, args: list[str]) -> subprocess.CompletedProcess:
+    """`hetps ARGS` in this process, curve off before it as in a fresh process: the command's
+    entry point (`hetps worker`: the worker's own, which it hands over to), exit status and
+    output (capfd: what reaches the file descriptors, as a subprocess's pipes would)."""
+    security.reset()
+    capfd.readouterr()
+    try:
+        code = worker_main(args[1:]) if args[0] == "worker" else hetps_main(args)
+    except SystemExit as exc:  # a config or key error, --check
+        code = exc.code
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)  # the daemons' stack dump (runtime/daemon.py)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_keys_command_writes_pairs_allow_list_and_private_modes(tmp_path, capfd):
     keys = tmp_path / "k"
-    result = run_hetps(["keys", str(keys), "--clients", "3"], timeout_s=60)
+    result = run_hetps(capfd, ["keys", str(keys), "--clients", "3"])
     assert result.returncode == 0, result.stderr
     names = [f"client-{i}" for i in range(3)]
     secrets = [keys / "server.key_secret", *(keys / "clients" / f"{n}.key_secret" for n in names)]
@@ -59,12 +80,12 @@ def test_keys_command_writes_pairs_allow_list_and_private_modes(tmp_path):
     all_keys = {zmq.auth.load_certificate(p)[0] for p in secrets}
     assert len(all_keys) == 4
     assert str(keys / "server.key_secret") in result.stdout
-    again = run_hetps(["keys", str(keys)], timeout_s=60)  # never overwrites
+    again = run_hetps(capfd, ["keys", str(keys)])  # never overwrites
     assert again.returncode == 2 and "server.key_secret" in again.stderr, again.stderr
     assert {zmq.auth.load_certificate(p)[0] for p in secrets} == all_keys
 
 
-def test_missing_keys_exit_2_naming_the_key(keys_dir):
+def test_missing_keys_exit_2_naming_the_key(keys_dir, capfd):
     sched = "tcp://127.0.0.1:9"  # never contacted: --check stops before connecting
     (keys_dir / "server.key_secret").unlink()
     cases = [
@@ -99,10 +120,11 @@ def test_missing_keys_exit_2_naming_the_key(keys_dir):
         ),
     ]
     for args, named in cases:
-        result = run_hetps(args, timeout_s=120)
+        result = run_hetps(capfd, args)
         assert result.returncode == 2, f"{args}: {result.returncode}\n{result.stderr}"
         assert named in result.stderr and "security" in result.stderr, result.stderr
     ok = run_hetps(
+        capfd,
         [
             "worker",
             "--config",
@@ -114,7 +136,6 @@ def test_missing_keys_exit_2_naming_the_key(keys_dir):
             "--check",
             *curve_overrides(keys_dir),
         ],
-        timeout_s=120,
     )  # the control: a present key passes
     assert ok.returncode == 0, ok.stderr
 
