@@ -7,7 +7,6 @@ tests/cluster/test_cluster_untrained.py."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from hetps.frontend.cli import main as hetps_main
 from hetps.runconfig.load import load_config
 from hetps.runconfig.schema import ConfigError
 from hetps.training import preflight
@@ -66,20 +66,29 @@ def test_a_keyword_the_factory_does_not_take_names_the_key_and_the_close_name(sc
     load_config(CONFIG, [torch_named, "optimizer.schedule.kwargs={step_size: 5}"], True)
 
 
-def test_hetps_run_refuses_it_in_one_line_before_starting_anything(schedules, tmp_path):
+def test_hetps_run_refuses_it_in_one_line_before_starting_anything(
+    schedules, tmp_path, capfd, monkeypatch
+):
+    """`hetps run`'s entry point in this process (the module on the import path, as
+    PYTHONPATH would put it); the path and environment it extends are restored after."""
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "hetps.frontend.cli", "run", CONFIG),
-            "optimizer.schedule.name=tests_schedules:cosine",
-            "optimizer.schedule.kwargs={tmax: 5}",
-            *("--out", str(run_dir), "--quiet"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(schedules)},
-    )
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # restored after: the command extends it
+    capfd.readouterr()
+    try:
+        code = hetps_main(
+            [
+                *("run", CONFIG),
+                "optimizer.schedule.name=tests_schedules:cosine",
+                "optimizer.schedule.kwargs={tmax: 5}",
+                *("--out", str(run_dir), "--quiet"),
+            ]
+        )
+    except SystemExit as exc:  # the config error (runtime/daemon.py load_or_exit)
+        code = exc.code
+    finally:
+        sys.modules.pop("tests_schedules", None)
+    result = subprocess.CompletedProcess("hetps run", code, *capfd.readouterr())
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         "hetps: config error: optimizer.schedule.kwargs: tests_schedules:cosine(optimizer, t_max) "
