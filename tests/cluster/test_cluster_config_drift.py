@@ -31,6 +31,7 @@ BASE = {
     "stop": {"target_accuracy": None, "max_steps": 40, "max_seconds": 120},
     "eval": {"every_s": 1.0},
 }
+STARTUP_TIMEOUT_S = 6
 # node name -> (role flags, overrides, what its error line must hold)
 DRIFTED = {
     "ps-lr": (
@@ -129,7 +130,9 @@ def test_the_start_up_failure_names_the_refused_node_and_why(tmp_path):
     """A node refused for drift never registers: the scheduler's start-up timeout names it (a
     real scheduler process; the node is this test's own client, registering over ZeroMQ with the
     settings its drifted config gives)."""
-    BASE["cluster"]["startup_timeout_s"] = 20
+    # short: the test's own client registers within a second of the scheduler's start (its
+    # start-up timer), and the scheduler waits the whole timeout out before it fails the run
+    BASE["cluster"]["startup_timeout_s"] = STARTUP_TIMEOUT_S
     try:
         config = write_base(tmp_path)
     finally:
@@ -153,7 +156,7 @@ def test_the_start_up_failure_names_the_refused_node_and_why(tmp_path):
         daemons.close()
     s = summary(run_dir)
     reason = s["stop_reason"]
-    assert reason.startswith("cluster did not form within 20"), reason
+    assert reason.startswith(f"cluster did not form within {STARTUP_TIMEOUT_S}"), reason
     assert "still waiting for {'ps': 1, 'worker': 2}" in reason, reason
     assert "refused worker1 from host " in reason, reason
     assert "model.name: 'lenet5' (worker 1) vs 'mlp' (scheduler)" in reason, reason
