@@ -38,19 +38,32 @@ def collective(s: dict, worker: str, key: str) -> int:
     return s["aggregation"]["workers"][worker].get(key, 0)
 
 
+# what the pushes and bytes per round show needs a trained run, not sync.yaml's 95%: 80% on
+# mnist-5k (the untrained model: 10%) is reached in about half the steps
+TRAINED = 0.8
+
+
 def test_sync_shards_take_one_push_per_round_and_a_quarter_of_the_bytes(tmp_path):
     runs = {}
     for mode in ("on", "off"):
         out = tmp_path / mode
         done = run_hetps(
-            ["run", "configs/sync.yaml", "--out", str(out), "--quiet", f"comm.aggregate={mode}"],
+            [
+                "run",
+                "configs/sync.yaml",
+                "--out",
+                str(out),
+                "--quiet",
+                f"comm.aggregate={mode}",
+                f"stop.target_accuracy={TRAINED}",
+            ],
             timeout_s=300,
         )
         assert done.returncode == 0, done.stderr[-3000:] + log_tails(out)
         runs[mode] = summary(out)
     on, off = runs["on"], runs["off"]
     for s in (on, off):
-        assert s["status"] == "completed" and s["best_accuracy"] >= 0.95, s
+        assert s["status"] == "completed" and s["best_accuracy"] >= TRAINED, s
     for shard in shard_figures(on):
         # every push carried the group's mean: one per round of 4 workers
         assert shard["pushes"] == shard["aggregated"] == sum(shard["group_updates"].values())
@@ -91,6 +104,13 @@ def steps_recorded(run_dir, n: int) -> bool:
     return (run_dir / "metrics.jsonl").exists() and len(records(run_dir, "step")) >= n
 
 
+def others_stepped_after_replan(run_dir) -> bool:
+    replans = [r["t"] for r in records(run_dir, "plan") if r["plan_id"] > 1]
+    return bool(replans) and any(
+        r["t"] > replans[0] and r["worker"] != 1 for r in records(run_dir, "step")
+    )
+
+
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 def test_a_member_killed_or_frozen_during_its_groups_collectives_never_hangs_the_others(
     tmp_path, fault
@@ -119,6 +139,13 @@ def test_a_member_killed_or_frozen_during_its_groups_collectives_never_hangs_the
             else:
                 os.kill(victim, signal.SIGSTOP)  # alive, silent: heartbeats stop too
                 frozen = victim
+                # frozen through its group's collectives until the others' failed, the scheduler
+                # declared it dead and the three trained on in the new plan; then killed, as
+                # `hetps run` tolerates a worker's exit in training: frozen to the end, the
+                # launcher would wait REAP_WAIT_S (15 s) for it after the scheduler's exit
+                wait_for(lambda: others_stepped_after_replan(run_dir), 120, "steps after a re-plan")
+                os.kill(frozen, signal.SIGKILL)
+                frozen = None
             _, err = proc.communicate(timeout=200)
         except BaseException:
             raise AssertionError(f"{traceback.format_exc()}\n{log_tails(run_dir)}") from None
@@ -135,8 +162,7 @@ def test_a_member_killed_or_frozen_during_its_groups_collectives_never_hangs_the
     for w in ("worker0", "worker2", "worker3"):
         assert collective(s, w, "collective_failures") >= 1, s["aggregation"]
         assert s["aggregation"]["workers"][w]["group_size"] == 3, s["aggregation"]
-    replan = min(r["t"] for r in records(run_dir, "plan") if r["plan_id"] > 1)
-    assert any(r["t"] > replan and r["worker"] != 1 for r in records(run_dir, "step"))
+    assert others_stepped_after_replan(run_dir)
     for shard in shard_figures(s):
         assert shard["aggregated"] > 0
 
