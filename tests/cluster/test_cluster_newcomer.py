@@ -17,7 +17,15 @@ import pytest
 from newcomer_module import MYTASK, SINE_YAML
 
 HETPS = Path(sys.executable).with_name("hetps")  # the console script a user runs
-SMALL = ["stop.max_steps=40", "stop.max_seconds=60", "eval.every_s=0.5", "data.batch_size=16"]
+# one worker: every role (scheduler, shard, worker, evaluator) still imports the module, one
+# process fewer to start (exec'd: a torch import, ~3 s of CPU)
+SMALL = [
+    "cluster.workers=1",
+    "stop.max_steps=40",
+    "stop.max_seconds=60",
+    "eval.every_s=0.5",
+    "data.batch_size=16",
+]
 
 
 @pytest.mark.own_fork_server  # the daemons are forked (or exec'd) as a user's `hetps run` does
