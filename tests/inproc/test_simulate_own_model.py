@@ -12,9 +12,6 @@ machine; the tests check where it came from and that the run used it.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import io
 import json
 import os
 import re
@@ -25,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from inprocess_cli import run_entry_point
 
 import hetps
 from hetps.frontend.cli import main as hetps_main
@@ -74,30 +72,8 @@ def hetps_simulate(folder: Path, *args: str) -> subprocess.CompletedProcess:
 
 def hetps_in_process(folder: Path, *args: str) -> subprocess.CompletedProcess:
     """`hetps ARGS` (`hetps_simulate`'s, with the command named) in this process, from `folder`
-    with it first on the import path; afterwards the directory, the import path, the
-    environment and the modules imported from outside the repository and the standard library
-    (the user's) are as before."""
-    before, path, env, modules = os.getcwd(), list(sys.path), dict(os.environ), set(sys.modules)
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        os.chdir(folder)
-        sys.path.insert(0, str(folder))
-        importlib.invalidate_caches()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = hetps_main(list(args))
-            except SystemExit as exc:  # argparse: --help, a usage error
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        os.chdir(before)
-        sys.path[:] = path
-        os.environ.clear()
-        os.environ.update(env)
-        for name in set(sys.modules) - modules:
-            file = getattr(sys.modules[name], "__file__", None) or ""
-            if not file.startswith((str(ROOT), sys.base_prefix)):
-                del sys.modules[name]
-    return subprocess.CompletedProcess(["hetps", *args], code, out.getvalue(), err.getvalue())
+    with it first on the import path (support/inprocess_cli.py)."""
+    return run_entry_point(hetps_main, list(args), folder, [str(folder), *sys.path])
 
 
 @pytest.fixture(scope="module")

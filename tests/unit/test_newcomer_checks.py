@@ -15,19 +15,17 @@ per command."""
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
-import importlib
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
+from inprocess_cli import run_entry_point
 from newcomer_module import MYTASK, SINE_YAML
 
 import hetps
@@ -35,7 +33,6 @@ from hetps.runconfig.load import config_to_dict, load_config
 from hetps.training.task import load_task, watched_metric
 
 HETPS = Path(sys.executable).with_name("hetps")  # the console script a user runs
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -61,45 +58,21 @@ def hetps_console(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def hetps_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`hetps ARGS` from `cwd`, with no PYTHONPATH, in this process: the entry point the console
-    script calls (`hetps worker`: the worker's own, which it hands over to), from `cwd`, with
-    nothing of the user's folders on the import path beforehand. Afterwards the directory, the
-    import path, the environment and the modules imported from outside the repository and the
-    standard library (the user's) are as before: the next call imports them anew."""
+    """`hetps ARGS` from `cwd`, with no PYTHONPATH, in this process (support/inprocess_cli.py):
+    the entry point the console script calls (`hetps worker`: the worker's own, which it hands
+    over to), with nothing of the user's folders on the import path beforehand."""
     from hetps.frontend.cli import main as cli_main
     from hetps.worker.__main__ import main as worker_main
 
     main = (lambda argv: worker_main(argv[1:])) if args[0] == "worker" else cli_main
-    cwd, before = Path(cwd).absolute(), os.getcwd()
-    path, env, modules = list(sys.path), dict(os.environ), set(sys.modules)
-    # files, not StringIO: the worker registers its stack dump on SIGUSR1 with stderr's fd
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    cwd = Path(cwd).absolute()
+    # as a fresh `hetps`: neither folder of the user's is on the path until the command puts it
+    path = [p for p in sys.path if p not in ("", ".") and Path(p).absolute() != cwd]
     try:
-        os.chdir(cwd)
-        os.environ.pop("PYTHONPATH", None)
-        # as a fresh `hetps`: neither folder of the user's is on the path until the command puts it
-        sys.path[:] = [p for p in path if p not in ("", ".") and Path(p).absolute() != cwd]
-        importlib.invalidate_caches()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args))
-            except SystemExit as exc:  # a config error (load_or_exit), argparse, --check
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        out.seek(0), err.seek(0)
-        done = subprocess.CompletedProcess(["hetps", *args], code, out.read(), err.read())
+        return run_entry_point(main, list(args), cwd, path, drop_env=("PYTHONPATH",))
     finally:
         if args[0] == "worker":
             faulthandler.unregister(signal.SIGUSR1)  # the worker's (runtime/daemon.py)
-        out.close(), err.close()
-        os.chdir(before)
-        sys.path[:] = path
-        os.environ.clear()
-        os.environ.update(env)
-        for name in set(sys.modules) - modules:
-            file = getattr(sys.modules[name], "__file__", None) or ""
-            if not file.startswith((str(ROOT), sys.base_prefix)):
-                del sys.modules[name]
-    return done
 
 
 def config_errors(project: Path, *overrides: str) -> list[str]:
