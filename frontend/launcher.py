@@ -33,6 +33,7 @@ from hetps.runconfig.targets import stop_target
 from hetps.runtime.curve_setup import check_run_keys, keys_for_run
 from hetps.runtime.daemon import not_writable, run_dir_problem, security_problem
 from hetps.runtime.devices import assign_devices, local_gpu_count
+from hetps.runtime.failures import declared_dead
 from hetps.runtime.startup import process_age_s
 from hetps.scheduler.outcome import EXIT_CODES
 from hetps.scheduler.runlog import SummaryFile, read_metrics, steps_recorded
@@ -439,6 +440,14 @@ class LocalCluster:
     def _wait_rest(self, tolerated: set[str], faults_killed: set[str]) -> None:
         # before any plan there is nothing to flush: nodes still starting are terminated soon
         trained = (self.run_dir / "plan.json").exists()
+        # a node the scheduler declared dead (silent past cluster.dead_after_s, e.g. frozen) will
+        # not leave: killed now, not waited for (SIGKILL: a stopped process ignores SIGTERM)
+        dead = declared_dead((SummaryFile(self.run_dir).read() or {}).get("failures") or [])
+        for child in self.children[1:]:
+            if child.name in dead and child.popen.poll() is None:
+                child.popen.kill()
+                if not self.quiet:
+                    print(f"hetps run: {child.name} was declared dead; killed", file=sys.stderr)
         deadline = time.monotonic() + (REAP_WAIT_S if trained else 2.0)
         for child in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):  # the caller kills what is left
@@ -448,7 +457,8 @@ class LocalCluster:
         failed = [
             c
             for c in self.children[1:]
-            if c.popen.returncode not in (0, None) and c.name not in tolerated | faults_killed
+            if c.popen.returncode not in (0, None)
+            and c.name not in tolerated | faults_killed | dead
         ]
         # stopped before the plan, nodes exit with "run stopped"
         if failed and not self.interrupted:

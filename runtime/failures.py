@@ -117,3 +117,18 @@ class Failure:
 
 def _fields(kind: str) -> tuple[str, ...]:
     return FIELDS.get(kind) or FIELDS[kind.rpartition("_")[2]]
+
+
+def declared_dead(failures: list[dict[str, Any]]) -> set[str]:
+    """The nodes a run's failures (summary.json `failures`, oldest first) leave declared dead:
+    a `{role}_dead` record not followed by the node's `shard_restarted`."""
+    dead: set[str] = set()
+    for f in failures:
+        node, kind = f.get("node"), str(f.get("kind", ""))
+        if not isinstance(node, str):
+            continue
+        if kind.endswith("_dead"):
+            dead.add(node)
+        elif kind == "shard_restarted":
+            dead.discard(node)
+    return dead

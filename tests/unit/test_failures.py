@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hetps.runtime.failures import KINDS, Failure
+from hetps.runtime.failures import KINDS, Failure, declared_dead
 
 # one of each kind as summary.json holds it (the keys, in order, are the record's shape)
 WRITTEN = [
@@ -89,3 +89,17 @@ def test_an_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="unknown failure kind"):
         Failure.from_json({"kind": "nope"})
     assert {w["kind"] for w in WRITTEN} <= KINDS
+
+
+def test_a_node_stays_declared_dead_until_it_is_restarted():
+    failures = [
+        Failure.of_node("worker", 1, 3, "dead", 4.0, silent_s=3.0).to_json(),
+        Failure.of_node("ps", 1, 2, "dead", 5.0, silent_s=3.0).to_json(),
+        Failure("shard_restarted", node="ps1", t=6.0, was_dead=True).to_json(),
+        Failure.of_node("worker", 2, 4, "error", 7.0, error="boom", refused=0).to_json(),
+    ]
+    assert declared_dead(failures) == {"worker1"}
+    # declared dead again after its restart
+    again = Failure.of_node("ps", 1, 5, "dead", 9.0, silent_s=3.0).to_json()
+    assert declared_dead([*failures, again]) == {"worker1", "ps1"}
+    assert declared_dead([{"kind": "worker_dead"}, {"kind": "no_steps", "t": 1.0}]) == set()
