@@ -16,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from hetps.frontend.plots import _pyplot
+from hetps.frontend.plots import pyplot_agg
 
 
 def final_accuracies(out: Path) -> dict[str, list[float]]:
@@ -37,7 +37,7 @@ def final_accuracies(out: Path) -> dict[str, list[float]]:
 
 def main(out: Path, png: Path) -> None:
     runs = final_accuracies(out)
-    plt = _pyplot()
+    plt = pyplot_agg()
     fig, ax = plt.subplots(figsize=(5, 4))
     for x, (label, accs) in enumerate(runs.items()):
         ax.scatter([x] * len(accs), accs, zorder=3)

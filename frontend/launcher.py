@@ -223,6 +223,21 @@ class LocalCluster:
                 start_new_session=True,
             )
 
+    def run_tool(self, module: str, argv: list[str], name: str) -> tuple[int | None, str]:
+        """Run `python -m module *argv` as the daemons start (forked from the warm server) and
+        wait for it, at most CHECK_WAIT_S; its output goes to RUN_DIR/logs/NAME.log. Returns
+        its exit status (None: killed at the time limit) and its last line of output."""
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        proc = self._start(module, argv, log_path, append=False)
+        try:
+            code: int | None = proc.wait(timeout=CHECK_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5.0)
+            return None, f"{name} took longer than {CHECK_WAIT_S}s"
+        lines = [line for line in log_path.read_text().splitlines() if line.strip()]
+        return code, lines[-1] if lines else f"{name} exited with {code}"
+
     def respawn(self, name: str, address: str) -> None:
         """Start the process `name` again, bound to `address` (its old one)."""
         index = next(i for i, c in enumerate(self.children) if c.name == name)
@@ -575,7 +590,7 @@ def run_local(
         summary_file.mark_interrupted()
     status = "interrupted" if cluster.interrupted else summary.get("status", "completed")
     if summary.get("evals") or summary.get("global_steps"):
-        plot_run(run_dir, title=f"{cfg.name}: {cfg.algorithm.name}")
+        draw_plots(cluster, title=f"{cfg.name}: {cfg.algorithm.name}")
     if (
         status in ("completed", "interrupted")
         and summary.get("global_steps")
@@ -592,30 +607,29 @@ def run_local(
     return EXIT_CODES.get(status, EXIT_CODES["failed"])
 
 
+def draw_plots(cluster: LocalCluster, title: str) -> None:
+    """The run's plots (plots.plot_run). Drawn in a process forked from the shared fork server
+    when this run forks from one ($HETPS_FORK_SERVER: it imported pyplot once for every run,
+    ~0.6 s of CPU each run spares), else in this process. A plot that fails is reported, not fatal."""
+    forks = cluster.forks
+    if not (isinstance(forks, PreferShared) and forks.own is None):
+        plot_run(cluster.run_dir, title=title)
+        return
+    # `hetps plot RUN_DIR`: the title, as plot_run's, from the summary
+    code, last = cluster.run_tool("hetps.frontend.cli", ["plot", str(cluster.run_dir)], "plot")
+    if code != 0:
+        print(f"hetps run: the plots were not drawn: {last}", file=sys.stderr)
+
+
 def export_model(cluster: LocalCluster, quiet: bool) -> None:
     """Without an evaluator (eval.enabled: false) nobody wrote the final model:
     build RUN_DIR/model.safetensors from the shards' last checkpoints
-    (`hetps export`, which evaluates it once). Best effort: a failure is reported, not fatal."""
+    (`hetps export`, which evaluates it once; forked from the warm server like a daemon).
+    Best effort: a failure is reported, not fatal."""
     out = cluster.run_dir / "model.safetensors"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetps.training.export",
-        str(cluster.checkpoint_root),
-        "--out",
-        str(out),
-        "--config",
-        str(cluster.config_path),
-    ]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHECK_WAIT_S)
-    except subprocess.TimeoutExpired:
-        print(
-            f"hetps run: {out} not written: the export took longer than {CHECK_WAIT_S}s",
-            file=sys.stderr,
-        )
-        return
-    if done.returncode != 0:
-        print(f"hetps run: {out} not written: {done.stderr.strip()}", file=sys.stderr)
+    argv = [str(cluster.checkpoint_root), "--out", str(out), "--config", str(cluster.config_path)]
+    code, last = cluster.run_tool("hetps.training.export", argv, "export")
+    if code != 0:
+        print(f"hetps run: {out} not written: {last}", file=sys.stderr)
     elif not quiet:
-        print(done.stdout.strip(), file=sys.stderr)
+        print(last, file=sys.stderr)

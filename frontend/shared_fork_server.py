@@ -227,6 +227,10 @@ def serve(path: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     for name in PRELOAD:
         importlib.import_module(name)
+    # a run's plots are drawn in a process forked from here (launcher.draw_plots): pyplot once
+    from .plots import pyplot_agg
+
+    pyplot_agg()
     with contextlib.suppress(ImportError):  # claims the argv/environ memory now, before a daemon
         import setproctitle  # clears os.environ (then it could not set the title)
 
