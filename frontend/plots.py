@@ -219,6 +219,9 @@ def run_title(summary: dict, fallback: str = "") -> str:
     return head + (": " + ", ".join(parts) if parts else "")
 
 
+RUN_PLOT_MARGINS = dict(left=0.065, right=0.935, bottom=0.12, top=0.87, wspace=0.3)
+
+
 def plot_run(run_dir: Path, title: str = "") -> Path:
     """Write RUN_DIR/accuracy_vs_time.png, or METRIC_vs_time.png for a run watching another
     metric (`run_plot_name`), and groups.png when the run had several groups, from
@@ -268,7 +271,9 @@ def plot_run(run_dir: Path, title: str = "") -> Path:
     )
     _plot_lr(ax_loss, evals)
     fig.suptitle(run_title(summary, title))
-    fig.tight_layout()
+    # fixed margins for this fixed layout: tight_layout measured every tick label, half the
+    # plot's CPU (~0.4 s per run)
+    fig.subplots_adjust(**RUN_PLOT_MARGINS)
     out = run_dir / run_plot_name(metric)
     fig.savefig(out, dpi=100)
     plt.close(fig)
