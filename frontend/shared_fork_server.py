@@ -231,6 +231,9 @@ def serve(path: str) -> None:
     from .plots import pyplot_agg
 
     pyplot_agg()
+    from hetps.training.data import preload_bundled
+
+    preload_bundled()
     with contextlib.suppress(ImportError):  # claims the argv/environ memory now, before a daemon
         import setproctitle  # clears os.environ (then it could not set the title)
 

