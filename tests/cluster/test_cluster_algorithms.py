@@ -57,7 +57,7 @@ def test_algorithm_trains_to_93_percent(algorithm, run_dir):
         [
             "run",
             config,
-            "stop.target_accuracy=0.94",
+            "stop.target_accuracy=0.93",
             HELD,
             "stop.max_seconds=60",
             "stop.max_steps=20000",
@@ -72,7 +72,7 @@ def test_algorithm_trains_to_93_percent(algorithm, run_dir):
     s = summary(run_dir)
     assert s["algorithm"] == algorithm
     # eager's quorum rounds leave stragglers' gradients to later rounds: its curve swings like async's
-    assert_reached_target(s, 0.94, slack=0.06 if algorithm == "eager" else FINAL_SLACK)
+    assert_reached_target(s, 0.93, slack=0.06 if algorithm == "eager" else FINAL_SLACK)
     assert s["failures"] == [] and s["not_left"] == []
     assert s["communication_rounds"] > 0
     workers = {k: v for k, v in s["per_node"].items() if k.startswith("worker")}
