@@ -43,7 +43,11 @@ def test_killed_shard_restarts_from_its_checkpoint_and_the_run_reaches_target(ru
             # it reached 0.93
             "checkpoint.every_updates=25",
             "cluster.retry_s=0.5",
-            "stop.target_accuracy=0.93",
+            # a target far above the accuracy at the kill (~0.3-0.4 at 160 steps; the restored
+            # version 25 holds less): the run trained on after the restart. Evaluated every
+            # second, the second evaluation at it comes soon after the first
+            "stop.target_accuracy=0.9",
+            "eval.every_s=1.0",
             HELD,
             "stop.max_seconds=150",
             # by step, not by seconds: 160 step records of 4 workers in sync are 40 rounds, past
@@ -63,7 +67,7 @@ def test_killed_shard_restarts_from_its_checkpoint_and_the_run_reaches_target(ru
     assert ps1["restored_version"] == kill["checkpoint_version"]  # resumed at the version on disk
     assert ps1["version"] > ps1["restored_version"]  # and trained on from there
     assert [f["node"] for f in s["failures"] if f["kind"] == "shard_restarted"] == ["ps1"]
-    assert_reached_target(s, 0.93)
+    assert_reached_target(s, 0.9)
     assert "restored version" in (run_dir / "logs" / "ps1.log").read_text()
 
 
@@ -75,8 +79,11 @@ def test_resume_continues_a_stopped_run_from_consistent_checkpoints(run_dir):
             "--out",
             str(run_dir),
             "--quiet",
+            # two workers: as many updates as four's 200 steps for half the gradients (the
+            # checkpoints are the same two shards'; the steps each worker makes are not checked)
+            "cluster.workers=2",
             "stop.target_accuracy=null",
-            "stop.max_steps=200",
+            "stop.max_steps=100",
             "stop.max_seconds=120",
         ],
         timeout_s=200,
@@ -88,8 +95,8 @@ def test_resume_continues_a_stopped_run_from_consistent_checkpoints(run_dir):
     accuracy_before = stopped["final_accuracy"]
 
     resumed = run_hetps(
-        # max_steps counts the whole run: 200 more steps
-        ["run", "--resume", str(run_dir), "stop.max_steps=400", "stop.target_accuracy=null"],
+        # max_steps counts the whole run: 160 more steps
+        ["run", "--resume", str(run_dir), "stop.max_steps=260", "stop.target_accuracy=null"],
         timeout_s=200,
     )
     assert resumed.returncode == 0, resumed.stderr + log_tails(run_dir)
@@ -107,7 +114,8 @@ def test_resume_continues_a_stopped_run_from_consistent_checkpoints(run_dir):
         first_after_resume,
         accuracy_before,
     )
-    # 400 steps of sync in all: a fresh-clone run ended at 0.892 after 300, too close to the bar
+    # 260 steps of two workers in sync in all (130 updates): four workers' 300 steps (75 updates)
+    # once ended at 0.892, too close to the bar
     assert s["final_accuracy"] >= 0.9
 
 
@@ -196,7 +204,10 @@ def test_dropped_and_delayed_messages_are_retried_and_the_run_reaches_target(run
             "cluster.faults.delay=0.05",
             "cluster.faults.delay_s=0.02",
             "cluster.retry_s=0.2",
-            "stop.target_accuracy=0.92",
+            # far above chance (two workers are at ~0.6 after 65 steps): the run trained through
+            # the faults; hundreds of messages by then, a few of them dropped
+            "stop.target_accuracy=0.85",
+            "eval.every_s=1.0",
             "stop.max_seconds=150",
         ],
         timeout_s=240,
