@@ -31,9 +31,10 @@ DEAD_AFTER_S = 2.0
 # Sync is tested on the virtual clock (test_simulate.py: the same detection and re-plan, deterministic).
 @pytest.mark.parametrize("config", ["configs/default.yaml", "configs/cpsgd.yaml"])
 def test_killed_worker_leaves_the_plan_and_the_run_reaches_target(config, run_dir):
-    # no target stop: the default config can reach 0.96 within a second of the kill, before the
-    # worker is declared dead, and the run would end without a re-plan; the test stops it (Ctrl-C)
-    # once the re-plan happened and the others trained on to the target after it
+    # no target stop: the default config can reach its target (0.95, as configs/cpsgd.yaml's) within
+    # a second of the kill, before the worker is declared dead, and the run would end without a
+    # re-plan; the test stops it (Ctrl-C) once the re-plan happened and the others trained on to
+    # the target after it
     with background_run(
         [
             config,
@@ -56,9 +57,9 @@ def test_killed_worker_leaves_the_plan_and_the_run_reaches_target(config, run_di
         )
         os.kill(worker_pid(run_dir, 1), signal.SIGKILL)
         wait_for(
-            lambda: trained_to_after_replan(run_dir, 0.96, held=2),
+            lambda: trained_to_after_replan(run_dir, 0.95, held=2),
             90,
-            "a re-plan, then 96% twice after it",
+            "a re-plan, then 95% twice after it",
         )
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
@@ -68,7 +69,7 @@ def test_killed_worker_leaves_the_plan_and_the_run_reaches_target(config, run_di
     assert [f["node"] for f in dead] == ["worker1"], s["failures"]
     # the final evaluation follows the Ctrl-C: under grouping the slow group's last (stale) updates can
     # swing it by points (0.964 then 0.891 seen on a loaded machine); 0.85 is still the trained model
-    assert s["best_accuracy"] >= 0.96 and s["final_accuracy"] >= 0.85, s
+    assert s["best_accuracy"] >= 0.95 and s["final_accuracy"] >= 0.85, s
     # the re-plan came within 2x the dead-after timeout of the worker's last step
     last_step = max(r["t"] for r in records(run_dir, "step") if r["worker"] == 1)
     replans = [r for r in records(run_dir, "plan") if r["plan_id"] > 1 and r["t"] > last_step]
