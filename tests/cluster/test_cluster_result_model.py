@@ -45,6 +45,9 @@ def test_a_shard_killed_as_the_run_ends_never_leaves_an_untrained_or_unnamed_mod
         [
             "run",
             str(REPO / "configs" / "sync.yaml"),
+            # two workers, not four: the kill, the stop and the model files are the shards' and
+            # the evaluator's; no check counts the workers
+            "cluster.workers=2",
             "stop.target_accuracy=null",
             "eval.every_s=0.5",
             "checkpoint.every_s=1",
