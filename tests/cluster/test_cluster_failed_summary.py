@@ -82,6 +82,9 @@ def test_a_scheduler_dead_for_good_leaves_what_its_state_file_and_step_records_h
         [
             "run",
             str(REPO / "configs" / "sync.yaml"),
+            # two workers: the summary is filled from the state file and the step records, whoever
+            # wrote them
+            "cluster.workers=2",
             "stop.target_accuracy=null",
             "stop.max_seconds=60",
             "cluster.kill=[{node: scheduler, at_step: 100}]",
