@@ -41,17 +41,19 @@ def test_killed_shard_restarts_from_its_checkpoint_and_the_run_reaches_target(ru
             # four workers, as configs/sync.yaml: on two workers (batch 64 a round) the restored
             # shard's older half of the model has been seen to diverge the run to chance after
             # it reached 0.93
-            "checkpoint.every_updates=25",
+            # a checkpoint every 10 updates: the restored shard's half of the model is at most
+            # ~10 updates behind the other's (25 apart, a run was seen to diverge after the restart)
+            "checkpoint.every_updates=10",
             "cluster.retry_s=0.5",
             # a target far above the accuracy at the kill (~0.3-0.4 at 160 steps; the restored
-            # version 25 holds less): the run trained on after the restart. Evaluated every
+            # version holds less): the run trained on after the restart. Evaluated every
             # second, the second evaluation at it comes soon after the first
             "stop.target_accuracy=0.9",
             "eval.every_s=1.0",
             HELD,
             "stop.max_seconds=150",
             # by step, not by seconds: 160 step records of 4 workers in sync are 40 rounds, past
-            # the checkpoint at 25 updates however slowly a loaded machine trains
+            # several checkpoints however slowly a loaded machine trains
             "cluster.kill=[{node: ps1, at_step: 160, restart_after_s: 1}]",
         ],
         timeout_s=240,
@@ -61,7 +63,7 @@ def test_killed_shard_restarts_from_its_checkpoint_and_the_run_reaches_target(ru
     kill, restart = faults(run_dir)
     assert (kill["action"], kill["node"], restart["action"]) == ("kill", "ps1", "restart")
     assert kill["steps"] >= 160
-    assert kill["checkpoint_version"] is not None and kill["checkpoint_version"] >= 25
+    assert kill["checkpoint_version"] is not None and kill["checkpoint_version"] >= 20
     s = summary(run_dir)
     ps1 = s["shard_stats"]["ps1"]
     assert ps1["restored_version"] == kill["checkpoint_version"]  # resumed at the version on disk
