@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import os
 import signal
 import sys
 
@@ -23,6 +22,7 @@ from cluster_util import (
     summary,
     wait_for,
 )
+from inprocess_cli import run_entry_point
 
 from hetps.frontend.cli import main as hetps_main
 from hetps.ps.__main__ import main as ps_main
@@ -31,26 +31,18 @@ from hetps.worker.__main__ import main as worker_main
 pytestmark = pytest.mark.cluster
 
 
-def in_process(capfd, main, argv: list[str]) -> tuple[int, str, str]:
+def in_process(main, argv: list[str]) -> tuple[int, str, str]:
     """`main(argv)` in this process, as `hetps` (frontend/cli.py) or `python -m
     hetps.ps|worker` (what `hetps ps|worker` execs) runs it, where what is checked is
     the exit status and the output, not a process: (exit status, stdout, stderr)."""
-    capfd.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capfd.readouterr()
-    return code, out, err
+    done = run_entry_point(main, argv, REPO, list(sys.path))
+    return done.returncode, done.stdout, done.stderr
 
 
 @pytest.fixture
-def daemon_main_in_process(monkeypatch):
-    """A daemon's main() in this process changes what its process would own: the
-    import path (the config's folder first, runtime/import_path.py) and a SIGUSR1
-    stack dump handler; both are put back."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+def daemon_main_in_process():
+    """A daemon's main() registers a SIGUSR1 stack dump on its stderr (a file closed since):
+    unregistered after the test."""
     yield
     faulthandler.unregister(signal.SIGUSR1)
 
@@ -134,7 +126,7 @@ def test_cluster_trains_to_93_percent(algorithm, run_dir):
     assert any(r["kind"] == "eval" and r["final"] for r in records)
 
 
-def test_bad_config_exits_2_with_one_line(tmp_path, capfd, daemon_main_in_process):
+def test_bad_config_exits_2_with_one_line(tmp_path, daemon_main_in_process):
     # `hetps run`'s main() in this process: the config is refused before any process starts
     for args, key in (
         (["stop.bogus=1"], "stop.bogus"),
@@ -143,7 +135,6 @@ def test_bad_config_exits_2_with_one_line(tmp_path, capfd, daemon_main_in_proces
         (["data.dataset=imagenet"], "data.dataset"),
     ):
         code, _, err = in_process(
-            capfd,
             hetps_main,
             ["run", str(REPO / "configs/sync.yaml"), *args, "--out", str(tmp_path / "x")],
         )
@@ -284,10 +275,10 @@ def test_usr1_prints_every_threads_stack_and_the_daemon_goes_on(role, tmp_path):
         daemons.close()
 
 
-def test_daemon_without_scheduler_address_exits_2(capfd, monkeypatch, daemon_main_in_process):
+def test_daemon_without_scheduler_address_exits_2(monkeypatch, daemon_main_in_process):
     # `python -m hetps.ps`'s main() in this process: it exits before it opens a socket
     monkeypatch.setenv("HETPS_SCHEDULER", "")
-    code, _, err = in_process(capfd, ps_main, ["--config", str(REPO / "configs/sync.yaml")])
+    code, _, err = in_process(ps_main, ["--config", str(REPO / "configs/sync.yaml")])
     assert code == 2 and "HETPS_SCHEDULER" in err, err
 
 
@@ -388,7 +379,7 @@ def test_daemon_with_unreachable_scheduler_fails_fast_naming_it(role, tmp_path):
         ["worker"],
     ],
 )
-def test_check_flag_validates_without_connecting(args, capfd, monkeypatch, daemon_main_in_process):
+def test_check_flag_validates_without_connecting(args, monkeypatch, daemon_main_in_process):
     # the daemon's main() in this process: `hetps scheduler` runs the scheduler's there too, and
     # `hetps ps|worker` execs `python -m hetps.ps|worker`, whose main() this is (frontend/cli.py);
     # the exec'd `hetps ps|worker`: test_daemons_by_hand_across_hosts_style
@@ -397,7 +388,7 @@ def test_check_flag_validates_without_connecting(args, capfd, monkeypatch, daemo
     role, *flags = args
     main = {"scheduler": hetps_main, "ps": ps_main, "worker": worker_main}[role]
     argv = args if role == "scheduler" else flags
-    code, out, err = in_process(capfd, main, [*argv, "--check"])
+    code, out, err = in_process(main, [*argv, "--check"])
     assert code == 0 and ": ok" in out, err
-    code, _, err = in_process(capfd, main, [*argv, "--check", "stop.nope=1"])
+    code, _, err = in_process(main, [*argv, "--check", "stop.nope=1"])
     assert code == 2 and "stop.nope" in err, err
