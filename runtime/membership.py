@@ -117,6 +117,9 @@ class Membership:
         )
         self.stop_requested = threading.Event()
         self.stop_reason = ""
+        # the ranks of the shards the scheduler had declared dead (and no backup serves) when
+        # it told this node to stop: nothing can be pulled from them
+        self.dead_shards: tuple[int, ...] = ()
         self.latest_plan_id = 0
         self._records: list[dict] = []
         self._records_lock = threading.Lock()
@@ -313,6 +316,9 @@ class Membership:
         if isinstance(ack, Ack):
             self.latest_plan_id = max(self.latest_plan_id, ack.plan_id)
             if ack.stop:
+                dead = ack.info.get("dead_shards", ())
+                if isinstance(dead, list):
+                    self.dead_shards = tuple(r for r in dead if isinstance(r, int))
                 self._request_stop(ack.info.get("reason", "scheduler"))
 
     def _request_stop(self, reason: str) -> None:

@@ -349,10 +349,21 @@ class Coordinator(Service):
                 info={"reason": f"declared dead after {self.cfg.cluster.dead_after_s}s of silence"},
             )
         stop = node.left or self._tell_stop(node)
-        return Ack(
-            plan_id=self._plan_id(),
-            stop=stop,
-            info={"reason": self.stop_reason or "left"} if stop else {},
+        info: dict = {}
+        if stop:
+            info["reason"] = self.stop_reason or "left"
+            # the evaluator's final pull would wait out its timeout on these (evaluator.py)
+            dead = self._dead_shards()
+            if dead:
+                info["dead_shards"] = dead
+        return Ack(plan_id=self._plan_id(), stop=stop, info=info)
+
+    def _dead_shards(self) -> list[int]:
+        """The ranks of the shards declared dead whose tensors no other process serves."""
+        return sorted(
+            n.rank
+            for n in self.members("ps")
+            if n.dead and not failover.replaced(self.plan, n.node_id)
         )
 
     def _answer_held_beats(self) -> None:

@@ -10,7 +10,9 @@ final model (not when the scheduler was lost: nobody would record them), and
 MODEL_OUT/model.json (export.py; `versions`: each shard's version it holds).
 The final evaluation waits at most FINAL_WAIT_S for any one reply: a shard
 that died as the run stopped is not waited for (the scheduler stops the
-shards STOP_GRACE_S = 20 s after the stop began, whoever is still waiting).
+shards STOP_GRACE_S = 20 s after the stop began, whoever is still waiting),
+and it is not made when the stop names a shard the scheduler had declared
+dead (Membership.dead_shards).
 Then the files hold the last evaluation that was measured (its `evaluation`:
 "last", the final one's error in `final_error`), or, for a model whose sparse
 tables can no longer be read whole, and unless that evaluation was the best
@@ -225,7 +227,16 @@ class Evaluator:
                 next_at = time.monotonic() + self.cfg.eval.every_s
                 self.evaluate_once(self.client)
                 stop.wait(max(0.0, next_at - time.monotonic()))
-        if not self.member.scheduler_lost:
+        dead = ", ".join(f"ps{r}" for r in self.member.dead_shards)
+        if dead and not self.member.scheduler_lost:
+            # nothing to wait FINAL_WAIT_S for: the scheduler declared them dead before the stop
+            self.final_error = f"{dead} declared dead before the stop"
+            log.warning(
+                "final evaluation not made (%s); the last one measured versions %s",
+                self.final_error,
+                self.versions,
+            )
+        elif not self.member.scheduler_lost:
             # the scheduler was lost while the final result was reported
             try:
                 self.evaluate_once(self.final_client, final=True)

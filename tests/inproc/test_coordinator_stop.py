@@ -320,3 +320,28 @@ def test_a_heartbeat_sent_again_writes_its_step_records_once(tmp_path):
             if r["kind"] == "step"
         ]
     assert steps == [(0, 1), (0, 2), (0, 3), (0, 4), (1, 1)]
+
+
+# ---------------------------------------------------------------- a stop that names dead shards
+@pytest.mark.parametrize("ps0_dies", [True, False])
+def test_the_stop_names_the_shards_declared_dead_so_no_final_pull_waits_on_them(tmp_path, ps0_dies):
+    """The ACK that tells a node to stop lists the shards the scheduler had declared dead
+    (`dead_shards`, their ranks): the evaluator makes no final pull from them
+    (worker/evaluator.py). A live shard is never listed."""
+    overrides = ["stop.target_accuracy=null", "stop.max_steps=40", "cluster.dead_after_s=5"]
+    with cluster(tmp_path, overrides) as c:
+        for _ in range(3):  # 6 s: ps0 silent past dead_after_s, or beating
+            c.now[0] += 2.0
+            for name in ("worker0", "worker1", "evaluator0", *(() if ps0_dies else ("ps0",))):
+                c.beat(name, {"steps": 10} if name.startswith("worker") else None)
+            c.coord.tick()
+        assert c.coord.stop_reason is None
+        c.beat("worker0", {"steps": 30})  # 40 steps: the step limit
+        c.coord.tick()
+        acks = [c.beat("worker0", {"steps": 30})]
+        c.bye("worker0")
+        acks.append(c.beat("worker1", {"steps": 10}))
+        c.bye("worker1")
+        acks.append(c.beat("evaluator0"))  # told after the workers
+    assert all(a.stop and a.info["reason"] == "step limit 40" for a in acks), acks
+    assert all(a.info.get("dead_shards") == ([0] if ps0_dies else None) for a in acks), acks
