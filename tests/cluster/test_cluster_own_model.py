@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 from cluster_util import background_run, kill_leftovers, log_tails, run_hetps, summary, wait_for
+from inprocess_cli import run_entry_point
 from own_model_pkg import PKG, on_path, user_pkg, write_config  # noqa: F401 (fixtures)
 
+from hetps.frontend.cli import main as hetps_main
 from hetps.runtime import checkpoint
 from hetps.training.export import main as export_main
 
@@ -55,19 +57,17 @@ def test_a_model_that_does_not_fit_fails_before_training_in_one_line(
 
 
 def test_a_typo_in_a_factory_name_fails_before_any_process(user_pkg, on_path, tmp_path):
+    """`hetps run` in this process (no process is started: what is checked is its output)."""
     run_dir = tmp_path / "run"
-    result = run_hetps(
-        [
-            "run",
-            str(write_config(tmp_path / "own.yaml", user_pkg)),
-            f"model.name={PKG}.modle:small_cnn",
-            f"data.dataset={PKG}.data:mkae",
-            "--out",
-            str(run_dir),
-        ],
-        timeout_s=60,
-        env=on_path,
-    )
+    args = [
+        "run",
+        str(write_config(tmp_path / "own.yaml", user_pkg)),
+        f"model.name={PKG}.modle:small_cnn",
+        f"data.dataset={PKG}.data:mkae",
+        "--out",
+        str(run_dir),
+    ]
+    result = run_entry_point(hetps_main, args, tmp_path, [str(user_pkg), *sys.path])
     assert result.returncode == 2
     assert (
         "model.name: cannot import" in result.stderr
