@@ -157,8 +157,9 @@ def dry_step(
             "loss (e.g. .mean() over the batch)"
         )
     if not torch.isfinite(loss.detach()).all():
+        value = float(loss.detach())
         raise PreflightError(
-            f"{names}: the loss is {float(loss)} at the first step, before any update; fix: check "
+            f"{names}: the loss is {value} at the first step, before any update; fix: check "
             "the dataset for NaN/Inf values and the model's initialisation and forward (log, "
             "division, sqrt of values <= 0)"
         )

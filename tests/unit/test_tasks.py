@@ -182,7 +182,9 @@ def test_factory_tasks_load_with_kwargs_and_defaults(factories):
     model = nn.Linear(2, 1)
     x, y = torch.randn(10, 2), torch.randn(10)
     got = evaluate_task(bare, model, batches_of(x, y, (3, 7)), "cpu")
-    assert got["loss"] == pytest.approx(float(F.mse_loss(model(x).squeeze(-1), y)), rel=1e-6)
+    assert got["loss"] == pytest.approx(
+        float(F.mse_loss(model(x).squeeze(-1), y).detach()), rel=1e-6
+    )
 
 
 @pytest.mark.parametrize(
