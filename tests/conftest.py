@@ -10,6 +10,8 @@ timings) alone (docs/testing.md); `make test-unit`, `test-inproc`, `test-cluster
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +70,14 @@ def run_dir(tmp_path):
     yield path
     leftovers = kill_leftovers(str(path))
     assert not leftovers, f"processes left behind: {leftovers}"
+
+
+@pytest.fixture
+def no_stack_dump_handler_left():
+    """A daemon's main() run in the test process points `kill -USR1` stack dumps at the test's
+    captured stderr (runtime/daemon.py), a file closed after the test: undone after it."""
+    yield
+    faulthandler.unregister(signal.SIGUSR1)
 
 
 @pytest.fixture

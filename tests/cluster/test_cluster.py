@@ -4,7 +4,6 @@ real mnist-5k digits."""
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import signal
 import sys
@@ -37,14 +36,6 @@ def in_process(main, argv: list[str]) -> tuple[int, str, str]:
     the exit status and the output, not a process: (exit status, stdout, stderr)."""
     done = run_entry_point(main, argv, REPO, list(sys.path))
     return done.returncode, done.stdout, done.stderr
-
-
-@pytest.fixture
-def daemon_main_in_process():
-    """A daemon's main() registers a SIGUSR1 stack dump on its stderr (a file closed since):
-    unregistered after the test."""
-    yield
-    faulthandler.unregister(signal.SIGUSR1)
 
 
 ALGORITHMS = {
@@ -126,7 +117,7 @@ def test_cluster_trains_to_93_percent(algorithm, run_dir):
     assert any(r["kind"] == "eval" and r["final"] for r in records)
 
 
-def test_bad_config_exits_2_with_one_line(tmp_path, daemon_main_in_process):
+def test_bad_config_exits_2_with_one_line(tmp_path, no_stack_dump_handler_left):
     # `hetps run`'s main() in this process: the config is refused before any process starts
     for args, key in (
         (["stop.bogus=1"], "stop.bogus"),
@@ -275,7 +266,7 @@ def test_usr1_prints_every_threads_stack_and_the_daemon_goes_on(role, tmp_path):
         daemons.close()
 
 
-def test_daemon_without_scheduler_address_exits_2(monkeypatch, daemon_main_in_process):
+def test_daemon_without_scheduler_address_exits_2(monkeypatch, no_stack_dump_handler_left):
     # `python -m hetps.ps`'s main() in this process: it exits before it opens a socket
     monkeypatch.setenv("HETPS_SCHEDULER", "")
     code, _, err = in_process(ps_main, ["--config", str(REPO / "configs/sync.yaml")])
@@ -379,7 +370,7 @@ def test_daemon_with_unreachable_scheduler_fails_fast_naming_it(role, tmp_path):
         ["worker"],
     ],
 )
-def test_check_flag_validates_without_connecting(args, monkeypatch, daemon_main_in_process):
+def test_check_flag_validates_without_connecting(args, monkeypatch, no_stack_dump_handler_left):
     # the daemon's main() in this process: `hetps scheduler` runs the scheduler's there too, and
     # `hetps ps|worker` execs `python -m hetps.ps|worker`, whose main() this is (frontend/cli.py);
     # the exec'd `hetps ps|worker`: test_daemons_by_hand_across_hosts_style

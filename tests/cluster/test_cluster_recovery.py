@@ -38,11 +38,10 @@ def test_killed_shard_restarts_from_its_checkpoint_and_the_run_reaches_target(ru
             "--out",
             str(run_dir),
             "--quiet",
-            # four workers, as configs/sync.yaml: on two workers (batch 64 a round) the restored
-            # shard's older half of the model has been seen to diverge the run to chance after
-            # it reached 0.93
-            # a checkpoint every 10 updates: the restored shard's half of the model is at most
-            # ~10 updates behind the other's (25 apart, a run was seen to diverge after the restart)
+            # four workers, as configs/sync.yaml, and a checkpoint every 10 updates: the restored
+            # shard's half of the model is at most ~10 updates behind the other's. On two workers
+            # (batch 64 a round), or 25 updates apart, the older half has been seen to diverge the
+            # run to chance after the restart
             "checkpoint.every_updates=10",
             "cluster.retry_s=0.5",
             # a target far above the accuracy at the kill (~0.3-0.4 at 160 steps; the restored

@@ -17,10 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster_util import REPO, log_tails, records, summary
+from cluster_util import CHARLM_TARGET, REPO, log_tails, records, summary
 from inprocess_cli import run_entry_point
-
-CHARLM_TARGET = 12.0  # configs/charlm.yaml stop.target
 
 
 def hetps_run(args: list[str], cwd: Path):

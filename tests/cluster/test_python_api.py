@@ -13,9 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from cluster_util import REPO, kill_leftovers, records
-
-CHARLM_TARGET = 12.0  # configs/charlm.yaml stop.target
+from cluster_util import CHARLM_TARGET, REPO, kill_leftovers, records
 
 pytestmark = pytest.mark.own_fork_server  # the script forks its daemons as a user's would
 

@@ -6,8 +6,6 @@ transport, a worker played with the real Membership and PSClient (a real
 
 from __future__ import annotations
 
-import faulthandler
-import signal
 import threading
 import uuid
 from pathlib import Path
@@ -41,11 +39,8 @@ JOIN_S = 30.0  # upper bound on any thread's end
 LR = 0.1
 
 
-@pytest.fixture(autouse=True)
-def no_stack_dump_handler_left():
-    """main() points `kill -USR1` stack dumps at this test's captured stderr: undo it after."""
-    yield
-    faulthandler.unregister(signal.SIGUSR1)
+# main() in this process: its SIGUSR1 stack dump undone after each test (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("no_stack_dump_handler_left")
 
 
 # ---------------------------------------------------------------- pure pieces

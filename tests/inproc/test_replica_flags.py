@@ -5,8 +5,6 @@ shard daemon's main() against a scheduler played on the in-memory transport."""
 
 from __future__ import annotations
 
-import faulthandler
-import signal
 import threading
 import uuid
 
@@ -23,11 +21,8 @@ CONFIG = str(REPO / "configs" / "sync.yaml")
 SCHED = "tcp://scheduler:7000"  # never contacted: --check stops before connecting
 
 
-@pytest.fixture(autouse=True)
-def no_stack_dump_handler_left():
-    """main() points `kill -USR1` stack dumps at this test's captured stderr: undo it after."""
-    yield
-    faulthandler.unregister(signal.SIGUSR1)
+# main() in this process: its SIGUSR1 stack dump undone after each test (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("no_stack_dump_handler_left")
 
 
 def check(capfd, *flags: str) -> tuple[int, str, str]:

@@ -90,6 +90,8 @@ def summary(run_dir: Path) -> dict:
 # dozen updates later can fall points below it
 HELD = "stop.target_patience=2"
 
+CHARLM_TARGET = 12.0  # configs/charlm.yaml stop.target (perplexity)
+
 # 1,000 test digits: one evaluation's accuracy moves by about ±0.8% (one standard error),
 # and the final evaluation sees a few more steps than the one that reached the target
 FINAL_SLACK = 0.03

@@ -5,9 +5,6 @@ one process: the daemons' main() with `--check`."""
 
 from __future__ import annotations
 
-import faulthandler
-import signal
-
 import pytest
 from cluster_util import REPO
 
@@ -20,10 +17,8 @@ SCHED = "tcp://scheduler:7000"  # never contacted: --check stops before connecti
 MAINS = {"ps": ps_main, "worker": worker_main, "scheduler": scheduler_main}
 
 
-@pytest.fixture(autouse=True)
-def no_stack_dump_handler_left():
-    yield
-    faulthandler.unregister(signal.SIGUSR1)
+# main() in this process: its SIGUSR1 stack dump undone after each test (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("no_stack_dump_handler_left")
 
 
 def check(capfd, role: str, *flags: str) -> tuple[int, str]:
